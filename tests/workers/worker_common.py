@@ -1,0 +1,49 @@
+"""Shared plumbing for worker scripts: per-rank result files and clean exits."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+
+def rank() -> int:
+    return int(os.environ.get("RANK", "0"))
+
+
+def write_result(data: dict) -> None:
+    out = os.environ["TWINKLE_TEST_OUT"]
+    data = {"rank": rank(), **data}
+    path = os.path.join(out, f"rank{rank()}.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=1, default=str)
+    os.replace(tmp, path)
+
+
+def run(main) -> None:
+    """Run ``main()``; record its result or its error for this rank, exit non-zero on error."""
+    torch.set_num_threads(1)
+    try:
+        result = main() or {}
+        write_result({"ok": True, **result})
+        code = 0
+    except BaseException as exc:  # noqa: BLE001 - the test reads the error from the file
+        write_result({"ok": False, "error_type": type(exc).__name__, "error": str(exc),
+                      "traceback": traceback.format_exc()})
+        traceback.print_exc()
+        code = 1
+    finally:
+        if dist.is_initialized():
+            try:
+                if code == 0:
+                    dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,18 @@
+"""twinkle_strategy: FSDP2 + expert parallelism for Mixture-of-Experts training."""
+
+from twinkle_strategy.errors import ModelStructureError, ParallelConfigError, TopologyError, TwinkleError
+from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
+from twinkle_strategy.parallel import ParallelDims
+from twinkle_strategy.strategy import NativeFSDPStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "NativeFSDPStrategy",
+    "ParallelDims",
+    "apply_expert_parallel",
+    "TwinkleError",
+    "TopologyError",
+    "ParallelConfigError",
+    "ModelStructureError",
+]

@@ -1,0 +1,115 @@
+"""Expert parallelism for transformers MoE models: slice the experts, route tokens to their owners.
+
+``apply_expert_parallel`` keeps the model's structure and parameter names: each
+``experts`` module keeps its ``gate_up_proj``/``down_proj`` (and PEFT LoRA)
+parameters, cut down to this rank's experts, and its forward is wrapped so the
+router's choices are dispatched to the owning EP ranks. The router itself is
+untouched, so routing is exactly the model's own.
+
+Apply PEFT *before* EP: the adapter is then created for all experts, identical
+on every rank for a seed, and EP cuts it like the base weights. A saved adapter
+is therefore the same full ``[r*E]`` adapter plain PEFT produces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinkle_strategy.errors import ModelStructureError
+from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks, unwrap_experts
+from twinkle_strategy.moe.dispatch import dispatch_and_combine
+from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.parallel import ParallelDims
+
+
+@dataclasses.dataclass
+class ExpertParallelPlan:
+    """What EP did to a model: which tensors hold experts and which experts this rank keeps.
+
+    ``axes`` maps the fully qualified name of every expert tensor (as in the
+    model's ``state_dict``) to its :class:`ExpertAxis` over *all* experts, so
+    any pre-EP tensor can be cut to any rank's slice and gathered slices joined.
+    """
+
+    ep_size: int
+    ep_rank: int
+    axes: dict[str, ExpertAxis]
+    experts_modules: list[str]
+
+    def local_range(self, name: str, ep_rank: int | None = None) -> tuple[int, int]:
+        axis = self.axes[name]
+        count = axis.num_experts // self.ep_size
+        return (self.ep_rank if ep_rank is None else ep_rank) * count, count
+
+    def cut(self, name: str, full: torch.Tensor, ep_rank: int | None = None) -> torch.Tensor:
+        start, count = self.local_range(name, ep_rank)
+        return self.axes[name].cut(full, start, count)
+
+
+def plan_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int) -> tuple[ExpertParallelPlan, list[MoEBlock]]:
+    """Find the MoE blocks and validate the sizes; changes nothing."""
+    blocks = find_moe_blocks(model)
+    if not blocks:
+        raise ModelStructureError(
+            f"ep_size={dims.ep_size} but {type(model).__name__} has no MoE block (a module with a fused "
+            "'experts' child holding gate_up_proj/down_proj); use ep_size=1 for dense models"
+        )
+    axes = {}
+    for block in blocks:
+        dims.validate_num_experts(block.num_experts, where=block.experts_fqn)
+        for t in block.tensors:
+            axes[t.fqn] = t.axis
+    plan = ExpertParallelPlan(dims.ep_size, dims.ep_rank(rank), axes, [b.experts_fqn for b in blocks])
+    return plan, blocks
+
+
+def apply_expert_parallel(
+    model: nn.Module, dims: ParallelDims, rank: int, ep_group: dist.ProcessGroup
+) -> ExpertParallelPlan:
+    """Cut every MoE block's experts to this rank's share and dispatch tokens across ``ep_group``.
+
+    Works on real and on meta tensors (memory-efficient init cuts meta tensors
+    and fills them later). Fully qualified names in the returned plan are
+    relative to ``model``.
+    """
+    plan, blocks = plan_expert_parallel(model, dims, rank)
+    for block in blocks:
+        local = block.num_experts // dims.ep_size
+        start = plan.ep_rank * local
+        for t in block.tensors:
+            old = getattr(t.module, t.attr)
+            # clone(): the slice must not keep the full tensor's storage alive.
+            cut = t.axis.cut(old.detach(), start, local).clone()
+            setattr(t.module, t.attr, nn.Parameter(cut, requires_grad=old.requires_grad))
+        _set_local_expert_count(block, local)
+        _install_dispatch(block.experts, local, ep_group)
+    return plan
+
+
+def _set_local_expert_count(block: MoEBlock, local: int) -> None:
+    inner, wrappers = unwrap_experts(block.experts)
+    inner.num_experts = local
+    for wrapper in wrappers:
+        # PEFT reshapes lora_A/lora_B with num_experts in every forward.
+        wrapper.num_experts = local
+        for adapter in wrapper.lora_A:
+            rank = wrapper.r[adapter]
+            wrapper.lora_A[adapter].out_features = rank * local
+            wrapper.lora_B[adapter].in_features = rank * local
+
+
+def _install_dispatch(experts: nn.Module, num_local: int, group: dist.ProcessGroup) -> None:
+    # An instance attribute shadows the class forward; nn.Module.__call__ (and
+    # with it FSDP's hooks) still runs around it.
+    local_forward = experts.forward
+
+    @functools.wraps(local_forward)
+    def expert_parallel_forward(hidden_states, top_k_index, top_k_weights):
+        return dispatch_and_combine(hidden_states, top_k_index, top_k_weights, local_forward, num_local, group)
+
+    experts.forward = expert_parallel_forward

@@ -1,0 +1,235 @@
+"""Device, backend and node topology.
+
+Everything that depends on *where* the job runs lives here: which accelerator
+(CUDA, Ascend NPU or plain CPU), which collective backend goes with it, what
+torchrun told this process about its place in the job, and which ranks share a
+node. The rest of the package asks this module instead of reading environment
+variables or probing devices itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+import socket
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from twinkle_strategy.errors import TopologyError
+
+# Backend that goes with each device type. Ascend's HCCL only exists when
+# torch_npu is installed; it registers the "npu" device type on import.
+_BACKEND_FOR_DEVICE = {"cuda": "nccl", "npu": "hccl", "cpu": "gloo"}
+
+
+def _npu_available() -> bool:
+    try:
+        import torch_npu  # noqa: F401  (import registers torch.npu)
+    except ImportError:
+        return False
+    return bool(getattr(torch, "npu", None)) and torch.npu.is_available()
+
+
+def detect_device_type(requested: str | None = None) -> str:
+    """Return 'cuda', 'npu' or 'cpu'.
+
+    ``requested`` (or the ``TWINKLE_DEVICE`` environment variable) overrides the
+    detection, e.g. to force CPU on a GPU machine for a test.
+    """
+    requested = requested or os.environ.get("TWINKLE_DEVICE")
+    if requested:
+        if requested not in _BACKEND_FOR_DEVICE:
+            raise ValueError(
+                f"device {requested!r} is not supported; use one of {sorted(_BACKEND_FOR_DEVICE)}"
+            )
+        return requested
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+def backend_for(device_type: str, requested: str | None = None) -> str:
+    """The collective backend for ``device_type`` unless ``requested`` (or ``TWINKLE_BACKEND``) names one."""
+    requested = requested or os.environ.get("TWINKLE_BACKEND")
+    if requested:
+        return requested
+    return _BACKEND_FOR_DEVICE[device_type]
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun (or any launcher following its conventions) told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    node_rank: int  # torchrun's GROUP_RANK: index of this process's agent (= node)
+
+    @classmethod
+    def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
+        env = os.environ if environ is None else environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            # Not launched by torchrun: a single process job.
+            return cls(rank=0, world_size=1, local_rank=0, local_world_size=1, node_rank=0)
+        missing = [k for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE") if k not in env]
+        if missing:
+            raise TopologyError(
+                f"rank {env['RANK']}: environment variable(s) {', '.join(missing)} missing; "
+                "launch with torchrun (it sets RANK, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) "
+                "or export them like torchrun does"
+            )
+        local_world_size = int(env["LOCAL_WORLD_SIZE"])
+        rank = int(env["RANK"])
+        # GROUP_RANK is torchrun's node index. Other launchers set NODE_RANK.
+        node = env.get("GROUP_RANK", env.get("NODE_RANK"))
+        node_rank = int(node) if node is not None else rank // max(local_world_size, 1)
+        return cls(
+            rank=rank,
+            world_size=int(env["WORLD_SIZE"]),
+            local_rank=int(env["LOCAL_RANK"]),
+            local_world_size=local_world_size,
+            node_rank=node_rank,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class RankRecord:
+    """One rank's own view of where it runs; all ranks exchange these to agree on the topology."""
+
+    rank: int
+    node_rank: int
+    local_rank: int
+    local_world_size: int
+    hostname: str
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeTopology:
+    """Which global ranks share a node, agreed on by every rank.
+
+    ``node_ranks[n]`` lists the global ranks of node ``n`` in local-rank order;
+    its first entry is the node's *source* for memory-efficient init.
+    """
+
+    num_nodes: int
+    local_world_size: int
+    node_ranks: tuple[tuple[int, ...], ...]
+    rank: int
+
+    @property
+    def node_index(self) -> int:
+        return self.rank // self.local_world_size
+
+    @property
+    def local_rank(self) -> int:
+        return self.rank % self.local_world_size
+
+    @property
+    def source_rank(self) -> int:
+        """Global rank of this node's local rank 0."""
+        return self.node_ranks[self.node_index][0]
+
+    @property
+    def is_source(self) -> bool:
+        return self.rank == self.source_rank
+
+
+def validate_topology(records: Sequence[RankRecord], rank: int) -> NodeTopology:
+    """Check that every node holds the same number of contiguous ranks and build the topology.
+
+    Pure function: every rank calls it on the same gathered records, so every
+    rank reaches the same verdict and raises the same error (nobody is left
+    waiting in a collective).
+    """
+    records = sorted(records, key=lambda r: r.rank)
+    world_size = len(records)
+    sizes = sorted({r.local_world_size for r in records})
+    if len(sizes) != 1:
+        per_node: dict[int, int] = {}
+        for r in records:
+            per_node[r.node_rank] = r.local_world_size
+        listing = ", ".join(f"node {n}: {s}" for n, s in sorted(per_node.items()))
+        raise TopologyError(
+            f"LOCAL_WORLD_SIZE differs between nodes ({listing}); "
+            "launch every node with the same --nproc_per_node"
+        )
+    local_world_size = sizes[0]
+    if world_size % local_world_size != 0:
+        raise TopologyError(
+            f"world size {world_size} is not divisible by the node size (LOCAL_WORLD_SIZE={local_world_size}); "
+            "every node must run the same number of processes"
+        )
+    nodes: dict[int, list[RankRecord]] = {}
+    for r in records:
+        nodes.setdefault(r.node_rank, []).append(r)
+    for node_rank, members in sorted(nodes.items()):
+        if len(members) != local_world_size:
+            raise TopologyError(
+                f"node {node_rank} has {len(members)} ranks but LOCAL_WORLD_SIZE is {local_world_size}; "
+                "launch every node with the same --nproc_per_node"
+            )
+        ranks = [m.rank for m in members]
+        local_ranks = [m.local_rank for m in members]
+        first = ranks[0]
+        if ranks != list(range(first, first + local_world_size)) or first % local_world_size != 0:
+            raise TopologyError(
+                f"ranks of node {node_rank} ({members[0].hostname}) are {ranks}, not a contiguous block "
+                f"starting at a multiple of {local_world_size}; launch with torchrun, which numbers ranks node by node"
+            )
+        if local_ranks != list(range(local_world_size)):
+            raise TopologyError(
+                f"node {node_rank} has local ranks {local_ranks} for global ranks {ranks}; "
+                f"expected 0..{local_world_size - 1} in rank order"
+            )
+    node_ranks = tuple(
+        tuple(m.rank for m in members) for _, members in sorted(nodes.items(), key=lambda kv: kv[1][0].rank)
+    )
+    return NodeTopology(
+        num_nodes=len(node_ranks), local_world_size=local_world_size, node_ranks=node_ranks, rank=rank
+    )
+
+
+def discover_topology(env: LaunchEnv) -> NodeTopology:
+    """Exchange every rank's launch info and validate it (collective over the default group)."""
+    mine = RankRecord(
+        rank=env.rank,
+        node_rank=env.node_rank,
+        local_rank=env.local_rank,
+        local_world_size=env.local_world_size,
+        hostname=socket.gethostname(),
+    )
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return validate_topology([mine], env.rank)
+    gathered: list[RankRecord | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, mine)
+    return validate_topology([r for r in gathered if r is not None], env.rank)
+
+
+def init_distributed(
+    device_type: str | None = None, backend: str | None = None, timeout_s: float | None = None
+) -> tuple[str, LaunchEnv]:
+    """Initialise the default process group once, bind this process to its device, return (device_type, env)."""
+    device_type = detect_device_type(device_type)
+    env = LaunchEnv.from_environ()
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+    elif device_type == "npu":
+        torch.npu.set_device(env.local_rank)
+    if env.world_size > 1 and not dist.is_initialized():
+        kwargs = {}
+        if timeout_s is not None:
+            kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend_for(device_type, backend), **kwargs)
+    return device_type, env
+
+
+def current_device(device_type: str) -> torch.device:
+    if device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(device_type, torch.accelerator.current_device_index())

@@ -1,0 +1,187 @@
+"""NativeFSDPStrategy: FSDP2 + expert parallelism for transformers MoE models.
+
+The strategy owns the process group, the node topology and the device meshes,
+and calls the pieces that do the work: :mod:`twinkle_strategy.moe` for expert
+parallelism, :mod:`twinkle_strategy.fsdp` for sharding,
+:mod:`twinkle_strategy.gather` and :mod:`twinkle_strategy.grad_clip` for what
+training needs afterwards.
+
+Typical use::
+
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="bf16")
+    model = strategy.from_pretrained("/path/to/Qwen3-30B-A3B")
+    model = peft.get_peft_model(model, lora_config)        # optional, before wrapping
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    model, optimizer = strategy.wrap_model(model, optimizer)
+    ...
+    strategy.clip_grad_norm_(model, 1.0)
+    state = strategy.full_state_dict(model)                # plain transformers keys and shapes
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
+from twinkle_strategy.gather import gather_full_state_dict
+from twinkle_strategy.grad_clip import clip_grad_norm_
+from twinkle_strategy.moe.discovery import find_moe_blocks
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel
+from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes
+from twinkle_strategy.platform import (
+    LaunchEnv,
+    NodeTopology,
+    current_device,
+    discover_topology,
+    init_distributed,
+)
+
+logger = logging.getLogger(__name__)
+
+
+class NativeFSDPStrategy:
+    """FSDP2 with expert parallelism.
+
+    Args:
+        ep_size: ranks that split each MoE layer's experts (1 = no EP). Must divide
+            the world size and the number of experts.
+        ep_fsdp_size: ranks that shard each expert slice; defaults to (and must
+            equal) world_size // ep_size.
+        mixed_precision: 'bf16' (default), 'fp16' or 'no'. Gradients are reduced in fp32.
+        fsdp_config: extra options: ``reshard_after_forward`` (default True).
+        memory_efficient_init: only each node's local rank 0 reads the checkpoint;
+            the others build the model on the meta device and receive their shards.
+        device_type / backend: override detection ('cuda'/'npu'/'cpu', 'nccl'/'hccl'/'gloo').
+    """
+
+    def __init__(
+        self,
+        ep_size: int = 1,
+        ep_fsdp_size: int | None = None,
+        mixed_precision: str | None = "bf16",
+        fsdp_config: dict[str, Any] | None = None,
+        memory_efficient_init: bool = False,
+        device_type: str | None = None,
+        backend: str | None = None,
+    ) -> None:
+        self.ep_size = int(ep_size)
+        self.ep_fsdp_size = ep_fsdp_size
+        self.mixed_precision = mixed_precision
+        self.fsdp_config = dict(fsdp_config or {})
+        unknown = set(self.fsdp_config) - {"reshard_after_forward"}
+        if unknown:
+            raise ValueError(f"unknown fsdp_config key(s) {sorted(unknown)}; supported: ['reshard_after_forward']")
+        self.memory_efficient_init = bool(memory_efficient_init)
+        self._requested_device = device_type
+        self._requested_backend = backend
+        mixed_precision_policy(mixed_precision)  # validate now, not after loading a model
+        self._ready = False
+        self.ep_plan: ExpertParallelPlan | None = None
+
+    # ------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        """Initialise the process group, agree on the topology, build the meshes. Idempotent."""
+        if self._ready:
+            return
+        self.device_type, self.env = init_distributed(self._requested_device, self._requested_backend)
+        self.device = current_device(self.device_type)
+        self.topology: NodeTopology = discover_topology(self.env)
+        self.dims = ParallelDims(
+            world_size=self.env.world_size,
+            ep_size=self.ep_size,
+            ep_fsdp_size=self.ep_fsdp_size,
+            local_world_size=self.topology.local_world_size,
+        )
+        self.meshes: Meshes = build_meshes(self.dims, self.device_type)
+        self._ready = True
+
+    @property
+    def rank(self) -> int:
+        self.setup()
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        self.setup()
+        return self.env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.rank == 0
+
+    # ---------------------------------------------------------------- loading
+    def from_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
+        """Load a causal LM for this strategy (AutoModelForCausalLM; kwargs go to ``from_pretrained``)."""
+        from transformers import AutoModelForCausalLM
+
+        self.setup()
+        if self.memory_efficient_init:
+            raise NotImplementedError("memory_efficient_init is not available yet in this version")
+        kwargs.setdefault("dtype", torch.float32)
+        return AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
+
+    # --------------------------------------------------------------- wrapping
+    def wrap_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
+        """Apply EP and FSDP2 to ``model`` in place; return ``(model, optimizer)``.
+
+        A given optimizer is rebuilt over the sharded parameters with the same
+        class, hyper-parameters and parameter groups (matched by name).
+        """
+        self.setup()
+        names_by_param = {id(p): n for n, p in model.named_parameters()}
+        experts_modules: list[nn.Module] = []
+        if self.dims.ep_enabled:
+            self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, self.meshes.ep_group)
+            experts_modules = [b.experts for b in find_moe_blocks(model)]
+        apply_fsdp(
+            model,
+            self.meshes,
+            experts_modules,
+            mixed_precision_policy(self.mixed_precision),
+            reshard_after_forward=self.fsdp_config.get("reshard_after_forward", True),
+        )
+        if optimizer is not None:
+            optimizer = self._rebind_optimizer(optimizer, names_by_param, model)
+        return model, optimizer
+
+    @staticmethod
+    def _rebind_optimizer(optimizer, names_by_param, model):
+        params_by_name = dict(model.named_parameters())
+        groups = []
+        for group in optimizer.param_groups:
+            new_group = {k: v for k, v in group.items() if k != "params"}
+            new_group["params"] = [params_by_name[names_by_param[id(p)]] for p in group["params"]]
+            groups.append(new_group)
+        return type(optimizer)(groups, **optimizer.defaults)
+
+    # --------------------------------------------------------------- training
+    def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """EP-aware gradient clipping; returns the global gradient norm before clipping."""
+        return clip_grad_norm_(model, max_norm, norm_type)
+
+    def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        """Mean of a scalar over all ranks (for logging losses)."""
+        value = value.detach().float().clone()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+            value /= dist.get_world_size()
+        return value
+
+    # ------------------------------------------------------------ state dicts
+    def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None):
+        """The unsharded state dict (plain transformers/PEFT keys and shapes, CPU tensors). Collective."""
+        return gather_full_state_dict(model, self.ep_plan, self.meshes.ep_group, rank0_only=rank0_only, keys=keys)
+
+    def barrier(self) -> None:
+        if dist.is_initialized():
+            dist.barrier()
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._ready = False

@@ -1,0 +1,89 @@
+"""Tiny, real MoE checkpoints for tests, demos and benchmarks.
+
+Each builder uses the transformers config and model classes of a family our
+users train (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3), shrinks every size,
+and writes a real safetensors checkpoint with ``save_pretrained``: the same
+files ``from_pretrained`` reads for a 30B model.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+
+
+def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden_size: int = 32,
+                num_layers: int = 2, intermediate_size: int = 16, **overrides):
+    """A transformers config of ``family`` with every dimension tiny."""
+    import transformers as tf
+
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        # A wide init makes router scores far apart, so top-k choices do not
+        # flip on last-bit differences between a sharded and a single-process run.
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    if family == "qwen3_moe":
+        cfg = tf.Qwen3MoeConfig(
+            **common, head_dim=hidden_size // 4, intermediate_size=2 * intermediate_size,
+            moe_intermediate_size=intermediate_size, num_experts=num_experts, num_experts_per_tok=2,
+            norm_topk_prob=True, decoder_sparse_step=1,
+        )
+    elif family == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(
+            **common, intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
+            shared_expert_intermediate_size=intermediate_size, num_experts=num_experts, num_experts_per_tok=2,
+            decoder_sparse_step=1,
+        )
+    elif family == "mixtral":
+        cfg = tf.MixtralConfig(
+            **common, intermediate_size=intermediate_size, num_local_experts=num_experts, num_experts_per_tok=2,
+        )
+    elif family == "deepseek_v3":
+        cfg = tf.DeepseekV3Config(
+            **common, intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
+            n_routed_experts=num_experts, num_experts_per_tok=2, n_shared_experts=1,
+            # Group-limited routing: 4 groups of experts, tokens may use the best 2 groups.
+            n_group=4, topk_group=2, routed_scaling_factor=1.0, first_k_dense_replace=1,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+        )
+    else:
+        raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES}")
+    for key, value in overrides.items():
+        setattr(cfg, key, value)
+    return cfg
+
+
+def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(family, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    if family == "deepseek_v3":
+        # Non-zero correction bias, so a checkpoint that lost it is noticed.
+        with torch.no_grad():
+            for module in model.modules():
+                bias = getattr(module, "e_score_correction_bias", None)
+                if isinstance(bias, torch.Tensor):
+                    bias.copy_(torch.randn_like(bias) * 0.01)
+    return model
+
+
+def save_tiny_checkpoint(family: str, path: str, seed: int = 0, tokenizer=None, **config_kwargs) -> str:
+    """Build a tiny ``family`` model and save it as a safetensors checkpoint under ``path``."""
+    model = build_tiny_model(family, seed=seed, **config_kwargs)
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path
