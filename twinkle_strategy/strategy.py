@@ -129,8 +129,8 @@ class NativeFSDPStrategy:
     def wrap_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
         """Apply EP and FSDP2 to ``model`` in place; return ``(model, optimizer)``.
 
-        A given optimizer is rebuilt over the sharded parameters with the same
-        class, hyper-parameters and parameter groups (matched by name).
+        A given optimizer is pointed at the sharded parameters (matched by name),
+        keeping its class, hyper-parameters and parameter groups.
         """
         self.setup()
         names_by_param = {id(p): n for n, p in model.named_parameters()}
@@ -151,13 +151,17 @@ class NativeFSDPStrategy:
 
     @staticmethod
     def _rebind_optimizer(optimizer, names_by_param, model):
+        # Swap the parameters inside the existing optimizer: its class, hyper-
+        # parameters and groups stay as the user built them.
+        if len(optimizer.state) > 0:
+            raise ValueError(
+                "wrap_model got an optimizer that has already stepped; its state belongs to the unsharded "
+                "parameters. Create the optimizer before training, or load its state after wrap_model"
+            )
         params_by_name = dict(model.named_parameters())
-        groups = []
         for group in optimizer.param_groups:
-            new_group = {k: v for k, v in group.items() if k != "params"}
-            new_group["params"] = [params_by_name[names_by_param[id(p)]] for p in group["params"]]
-            groups.append(new_group)
-        return type(optimizer)(groups, **optimizer.defaults)
+            group["params"] = [params_by_name[names_by_param[id(p)]] for p in group["params"]]
+        return optimizer
 
     # --------------------------------------------------------------- training
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:

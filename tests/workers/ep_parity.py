@@ -81,7 +81,10 @@ def main():
             if family not in refs:
                 refs[family] = reference_run(path, ids)
             checkpoint, ref_logits, ref_losses, ref_norms, ref_final = refs[family]
-            model, _ = strategy.wrap_model(model)
+            # ep=2: the optimizer exists before wrapping and wrap_model rebinds it;
+            # ep=4: it is created on the wrapped model. Both must train identically.
+            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01) if ep == 2 else None
+            model, opt = strategy.wrap_model(model, opt)
 
             init_diff, init_where = max_diff(strategy.full_state_dict(model), checkpoint)
             # Local expert tensors must hold this rank's own experts, not rank 0's.
@@ -100,7 +103,8 @@ def main():
                 logits = model(input_ids=local_ids).logits
             logit_diff = (logits - ref_logits[rank * PER_RANK:(rank + 1) * PER_RANK]).abs().max().item()
 
-            opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+            if opt is None:
+                opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
             losses, norms = [], []
             for _ in range(STEPS):
                 opt.zero_grad()

@@ -16,9 +16,14 @@ def rank() -> int:
 
 
 def write_result(data: dict) -> None:
+    """Merge ``data`` into this rank's result file (written atomically)."""
     out = os.environ["TWINKLE_TEST_OUT"]
-    data = {"rank": rank(), **data}
     path = os.path.join(out, f"rank{rank()}.json")
+    previous = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            previous = json.load(f)
+    data = {**previous, "rank": rank(), **data}
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)

@@ -1,0 +1,21 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="twinkle_strategy",
+    version="0.1.0",
+    description="FSDP2 + expert parallelism for Mixture-of-Experts training, with node-local memory-efficient init",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["twinkle_strategy", "twinkle_strategy.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        "torch>=2.7",
+        "transformers>=5",
+        "peft>=0.17",
+        "modelscope",
+        "omegaconf",
+        "safetensors",
+        "tqdm",
+    ],
+    extras_require={"test": ["pytest"]},
+)

@@ -1,0 +1,110 @@
+"""Pure logic: topology validation, parallel sizes, expert layouts. No processes."""
+
+import pytest
+import torch
+
+from twinkle_strategy.errors import ParallelConfigError, TopologyError
+from twinkle_strategy.fsdp import mixed_precision_policy
+from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.parallel import ParallelDims
+from twinkle_strategy.platform import LaunchEnv, RankRecord, validate_topology
+
+
+def records(layout):
+    """layout: list of (rank, node, local_rank, local_world_size)."""
+    return [RankRecord(r, n, lr, lws, f"host{n}") for r, n, lr, lws in layout]
+
+
+def test_topology_two_nodes():
+    topo = validate_topology(records([(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 2), (3, 1, 1, 2)]), rank=3)
+    assert topo.node_ranks == ((0, 1), (2, 3))
+    assert topo.num_nodes == 2 and topo.source_rank == 2 and not topo.is_source and topo.local_rank == 1
+
+
+def test_topology_non_contiguous_ranks():
+    with pytest.raises(TopologyError, match=r"ranks of node 0 \(host0\) are \[0, 2\], not a contiguous block"):
+        validate_topology(records([(0, 0, 0, 2), (1, 1, 0, 2), (2, 0, 1, 2), (3, 1, 1, 2)]), rank=0)
+
+
+def test_topology_uneven_nodes():
+    with pytest.raises(TopologyError, match=r"LOCAL_WORLD_SIZE differs between nodes \(node 0: 2, node 1: 1\)"):
+        validate_topology(records([(0, 0, 0, 2), (1, 0, 1, 2), (2, 1, 0, 1)]), rank=0)
+
+
+def test_launch_env_missing_local_world_size():
+    with pytest.raises(TopologyError, match="LOCAL_WORLD_SIZE missing"):
+        LaunchEnv.from_environ({"RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"})
+
+
+def test_launch_env_reads_torchrun_variables():
+    env = LaunchEnv.from_environ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
+                                  "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 4, 1)
+
+
+def test_parallel_dims():
+    dims = ParallelDims(world_size=16, ep_size=8, local_world_size=8)
+    assert dims.ep_fsdp_size == 2 and dims.ep_within_node
+    assert [dims.ep_rank(r) for r in (0, 7, 8, 15)] == [0, 7, 0, 7]
+    assert [dims.ep_fsdp_rank(r) for r in (0, 7, 8, 15)] == [0, 0, 1, 1]
+    assert not ParallelDims(world_size=16, ep_size=16, local_world_size=8).ep_within_node
+    with pytest.raises(ParallelConfigError, match=r"world size 6 is not divisible by ep_size 4; choose ep_size among \[1, 2, 3, 6\]"):
+        ParallelDims(world_size=6, ep_size=4)
+    with pytest.raises(ParallelConfigError, match="use ep_fsdp_size=2"):
+        ParallelDims(world_size=8, ep_size=4, ep_fsdp_size=4)
+    with pytest.raises(ParallelConfigError, match="has 6 experts, not divisible by ep_size 4"):
+        ParallelDims(world_size=8, ep_size=4).validate_num_experts(6)
+
+
+@pytest.mark.parametrize("axis,shape", [
+    (ExpertAxis(0, 8), (8, 6, 4)),            # gate_up_proj [E, 2I, H]
+    (ExpertAxis(0, 8, 1, 3), (24, 5)),        # lora_A [E*r, in]
+    (ExpertAxis(1, 8, 3, 1), (5, 24)),        # lora_B [out, r*E], expert fastest
+])
+def test_expert_axis_cut_join_roundtrip(axis, shape):
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    parts = [axis.cut(full, start, 2) for start in range(0, 8, 2)]
+    assert all(p.shape == axis.local_shape(shape, 2) for p in parts)
+    assert torch.equal(axis.join(parts), full)
+
+
+def test_lora_expert_cut_matches_peft_delta():
+    """Cutting base + LoRA tensors for experts [k..k+n) gives PEFT's own delta for exactly those experts."""
+    from peft import LoraConfig, get_peft_model
+
+    from twinkle_strategy.moe.discovery import find_moe_blocks
+    from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
+    from twinkle_strategy.tiny_models import build_tiny_model
+
+    def peft_model():
+        torch.manual_seed(0)
+        model = build_tiny_model("qwen3_moe")
+        cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False,
+                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+        return get_peft_model(model, cfg)
+
+    full = peft_model()
+    full_deltas = {}
+    for block in find_moe_blocks(full):
+        wrapper = block.experts
+        while hasattr(wrapper, "get_delta_weight"):
+            full_deltas[(block.name, wrapper.parameter_name)] = wrapper.get_delta_weight("default")
+            wrapper = wrapper.base_layer
+    for ep_rank in range(4):
+        sliced = peft_model()
+        plan = apply_expert_parallel(sliced, ParallelDims(world_size=4, ep_size=4), ep_rank, ep_group=None)
+        assert any(".lora_B." in name for name in plan.axes)
+        for block in find_moe_blocks(sliced):
+            wrapper = block.experts
+            while hasattr(wrapper, "get_delta_weight"):
+                local = wrapper.get_delta_weight("default")
+                expected = full_deltas[(block.name, wrapper.parameter_name)][2 * ep_rank:2 * ep_rank + 2]
+                torch.testing.assert_close(local, expected, rtol=0, atol=1e-6)
+                wrapper = wrapper.base_layer
+
+
+def test_mixed_precision_rejects_unknown():
+    assert mixed_precision_policy("bf16").param_dtype == torch.bfloat16
+    assert mixed_precision_policy("no").param_dtype is None
+    with pytest.raises(ValueError, match="mixed_precision='int4' is not supported"):
+        mixed_precision_policy("int4")

@@ -1,0 +1,63 @@
+"""Invalid sizes and models: every rank must raise the same clear error and exit.
+
+Runs each case in turn and records its error; the case named by --fatal is
+left uncaught, so the test also sees every process exit non-zero.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import worker_common  # noqa: E402
+from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+
+
+def case_ep_not_dividing_world(args):
+    NativeFSDPStrategy(ep_size=3, mixed_precision="no").setup()
+
+
+def case_ep_fsdp_mismatch(args):
+    NativeFSDPStrategy(ep_size=2, ep_fsdp_size=4, mixed_precision="no").setup()
+
+
+def case_experts_not_divisible(args):
+    s = NativeFSDPStrategy(ep_size=4, mixed_precision="no")
+    s.wrap_model(s.from_pretrained(args.six_experts))
+
+
+def case_dense_model_with_ep(args):
+    s = NativeFSDPStrategy(ep_size=2, mixed_precision="no")
+    s.wrap_model(s.from_pretrained(args.dense))
+
+
+def case_plain_setup(args):
+    NativeFSDPStrategy(ep_size=1, mixed_precision="no").setup()
+
+
+CASES = {name[5:]: fn for name, fn in globals().items() if name.startswith("case_")}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", required=True)
+    p.add_argument("--fatal", default=None)
+    p.add_argument("--six-experts")
+    p.add_argument("--dense")
+    args = p.parse_args()
+    errors = {}
+    for name in args.cases.split(","):
+        try:
+            CASES[name](args)
+            errors[name] = None
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = {"type": type(exc).__name__, "message": str(exc)}
+        worker_common.write_result({"ok": True, "errors": errors})
+    if args.fatal:
+        CASES[args.fatal](args)
+    return {"errors": errors}
+
+
+if __name__ == "__main__":
+    worker_common.run(main)
