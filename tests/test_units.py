@@ -108,3 +108,63 @@ def test_mixed_precision_rejects_unknown():
     assert mixed_precision_policy("no").param_dtype is None
     with pytest.raises(ValueError, match="mixed_precision='int4' is not supported"):
         mixed_precision_policy("int4")
+
+
+def test_capture_holds_references_and_meta_keeps_ties():
+    from twinkle_strategy.init.capture import capture_state, move_to_meta
+    from twinkle_strategy.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe", tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    params = {n: p.data_ptr() for n, p in model.named_parameters()}
+    capture = capture_state(model)
+    # No copy: the capture points at the loaded tensors' memory.
+    assert all(capture.tensors[n].data_ptr() == ptr for n, ptr in params.items())
+    assert "model.rotary_emb.inv_freq" in capture.tensors  # non-persistent buffers too
+    move_to_meta(model)
+    assert all(p.is_meta for p in model.parameters()) and all(b.is_meta for b in model.buffers())
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not capture.tensors["model.embed_tokens.weight"].is_meta
+
+
+def test_fsdp_rows_match_torch_chunk():
+    from twinkle_strategy.init.plan import fsdp_rows
+
+    for dim0 in range(0, 12):
+        for mesh in range(1, 6):
+            chunks = torch.arange(dim0).chunk(mesh) if dim0 else ()
+            for r in range(mesh):
+                start, stop = fsdp_rows(dim0, mesh, r)
+                expected = chunks[r].tolist() if r < len(chunks) else []
+                assert list(range(start, stop)) == expected, (dim0, mesh, r)
+
+
+def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
+    from twinkle_strategy.init.streams import StreamReader, StreamWriter
+
+    sources = [torch.randn(5, 3), torch.arange(7, dtype=torch.int64), torch.randn(4, 6).to(torch.bfloat16)[:, ::2]]
+    for bucket in (1, 7, 64, 10_000):
+        targets = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
+        reader = StreamReader([lambda s=s: s for s in sources], [s.numel() * s.element_size() for s in sources])
+        writer = StreamWriter(targets)
+        assert reader.total == writer.total
+        while True:
+            chunk = torch.empty(bucket, dtype=torch.uint8)
+            n = reader.read_into(chunk)
+            if n == 0:
+                break
+            writer.write(chunk[:n])
+        assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+
+
+def test_check_need_names_the_tensor():
+    from twinkle_strategy.init.plan import NOT_EXPERT, Need, check_need
+
+    captured = {"w": torch.zeros(4, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
+    assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), captured, None, 0) is None
+    assert "tensor 'x' is not in the model loaded on source rank 2" in check_need(
+        Need("x", NOT_EXPERT, None, (1,), torch.float32), captured, None, 2)
+    assert "tensor 'w' has shape (4, 3) on source rank 0 (after the EP cut) but the model expects (4, 4)" in \
+        check_need(Need("w", NOT_EXPERT, (0, 2), (4, 4), torch.float32), captured, None, 0)
+    assert "tensor 'b' has dtype torch.bfloat16 on source rank 0 but the model expects torch.float32" in \
+        check_need(Need("b", NOT_EXPERT, None, (4,), torch.float32), captured, None, 0)

@@ -30,9 +30,13 @@ from torch import nn
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
 from twinkle_strategy.gather import gather_full_state_dict
 from twinkle_strategy.grad_clip import clip_grad_norm_
+from twinkle_strategy.init import transport
+from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
+from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
+from twinkle_strategy.loading import load_pretrained_strict, resolve_model_path
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel
-from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes
+from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.platform import (
     LaunchEnv,
     NodeTopology,
@@ -54,8 +58,12 @@ class NativeFSDPStrategy:
             equal) world_size // ep_size.
         mixed_precision: 'bf16' (default), 'fp16' or 'no'. Gradients are reduced in fp32.
         fsdp_config: extra options: ``reshard_after_forward`` (default True).
-        memory_efficient_init: only each node's local rank 0 reads the checkpoint;
-            the others build the model on the meta device and receive their shards.
+        memory_efficient_init: only each node's local rank 0 (its *source*) reads the
+            checkpoint; the others build the model on the meta device. ``wrap_model``
+            then sends every rank of the node exactly its final shards, in buckets.
+        init_bucket_mb: bucket size (MiB) of that transfer.
+        init_transport: 'p2p' (default: paired isend/irecv, every rank receives exactly
+            its bytes) or 'scatter' (one collective per bucket; pads uneven shards).
         device_type / backend: override detection ('cuda'/'npu'/'cpu', 'nccl'/'hccl'/'gloo').
     """
 
@@ -66,6 +74,8 @@ class NativeFSDPStrategy:
         mixed_precision: str | None = "bf16",
         fsdp_config: dict[str, Any] | None = None,
         memory_efficient_init: bool = False,
+        init_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
+        init_transport: str = "p2p",
         device_type: str | None = None,
         backend: str | None = None,
     ) -> None:
@@ -77,6 +87,13 @@ class NativeFSDPStrategy:
         if unknown:
             raise ValueError(f"unknown fsdp_config key(s) {sorted(unknown)}; supported: ['reshard_after_forward']")
         self.memory_efficient_init = bool(memory_efficient_init)
+        self.init_bucket_bytes = int(init_bucket_mb * 2**20)
+        if self.init_bucket_bytes <= 0:
+            raise ValueError(f"init_bucket_mb must be positive, got {init_bucket_mb}")
+        if init_transport not in transport.TRANSPORTS:
+            raise ValueError(f"init_transport={init_transport!r} is not supported; use one of {transport.TRANSPORTS}")
+        self.init_transport = init_transport
+        self.init_report: InitReport | None = None
         self._requested_device = device_type
         self._requested_backend = backend
         mixed_precision_policy(mixed_precision)  # validate now, not after loading a model
@@ -98,6 +115,7 @@ class NativeFSDPStrategy:
             local_world_size=self.topology.local_world_size,
         )
         self.meshes: Meshes = build_meshes(self.dims, self.device_type)
+        self.node_group = build_node_groups(self.topology) if self.memory_efficient_init else None
         self._ready = True
 
     @property
@@ -115,15 +133,32 @@ class NativeFSDPStrategy:
         return self.rank == 0
 
     # ---------------------------------------------------------------- loading
-    def from_pretrained(self, path_or_id: str, **kwargs) -> nn.Module:
-        """Load a causal LM for this strategy (AutoModelForCausalLM; kwargs go to ``from_pretrained``)."""
+    def from_pretrained(self, path_or_id: str, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
+        """Load a causal LM (``AutoModelForCausalLM``) from a local path, ``ms://org/name`` or ``hf://org/name``.
+
+        With ``memory_efficient_init`` only each node's source reads the
+        checkpoint; every other rank gets a meta model built from the config its
+        source sends, and ``wrap_model`` fills it. A checkpoint with missing or
+        wrong-shaped tensors raises on every rank, naming them.
+        """
+        self.setup()
+        loads_weights = not self.memory_efficient_init or self.topology.is_source
+        model, error = None, None
+        if loads_weights:
+            try:
+                model = load_pretrained_strict(resolve_model_path(path_or_id), dtype=dtype, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
+                error = exc
+        transport.raise_together(error, f"loading {path_or_id}")
+        if loads_weights:
+            if self.memory_efficient_init:
+                transport.broadcast_from_source(model.config, self.topology.source_rank, self.node_group)
+            return model
+        config = transport.broadcast_from_source(None, self.topology.source_rank, self.node_group)
         from transformers import AutoModelForCausalLM
 
-        self.setup()
-        if self.memory_efficient_init:
-            raise NotImplementedError("memory_efficient_init is not available yet in this version")
-        kwargs.setdefault("dtype", torch.float32)
-        return AutoModelForCausalLM.from_pretrained(path_or_id, **kwargs)
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)
 
     # --------------------------------------------------------------- wrapping
     def wrap_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -134,6 +169,15 @@ class NativeFSDPStrategy:
         """
         self.setup()
         names_by_param = {id(p): n for n, p in model.named_parameters()}
+        capture = None
+        if self.memory_efficient_init:
+            # The source keeps references to its loaded tensors, then joins the
+            # other ranks on meta: EP and FSDP run identically everywhere.
+            capture = capture_state(model) if self.topology.is_source else None
+            move_to_meta(model)
+        elif any(p.is_meta for p in model.parameters()):
+            raise ValueError("wrap_model got a model on the meta device; load it with strategy.from_pretrained "
+                             "or set memory_efficient_init=True")
         experts_modules: list[nn.Module] = []
         if self.dims.ep_enabled:
             self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, self.meshes.ep_group)
@@ -145,9 +189,27 @@ class NativeFSDPStrategy:
             mixed_precision_policy(self.mixed_precision),
             reshard_after_forward=self.fsdp_config.get("reshard_after_forward", True),
         )
+        if self.memory_efficient_init:
+            self._materialize(model, capture)
         if optimizer is not None:
             optimizer = self._rebind_optimizer(optimizer, names_by_param, model)
         return model, optimizer
+
+    def _materialize(self, model: nn.Module, capture) -> None:
+        aliases = buffer_alias_groups(model)
+        model.to_empty(device=self.device)  # allocates this rank's shards only
+        restore_buffer_aliases(aliases)
+        try:
+            self.init_report = distribute(
+                model, capture, self.ep_plan, self.topology, self.node_group, self.device,
+                bucket_bytes=self.init_bucket_bytes, transport_kind=self.init_transport,
+                show_progress=self.is_main_process,
+            )
+        finally:
+            if capture is not None:
+                capture.release()
+        if self.is_main_process:
+            logger.info(self.init_report.log_line())
 
     @staticmethod
     def _rebind_optimizer(optimizer, names_by_param, model):

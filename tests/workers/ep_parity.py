@@ -18,6 +18,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 import worker_common  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+from twinkle_strategy.init.plan import fsdp_rows  # noqa: E402
 
 STEPS = 3
 LR = 1e-3
@@ -92,10 +93,10 @@ def main():
             for name, param in model.named_parameters():
                 if name in strategy.ep_plan.axes:
                     local = param.to_local() if isinstance(param, DTensor) else param
-                    expected = strategy.ep_plan.cut(name, checkpoint[name])
-                    expected_shard = expected.chunk(strategy.dims.ep_fsdp_size, dim=0)
-                    mine = expected_shard[strategy.dims.ep_fsdp_rank(rank)]
-                    own_experts_ok &= torch.equal(local, mine)
+                    cut = strategy.ep_plan.cut(name, checkpoint[name])
+                    start, stop = fsdp_rows(cut.shape[0], strategy.dims.ep_fsdp_size,
+                                            strategy.dims.ep_fsdp_rank(rank))
+                    own_experts_ok &= torch.equal(local, cut[start:stop])
 
             local_ids = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
             model.train()

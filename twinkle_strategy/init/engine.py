@@ -1,0 +1,129 @@
+"""The memory-efficient init, step by step (see DESIGN.md, "The memory_efficient_init contract").
+
+:func:`load_on_sources` runs inside ``strategy.from_pretrained``; 
+:func:`distribute` runs inside ``strategy.wrap_model`` after EP and ``fully_shard``
+on meta and ``to_empty``. Between the two the user may add PEFT adapters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+import time
+
+import torch
+from torch import nn
+
+from twinkle_strategy.init import transport
+from twinkle_strategy.init.capture import Capture
+from twinkle_strategy.init.plan import Need, check_need, needs_of, source_region
+from twinkle_strategy.init.streams import StreamReader, StreamWriter
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.platform import NodeTopology
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+
+
+@dataclasses.dataclass
+class InitReport:
+    """What memory-efficient init did on this rank."""
+
+    rank: int
+    is_source: bool
+    seconds: float
+    bytes_sent: int
+    bytes_received: int
+    shard_bytes: int  # parameter bytes this rank keeps
+    buffer_bytes: int  # buffer bytes this rank keeps (full copies)
+    buckets: int
+    collective_calls: int
+    peak_rss_bytes: int
+    tensors: int
+
+    def log_line(self) -> str:
+        mib = 1024 * 1024
+        return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
+                f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
+                f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, "
+                f"received {self.bytes_received / mib:.1f} MiB, sent {self.bytes_sent / mib:.1f} MiB "
+                f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
+                f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
+
+
+def peak_rss_bytes() -> int:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def distribute(
+    model: nn.Module,
+    capture: Capture | None,
+    ep_plan: ExpertParallelPlan | None,
+    topology: NodeTopology,
+    node_group,
+    device: torch.device,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    transport_kind: str = "p2p",
+    show_progress: bool = False,
+) -> InitReport:
+    """Fill every rank's shards (materialised, uninitialised) from its node source's capture. Collective."""
+    start = time.perf_counter()
+    source, is_source = topology.source_rank, topology.is_source
+    mine = needs_of(model, ep_plan)
+    my_needs = [need for need, _ in mine]
+    stats = transport.TransferStats()
+
+    # 1. The source learns what each of its ranks needs and checks it can serve it.
+    all_needs = transport.gather_to_source(my_needs, source, node_group, is_source)
+    stats.collective_calls += 1
+    error = None
+    if is_source:
+        for local_rank, needs in enumerate(all_needs):
+            for need in needs:
+                error = check_need(need, capture.tensors, ep_plan, source)
+                if error:
+                    error = f"for local rank {local_rank} of node {topology.node_index}: {error}"
+                    break
+            if error:
+                break
+    # 2. Fail together: a problem on any source stops every rank before any byte moves.
+    transport.raise_together(error, "memory_efficient_init")
+    stats.collective_calls += 1
+
+    # 3. Move the bytes, bucket by bucket, inside the node.
+    writer = StreamWriter([local for _, local in mine])
+    readers = [_reader(needs, capture, ep_plan) for needs in all_needs] if is_source else None
+    progress = None
+    if show_progress and is_source and topology.local_world_size > 1:
+        from tqdm.auto import tqdm
+
+        to_send = sum(r.total for i, r in enumerate(readers) if i != topology.local_rank)
+        progress = tqdm(total=to_send, unit="B", unit_scale=True, desc="memory_efficient_init: sending shards")
+    transport.move_streams(transport_kind, readers, writer, topology, node_group, bucket_bytes, device, stats,
+                           progress)
+    if progress is not None:
+        progress.close()
+
+    # 4. The source fills its own shards straight from the capture.
+    if is_source:
+        with torch.no_grad():
+            for need, local in mine:
+                local.copy_(source_region(need, capture.tensors, ep_plan).reshape(local.shape))
+    if device.type != "cpu":
+        torch.accelerator.synchronize()
+    shard_bytes = sum(n.nbytes for n in my_needs if not n.is_buffer)
+    buffer_bytes = sum(n.nbytes for n in my_needs if n.is_buffer)
+    return InitReport(
+        rank=topology.rank, is_source=is_source, seconds=time.perf_counter() - start,
+        bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, shard_bytes=shard_bytes,
+        buffer_bytes=buffer_bytes, buckets=stats.buckets, collective_calls=stats.collective_calls,
+        peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
+    )
+
+
+def _reader(needs: list[Need], capture: Capture, ep_plan) -> StreamReader:
+    fns = [lambda need=need: source_region(need, capture.tensors, ep_plan) for need in needs]
+    return StreamReader(fns, [need.nbytes for need in needs])

@@ -1,0 +1,101 @@
+"""Who needs which bytes: pure arithmetic over tensor shapes, no process groups.
+
+After ``fully_shard`` every parameter is a DTensor sharded on dim 0 of a 1-D
+mesh (``fsdp`` for ordinary tensors, ``ep_fsdp`` for experts), and expert
+tensors are already cut to the rank's experts. So a rank's need for one tensor
+is: the pre-EP tensor ``name``, cut to EP rank ``ep_rank`` (expert tensors
+only), rows ``[start, stop)``. Buffers are needed whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+
+NOT_EXPERT = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class Need:
+    name: str
+    ep_rank: int  # NOT_EXPERT for ordinary tensors
+    rows: tuple[int, int] | None  # None: the whole tensor
+    shape: tuple[int, ...]  # shape of the tensor ``rows`` index: after the EP cut, before FSDP
+    dtype: torch.dtype
+    is_buffer: bool = False
+
+    @property
+    def region_shape(self) -> tuple[int, ...]:
+        if self.rows is None:
+            return self.shape
+        return (self.rows[1] - self.rows[0],) + self.shape[1:]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.region_shape) * self.dtype.itemsize
+
+
+def fsdp_rows(dim0: int, mesh_size: int, mesh_rank: int) -> tuple[int, int]:
+    """Rows of dim 0 that FSDP2 gives ``mesh_rank``: ``torch.chunk`` boundaries (ceil-sized chunks)."""
+    chunk = math.ceil(dim0 / mesh_size) if dim0 else 0
+    start = min(mesh_rank * chunk, dim0)
+    return start, min(start + chunk, dim0)
+
+
+def needs_of(model: nn.Module, ep_plan: ExpertParallelPlan | None) -> list[tuple[Need, torch.Tensor]]:
+    """This rank's needs, each with the local tensor its bytes go into, in a fixed order."""
+    result: list[tuple[Need, torch.Tensor]] = []
+    for name, param in model.named_parameters():
+        ep_rank = ep_plan.ep_rank if ep_plan is not None and name in ep_plan.axes else NOT_EXPERT
+        if isinstance(param, DTensor):
+            if param.device_mesh.ndim != 1 or any(not isinstance(p, Shard) or p.dim != 0 for p in param.placements):
+                raise NotImplementedError(
+                    f"parameter '{name}' is placed as {param.placements} on a {param.device_mesh.ndim}-D mesh; "
+                    "memory_efficient_init supports FSDP2's Shard(0) on a 1-D mesh"
+                )
+            local = param.to_local()
+            rows = fsdp_rows(param.shape[0], param.device_mesh.size(), param.device_mesh.get_local_rank())
+            if local.shape[0] != rows[1] - rows[0]:
+                raise AssertionError(f"'{name}': local shard has {local.shape[0]} rows, expected {rows}")
+        else:
+            local, rows = param.detach(), None
+        result.append((Need(name, ep_rank, rows, tuple(param.shape), param.dtype), local))
+    for name, buf in model.named_buffers():
+        result.append((Need(name, NOT_EXPERT, None, tuple(buf.shape), buf.dtype, is_buffer=True), buf))
+    return result
+
+
+def check_need(need: Need, captured: dict[str, torch.Tensor], ep_plan: ExpertParallelPlan | None,
+               source_rank: int) -> str | None:
+    """Why the source cannot serve ``need`` from its capture, or None."""
+    tensor = captured.get(need.name)
+    if tensor is None:
+        return (f"tensor '{need.name}' is not in the model loaded on source rank {source_rank}; "
+                "every rank must build the same model (same config, same PEFT adapters) before wrap_model")
+    shape = tuple(tensor.shape)
+    if need.ep_rank != NOT_EXPERT:
+        start, count = ep_plan.local_range(need.name, need.ep_rank)
+        shape = ep_plan.axes[need.name].local_shape(shape, count)
+    if shape != need.shape:
+        return (f"tensor '{need.name}' has shape {shape} on source rank {source_rank} (after the EP cut) "
+                f"but the model expects {need.shape}; the checkpoint does not match the config")
+    if tensor.dtype != need.dtype:
+        return (f"tensor '{need.name}' has dtype {tensor.dtype} on source rank {source_rank} but the model "
+                f"expects {need.dtype}; load with the same dtype on every rank")
+    return None
+
+
+def source_region(need: Need, captured: dict[str, torch.Tensor], ep_plan: ExpertParallelPlan | None) -> torch.Tensor:
+    """The region of the captured tensor that ``need`` asks for (a view where the layout allows)."""
+    tensor = captured[need.name]
+    if need.ep_rank != NOT_EXPERT:
+        tensor = ep_plan.cut(need.name, tensor, need.ep_rank)
+    if need.rows is not None:
+        tensor = tensor[need.rows[0]:need.rows[1]]
+    return tensor

@@ -1,0 +1,184 @@
+"""Every collective of memory-efficient init, in one place.
+
+Control messages (config, needs, errors) are small pickled objects. Weights
+travel as raw bytes in fixed-size buckets from a node's source to the ranks of
+that node only (see :func:`move_streams`), so the number of transfers grows
+with bytes / bucket size, never with the number of tensors, and no weight
+crosses a node boundary.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import torch
+import torch.distributed as dist
+
+from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.init.streams import StreamReader, StreamWriter
+from twinkle_strategy.platform import NodeTopology
+
+
+class DistributedInitError(TwinkleError):
+    """One or more ranks failed; raised on every rank with every failing rank's reason."""
+
+    def __init__(self, message: str, failures: list[tuple[int, str]]):
+        super().__init__(message)
+        self.failures = failures
+
+
+def raise_together(error: BaseException | str | None, what: str) -> None:
+    """Collective: if any rank passes an error, every rank raises one naming all failing ranks.
+
+    Each rank calls this at the same point; a rank that failed calls it with
+    its exception instead of skipping ahead, so nobody waits for it forever.
+    """
+    message = None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, (dist.get_rank(), message))
+    else:
+        gathered = [(0, message)]
+    failures = [(rank, msg) for rank, msg in gathered if msg is not None]
+    if failures:
+        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures[:8])
+        more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
+        err = DistributedInitError(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{more}", failures)
+        if isinstance(error, BaseException):
+            raise err from error
+        raise err
+
+
+def broadcast_from_source(obj, source: int, node_group) -> object:
+    """The node source's ``obj`` on every rank of the node."""
+    if node_group is None:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=source, group=node_group)
+    return box[0]
+
+
+def gather_to_source(obj, source: int, node_group, is_source: bool) -> list | None:
+    """Every node rank's ``obj``, in local-rank order, on the source (None elsewhere)."""
+    if node_group is None:
+        return [obj]
+    out = [None] * dist.get_world_size(node_group) if is_source else None
+    dist.gather_object(obj, out, dst=source, group=node_group)
+    return out
+
+
+def max_over_node(value: int, node_group) -> int:
+    if node_group is None:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=node_group)
+    return int(t.item())
+
+
+@dataclasses.dataclass
+class TransferStats:
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    buckets: int = 0
+    collective_calls: int = 0
+
+
+def bucket_sizes(total: int, bucket_bytes: int) -> list[int]:
+    return [min(bucket_bytes, total - k * bucket_bytes) for k in range(math.ceil(total / bucket_bytes))]
+
+
+TRANSPORTS = ("p2p", "scatter")
+
+
+def move_streams(
+    kind: str,
+    readers: list[StreamReader] | None,
+    writer: StreamWriter,
+    topology: NodeTopology,
+    node_group,
+    bucket_bytes: int,
+    device: torch.device,
+    stats: TransferStats,
+    progress=None,
+) -> None:
+    """Move every local rank's stream from the node source to that rank, bucket by bucket.
+
+    ``readers`` (source only) produce each local rank's bytes; ``writer`` puts
+    the bytes this rank receives into its shards. The source's own stream is
+    not moved (it copies from its capture).
+
+    * ``p2p``: for each bucket, the source posts one ``isend`` per receiver that
+      still has bytes and each receiver one ``irecv``, paired and in order
+      (``batch_isend_irecv``). Every rank receives exactly its stream, however
+      uneven the shards. No sub-communicator per peer: HCCL-friendly.
+    * ``scatter``: one ``dist.scatter`` per bucket in the node group. All
+      ranks must receive equal-sized buckets, so a rank whose stream is
+      shorter than its peers' receives padding.
+    """
+    if node_group is None or topology.local_world_size == 1:
+        return
+    if kind == "p2p":
+        _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress)
+    elif kind == "scatter":
+        _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress)
+    else:
+        raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
+
+
+def _stage(reader: StreamReader, size: int, device: torch.device) -> torch.Tensor:
+    staged = torch.empty(size, dtype=torch.uint8)
+    reader.read_into(staged)
+    return staged.to(device)
+
+
+def _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress) -> None:
+    source = topology.source_rank
+    node_ranks = topology.node_ranks[topology.node_index]
+    if topology.is_source:
+        plans = {rank: bucket_sizes(reader.total, bucket_bytes)
+                 for rank, reader in zip(node_ranks, readers) if rank != source}
+        for k in range(max((len(p) for p in plans.values()), default=0)):
+            ops, sent = [], 0
+            for rank, sizes in plans.items():
+                if k < len(sizes):
+                    bucket = _stage(readers[node_ranks.index(rank)], sizes[k], device)
+                    ops.append(dist.P2POp(dist.isend, bucket, rank))
+                    sent += sizes[k]
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+            stats.bytes_sent += sent
+            stats.buckets += len(ops)
+            stats.collective_calls += 1
+            if progress is not None:
+                progress.update(sent)
+    else:
+        for size in bucket_sizes(writer.total, bucket_bytes):
+            out = torch.empty(size, dtype=torch.uint8, device=device)
+            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, source)]):
+                work.wait()
+            writer.write(out)
+            stats.bytes_received += size
+            stats.buckets += 1
+            stats.collective_calls += 1
+
+
+def _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress) -> None:
+    source, is_source = topology.source_rank, topology.is_source
+    total = max_over_node(writer.total, node_group)
+    stats.collective_calls += 1
+    for size in bucket_sizes(total, bucket_bytes):
+        out = torch.empty(size, dtype=torch.uint8, device=device)
+        buckets = None
+        if is_source:
+            # The source's own slot is a placeholder: it keeps its bytes without a transfer.
+            buckets = [out if i == topology.local_rank else _stage(reader, size, device)
+                       for i, reader in enumerate(readers)]
+            stats.bytes_sent += size * (len(readers) - 1)
+            if progress is not None:
+                progress.update(size * (len(readers) - 1))
+        dist.scatter(out, scatter_list=buckets, src=source, group=node_group)
+        stats.buckets += 1
+        stats.collective_calls += 1
+        if not is_source:
+            writer.write(out)
+            stats.bytes_received += size
