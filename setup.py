@@ -16,6 +16,8 @@ setup(
         "omegaconf",
         "safetensors",
         "tqdm",
+        "matplotlib",
     ],
+    entry_points={"console_scripts": ["twinkle-sft=twinkle_strategy.cli:main"]},
     extras_require={"test": ["pytest"]},
 )

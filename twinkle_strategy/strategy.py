@@ -98,6 +98,7 @@ class NativeFSDPStrategy:
         self._requested_backend = backend
         mixed_precision_policy(mixed_precision)  # validate now, not after loading a model
         self._ready = False
+        self._resolved_paths: dict[str, str] = {}
         self.ep_plan: ExpertParallelPlan | None = None
 
     # ------------------------------------------------------------------ setup
@@ -146,7 +147,8 @@ class NativeFSDPStrategy:
         model, error = None, None
         if loads_weights:
             try:
-                model = load_pretrained_strict(resolve_model_path(path_or_id), dtype=dtype, **kwargs)
+                self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
+                model = load_pretrained_strict(self._resolved_paths[path_or_id], dtype=dtype, **kwargs)
             except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
                 error = exc
         transport.raise_together(error, f"loading {path_or_id}")
@@ -159,6 +161,25 @@ class NativeFSDPStrategy:
 
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+    def resolved_model_path(self, path_or_id: str) -> str:
+        """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not)."""
+        return self._resolved_paths.get(path_or_id) or resolve_model_path(path_or_id)
+
+    def node_local_object(self, make):
+        """``make()`` on each node's source, shared with its node (every rank calls ``make`` without
+        memory_efficient_init). For small things every rank needs, e.g. the tokenizer."""
+        self.setup()
+        if not self.memory_efficient_init:
+            return make()
+        obj, error = None, None
+        if self.topology.is_source:
+            try:
+                obj = make()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                error = exc
+        transport.raise_together(error, "preparing a node-local object")
+        return transport.broadcast_from_source(obj, self.topology.source_rank, self.node_group)
 
     # --------------------------------------------------------------- wrapping
     def wrap_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):

@@ -87,3 +87,67 @@ def save_tiny_checkpoint(family: str, path: str, seed: int = 0, tokenizer=None, 
     if tokenizer is not None:
         tokenizer.save_pretrained(path)
     return path
+
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
+
+
+def build_tokenizer(texts: list[str], vocab_size: int = 384):
+    """A real byte-level BPE tokenizer trained on ``texts``, with a ChatML chat template.
+
+    Deterministic for the same texts, so every node builds the same one.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(texts, trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|pad|>",
+                                   bos_token=None, unk_token=None)
+    fast.chat_template = CHATML_TEMPLATE
+    return fast
+
+
+def prepare_demo_model(path: str, dataset_path: str, family: str = "qwen3_moe", seed: int = 0) -> str:
+    """The embedded default: a tiny ``family`` model with a tokenizer trained on the demo dataset.
+
+    Written once to ``path`` (model.safetensors, config.json, tokenizer files);
+    later calls reuse it. Written to a temporary directory and renamed, so an
+    interrupted build never leaves a half checkpoint behind.
+    """
+    import json
+    import shutil
+    import tempfile
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        return path
+    texts = []
+    with open(dataset_path) as f:
+        for line in f:
+            row = json.loads(line)
+            if "messages" in row:
+                texts.extend(m["content"] for m in row["messages"])
+            else:
+                texts.extend([row.get("query", ""), row.get("response", "")])
+    tokenizer = build_tokenizer(texts)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
+    try:
+        save_tiny_checkpoint(family, tmp, seed=seed, tokenizer=tokenizer, vocab_size=len(tokenizer),
+                             hidden_size=64, intermediate_size=32,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        os.rename(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not os.path.exists(os.path.join(path, "config.json")):
+            raise
+    return path

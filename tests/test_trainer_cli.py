@@ -1,0 +1,159 @@
+"""Trainer, YAML recipes and the twinkle-sft CLI, end to end on simulated nodes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from multinode import REPO, launch
+
+DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+STEPS = 8
+
+
+def run_cli(args, cwd, timeout=600):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "twinkle_strategy.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def read_log(run_dir):
+    with open(os.path.join(run_dir, "logging.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def only_run_dir(output_dir):
+    runs = sorted(p for p in Path(output_dir).iterdir() if p.name.startswith("v"))
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+@pytest.fixture(scope="module")
+def demo_run(tmp_path_factory):
+    """The demo recipe, shortened, through the CLI (2 simulated nodes x 2 ranks, ep=2, mem-efficient init, LoRA)."""
+    work = tmp_path_factory.mktemp("demo")
+    out = work / "out"
+    proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
+                    f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1"], cwd=work)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    return work, only_run_dir(out), proc
+
+
+def test_demo_cli_trains_and_saves(demo_run):
+    work, run_dir, proc = demo_run
+    log = read_log(run_dir)
+    assert [e["global_step/max_steps"] for e in log] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
+    losses = [e["loss"] for e in log]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+    for key in ("grad_norm", "learning_rate", "epoch", "elapsed_time", "remaining_time", "memory(GiB)",
+                "train_speed(s/it)"):
+        assert key in log[0]
+    assert (run_dir / "args.json").is_file() and (run_dir / "images" / "train_loss.png").is_file()
+    for step in (4, STEPS):
+        ckpt = run_dir / f"checkpoint-{step}"
+        assert (ckpt / "adapter_model.safetensors").is_file() and (ckpt / "adapter_config.json").is_file()
+        assert (ckpt / "trainer_state.json").is_file() and len(list((ckpt / "trainer_state").iterdir())) == 4
+    assert not list(run_dir.glob("*.tmp"))
+    assert "memory_efficient_init:" in proc.stderr and "(source)" in proc.stderr  # the init log line
+    assert f"last checkpoint: {run_dir.relative_to(work) / f'checkpoint-{STEPS}'}" in proc.stdout or \
+        f"checkpoint-{STEPS}" in proc.stdout
+
+
+def test_resume_gives_the_same_losses(demo_run):
+    work, run_dir, _ = demo_run
+    out = work / "resumed"
+    proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
+                    f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1",
+                    f"train.resume_from_checkpoint={run_dir / 'checkpoint-4'}"], cwd=work)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    uninterrupted = {e["global_step/max_steps"]: e["loss"] for e in read_log(run_dir)}
+    resumed = read_log(only_run_dir(out))
+    assert [e["global_step/max_steps"] for e in resumed] == [f"{i}/{STEPS}" for i in range(5, STEPS + 1)]
+    for e in resumed:
+        assert abs(e["loss"] - uninterrupted[e["global_step/max_steps"]]) <= 1e-6, (e, uninterrupted)
+
+
+def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
+
+    work, run_dir, _ = demo_run
+    model_path = str(work / "output" / "tiny" / "demo")
+    result = launch("trainer_python.py", ["--model", model_path, "--dataset", DATASET, "--output-dir",
+                                          str(tmp_path / "py"), "--max-steps", str(STEPS)],
+                    tmp_path / "launch", nnodes=2, nproc_per_node=2, timeout=600)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    cli_losses = [e["loss"] for e in read_log(run_dir)]
+    assert ranks[0]["losses"] == pytest.approx(cli_losses, abs=1e-6)
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    dataset = SFTDataset.from_jsonl(DATASET, tokenizer, max_length=64)
+    batch = DataCollatorForSFT(tokenizer.pad_token_id)([dataset[i] for i in range(3)])
+    # LoRA: the full adapter loads with plain PEFT on one process and reproduces the distributed logits.
+    lora_ckpt = os.path.join(ranks[0]["lora_run_dir"], f"checkpoint-{STEPS}")
+    plain = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32), lora_ckpt)
+    with torch.no_grad():
+        logits = plain(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    for rank in ranks:
+        torch.testing.assert_close(logits, torch.tensor(ranks[rank]["lora_logits"]), rtol=0, atol=1e-5)
+    # Full parameters: model.safetensors loads with from_pretrained (experts gathered from every EP rank).
+    full_ckpt = os.path.join(ranks[0]["full_run_dir"], "checkpoint-2")
+    full = AutoModelForCausalLM.from_pretrained(full_ckpt, dtype=torch.float32)
+    with torch.no_grad():
+        logits = full(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    torch.testing.assert_close(logits, torch.tensor(ranks[0]["full_logits"]), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("override,message", [
+    ("strategy.memory_efficent_init=true", "Key 'memory_efficent_init' not in 'StrategyConfig'"),
+    ("train.max_steps=ten", "train.max_steps"),
+    ("strategy.ep_size=3", "strategy.ep_size: world size 4 is not divisible by ep_size 3"),
+])
+def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
+    import torch.distributed as dist
+
+    from twinkle_strategy.cli import main
+
+    out = tmp_path / "out"
+    code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}", override])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert not out.exists() and not dist.is_initialized()
+
+
+def test_swift_style_flags_map_to_recipe_keys():
+    from twinkle_strategy.cli import build_parser, parse
+
+    recipe = parse(["--model", "/m", "--dataset", "d.jsonl", "--train_type", "full", "--lora_rank", "4",
+                    "--target_modules", "q_proj", "v_proj", "--expert_parallel_size", "1",
+                    "--memory_efficient_init", "true", "--num_train_epochs", "2", "--learning_rate", "1e-5",
+                    "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
+                    "--output_dir", "o", "--max_steps", "7", "--resume_from_checkpoint", "ck"])
+    assert (recipe.model.path, recipe.data.dataset, recipe.tuner.type, recipe.tuner.lora_rank) == \
+        ("/m", "d.jsonl", "full", 4)
+    assert recipe.tuner.target_modules == ["q_proj", "v_proj"] and recipe.strategy.memory_efficient_init is True
+    assert (recipe.train.num_train_epochs, recipe.train.learning_rate, recipe.train.per_device_train_batch_size,
+            recipe.train.gradient_accumulation_steps, recipe.train.output_dir, recipe.train.max_steps,
+            recipe.train.resume_from_checkpoint) == (2.0, 1e-5, 3, 2, "o", 7, "ck")
+    help_text = build_parser().format_help()
+    for flag in ("--model", "--dataset", "--tuner_type", "--train_type", "--lora_rank", "--lora_alpha",
+                 "--target_modules", "--target_parameters", "--expert_parallel_size", "--memory_efficient_init",
+                 "--output_dir", "--num_train_epochs", "--max_steps", "--learning_rate",
+                 "--per_device_train_batch_size", "--gradient_accumulation_steps", "--resume_from_checkpoint"):
+        assert flag in help_text
+
+
+@pytest.mark.parametrize("recipe", sorted((REPO / "yaml").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_are_valid(recipe):
+    from twinkle_strategy.recipe import load_recipe
+
+    loaded = load_recipe(str(recipe))
+    assert loaded.launch.nnodes * loaded.launch.nproc_per_node % loaded.strategy.ep_size == 0
+    assert loaded.model.path and loaded.data.dataset

@@ -1,0 +1,152 @@
+"""Training recipes: omegaconf structured configs loaded from YAML, with ``key=value`` overrides.
+
+The schema is the dataclasses below; OmegaConf runs in struct mode, so a typo
+(``strategy.memory_efficent_init``) or a wrong type (``train.max_steps=ten``)
+is an error naming the key, raised before any process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+from omegaconf import MISSING, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.parallel import ParallelDims
+from twinkle_strategy.trainer import TrainingArguments
+
+
+class RecipeError(TwinkleError):
+    """A recipe or command line that cannot run; names the key."""
+
+
+@dataclasses.dataclass
+class ModelConfig:
+    path: str = MISSING  # local dir, ms://org/name, hf://org/name, or tiny://demo (the embedded tiny MoE)
+    dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+
+
+@dataclasses.dataclass
+class DataConfig:
+    dataset: str = MISSING  # a JSONL file with "messages" or "query"/"response" rows
+    max_length: int = 2048
+    packing: bool = False
+
+
+@dataclasses.dataclass
+class TunerConfig:
+    type: str = "lora"  # lora | full
+    lora_rank: int = 8
+    lora_alpha: int = 32
+    target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
+    # Fused expert weights (transformers v5 MoE); [] to leave the experts frozen.
+    target_parameters: list[str] = dataclasses.field(
+        default_factory=lambda: ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+
+
+@dataclasses.dataclass
+class StrategyConfig:
+    ep_size: int = 1
+    ep_fsdp_size: int | None = None
+    mixed_precision: str = "bf16"
+    memory_efficient_init: bool = False
+    init_bucket_mb: float = 256.0
+    init_transport: str = "p2p"
+    device_type: str | None = None  # cuda | npu | cpu; detected when unset
+
+
+@dataclasses.dataclass
+class LaunchConfig:
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    # Run `nnodes` torchrun agents on this machine (simulated nodes, for demos and tests).
+    simulated_nodes: bool = False
+
+
+@dataclasses.dataclass
+class Recipe:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    tuner: TunerConfig = dataclasses.field(default_factory=TunerConfig)
+    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
+    train: TrainingArguments = dataclasses.field(default_factory=TrainingArguments)
+    launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
+
+
+def _reason(exc: OmegaConfBaseException) -> str:
+    # omegaconf messages end with a "full_key: ..." block; keep the first line and name the key.
+    first = str(exc).strip().splitlines()[0]
+    key = getattr(exc, "full_key", None)
+    return f"{key}: {first}" if key and key not in first else first
+
+
+def load_recipe(yaml_path: str | None = None, overrides: list[str] | None = None) -> Recipe:
+    """Schema <- YAML file <- ``key=value`` overrides; validated, returned as a :class:`Recipe` object."""
+    schema = OmegaConf.structured(Recipe)
+    OmegaConf.set_struct(schema, True)
+    try:
+        merged = schema
+        if yaml_path is not None:
+            if not os.path.isfile(yaml_path):
+                raise RecipeError(f"recipe file {yaml_path!r} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise RecipeError(f"override {bad[0]!r} is not of the form key=value (e.g. train.max_steps=10)")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise RecipeError(f"recipe is missing required key(s) {missing}; set them in the YAML or as key=value")
+        recipe: Recipe = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as exc:
+        where = f" in {yaml_path}" if yaml_path else ""
+        raise RecipeError(f"invalid recipe{where}: {_reason(exc)}") from exc
+    except ValueError as exc:  # raised by dataclass __post_init__ checks (e.g. TrainingArguments)
+        if isinstance(exc, TwinkleError):
+            raise
+        raise RecipeError(f"invalid recipe: {exc}") from exc
+    validate_recipe(recipe)
+    return recipe
+
+
+def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
+    """Checks that need no process group: tuner type, dtype, and parallel sizes against the launch."""
+    if recipe.tuner.type not in ("lora", "full"):
+        raise RecipeError(f"tuner.type={recipe.tuner.type!r}; use 'lora' or 'full'")
+    if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
+        raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
+    if world_size is None:
+        env = os.environ
+        world_size = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else recipe.launch.nnodes * recipe.launch.nproc_per_node
+    try:
+        dims = ParallelDims(world_size=world_size, ep_size=recipe.strategy.ep_size,
+                            ep_fsdp_size=recipe.strategy.ep_fsdp_size)
+    except TwinkleError as exc:
+        raise RecipeError(f"strategy.ep_size: {exc} (launch.nnodes x launch.nproc_per_node = {world_size})") from exc
+    num_experts = _num_experts(recipe.model.path)
+    if num_experts is not None and dims.ep_size > 1:
+        try:
+            dims.validate_num_experts(num_experts, where=recipe.model.path)
+        except TwinkleError as exc:
+            raise RecipeError(f"strategy.ep_size: {exc}") from exc
+
+
+def _num_experts(path: str) -> int | None:
+    config = os.path.join(path, "config.json")
+    if not os.path.isfile(config):
+        return None
+    with open(config) as f:
+        cfg = json.load(f)
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    return None
+
+
+def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
+    return dataclasses.asdict(recipe)

@@ -1,0 +1,71 @@
+"""Running a recipe in one training process: model, adapters, data, Trainer."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from twinkle_strategy.recipe import Recipe
+
+TINY_PREFIX = "tiny://"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def prepare_model_path(path: str, dataset: str) -> str:
+    """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``dataset``) under ./output/tiny/NAME."""
+    if not path.startswith(TINY_PREFIX):
+        return path
+    from twinkle_strategy.tiny_models import prepare_demo_model
+
+    name = path[len(TINY_PREFIX):] or "demo"
+    target = os.path.abspath(os.path.join("output", "tiny", name))
+    prepare_demo_model(target, dataset)
+    return target
+
+
+def lora_config(recipe: Recipe):
+    from peft import LoraConfig
+
+    modules = list(recipe.tuner.target_modules)
+    return LoraConfig(
+        r=recipe.tuner.lora_rank,
+        lora_alpha=recipe.tuner.lora_alpha,
+        lora_dropout=0.0,  # PEFT's expert (target_parameters) LoRA does not support dropout
+        target_modules="all-linear" if modules == ["all-linear"] else modules,
+        target_parameters=list(recipe.tuner.target_parameters) or None,
+    )
+
+
+def build_training(recipe: Recipe):
+    """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python."""
+    from transformers import AutoTokenizer
+
+    from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.strategy import NativeFSDPStrategy
+    from twinkle_strategy.trainer import Trainer
+
+    s = recipe.strategy
+    strategy = NativeFSDPStrategy(ep_size=s.ep_size, ep_fsdp_size=s.ep_fsdp_size, mixed_precision=s.mixed_precision,
+                                  memory_efficient_init=s.memory_efficient_init, init_bucket_mb=s.init_bucket_mb,
+                                  init_transport=s.init_transport, device_type=s.device_type)
+    model = strategy.from_pretrained(recipe.model.path, dtype=_DTYPES[recipe.model.dtype])
+    tokenizer = strategy.node_local_object(
+        lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path)))
+    if recipe.tuner.type == "lora":
+        from peft import get_peft_model
+
+        torch.manual_seed(recipe.train.seed)  # same fresh adapter whatever the number of nodes
+        model = get_peft_model(model, lora_config(recipe))
+    dataset = SFTDataset.from_jsonl(recipe.data.dataset, tokenizer, recipe.data.max_length, recipe.data.packing)
+    trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
+                      data_collator=DataCollatorForSFT(tokenizer.pad_token_id), processing_class=tokenizer)
+    return trainer, strategy
+
+
+def run_recipe(recipe: Recipe) -> list[dict]:
+    trainer, strategy = build_training(recipe)
+    try:
+        return trainer.train()
+    finally:
+        strategy.shutdown()
