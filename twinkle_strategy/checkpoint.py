@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.fail_together import RanksFailedError, raise_together
 
 STATE_FILE = "trainer_state.json"
 
@@ -52,50 +53,83 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
+class CheckpointSaveError(RanksFailedError):
+    """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
+
+
 def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_state: dict, tokenizer=None,
                     save_optimizer: bool = True) -> str:
-    """Write ``path`` atomically (collective: every rank calls it)."""
+    """Write ``path`` atomically (collective: every rank calls it).
+
+    Each step ends with a fail-together check instead of a plain barrier: if
+    any rank cannot write (disk full, permissions), every rank raises the same
+    error and the half-written ``.tmp`` directory is removed. A process killed
+    mid-save leaves only ``.tmp``, which resume ignores.
+    """
     tmp = path + ".tmp"
+    step = os.path.basename(path)
+
+    def step_done(error: BaseException | None, what: str) -> None:
+        try:
+            raise_together(error, f"saving {step} ({what})")
+        except RanksFailedError as exc:
+            if _rank() == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointSaveError(f"{exc}; previous checkpoints are untouched", exc.failures) from error
+
+    error = None
     if _rank() == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(os.path.join(tmp, "trainer_state"))
-    _barrier()
+        try:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(os.path.join(tmp, "trainer_state"))
+        except OSError as exc:
+            error = exc
+    step_done(error, "creating the directory")
     peft = is_peft_model(model)
     keys = trainable_names(model) if peft else None
     # Collective gather; only rank 0 keeps the tensors.
     state = strategy.full_state_dict(model, rank0_only=True, keys=keys)
+    error = None
     if _rank() == 0:
-        if peft:
-            model.save_pretrained(tmp, state_dict=state)
-        else:
-            model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
+        try:
+            if peft:
+                model.save_pretrained(tmp, state_dict=state)
+            else:
+                model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(tmp)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            error = exc
     del state
-    local = {
-        "params": {n: _local(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad},
-        "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "optimizer": _optimizer_to_local(optimizer.state_dict()) if (optimizer is not None and save_optimizer)
-        else None,
-        "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-    }
-    torch.save(local, os.path.join(tmp, "trainer_state", f"rank{_rank()}.pt"))
-    _barrier()
+    step_done(error, "model weights")
+    error = None
+    try:
+        local = {
+            "params": {n: _local(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad},
+            "scheduler": scheduler.state_dict() if scheduler is not None else None,
+            "optimizer": _optimizer_to_local(optimizer.state_dict()) if (optimizer is not None and save_optimizer)
+            else None,
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
+        }
+        torch.save(local, os.path.join(tmp, "trainer_state", f"rank{_rank()}.pt"))
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    step_done(error, "trainer state")
+    error = None
     if _rank() == 0:
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
-    _barrier()
+        try:
+            with open(os.path.join(tmp, STATE_FILE), "w") as f:
+                json.dump(trainer_state, f, indent=2)
+            # The rename is the commit point: before it, resume never sees this checkpoint.
+            shutil.rmtree(path, ignore_errors=True)
+            os.rename(tmp, path)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    step_done(error, "finalising")
     return path
 
 

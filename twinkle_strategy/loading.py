@@ -45,8 +45,11 @@ def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
     kwargs.setdefault("ignore_mismatched_sizes", True)  # report them ourselves, by name
     try:
         model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"could not load the checkpoint in {path}: {type(exc).__name__}: {exc}") from exc
+    except Exception as exc:  # noqa: BLE001 - safetensors, OS and transformers errors alike
+        raise CheckpointError(
+            f"could not load the checkpoint in {path}: {type(exc).__name__}: {exc}. A file may be truncated or "
+            "corrupt (re-download or re-export it), or the directory is not a transformers checkpoint"
+        ) from exc
     problems = []
     for key, ckpt_shape, model_shape in sorted(info.get("mismatched_keys", ())):
         problems.append(f"tensor '{key}' has shape {tuple(ckpt_shape)} in the checkpoint but the model "

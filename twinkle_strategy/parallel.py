@@ -21,7 +21,10 @@ Mesh layout
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
+
+import torch
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -117,13 +120,18 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
     return Meshes(fsdp=fsdp, expert=expert)
 
 
-def build_node_groups(topology: NodeTopology) -> dist.ProcessGroup | None:
-    """One process group per node, created once with the same arguments on every rank.
+def build_node_groups(topology: NodeTopology, device: torch.device, timeout_s: float | None = None):
+    """One process group per node, created once with the same arguments on every rank, and warmed up.
 
     ``new_subgroups_by_enumeration`` calls ``new_group`` for every node on every
-    rank in the same order, which is what the backends require.
+    rank in the same order, which is what the backends require. NCCL and HCCL
+    create communicators lazily, on first use; one small all-reduce here makes
+    that happen now, at a known point, rather than in the middle of the
+    weight transfer.
     """
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return None
-    group, _ = dist.new_subgroups_by_enumeration([list(r) for r in topology.node_ranks])
+    kwargs = {"timeout": datetime.timedelta(seconds=timeout_s)} if timeout_s else {}
+    group, _ = dist.new_subgroups_by_enumeration([list(r) for r in topology.node_ranks], **kwargs)
+    dist.all_reduce(torch.ones(1, device=device), group=group)
     return group

@@ -211,10 +211,33 @@ def discover_topology(env: LaunchEnv) -> NodeTopology:
     return validate_topology([r for r in gathered if r is not None], env.rank)
 
 
+# Ascend HCCL's own defaults time out long before a large checkpoint is read and distributed.
+# Set only when the user has not: their values always win.
+HCCL_ENV_DEFAULTS = {
+    "HCCL_CONNECT_TIMEOUT": "1200",  # seconds to establish links when a communicator is created
+    "HCCL_EXEC_TIMEOUT": "1800",  # seconds a collective may wait for its peers
+}
+
+
+def apply_backend_env_defaults(backend: str) -> dict[str, str]:
+    """Set documented environment defaults for ``backend`` where unset; return what was set."""
+    applied = {}
+    if backend == "hccl":
+        for key, value in HCCL_ENV_DEFAULTS.items():
+            if key not in os.environ:
+                os.environ[key] = value
+                applied[key] = value
+    return applied
+
+
 def init_distributed(
     device_type: str | None = None, backend: str | None = None, timeout_s: float | None = None
 ) -> tuple[str, LaunchEnv]:
-    """Initialise the default process group once, bind this process to its device, return (device_type, env)."""
+    """Initialise the default process group once, bind this process to its device, return (device_type, env).
+
+    ``timeout_s`` bounds every collective: a rank whose peer died or hangs
+    raises after at most this long instead of waiting forever.
+    """
     device_type = detect_device_type(device_type)
     env = LaunchEnv.from_environ()
     if device_type == "cuda":
@@ -225,7 +248,9 @@ def init_distributed(
         kwargs = {}
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
-        dist.init_process_group(backend=backend_for(device_type, backend), **kwargs)
+        backend = backend_for(device_type, backend)
+        apply_backend_env_defaults(backend)
+        dist.init_process_group(backend=backend, **kwargs)
     return device_type, env
 
 

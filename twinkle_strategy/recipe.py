@@ -42,6 +42,9 @@ class TunerConfig:
     type: str = "lora"  # lora | full
     lora_rank: int = 8
     lora_alpha: int = 32
+    lora_dropout: float = 0.0
+    use_dora: bool = False
+    lora_bias: bool = False
     target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
     # Fused expert weights (transformers v5 MoE); [] to leave the experts frozen.
     target_parameters: list[str] = dataclasses.field(
@@ -118,6 +121,19 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     """Checks that need no process group: tuner type, dtype, and parallel sizes against the launch."""
     if recipe.tuner.type not in ("lora", "full"):
         raise RecipeError(f"tuner.type={recipe.tuner.type!r}; use 'lora' or 'full'")
+    tuner = recipe.tuner
+    if tuner.type == "lora" and tuner.target_parameters:
+        # PEFT wraps fused expert tensors in ParamWrapper, which computes W + B@A per expert; these
+        # options need the adapter applied to activations and cannot be served there.
+        unsupported = [(f"tuner.lora_dropout={tuner.lora_dropout}", "set tuner.lora_dropout=0", tuner.lora_dropout > 0),
+                       ("tuner.use_dora=true", "set tuner.use_dora=false", tuner.use_dora),
+                       ("tuner.lora_bias=true", "set tuner.lora_bias=false", tuner.lora_bias)]
+        for option, fix, bad in unsupported:
+            if bad:
+                raise RecipeError(
+                    f"{option} cannot be used with tuner.target_parameters={list(tuner.target_parameters)} "
+                    f"(LoRA on fused expert weights): {fix}, or set tuner.target_parameters=[] to train "
+                    "attention/linear layers only")
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:

@@ -31,7 +31,9 @@ def lora_config(recipe: Recipe):
     return LoraConfig(
         r=recipe.tuner.lora_rank,
         lora_alpha=recipe.tuner.lora_alpha,
-        lora_dropout=0.0,  # PEFT's expert (target_parameters) LoRA does not support dropout
+        lora_dropout=recipe.tuner.lora_dropout,
+        use_dora=recipe.tuner.use_dora,
+        lora_bias=recipe.tuner.lora_bias,
         target_modules="all-linear" if modules == ["all-linear"] else modules,
         target_parameters=list(recipe.tuner.target_parameters) or None,
     )

@@ -64,6 +64,10 @@ class NativeFSDPStrategy:
         init_bucket_mb: bucket size (MiB) of that transfer.
         init_transport: 'p2p' (default: paired isend/irecv, every rank receives exactly
             its bytes) or 'scatter' (one collective per bucket; pads uneven shards).
+        verify_init: after memory_efficient_init, every rank checks a CRC32 of each region it
+            received against its source's; a mismatch names the tensor and rank.
+        timeout_s: bound on every collective (default 30 min). A rank whose peer died or
+            hangs raises a clear error after at most this long instead of waiting forever.
         device_type / backend: override detection ('cuda'/'npu'/'cpu', 'nccl'/'hccl'/'gloo').
     """
 
@@ -76,6 +80,8 @@ class NativeFSDPStrategy:
         memory_efficient_init: bool = False,
         init_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         init_transport: str = "p2p",
+        verify_init: bool = False,
+        timeout_s: float = 1800.0,
         device_type: str | None = None,
         backend: str | None = None,
     ) -> None:
@@ -93,6 +99,10 @@ class NativeFSDPStrategy:
         if init_transport not in transport.TRANSPORTS:
             raise ValueError(f"init_transport={init_transport!r} is not supported; use one of {transport.TRANSPORTS}")
         self.init_transport = init_transport
+        self.verify_init = bool(verify_init)
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        self.timeout_s = float(timeout_s)
         self.init_report: InitReport | None = None
         self._requested_device = device_type
         self._requested_backend = backend
@@ -106,7 +116,8 @@ class NativeFSDPStrategy:
         """Initialise the process group, agree on the topology, build the meshes. Idempotent."""
         if self._ready:
             return
-        self.device_type, self.env = init_distributed(self._requested_device, self._requested_backend)
+        self.device_type, self.env = init_distributed(self._requested_device, self._requested_backend,
+                                                      timeout_s=self.timeout_s)
         self.device = current_device(self.device_type)
         self.topology: NodeTopology = discover_topology(self.env)
         self.dims = ParallelDims(
@@ -116,7 +127,8 @@ class NativeFSDPStrategy:
             local_world_size=self.topology.local_world_size,
         )
         self.meshes: Meshes = build_meshes(self.dims, self.device_type)
-        self.node_group = build_node_groups(self.topology) if self.memory_efficient_init else None
+        self.node_group = (build_node_groups(self.topology, self.device, self.timeout_s)
+                           if self.memory_efficient_init else None)
         self._ready = True
 
     @property
@@ -224,7 +236,7 @@ class NativeFSDPStrategy:
             self.init_report = distribute(
                 model, capture, self.ep_plan, self.topology, self.node_group, self.device,
                 bucket_bytes=self.init_bucket_bytes, transport_kind=self.init_transport,
-                show_progress=self.is_main_process,
+                verify=self.verify_init, show_progress=self.is_main_process,
             )
         finally:
             if capture is not None:

@@ -32,7 +32,9 @@ from twinkle_strategy.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
+from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.init.engine import peak_rss_bytes
+from twinkle_strategy.init.liveness import StatusBoard
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +97,10 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
 
 def _format_seconds(s: float) -> str:
     return str(datetime.timedelta(seconds=int(s)))
+
+
+class TrainingAbortedError(TwinkleError):
+    """A training step failed because a peer rank died, hung or failed."""
 
 
 class Trainer:
@@ -208,8 +214,9 @@ class Trainer:
         start_time = time.time()
         window: list[float] = []
         last = None
+        self._board = StatusBoard("train")
         for step in range(self.start_step, self.max_steps):
-            loss, norm = self.training_step(step)
+            loss, norm = self._guarded(f"step{step + 1}", self.training_step, step)
             global_step = step + 1
             window.append(loss)
             if progress is not None:
@@ -218,15 +225,30 @@ class Trainer:
                 last = self._log(global_step, sum(window) / len(window), norm, start_time)
                 window = []
             if args.save_steps and global_step % args.save_steps == 0 and global_step != self.max_steps:
-                self.save(global_step)
+                self._guarded(f"save{global_step}", self.save, global_step)
         if progress is not None:
             progress.close()
-        final = self.save(self.max_steps) if self.max_steps > self.start_step else None
+        final = self._guarded(f"save{self.max_steps}", self.save, self.max_steps) \
+            if self.max_steps > self.start_step else None
         if main:
             self._plot()
             logger.info("training finished: %s, last checkpoint %s", last, final)
             print(f"run directory: {self.run_dir}\nlast checkpoint: {final}", flush=True)
         return self.log_history
+
+    def _guarded(self, phase: str, fn, *args):
+        """Run a collective phase; if a peer dies or hangs, raise an error naming the silent ranks."""
+        try:
+            result = fn(*args)
+        except RuntimeError as exc:
+            self._board.failed(f"{type(exc).__name__} in {phase}")
+            silent = self._board.silent_ranks(phase)
+            who = (f"rank(s) {silent} did not report back (one of them died or hung; see their logs)" if silent
+                   else "a peer stopped responding")
+            raise TrainingAbortedError(f"{phase} failed on rank {self.strategy.rank}: {who}. "
+                                       f"Underlying error: {exc}") from exc
+        self._board.finished(phase)
+        return result
 
     def _log(self, global_step: int, loss: float, norm: float, start_time: float) -> dict:
         elapsed = time.time() - start_time

@@ -32,6 +32,36 @@ def case_dense_model_with_ep(args):
     s.wrap_model(s.from_pretrained(args.dense))
 
 
+def _mem_init(path, dtype=None):
+    import torch
+
+    s = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, timeout_s=60)
+    s.wrap_model(s.from_pretrained(path, dtype=dtype or torch.float32))
+
+
+def case_missing_key(args):
+    _mem_init(args.missing_key)
+
+
+def case_wrong_shape(args):
+    _mem_init(args.wrong_shape)
+
+
+def case_corrupt_file(args):
+    _mem_init(args.corrupt)
+
+
+def case_missing_path(args):
+    _mem_init("/nonexistent/model/dir")
+
+
+def case_dtype_differs_on_node1(args):
+    import torch
+
+    # A launch bug: node 1's source loads bf16 while its other rank builds fp32.
+    _mem_init(args.good, dtype=torch.bfloat16 if os.environ["RANK"] == "2" else torch.float32)
+
+
 def case_plain_setup(args):
     NativeFSDPStrategy(ep_size=1, mixed_precision="no").setup()
 
@@ -45,6 +75,8 @@ def main():
     p.add_argument("--fatal", default=None)
     p.add_argument("--six-experts")
     p.add_argument("--dense")
+    for name in ("missing-key", "wrong-shape", "corrupt", "good"):
+        p.add_argument(f"--{name}")
     args = p.parse_args()
     errors = {}
     for name in args.cases.split(","):

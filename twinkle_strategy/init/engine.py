@@ -11,14 +11,16 @@ import dataclasses
 import logging
 import resource
 import time
+import zlib
 
 import torch
 from torch import nn
 
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
+from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of, source_region
-from twinkle_strategy.init.streams import StreamReader, StreamWriter
+from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.platform import NodeTopology
 
@@ -67,33 +69,79 @@ def distribute(
     device: torch.device,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transport_kind: str = "p2p",
+    verify: bool = False,
     show_progress: bool = False,
 ) -> InitReport:
-    """Fill every rank's shards (materialised, uninitialised) from its node source's capture. Collective."""
-    start = time.perf_counter()
-    source, is_source = topology.source_rank, topology.is_source
-    mine = needs_of(model, ep_plan)
-    my_needs = [need for need, _ in mine]
-    stats = transport.TransferStats()
+    """Fill every rank's shards (materialised, uninitialised) from its node source's capture. Collective.
 
-    # 1. The source learns what each of its ranks needs and checks it can serve it.
-    all_needs = transport.gather_to_source(my_needs, source, node_group, is_source)
+    Any failure - a tensor the source cannot serve, a checksum mismatch, a peer
+    that died or hung - ends as a :class:`DistributedInitError` on every rank,
+    naming the rank(s) at fault.
+    """
+    board = StatusBoard("init")
+    start = time.perf_counter()
+    stats = transport.TransferStats()
+    phase = "plan"
+    try:
+        mine = needs_of(model, ep_plan)
+        all_needs = _plan(mine, capture, ep_plan, topology, node_group, stats)
+        board.finished(phase)
+        phase = "transfer"
+        _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
+                  stats, show_progress)
+        board.finished(phase)
+        phase = "agree"
+        mismatch = _verify(mine, all_needs, capture, ep_plan, topology, node_group) if verify else None
+        # Nobody leaves the init until everyone has its shards (and, with verify, they check out).
+        transport.raise_together(mismatch, "memory_efficient_init verification")
+        stats.collective_calls += 1
+        board.finished(phase)
+    except transport.DistributedInitError as exc:
+        board.failed(str(exc))
+        raise
+    except RuntimeError as exc:  # a collective failed: a peer died, hung or closed its connection
+        board.failed(f"{type(exc).__name__} during {phase}")
+        silent = board.silent_ranks(phase)
+        who = (f"rank(s) {silent} did not report back (one of them died or hung; see their logs)" if silent
+               else "a peer stopped responding")
+        raise transport.DistributedInitError(
+            f"memory_efficient_init failed on rank {topology.rank} during '{phase}': {who}. "
+            f"Underlying error: {exc}", [(r, "did not report back") for r in (silent or [])]) from exc
+    my_needs = [need for need, _ in mine]
+    return InitReport(
+        rank=topology.rank, is_source=topology.is_source, seconds=time.perf_counter() - start,
+        bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
+        shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
+        buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
+        collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
+    )
+
+
+def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need]] | None:
+    """The source learns what each of its ranks needs and checks it can serve it; fail together."""
+    source, is_source = topology.source_rank, topology.is_source
+    all_needs = transport.gather_to_source([need for need, _ in mine], source, node_group, is_source)
     stats.collective_calls += 1
     error = None
     if is_source:
         for local_rank, needs in enumerate(all_needs):
             for need in needs:
-                error = check_need(need, capture.tensors, ep_plan, source)
-                if error:
-                    error = f"for local rank {local_rank} of node {topology.node_index}: {error}"
+                problem = check_need(need, capture.tensors, ep_plan, source)
+                if problem:
+                    error = f"for local rank {local_rank} of node {topology.node_index}: {problem}"
                     break
             if error:
                 break
-    # 2. Fail together: a problem on any source stops every rank before any byte moves.
+    # A problem on any source stops every rank before any byte moves.
     transport.raise_together(error, "memory_efficient_init")
     stats.collective_calls += 1
+    return all_needs
 
-    # 3. Move the bytes, bucket by bucket, inside the node.
+
+def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
+              stats, show_progress) -> None:
+    """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally."""
+    is_source = topology.is_source
     writer = StreamWriter([local for _, local in mine])
     readers = [_reader(needs, capture, ep_plan) for needs in all_needs] if is_source else None
     progress = None
@@ -106,22 +154,35 @@ def distribute(
                            progress)
     if progress is not None:
         progress.close()
-
-    # 4. The source fills its own shards straight from the capture.
     if is_source:
         with torch.no_grad():
             for need, local in mine:
                 local.copy_(source_region(need, capture.tensors, ep_plan).reshape(local.shape))
     if device.type != "cpu":
         torch.accelerator.synchronize()
-    shard_bytes = sum(n.nbytes for n in my_needs if not n.is_buffer)
-    buffer_bytes = sum(n.nbytes for n in my_needs if n.is_buffer)
-    return InitReport(
-        rank=topology.rank, is_source=is_source, seconds=time.perf_counter() - start,
-        bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received, shard_bytes=shard_bytes,
-        buffer_bytes=buffer_bytes, buckets=stats.buckets, collective_calls=stats.collective_calls,
-        peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
-    )
+
+
+def _checksum(tensor: torch.Tensor) -> int:
+    return zlib.crc32(as_bytes(tensor.detach()).cpu().numpy().tobytes())
+
+
+def _verify(mine, all_needs, capture, ep_plan, topology, node_group) -> str | None:
+    """CRC32 of every region each rank holds, compared on its source with the captured bytes."""
+    sums = [_checksum(local) for _, local in mine]
+    gathered = transport.gather_to_source(sums, topology.source_rank, node_group, topology.is_source)
+    if not topology.is_source:
+        return None
+    node_ranks = topology.node_ranks[topology.node_index]
+    for rank, needs, got in zip(node_ranks, all_needs, gathered):
+        for need, checksum in zip(needs, got):
+            expected = _checksum(source_region(need, capture.tensors, ep_plan))
+            if checksum != expected:
+                region = f"rows {need.rows[0]}:{need.rows[1]}" if need.rows else "whole tensor"
+                expert = f", EP rank {need.ep_rank}" if need.ep_rank >= 0 else ""
+                return (f"verify_init: tensor '{need.name}' ({region}{expert}) on rank {rank} has CRC32 "
+                        f"{checksum:#010x}, its source rank {topology.source_rank} has {expected:#010x}: "
+                        "the bytes were corrupted in transit")
+    return None
 
 
 def _reader(needs: list[Need], capture: Capture, ep_plan) -> StreamReader:

@@ -14,39 +14,19 @@ import math
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy import fail_together
+from twinkle_strategy.fail_together import RanksFailedError
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
 from twinkle_strategy.platform import NodeTopology
 
 
-class DistributedInitError(TwinkleError):
-    """One or more ranks failed; raised on every rank with every failing rank's reason."""
-
-    def __init__(self, message: str, failures: list[tuple[int, str]]):
-        super().__init__(message)
-        self.failures = failures
+class DistributedInitError(RanksFailedError):
+    """memory_efficient_init (or loading) failed on some rank; raised on every rank."""
 
 
 def raise_together(error: BaseException | str | None, what: str) -> None:
-    """Collective: if any rank passes an error, every rank raises one naming all failing ranks.
-
-    Each rank calls this at the same point; a rank that failed calls it with
-    its exception instead of skipping ahead, so nobody waits for it forever.
-    """
-    message = None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dist.get_rank(), message))
-    else:
-        gathered = [(0, message)]
-    failures = [(rank, msg) for rank, msg in gathered if msg is not None]
-    if failures:
-        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures[:8])
-        more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
-        err = DistributedInitError(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{more}", failures)
-        if isinstance(error, BaseException):
-            raise err from error
-        raise err
+    """:func:`twinkle_strategy.fail_together.raise_together` raising :class:`DistributedInitError`."""
+    fail_together.raise_together(error, what, DistributedInitError)
 
 
 def broadcast_from_source(obj, source: int, node_group) -> object:

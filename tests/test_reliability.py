@@ -1,0 +1,167 @@
+"""Bad input and real faults end in clear errors on every rank, never a hang, never lost data."""
+
+import shutil
+
+import pytest
+import torch
+
+from multinode import REPO, launch
+
+DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+LIMIT = 240  # seconds; a hang fails the test instead of blocking CI
+
+
+@pytest.fixture(scope="module")
+def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("broken")
+    good = tiny_checkpoints / "qwen3_moe"
+    paths = {}
+    for name in ("missing_key", "corrupt"):
+        shutil.copytree(good, root / name)
+        paths[name] = root / name
+    weights = load_file(str(good / "model.safetensors"))
+    del weights["model.layers.0.self_attn.q_proj.weight"]
+    save_file(weights, str(paths["missing_key"] / "model.safetensors"), metadata={"format": "pt"})
+    data = (good / "model.safetensors").read_bytes()
+    (paths["corrupt"] / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated file
+    return {k: str(v) for k, v in paths.items()} | {"good": str(good)}
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    from twinkle_strategy.tiny_models import prepare_demo_model
+
+    return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
+
+
+def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_checkpoint, tmp_path):
+    cases = "missing_key,wrong_shape,corrupt_file,missing_path,dtype_differs_on_node1"
+    result = launch("bad_config.py", ["--cases", cases, "--missing-key", broken_checkpoints["missing_key"],
+                                      "--wrong-shape", str(wrong_shape_checkpoint),
+                                      "--corrupt", broken_checkpoints["corrupt"], "--good", broken_checkpoints["good"]],
+                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3]
+    expected = {
+        "missing_key": "tensor 'model.layers.0.self_attn.q_proj.weight' is missing from the checkpoint",
+        "wrong_shape": "tensor 'model.layers.1.mlp.gate.weight' has shape (3, 3) in the checkpoint but the model "
+                       "expects (8, 32)",
+        "corrupt_file": "could not load the checkpoint",
+        "missing_path": "model path '/nonexistent/model/dir' does not exist or is not a directory",
+        "dtype_differs_on_node1": "has dtype torch.bfloat16 on source rank 2 but the model expects torch.float32",
+    }
+    for rank, data in ranks.items():
+        for case, text in expected.items():
+            err = data["errors"][case]
+            assert err is not None and err["type"] == "DistributedInitError", (rank, case, err)
+            assert text in err["message"], (rank, case, err["message"])
+    # Loading problems name both sources (ranks 0 and 2); the dtype problem only node 1's source.
+    assert "rank(s) [0, 2]" in ranks[1]["errors"]["missing_key"]["message"]
+    assert "rank(s) [2]" in ranks[0]["errors"]["dtype_differs_on_node1"]["message"]
+
+
+def _assert_everyone_stopped(result):
+    assert not result.timed_out, result.describe()
+    assert all(rc not in (0, None) for rc in result.returncodes), result.describe()
+    assert result.seconds < LIMIT
+
+
+def test_source_killed_mid_distribution(demo_model, tmp_path):
+    result = launch("faults.py", ["--scenario", "kill_source_mid_transfer", "--model", demo_model],
+                    tmp_path, timeout=LIMIT)
+    _assert_everyone_stopped(result)
+    ranks = result.rank_results()
+    assert 2 not in ranks  # killed with SIGKILL: it wrote nothing
+    # torchrun stops a node's remaining workers once one fails; every rank that got to report names rank 2.
+    assert ranks and any(r in ranks for r in (0, 1)), result.describe()
+    for rank, data in ranks.items():
+        assert data["error_type"] == "DistributedInitError", data
+        assert "memory_efficient_init failed" in data["error"] and "2]" in data["error"], data["error"]
+
+
+def test_verify_init_detects_a_corrupted_region(demo_model, tmp_path):
+    result = launch("faults.py", ["--scenario", "corrupt_in_transit", "--model", demo_model], tmp_path, timeout=LIMIT)
+    _assert_everyone_stopped(result)
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for data in ranks.values():
+        assert data["error_type"] == "DistributedInitError"
+        assert "verify_init: tensor 'model.embed_tokens.weight'" in data["error"]
+        assert "on rank 3 has CRC32" in data["error"] and "its source rank 2 has" in data["error"]
+
+
+def test_rank_killed_during_a_training_step(demo_model, tmp_path):
+    result = launch("faults.py", ["--scenario", "kill_rank_in_training_step", "--model", demo_model,
+                                  "--dataset", DATASET, "--output-dir", str(tmp_path / "out")], tmp_path / "l",
+                    timeout=LIMIT)
+    _assert_everyone_stopped(result)
+    ranks = result.rank_results()
+    assert 3 not in ranks and ranks, result.describe()
+    for data in ranks.values():
+        assert data["error_type"] == "TrainingAbortedError", data
+        assert "step3 failed on rank" in data["error"]
+
+
+def test_killed_mid_save_keeps_previous_checkpoint_and_resume_uses_it(demo_model, tmp_path):
+    from twinkle_strategy.checkpoint import latest_checkpoint
+
+    out = tmp_path / "out"
+    args = ["--model", demo_model, "--dataset", DATASET, "--output-dir", str(out)]
+    result = launch("faults.py", ["--scenario", "kill_during_save", *args], tmp_path / "l1", timeout=LIMIT)
+    _assert_everyone_stopped(result)
+    assert (out / "checkpoint-2" / "trainer_state.json").is_file()
+    assert not (out / "checkpoint-4").exists()
+    assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")
+    resumed = launch("faults.py", ["--scenario", "resume", *args], tmp_path / "l2", timeout=LIMIT)
+    assert resumed.ok(), resumed.describe()
+    assert resumed.rank_results()[0]["start_step"] == 2
+    assert (out / "checkpoint-6" / "adapter_model.safetensors").is_file()
+    assert not list(out.glob("*.tmp"))
+
+
+def test_disk_full_while_saving(demo_model, tmp_path):
+    out = tmp_path / "out"
+    result = launch("faults.py", ["--scenario", "disk_full_during_save", "--model", demo_model, "--dataset", DATASET,
+                                  "--output-dir", str(out)], tmp_path / "l", timeout=LIMIT)
+    _assert_everyone_stopped(result)
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3], result.describe()
+    for data in ranks.values():
+        assert data["error_type"] == "CheckpointSaveError", data
+        assert "saving checkpoint-4 (model weights) failed on rank(s) [0]: rank 0: OSError: [Errno 27] File too " \
+               "large; previous checkpoints are untouched" in data["error"]
+    before = torch.load(out / "checkpoint-2" / "trainer_state" / "rank0.pt", weights_only=False)
+    assert before["params"] and (out / "checkpoint-2" / "adapter_model.safetensors").stat().st_size > 1024
+    assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4.tmp").exists()
+
+
+@pytest.mark.parametrize("override,message", [
+    ("tuner.lora_dropout=0.1", "tuner.lora_dropout=0.1 cannot be used with tuner.target_parameters"),
+    ("tuner.use_dora=true", "tuner.use_dora=true cannot be used with tuner.target_parameters"),
+    ("tuner.lora_bias=true", "tuner.lora_bias=true cannot be used with tuner.target_parameters"),
+    ("train.max_stepz=3", "Key 'max_stepz' not in 'TrainingArguments'"),
+])
+def test_lora_options_the_expert_path_cannot_serve(override, message, tmp_path, capsys):
+    from twinkle_strategy.cli import main
+
+    code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={tmp_path}/o",
+                 override])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err, err
+    assert not (tmp_path / "o").exists()
+
+
+def test_hccl_defaults_are_set_only_when_unset(monkeypatch):
+    from twinkle_strategy.platform import HCCL_ENV_DEFAULTS, apply_backend_env_defaults
+
+    monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
+    monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "77")
+    applied = apply_backend_env_defaults("hccl")
+    import os
+
+    assert os.environ["HCCL_CONNECT_TIMEOUT"] == HCCL_ENV_DEFAULTS["HCCL_CONNECT_TIMEOUT"]
+    assert os.environ["HCCL_EXEC_TIMEOUT"] == "77" and "HCCL_EXEC_TIMEOUT" not in applied
+    assert apply_backend_env_defaults("gloo") == {}

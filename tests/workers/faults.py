@@ -1,0 +1,152 @@
+"""Real faults in real processes: a rank killed mid-init or mid-step, a kill or a full disk mid-save.
+
+Each scenario injects its fault by wrapping one package function in this
+worker process only (the package itself has no test hooks).
+"""
+
+import argparse
+import os
+import resource
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+
+import worker_common  # noqa: E402
+from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+
+RANK = int(os.environ.get("RANK", "0"))
+
+
+def die():
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def kill_source_mid_transfer(args):
+    from twinkle_strategy.init import transport
+
+    staged = {"n": 0}
+    original = transport._stage
+
+    def stage_then_die(reader, size, device):
+        staged["n"] += 1
+        if RANK == 2 and staged["n"] == 3:  # node 1's source, after two buckets went out
+            die()
+        return original(reader, size, device)
+
+    transport._stage = stage_then_die
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
+                                  init_bucket_mb=2048 / 2**20, timeout_s=args.timeout)
+    strategy.wrap_model(strategy.from_pretrained(args.model))
+
+
+def corrupt_in_transit(args):
+    from twinkle_strategy.init import streams
+
+    original = streams.StreamWriter.write
+
+    def write_flipping_one_byte(self, chunk):
+        if RANK == 3 and not getattr(self, "_flipped", False) and chunk.numel() > 100:
+            chunk = chunk.clone()
+            chunk[100] ^= 0xFF
+            self._flipped = True
+        return original(self, chunk)
+
+    streams.StreamWriter.write = write_flipping_one_byte
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, verify_init=True,
+                                  init_bucket_mb=4096 / 2**20, timeout_s=args.timeout)
+    strategy.wrap_model(strategy.from_pretrained(args.model))
+
+
+def _trainer(args, max_steps, save_steps, output_dir, resume=None):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+
+    from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.trainer import Trainer, TrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    dataset = SFTDataset.from_jsonl(args.dataset, tokenizer, max_length=48)
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
+                                  timeout_s=args.timeout)
+    model = strategy.from_pretrained(args.model)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                             target_parameters=["mlp.experts.gate_up_proj"]))
+    train_args = TrainingArguments(output_dir=output_dir, add_version=False, max_steps=max_steps,
+                                   save_steps=save_steps, per_device_train_batch_size=2, logging_steps=1,
+                                   learning_rate=1e-3, resume_from_checkpoint=resume)
+    return Trainer(model=model, strategy=strategy, args=train_args, train_dataset=dataset,
+                   data_collator=DataCollatorForSFT(tokenizer.pad_token_id))
+
+
+def kill_rank_in_training_step(args):
+    from twinkle_strategy.trainer import Trainer
+
+    original = Trainer.training_step
+
+    def step_then_die(self, step):
+        if RANK == 3 and step == 2:
+            die()
+        return original(self, step)
+
+    Trainer.training_step = step_then_die
+    _trainer(args, 5, 0, args.output_dir).train()
+
+
+def kill_during_save(args):
+    from twinkle_strategy import checkpoint
+
+    original = checkpoint.torch.save
+
+    def save_then_die(obj, path, *a, **k):
+        if RANK == 1 and "checkpoint-4.tmp" in str(path):
+            die()
+        return original(obj, path, *a, **k)
+
+    checkpoint.torch.save = save_then_die
+    _trainer(args, 6, 2, args.output_dir).train()
+
+
+def disk_full_during_save(args):
+    from twinkle_strategy.trainer import Trainer
+
+    original = Trainer.save
+
+    def save_with_tiny_disk(self, global_step):
+        if RANK == 0 and global_step == 4:
+            # A real write failure from the kernel: files may not grow past 16 KiB any more
+            # (the adapter is bigger; the small result file this worker writes is not).
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (16 * 1024, resource.RLIM_INFINITY))
+        return original(self, global_step)
+
+    Trainer.save = save_with_tiny_disk
+    _trainer(args, 6, 2, args.output_dir).train()
+
+
+def resume(args):
+    trainer = _trainer(args, 6, 2, args.output_dir, resume=args.output_dir)
+    history = trainer.train()
+    return {"start_step": trainer.start_step, "steps": [e["global_step/max_steps"] for e in history]}
+
+
+SCENARIOS = {f.__name__: f for f in (kill_source_mid_transfer, corrupt_in_transit, kill_rank_in_training_step,
+                                     kill_during_save, disk_full_during_save, resume)}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    p.add_argument("--model", required=True)
+    p.add_argument("--dataset")
+    p.add_argument("--output-dir")
+    p.add_argument("--timeout", type=float, default=60)
+    args = p.parse_args()
+    return SCENARIOS[args.scenario](args)
+
+
+if __name__ == "__main__":
+    worker_common.run(main)
