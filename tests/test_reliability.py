@@ -131,8 +131,8 @@ def test_disk_full_while_saving(demo_model, tmp_path):
     assert sorted(ranks) == [0, 1, 2, 3], result.describe()
     for data in ranks.values():
         assert data["error_type"] == "CheckpointSaveError", data
-        assert "saving checkpoint-4 (model weights) failed on rank(s) [0]: rank 0: OSError: [Errno 27] File too " \
-               "large; previous checkpoints are untouched" in data["error"]
+        assert data["error"].startswith("saving checkpoint-4 (model weights) failed on rank(s) [0]: rank 0: ")
+        assert "File too large" in data["error"] and data["error"].endswith("previous checkpoints are untouched")
     before = torch.load(out / "checkpoint-2" / "trainer_state" / "rank0.pt", weights_only=False)
     assert before["params"] and (out / "checkpoint-2" / "adapter_model.safetensors").stat().st_size > 1024
     assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4.tmp").exists()
