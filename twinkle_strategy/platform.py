@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import resource
 import socket
 from typing import Sequence
 
@@ -258,3 +259,8 @@ def current_device(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")
     return torch.device(device_type, torch.accelerator.current_device_index())
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident host memory of this process so far (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

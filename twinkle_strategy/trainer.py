@@ -33,8 +33,8 @@ from twinkle_strategy.checkpoint import (
     save_checkpoint,
 )
 from twinkle_strategy.errors import TwinkleError
-from twinkle_strategy.init.engine import peak_rss_bytes
 from twinkle_strategy.init.liveness import StatusBoard
+from twinkle_strategy.platform import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 

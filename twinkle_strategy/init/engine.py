@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import resource
 import time
 import zlib
 
@@ -22,7 +21,7 @@ from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of, source_region
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
-from twinkle_strategy.platform import NodeTopology
+from twinkle_strategy.platform import NodeTopology, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -53,11 +52,6 @@ class InitReport:
                 f"received {self.bytes_received / mib:.1f} MiB, sent {self.bytes_sent / mib:.1f} MiB "
                 f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
-
-
-def peak_rss_bytes() -> int:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def distribute(
