@@ -157,3 +157,27 @@ def test_shipped_recipes_are_valid(recipe):
     loaded = load_recipe(str(recipe))
     assert loaded.launch.nnodes * loaded.launch.nproc_per_node % loaded.strategy.ep_size == 0
     assert loaded.model.path and loaded.data.dataset
+
+
+def test_swift_style_relaunch_under_torchrun(demo_run, tmp_path):
+    """NPROC_PER_NODE=2, like swift: twinkle-sft re-launches itself under torchrun (one node, 2 ranks)."""
+    work, _, _ = demo_run
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port())}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "twinkle_strategy.cli", "--model", str(work / "output" / "tiny" / "demo"),
+                           "--dataset", DATASET, "--tuner_type", "lora", "--target_modules", "q_proj",
+                           "--expert_parallel_size", "2", "--memory_efficient_init", "true", "--torch_dtype", "float32",
+                           "--mixed_precision", "no", "--max_steps", "3", "--logging_steps", "1",
+                           "--per_device_train_batch_size", "2", "--output_dir", str(out)],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run_dir = only_run_dir(out)
+    assert len(read_log(run_dir)) == 3
+    assert json.loads((run_dir / "args.json").read_text())["world_size"] == 2
+    assert (run_dir / "checkpoint-3" / "adapter_model.safetensors").is_file()
+
+
+def _free_port():
+    from twinkle_strategy.launcher import free_port
+
+    return free_port()

@@ -134,22 +134,37 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
                     f"{option} cannot be used with tuner.target_parameters={list(tuner.target_parameters)} "
                     f"(LoRA on fused expert weights): {fix}, or set tuner.target_parameters=[] to train "
                     "attention/linear layers only")
+    strategy = recipe.strategy
+    if strategy.mixed_precision in ("False", "false"):  # YAML reads a bare `no` as false
+        strategy.mixed_precision = "no"
+    if strategy.mixed_precision not in ("bf16", "bfloat16", "fp16", "float16", "no", "fp32", "float32"):
+        raise RecipeError(f"strategy.mixed_precision={strategy.mixed_precision!r}; use bf16, fp16 or no")
+    if strategy.init_transport not in ("p2p", "scatter"):
+        raise RecipeError(f"strategy.init_transport={strategy.init_transport!r}; use p2p or scatter")
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:
-        env = os.environ
-        world_size = int(env["WORLD_SIZE"]) if "WORLD_SIZE" in env else recipe.launch.nnodes * recipe.launch.nproc_per_node
+        world_size = planned_world_size(recipe)
     try:
         dims = ParallelDims(world_size=world_size, ep_size=recipe.strategy.ep_size,
                             ep_fsdp_size=recipe.strategy.ep_fsdp_size)
     except TwinkleError as exc:
-        raise RecipeError(f"strategy.ep_size: {exc} (launch.nnodes x launch.nproc_per_node = {world_size})") from exc
+        raise RecipeError(f"strategy.ep_size: {exc} (nodes x processes per node = {world_size})") from exc
     num_experts = _num_experts(recipe.model.path)
     if num_experts is not None and dims.ep_size > 1:
         try:
             dims.validate_num_experts(num_experts, where=recipe.model.path)
         except TwinkleError as exc:
             raise RecipeError(f"strategy.ep_size: {exc}") from exc
+
+
+def planned_world_size(recipe: Recipe) -> int:
+    """The world size this run will have: torchrun's WORLD_SIZE inside a worker; otherwise the swift-style
+    NPROC_PER_NODE x NNODES environment if set, else launch.nproc_per_node x launch.nnodes."""
+    env = os.environ
+    if "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    return int(env.get("NPROC_PER_NODE", recipe.launch.nproc_per_node)) * int(env.get("NNODES", recipe.launch.nnodes))
 
 
 def _num_experts(path: str) -> int | None:
