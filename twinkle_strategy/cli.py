@@ -43,6 +43,8 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "mixed_precision": ("strategy.mixed_precision", "bf16 | fp16 | no"),
     "init_bucket_mb": ("strategy.init_bucket_mb", "memory_efficient_init transfer bucket size (MiB)"),
     "init_transport": ("strategy.init_transport", "p2p | scatter"),
+    "verify_init": ("strategy.verify_init", "check a CRC32 of every region received at init"),
+    "ddp_timeout": ("strategy.timeout_s", "seconds any collective may wait for a peer before failing"),
 }
 for _field in dataclasses.fields(TrainingArguments):
     SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", f"training argument (default {_field.default})"))

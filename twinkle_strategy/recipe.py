@@ -59,6 +59,8 @@ class StrategyConfig:
     memory_efficient_init: bool = False
     init_bucket_mb: float = 256.0
     init_transport: str = "p2p"
+    verify_init: bool = False  # CRC32 of every received region checked against the source's
+    timeout_s: float = 1800.0  # bound on every collective: no rank waits longer for a dead or hung peer
     device_type: str | None = None  # cuda | npu | cpu; detected when unset
 
 
