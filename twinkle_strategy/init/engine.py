@@ -43,6 +43,7 @@ class InitReport:
     collective_calls: int
     peak_rss_bytes: int
     tensors: int
+    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # plan, transfer, agree
 
     def log_line(self) -> str:
         mib = 1024 * 1024
@@ -76,20 +77,28 @@ def distribute(
     start = time.perf_counter()
     stats = transport.TransferStats()
     phase = "plan"
+    phase_seconds: dict[str, float] = {}
+
+    def finish(name: str, since: float) -> float:
+        board.finished(name)
+        now = time.perf_counter()
+        phase_seconds[name] = now - since
+        return now
+
     try:
         mine = needs_of(model, ep_plan)
         all_needs = _plan(mine, capture, ep_plan, topology, node_group, stats)
-        board.finished(phase)
+        t = finish(phase, start)
         phase = "transfer"
         _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
                   stats, show_progress)
-        board.finished(phase)
+        t = finish(phase, t)
         phase = "agree"
         mismatch = _verify(mine, all_needs, capture, ep_plan, topology, node_group) if verify else None
         # Nobody leaves the init until everyone has its shards (and, with verify, they check out).
         transport.raise_together(mismatch, "memory_efficient_init verification")
         stats.collective_calls += 1
-        board.finished(phase)
+        finish(phase, t)
     except transport.DistributedInitError as exc:
         board.failed(str(exc))
         raise
@@ -108,6 +117,7 @@ def distribute(
         shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
+        phase_seconds=phase_seconds,
     )
 
 
