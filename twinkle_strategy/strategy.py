@@ -38,7 +38,6 @@ from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.platform import (
-    LaunchEnv,
     NodeTopology,
     current_device,
     discover_topology,
