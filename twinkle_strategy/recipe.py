@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from typing import Any
 
 from omegaconf import MISSING, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -179,7 +178,3 @@ def _num_experts(path: str) -> int | None:
         if isinstance(cfg.get(key), int):
             return cfg[key]
     return None
-
-
-def recipe_to_dict(recipe: Recipe) -> dict[str, Any]:
-    return dataclasses.asdict(recipe)

@@ -275,10 +275,6 @@ class NativeFSDPStrategy:
         """The unsharded state dict (plain transformers/PEFT keys and shapes, CPU tensors). Collective."""
         return gather_full_state_dict(model, self.ep_plan, self.meshes.ep_group, rank0_only=rank0_only, keys=keys)
 
-    def barrier(self) -> None:
-        if dist.is_initialized():
-            dist.barrier()
-
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

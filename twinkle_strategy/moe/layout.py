@@ -53,6 +53,3 @@ class ExpertAxis:
         split = [p.reshape(self._split_shape(p.shape, c)) for p, c in zip(parts, counts)]
         joined = torch.cat(split, dim=self.dim + 1)
         return joined.reshape(self.local_shape(parts[0].shape, sum(counts)))
-
-    def with_num_experts(self, num_experts: int) -> "ExpertAxis":
-        return dataclasses.replace(self, num_experts=num_experts)
