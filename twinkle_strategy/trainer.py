@@ -170,8 +170,11 @@ class Trainer:
         """This rank's micro-batches of optimizer step ``step``: a seeded permutation per epoch."""
         args, rank = self.args, self.strategy.rank
         epoch, index = divmod(step, self.steps_per_epoch)
-        generator = torch.Generator().manual_seed(args.seed + epoch)
-        order = torch.randperm(len(self.train_dataset), generator=generator).tolist()
+        if getattr(self, "_order_epoch", None) != epoch:  # one permutation per epoch, not per step
+            generator = torch.Generator().manual_seed(args.seed + epoch)
+            self._order = torch.randperm(len(self.train_dataset), generator=generator).tolist()
+            self._order_epoch = epoch
+        order = self._order
         batches = []
         for micro in range(args.gradient_accumulation_steps):
             base = (index * args.gradient_accumulation_steps + micro) * self.global_batch
