@@ -1,0 +1,459 @@
+"""ms-swift integration: ``swift sft --external_plugins <this file>`` trains with NativeFSDPStrategy.
+
+    twinkle-sft --swift-plugin-path          # prints this file's path
+    TWINKLE_EP_SIZE=2 NPROC_PER_NODE=2 swift sft --external_plugins $(twinkle-sft --swift-plugin-path) \\
+        --model Qwen/Qwen3-30B-A3B --dataset sft.jsonl --tuner_type lora --lora_dropout 0 \\
+        --target_modules q_proj k_proj v_proj o_proj \\
+        --target_parameters mlp.experts.gate_up_proj mlp.experts.down_proj
+
+swift imports this module while it parses its arguments (``BaseArguments._import_external_plugins``),
+in every training process and before anything else happens. Importing it hooks four places of
+ms-swift 4.x; everything else (data, template, loss, logging, output layout) stays swift's own:
+
+1. **Arguments** (``SftArguments._init_fsdp``): reads the strategy options (``TWINKLE_*``
+   environment variables, or a ``"twinkle"`` object in the ``--fsdp`` JSON) and checks them and the
+   LoRA options before any model is loaded.
+2. **Model loading** (``ModelLoader.load``): with ``memory_efficient_init`` only each node's local
+   rank 0 reads the checkpoint (on CPU); every other rank builds the same model on the meta device.
+   Without it every rank loads on CPU. Missing or wrong-shaped tensors fail on every rank.
+3. **Tuner** (``TunerMixin.prepare_model``): swift applies its tuner (``--tuner_type lora`` with
+   ``--target_parameters`` for expert LoRA, or ``full``) to the whole, un-split model, so a LoRA
+   adapter is the full ``[r*E]`` one; then ``strategy.wrap_model`` applies EP and FSDP2 and, with
+   ``memory_efficient_init``, sends every rank exactly its shards from its node's source.
+4. **Trainer** (``TrainerFactory.get_trainer_cls``): swift's trainer class, with EP-aware gradient
+   clipping, and saving that gathers collectively (``strategy.full_state_dict(rank0_only=True)`` on
+   every rank) before swift writes the checkpoint on process zero, plus per-rank optimizer state
+   so ``--resume_from_checkpoint`` continues exactly (same world size and ep_size).
+
+Options (the ``--fsdp`` JSON's ``"twinkle"`` object wins over the environment)::
+
+    TWINKLE_EP_SIZE=8                    "ep_size": 8                  ranks that split each MoE layer's experts
+    TWINKLE_EP_FSDP_SIZE=2               "ep_fsdp_size": 2             default world_size / ep_size
+    TWINKLE_MEMORY_EFFICIENT_INIT=1      "memory_efficient_init": true default true
+    TWINKLE_INIT_BUCKET_MB=256           "init_bucket_mb": 256
+    TWINKLE_INIT_TRANSPORT=p2p           "init_transport": "p2p"       or "scatter"
+    TWINKLE_VERIFY_INIT=0                "verify_init": false
+    TWINKLE_MIXED_PRECISION=bf16         "mixed_precision": "bf16"     default: swift's --bf16/--fp16, else no
+    TWINKLE_TIMEOUT_S=1800               "timeout_s": 1800
+    TWINKLE_RESHARD_AFTER_FORWARD=1      "reshard_after_forward": true
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import torch
+
+_CANONICAL_NAME = "twinkle_strategy.swift_plugin"
+# swift imports this file by path, as `_swift_external_<hash>`, after putting its directory first on
+# sys.path. That directory is our package: its platform.py, data.py, ... must not shadow top-level modules.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
+logger = logging.getLogger("twinkle_strategy.swift_plugin")
+
+ENV_PREFIX = "TWINKLE_"
+# option -> parser; the default is NativeFSDPStrategy's unless listed in DEFAULTS.
+_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+def _parse_bool(value) -> bool:
+    if isinstance(value, bool):
+        return value
+    word = str(value).strip().lower()
+    if word not in _BOOL_WORDS:
+        raise ValueError(f"expected true/false, got {value!r}")
+    return _BOOL_WORDS[word]
+
+
+def _parse_optional_int(value):
+    return None if value in (None, "", "none", "None") else int(value)
+
+
+OPTIONS = {
+    "ep_size": int,
+    "ep_fsdp_size": _parse_optional_int,
+    "memory_efficient_init": _parse_bool,
+    "init_bucket_mb": float,
+    "init_transport": str,
+    "verify_init": _parse_bool,
+    "mixed_precision": str,
+    "timeout_s": float,
+    "reshard_after_forward": _parse_bool,
+}
+DEFAULTS = {"ep_size": 1, "memory_efficient_init": True}
+
+
+class SwiftPluginError(ValueError):
+    """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
+
+
+def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str, Any]:
+    """Strategy options from ``TWINKLE_*`` variables, overridden by the ``--fsdp`` JSON's ``"twinkle"`` object."""
+    environ = os.environ if environ is None else environ
+    options: dict[str, Any] = dict(DEFAULTS)
+    sources = [(f"environment variable {ENV_PREFIX}{k.upper()}", k, environ[f"{ENV_PREFIX}{k.upper()}"])
+               for k in OPTIONS if f"{ENV_PREFIX}{k.upper()}" in environ]
+    unknown = sorted(set(fsdp_options or {}) - set(OPTIONS))
+    if unknown:
+        raise SwiftPluginError(f'--fsdp: unknown key(s) {unknown} in "twinkle"; supported: {sorted(OPTIONS)}')
+    sources += [(f'--fsdp "twinkle": {{"{k}": ...}}', k, v) for k, v in (fsdp_options or {}).items()]
+    for where, key, raw in sources:
+        try:
+            options[key] = OPTIONS[key](raw)
+        except (TypeError, ValueError) as exc:
+            raise SwiftPluginError(f"{where}={raw!r}: {exc}") from exc
+    return options
+
+
+# ------------------------------------------------------------------ state of this process
+_STATE: dict[str, Any] = {"args": None, "fsdp_options": {}, "strategy": None}
+
+
+def get_strategy():
+    """The process's NativeFSDPStrategy, built on first use from the options and swift's arguments."""
+    if _STATE["strategy"] is None:
+        from twinkle_strategy.strategy import NativeFSDPStrategy
+
+        args = _STATE["args"]
+        options = resolve_options(_STATE["fsdp_options"])
+        options.setdefault("mixed_precision", _STATE.get("swift_precision", "no"))
+        fsdp_config = {}
+        if "reshard_after_forward" in options:
+            fsdp_config["reshard_after_forward"] = options.pop("reshard_after_forward")
+        backend = getattr(args, "ddp_backend", None)
+        strategy = NativeFSDPStrategy(fsdp_config=fsdp_config, backend=backend, **options)
+        strategy.setup()
+        _STATE["strategy"] = strategy
+        if strategy.is_main_process:
+            logger.info("twinkle swift plugin: NativeFSDPStrategy(%s), world_size=%d, nodes=%d",
+                        ", ".join(f"{k}={v}" for k, v in options.items()), strategy.world_size,
+                        strategy.topology.num_nodes)
+    return _STATE["strategy"]
+
+
+# ------------------------------------------------------------------ 1. arguments
+def _check_args(args) -> None:
+    if getattr(args, "rlhf_type", None) is not None:
+        raise SwiftPluginError("the twinkle plugin supports `swift sft` and `swift pt`, not `swift rlhf`")
+    if getattr(args, "sequence_parallel_size", 1) > 1:
+        raise SwiftPluginError("--sequence_parallel_size > 1 is not supported with the twinkle plugin; set it to 1")
+    if getattr(args, "deepspeed", None):
+        raise SwiftPluginError("--deepspeed and the twinkle plugin both shard the model; drop --deepspeed")
+    if getattr(args, "tuner_type", "lora") not in ("lora", "full"):
+        raise SwiftPluginError(f"--tuner_type {args.tuner_type} is not supported with the twinkle plugin; "
+                               "use lora (with --target_parameters for expert LoRA) or full")
+    if getattr(args, "use_swift_lora", False) or getattr(args, "tuner_backend", "peft") != "peft":
+        raise SwiftPluginError("the twinkle plugin needs PEFT LoRA: drop --use_swift_lora/--tuner_backend")
+    if args.tuner_type == "lora" and getattr(args, "target_parameters", None):
+        # PEFT's ParamWrapper computes W + B@A per expert; these need the adapter applied to activations.
+        bad = [(f"--lora_dropout {args.lora_dropout}", "--lora_dropout 0", bool(args.lora_dropout)),
+               ("--use_dora true", "--use_dora false", bool(getattr(args, "use_dora", False))),
+               (f"--lora_bias {args.lora_bias}", "--lora_bias none", getattr(args, "lora_bias", "none") != "none")]
+        for option, fix, is_bad in bad:
+            if is_bad:
+                raise SwiftPluginError(
+                    f"{option} cannot be used with --target_parameters {' '.join(args.target_parameters)} "
+                    f"(LoRA on fused expert weights): pass {fix}, or drop --target_parameters")
+
+
+def _init_fsdp(orig, self) -> None:
+    if self.fsdp:
+        orig(self)
+        fsdp_config = self.fsdp_config or {}
+        if int(fsdp_config.get("fsdp_version", 2)) != 2:
+            raise SwiftPluginError("--fsdp: the twinkle plugin needs fsdp_version 2")
+        if _parse_bool(fsdp_config.get("activation_checkpointing", False)):
+            raise SwiftPluginError('--fsdp: "activation_checkpointing": true is not supported with the twinkle '
+                                   "plugin (accelerate would wrap the already-sharded layers); use "
+                                   "--gradient_checkpointing true instead")
+        twinkle = fsdp_config.pop("twinkle", None) or {}
+        if not isinstance(twinkle, dict):
+            raise SwiftPluginError(f'--fsdp: "twinkle" must be a JSON object, got {twinkle!r}')
+        _STATE["fsdp_options"] = twinkle
+    else:
+        self.fsdp = []
+    _STATE["args"] = self
+    resolve_options(_STATE["fsdp_options"])  # option errors now, before any model is loaded
+    _check_args(self)
+    # Precision is FSDP2's MixedPrecisionPolicy (compute in bf16, reduce gradients in fp32), not accelerate's
+    # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.
+    _STATE["swift_precision"] = "bf16" if self.bf16 else "no"
+    self.bf16 = self.fp16 = False
+    from twinkle_strategy.platform import detect_device_type
+
+    if detect_device_type() == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        self.use_cpu = True  # otherwise transformers sees no distributed job on CPU (no gloo data parallelism)
+    if self.gradient_checkpointing:
+        # FSDP2 re-gathers parameters inside the recomputation; reentrant checkpointing does not work with that.
+        kwargs = self.gradient_checkpointing_kwargs
+        if isinstance(kwargs, str):
+            kwargs = json.loads(kwargs)
+        kwargs = dict(kwargs or {})
+        kwargs.setdefault("use_reentrant", False)
+        self.gradient_checkpointing_kwargs = kwargs
+
+
+# ------------------------------------------------------------------ 2. model loading
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _meta_model(cls, config, kwargs):
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype in (None, "auto"):
+        dtype = getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _checked_load(from_pretrained, cls, path, *args, **kwargs):
+    kwargs["device_map"] = None  # CPU: shards go to the devices in wrap_model; no rank holds a whole model there
+    want_info = kwargs.pop("output_loading_info", False)
+    # transformers' own FSDP loading would give every non-local-rank-0 process a zero-filled copy.
+    with _env("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"):
+        model, info = from_pretrained(cls, path, *args, output_loading_info=True, **kwargs)
+    problems = [f"tensor '{key}' has shape {tuple(c)} in the checkpoint but the model expects {tuple(m)}"
+                for key, c, m in sorted(info.get("mismatched_keys", ()))]
+    problems += [f"tensor '{key}' is missing from the checkpoint" for key in sorted(info.get("missing_keys", ()))]
+    if problems and kwargs.get("ignore_mismatched_sizes") is not True:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        from twinkle_strategy.loading import CheckpointError
+
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shown}")
+    return (model, info) if want_info else model
+
+
+@contextlib.contextmanager
+def _strategy_from_pretrained(strategy):
+    """``PreTrainedModel.from_pretrained`` as the strategy wants it, while swift loads the model."""
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.__dict__["from_pretrained"]
+    from_pretrained = original.__func__
+    on_meta = strategy.memory_efficient_init and not strategy.topology.is_source
+
+    def patched(cls, path, *args, config=None, **kwargs):
+        if on_meta:
+            if config is None:
+                from transformers import AutoConfig
+
+                config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+            return _meta_model(cls, config, kwargs)
+        return _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs)
+
+    PreTrainedModel.from_pretrained = classmethod(patched)
+    try:
+        yield
+    finally:
+        PreTrainedModel.from_pretrained = original
+
+
+def _load(orig, self):
+    if not getattr(self, "load_model", False) or getattr(self, "return_dummy_model", False):
+        return orig(self)
+    from twinkle_strategy.fail_together import raise_together
+
+    strategy = get_strategy()
+    result, error = None, None
+    try:
+        with _strategy_from_pretrained(strategy):
+            result = orig(self)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank just below
+        error = exc
+    raise_together(error, f"loading {self.model_info.model_dir}")
+    _STATE["loaded_checkpoint"] = not (strategy.memory_efficient_init and not strategy.topology.is_source)
+    if strategy.is_main_process:
+        where = ("each node's local rank 0 loaded it on CPU, the others built it on meta"
+                 if strategy.memory_efficient_init else "every rank loaded it on CPU")
+        logger.info("twinkle swift plugin: %s: %s", self.model_info.model_dir, where)
+    return result
+
+
+# ------------------------------------------------------------------ 3. tuner, then EP + FSDP2
+def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
+    from torch.distributed.fsdp import FSDPModule
+
+    if isinstance(model, FSDPModule):
+        return orig.__func__(cls, args, model, *pargs, **kwargs)
+    strategy = get_strategy()
+    # The same fresh adapter whatever the number of nodes: with memory_efficient_init the source's
+    # adapter is the one every rank receives, so only its RNG matters; without it all ranks agree.
+    torch.manual_seed(args.seed)
+    model = orig.__func__(cls, args, model, *pargs, **kwargs)
+    model, _ = strategy.wrap_model(model)
+    # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
+    model._is_accelerate_prepared = True
+    if strategy.is_main_process and strategy.init_report is not None:
+        logger.info("twinkle swift plugin: %s", strategy.init_report.log_line())
+    return model
+
+
+# ------------------------------------------------------------------ 4. trainer
+STATE_DIR = "twinkle_state"
+
+
+class TwinkleTrainerMixin:
+    """What swift's trainer needs for a model sharded by NativeFSDPStrategy (placed before swift's class)."""
+
+    @property
+    def twinkle_strategy(self):
+        return get_strategy()
+
+    def _move_model_to_device(self, model, device):
+        pass  # every rank's shards are on its device since wrap_model
+
+    # -- gradient norm: expert gradients live on another mesh than the rest
+    def _clip_grad_norm(self, model):
+        return self.twinkle_strategy.clip_grad_norm_(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.twinkle_strategy.clip_grad_norm_(model, float("inf"))
+        return grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+
+    # -- saving: gather on every rank, write on process zero (swift's own _save and layout)
+    def _twinkle_keys(self):
+        if self.args.tuner_type == "full":
+            return None
+        return {n for n, p in self.model.named_parameters() if p.requires_grad}
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        state = self.twinkle_strategy.full_state_dict(self.model, rank0_only=True, keys=self._twinkle_keys())
+        if self.args.should_save:
+            self._save(output_dir, state_dict=state)
+        del state
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        from twinkle_strategy.checkpoint import _local, _optimizer_to_local
+
+        strategy = self.twinkle_strategy
+        os.makedirs(os.path.join(output_dir, STATE_DIR), exist_ok=True)
+        local = {
+            "layout": {"world_size": strategy.world_size, "ep_size": strategy.ep_size},
+            "params": {n: _local(p.detach()).clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "optimizer": _optimizer_to_local(self.optimizer.state_dict()),
+        }
+        torch.save(local, os.path.join(output_dir, STATE_DIR, f"rank{strategy.rank}.pt"))
+        if self.args.should_save and self.lr_scheduler is not None:
+            from transformers.trainer import SCHEDULER_NAME
+
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _twinkle_local_state(self, checkpoint: str) -> dict:
+        from twinkle_strategy.checkpoint import ResumeError
+
+        strategy = self.twinkle_strategy
+        path = os.path.join(checkpoint, STATE_DIR, f"rank{strategy.rank}.pt")
+        if not os.path.isfile(path):
+            raise ResumeError(f"{checkpoint} has no {STATE_DIR}/rank{strategy.rank}.pt: it was not saved by the "
+                              "twinkle plugin with this world size (or was saved with --save_only_model)")
+        local = torch.load(path, map_location="cpu", weights_only=False)
+        layout = {"world_size": strategy.world_size, "ep_size": strategy.ep_size}
+        if local["layout"] != layout:
+            raise ResumeError(f"{checkpoint} was saved with {local['layout']}, this run has {layout}; "
+                              "resume with the same parallel layout")
+        return local
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        from twinkle_strategy.checkpoint import _local
+
+        local = self._twinkle_local_state(resume_from_checkpoint)
+        params = dict((model or self.model).named_parameters())
+        with torch.no_grad():
+            for name, tensor in local["params"].items():
+                _local(params[name]).copy_(tensor)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or self.args.resume_only_model:
+            return
+        from transformers.trainer import SCHEDULER_NAME
+
+        from twinkle_strategy.checkpoint import _optimizer_from_local
+
+        local = self._twinkle_local_state(checkpoint)
+        self.optimizer.load_state_dict(_optimizer_from_local(local["optimizer"], self.optimizer))
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+
+
+_TRAINER_CLASSES: dict[type, type] = {}
+
+
+def _get_trainer_cls(orig, cls, args):
+    base = orig.__func__(cls, args)
+    if base not in _TRAINER_CLASSES:
+        _TRAINER_CLASSES[base] = type(f"Twinkle{base.__name__}", (TwinkleTrainerMixin, base), {})
+    return _TRAINER_CLASSES[base]
+
+
+# ------------------------------------------------------------------ installing the hooks
+def _patch(owner, name: str, hook, kind: str = "method") -> None:
+    original = owner.__dict__[name]
+    if getattr(getattr(original, "__func__", original), "_twinkle_hook", False):
+        return  # already hooked (this file imported under two names, or replayed in a dataloader worker)
+    if kind == "classmethod":
+        @classmethod
+        @functools.wraps(original.__func__)
+        def wrapper(cls, *args, **kwargs):
+            return hook(original.__get__(None, cls), cls, *args, **kwargs)
+
+        wrapper.__func__._twinkle_hook = True
+    else:
+        @functools.wraps(original)
+        def wrapper(self, *args, **kwargs):
+            return hook(original, self, *args, **kwargs)
+
+        wrapper._twinkle_hook = True
+    setattr(owner, name, wrapper)
+
+
+def install() -> None:
+    """Hook NativeFSDPStrategy into ms-swift (idempotent). Called when swift imports this module."""
+    from swift.arguments import SftArguments
+    from swift.model.register import ModelLoader
+    from swift.pipelines.train.tuner import TunerMixin
+    from swift.trainers import TrainerFactory
+
+    _patch(SftArguments, "_init_fsdp", _init_fsdp)
+    _patch(ModelLoader, "load", _load)
+    _patch(TunerMixin, "prepare_model", _prepare_model, kind="classmethod")
+    _patch(TrainerFactory, "get_trainer_cls", _get_trainer_cls, kind="classmethod")
+
+
+def plugin_path() -> str:
+    """The path to pass to ``swift sft --external_plugins``."""
+    return os.path.abspath(__file__)
+
+
+if __name__ != _CANONICAL_NAME and _CANONICAL_NAME not in sys.modules:
+    # One module per process, whichever name imported it first: the hooks and the strategy live here.
+    sys.modules[_CANONICAL_NAME] = sys.modules[__name__]
+try:
+    import swift  # noqa: F401
+except ImportError:  # imported outside ms-swift (e.g. for plugin_path): nothing to hook
+    pass
+else:
+    install()
