@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="twinkle-sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("recipe", nargs="?", help="YAML recipe (see yaml/); flags and key=value override it")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=20")
+    parser.add_argument("--swift-plugin-path", action="store_true",
+                        help="print the path of the ms-swift --external_plugins module and exit")
     group = parser.add_argument_group("swift sft compatible flags")
     for flag, (key, text) in SWIFT_FLAGS.items():
         group.add_argument(f"--{flag}", dest=flag, nargs="+" if key in LIST_KEYS else None, default=None,
@@ -99,6 +101,10 @@ def _launch_command(argv: list[str], recipe: Recipe) -> list[str] | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--swift-plugin-path" in argv:
+        # A path, not an import: importing the plugin would patch ms-swift in this process.
+        print(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swift_plugin.py"))
+        return 0
     try:
         recipe = parse(argv)
     except (RecipeError, TwinkleError) as exc:
