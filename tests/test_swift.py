@@ -1,0 +1,254 @@
+"""`swift sft` (real ms-swift 4.x) with the twinkle plugin, on CPU with gloo.
+
+ms-swift 4.6 needs older transformers/peft than .venv, so it lives in its own virtualenv,
+.venv-swift, which ``scripts/swift_env.sh`` creates (or only checks, when it is there). Each run
+is `NPROC_PER_NODE=2 swift sft --external_plugins twinkle_strategy/swift_plugin.py
+tests/workers/swift_probe_plugin.py --callbacks twinkle_probe ...` on the tiny Qwen3-MoE with
+EP=2 and LoRA on attention and experts; the probe callback records, at the end of training, the
+distributed model's logits on fixed tokens and each rank's memory_efficient_init report.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from workers.swift_peft_logits import peft_logits
+
+from twinkle_strategy.launcher import free_port
+from twinkle_strategy.tiny_models import prepare_demo_model
+
+REPO = Path(__file__).resolve().parent.parent
+SWIFT_BIN = REPO / ".venv-swift" / "bin"
+PLUGIN = REPO / "twinkle_strategy" / "swift_plugin.py"
+WORKERS = REPO / "tests" / "workers"
+PROBE = WORKERS / "swift_probe_plugin.py"
+DATASET = REPO / "examples" / "data" / "demo_sft.jsonl"
+MAX_STEPS = 10
+
+LORA_ARGS = ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout", "0",
+             "--target_modules", "q_proj", "v_proj",
+             "--target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+BATCH_2 = ["--per_device_train_batch_size", "2"]
+
+
+def _tail(text: str, n: int = 8000) -> str:
+    lines = [line for line in text.splitlines() if "is ignored: it is neither a file" not in line]
+    return "\n".join(lines)[-n:]
+
+
+@pytest.fixture(scope="module")
+def swift_bin() -> Path:
+    proc = subprocess.run(["bash", "scripts/swift_env.sh"], cwd=REPO, check=False, capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, f"scripts/swift_env.sh failed:\n{_tail(proc.stdout + proc.stderr)}"
+    return SWIFT_BIN
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("swift_model") / "tiny_qwen3_moe"
+    prepare_demo_model(str(path), str(DATASET))
+    return path
+
+
+def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
+                  nnodes: int = 1, timeout: float = 420) -> dict:
+    """One `swift sft` with 2 processes per node (``nnodes`` simulated nodes on this machine, each its own
+    `swift sft` as on a cluster); returns its losses, run directory and what the probe recorded."""
+    cmd = [str(swift_bin / "swift"), "sft", "--external_plugins", str(PLUGIN), str(PROBE),
+           "--callbacks", "twinkle_probe", "--model", str(model), "--template", "qwen3_nothinking",
+           "--dataset", str(DATASET), "--torch_dtype", "float32", "--max_steps", str(MAX_STEPS),
+           "--learning_rate", "5e-3", "--logging_steps", "1", "--save_steps", "5",
+           "--output_dir", str(out / "output"), "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
+           "--report_to", "none", "--check_model", "false", *extra]
+    port = str(free_port())
+    procs, logs = [], []
+    for node in range(nnodes):
+        node_env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                    "NNODES": str(nnodes), "NODE_RANK": str(node), "OMP_NUM_THREADS": "1",
+                    "TOKENIZERS_PARALLELISM": "false", "TWINKLE_PROBE_OUT": str(out / "probe"), **env}
+        node_env.pop("VIRTUAL_ENV", None)
+        logs.append(out / f"swift_node{node}.log")
+        with open(logs[-1], "w") as log:
+            procs.append(subprocess.Popen(cmd, env=node_env, cwd=out, stdout=log, stderr=subprocess.STDOUT,
+                                          start_new_session=True))
+    returncodes = []
+    for proc in procs:
+        try:
+            returncodes.append(proc.wait(timeout=timeout))
+        except subprocess.TimeoutExpired:
+            returncodes.append(None)
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = "\n".join(f"--- node {i} ---\n" + path.read_text(errors="replace") for i, path in enumerate(logs))
+    assert returncodes == [0] * nnodes, f"swift sft exited with {returncodes} (None: killed after {timeout}s):\n" \
+        + "\n".join(_tail(path.read_text(errors="replace"), 6000) for path in logs)
+    (run_dir,) = glob.glob(str(out / "output" / "v0-*"))
+    losses = {}
+    with open(os.path.join(run_dir, "logging.jsonl")) as f:
+        for line in f:
+            entry = json.loads(line)
+            if "loss" in entry and "global_step/max_steps" in entry:
+                losses[int(entry["global_step/max_steps"].split("/")[0])] = entry["loss"]
+    probe = out / "probe"
+    return {
+        "log": log,
+        "run_dir": Path(run_dir),
+        "probe_dir": probe,
+        "losses": losses,
+        "ranks": {r: json.loads((probe / f"rank{r}.json").read_text()) for r in range(2 * nnodes)},
+        "logits": torch.load(probe / "logits.pt"),
+    }
+
+
+@pytest.fixture(scope="module")
+def lora_runs(swift_bin, tiny_model, tmp_path_factory):
+    """The same LoRA run with memory_efficient_init (options from TWINKLE_* variables) and without
+    (options from the --fsdp JSON); then a resume of the second one from checkpoint-5, with
+    memory_efficient_init."""
+    runs = {}
+    out = tmp_path_factory.mktemp("swift_mem")
+    runs["mem"] = run_swift_sft(swift_bin, tiny_model, out, [*BATCH_2, *LORA_ARGS],
+                                {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"})
+    out = tmp_path_factory.mktemp("swift_plain")
+    fsdp = {"fsdp": "full_shard auto_wrap",
+            "fsdp_config": {"fsdp_version": 2, "twinkle": {"ep_size": 2, "memory_efficient_init": False}}}
+    runs["plain"] = run_swift_sft(swift_bin, tiny_model, out, [*BATCH_2, *LORA_ARGS, "--fsdp", json.dumps(fsdp)], {})
+    out = tmp_path_factory.mktemp("swift_resume")
+    checkpoint = runs["plain"]["run_dir"] / "checkpoint-5"
+    runs["resume"] = run_swift_sft(swift_bin, tiny_model, out,
+                                   [*BATCH_2, *LORA_ARGS, "--resume_from_checkpoint", str(checkpoint)],
+                                   {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"})
+    return runs
+
+
+def test_swift_sft_lora_trains_with_memory_efficient_init(lora_runs):
+    run = lora_runs["mem"]
+    assert "twinkle swift plugin: NativeFSDPStrategy(ep_size=2, memory_efficient_init=True" in run["log"]
+    losses = [run["losses"][step] for step in range(1, MAX_STEPS + 1)]
+    assert all(math.isfinite(loss) and 0 < loss < 20 for loss in losses), losses
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.3, f"the loss did not go down: {losses}"
+    source, receiver = run["ranks"][0], run["ranks"][1]
+    assert source["is_source"] and source["loaded_checkpoint"]
+    # Rank 1 never read the checkpoint: it built the model on meta and received exactly its shards.
+    assert not receiver["is_source"] and receiver["loaded_checkpoint"] is False
+    report = receiver["init_report"]
+    assert report["bytes_received"] == report["shard_bytes"] + report["buffer_bytes"] > 0
+    assert source["init_report"]["bytes_sent"] == report["bytes_received"]
+    assert receiver["model_class"].startswith("FSDP")
+    # swift's own output layout
+    checkpoint = run["run_dir"] / f"checkpoint-{MAX_STEPS}"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json", "args.json",
+                 "twinkle_state/rank0.pt", "twinkle_state/rank1.pt"):
+        assert (checkpoint / name).is_file(), f"{checkpoint} has no {name}"
+    assert (run["run_dir"] / "checkpoint-5" / "adapter_model.safetensors").is_file()
+
+
+def test_swift_sft_same_losses_without_memory_efficient_init(lora_runs):
+    mem, plain = lora_runs["mem"], lora_runs["plain"]
+    assert "memory_efficient_init=False" in plain["log"]
+    assert plain["ranks"][1]["loaded_checkpoint"] is True and plain["ranks"][1]["init_report"] is None
+    assert sorted(mem["losses"]) == sorted(plain["losses"]) == list(range(1, MAX_STEPS + 1))
+    for step in mem["losses"]:
+        assert abs(mem["losses"][step] - plain["losses"][step]) <= 1e-6, (step, mem["losses"], plain["losses"])
+    assert torch.allclose(mem["logits"]["logits"], plain["logits"]["logits"], atol=1e-5)
+
+
+def test_swift_sft_resume_continues_exactly(lora_runs):
+    resumed, plain = lora_runs["resume"], lora_runs["plain"]
+    assert sorted(resumed["losses"]) == list(range(6, MAX_STEPS + 1)), resumed["losses"]
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - plain["losses"][step]) <= 1e-5, (step, resumed["losses"], plain["losses"])
+
+
+def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):
+    """The saved adapter is the full [r*E] one: plain PEFT on one process gives the distributed model's logits,
+    with this repo's peft/transformers and with the older ones swift runs on."""
+    run = lora_runs["mem"]
+    adapter = run["run_dir"] / f"checkpoint-{MAX_STEPS}"
+    probe = run["logits"]
+    logits, base_logits = peft_logits(str(tiny_model), str(adapter), probe["input_ids"])
+    assert (base_logits - probe["logits"]).abs().max() > 0.1, "the trained adapter changes nothing"
+    assert torch.allclose(logits, probe["logits"], atol=1e-4), (logits - probe["logits"]).abs().max()
+    proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), str(tiny_model),
+                           str(adapter), str(run["probe_dir"] / "logits.pt")],
+                          check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
+    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("PEFT ")]
+    _, version, diff = line.split()
+    assert version.startswith("0.2") and float(diff) <= 1e-4, line
+
+
+def test_swift_sft_two_nodes_node_local_sources(swift_bin, tiny_model, tmp_path):
+    """2 simulated nodes x 2 ranks (one `swift sft` per node, NNODES/NODE_RANK as on a cluster): each node's
+    local rank 0 reads the checkpoint and feeds only its own node; EP groups never span nodes."""
+    run = run_swift_sft(swift_bin, tiny_model, tmp_path, ["--per_device_train_batch_size", "1", *LORA_ARGS],
+                        {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "true"}, nnodes=2)
+    assert "world_size=4, nodes=2" in run["log"]
+    ranks = run["ranks"]
+    assert [ranks[r]["loaded_checkpoint"] for r in range(4)] == [True, False, True, False]
+    for source, receiver in ((0, 1), (2, 3)):
+        sent, got = ranks[source]["init_report"], ranks[receiver]["init_report"]
+        assert sent["bytes_received"] == 0 and sent["bytes_sent"] == got["bytes_received"] > 0
+        assert got["bytes_received"] == got["shard_bytes"] + got["buffer_bytes"]
+    assert sorted(run["losses"]) == list(range(1, MAX_STEPS + 1))
+    losses = [run["losses"][s] for s in range(1, MAX_STEPS + 1)]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
+    checkpoint = run["run_dir"] / f"checkpoint-{MAX_STEPS}"
+    assert sorted(p.name for p in (checkpoint / "twinkle_state").iterdir()) == [f"rank{r}.pt" for r in range(4)]
+    logits, _ = peft_logits(str(tiny_model), str(checkpoint), run["logits"]["input_ids"])
+    assert torch.allclose(logits, run["logits"]["logits"], atol=1e-4), (logits - run["logits"]["logits"]).abs().max()
+
+
+# ------------------------------------------------------------- options and argument checks (no swift needed)
+def test_plugin_options_from_environment_and_fsdp_json():
+    from twinkle_strategy.swift_plugin import SwiftPluginError, resolve_options
+
+    env = {"TWINKLE_EP_SIZE": "4", "TWINKLE_MEMORY_EFFICIENT_INIT": "0", "TWINKLE_INIT_BUCKET_MB": "64"}
+    assert resolve_options(None, env) == {"ep_size": 4, "memory_efficient_init": False, "init_bucket_mb": 64.0}
+    # the --fsdp JSON wins over the environment
+    assert resolve_options({"ep_size": 8, "verify_init": True}, env)["ep_size"] == 8
+    assert resolve_options({}, {}) == {"ep_size": 1, "memory_efficient_init": True}
+    with pytest.raises(SwiftPluginError, match="TWINKLE_EP_SIZE='two'"):
+        resolve_options(None, {"TWINKLE_EP_SIZE": "two"})
+    with pytest.raises(SwiftPluginError, match=r"unknown key\(s\) \['ep'\]"):
+        resolve_options({"ep": 2}, {})
+    with pytest.raises(SwiftPluginError, match="expected true/false"):
+        resolve_options({"memory_efficient_init": "maybe"}, {})
+
+
+def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
+    from twinkle_strategy.swift_plugin import SwiftPluginError, _check_args
+
+    args = types.SimpleNamespace(tuner_type="lora", lora_dropout=0.05, use_dora=False, lora_bias="none",
+                                 target_parameters=["mlp.experts.gate_up_proj"])
+    with pytest.raises(SwiftPluginError, match="--lora_dropout 0"):
+        _check_args(args)
+    args.lora_dropout = 0.0
+    _check_args(args)
+    args.tuner_type = "adalora"
+    with pytest.raises(SwiftPluginError, match="--tuner_type adalora"):
+        _check_args(args)
+    args.tuner_type, args.sequence_parallel_size = "lora", 2
+    with pytest.raises(SwiftPluginError, match="sequence_parallel_size"):
+        _check_args(args)
+
+
+def test_plugin_module_imports_without_swift():
+    """Outside ms-swift (e.g. for `twinkle-sft --swift-plugin-path`) importing it hooks nothing."""
+    code = "import twinkle_strategy.swift_plugin as p; print(p.plugin_path())"
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(PLUGIN)
