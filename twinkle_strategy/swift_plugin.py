@@ -186,9 +186,12 @@ def _init_fsdp(orig, self) -> None:
     # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.
     _STATE["swift_precision"] = "bf16" if self.bf16 else "no"
     self.bf16 = self.fp16 = False
-    from twinkle_strategy.platform import detect_device_type
+    from twinkle_strategy.platform import apply_backend_env_defaults, backend_for, detect_device_type
 
-    if detect_device_type() == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    device_type = detect_device_type()
+    # Before accelerate creates the process group (the strategy then reuses it).
+    apply_backend_env_defaults(backend_for(device_type, self.ddp_backend))
+    if device_type == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         self.use_cpu = True  # otherwise transformers sees no distributed job on CPU (no gloo data parallelism)
     if self.gradient_checkpointing:
         # FSDP2 re-gathers parameters inside the recomputation; reentrant checkpointing does not work with that.
