@@ -12,7 +12,8 @@ ms-swift 4.x; everything else (data, template, loss, logging, output layout) sta
 
 1. **Arguments** (``SftArguments._init_fsdp``): reads the strategy options (``TWINKLE_*``
    environment variables, or a ``"twinkle"`` object in the ``--fsdp`` JSON) and checks them and the
-   LoRA options before any model is loaded.
+   LoRA options before any model is loaded. ``--fsdp`` is then cleared: transformers and
+   accelerate must not shard, wrap or save the model themselves.
 2. **Model loading** (``ModelLoader.load``): with ``memory_efficient_init`` only each node's local
    rank 0 reads the checkpoint (on CPU); every other rank builds the same model on the meta device.
    Without it every rank loads on CPU. Missing or wrong-shaped tensors fail on every rank.
@@ -163,22 +164,41 @@ def _check_args(args) -> None:
                     f"(LoRA on fused expert weights): pass {fix}, or drop --target_parameters")
 
 
-def _init_fsdp(orig, self) -> None:
+def _read_fsdp_json(value) -> dict:
+    """swift's ``--fsdp``: a preset name ('fsdp2'), a JSON file or a JSON string."""
+    from swift.utils import json_parse_to_dict
+
+    if value == "fsdp2":
+        import swift
+
+        value = os.path.join(os.path.dirname(swift.__file__), "config", "fsdp2.json")
+    config = json_parse_to_dict(value)
+    if not isinstance(config, dict):
+        raise SwiftPluginError(f"--fsdp {value!r}: expected a preset name, a JSON file or a JSON object")
+    return config
+
+
+def _init_fsdp(_orig, self) -> None:
+    # The strategy shards the model. transformers and accelerate must not see FSDP: they would load
+    # zero-filled copies on other ranks, shard again, or save with a state dict that ignores EP.
+    # ``--fsdp`` is read here only for its options, and then cleared.
     if self.fsdp:
-        orig(self)
-        fsdp_config = self.fsdp_config or {}
+        config = _read_fsdp_json(self.fsdp)
+        fsdp_config = config.get("fsdp_config") or {}
         if int(fsdp_config.get("fsdp_version", 2)) != 2:
-            raise SwiftPluginError("--fsdp: the twinkle plugin needs fsdp_version 2")
-        if _parse_bool(fsdp_config.get("activation_checkpointing", False)):
-            raise SwiftPluginError('--fsdp: "activation_checkpointing": true is not supported with the twinkle '
-                                   "plugin (accelerate would wrap the already-sharded layers); use "
-                                   "--gradient_checkpointing true instead")
-        twinkle = fsdp_config.pop("twinkle", None) or {}
+            raise SwiftPluginError("--fsdp: the twinkle plugin is FSDP2; drop fsdp_version or set it to 2")
+        twinkle = config.get("twinkle", fsdp_config.get("twinkle")) or {}
         if not isinstance(twinkle, dict):
             raise SwiftPluginError(f'--fsdp: "twinkle" must be a JSON object, got {twinkle!r}')
+        twinkle = dict(twinkle)
+        if "reshard_after_forward" in fsdp_config:
+            twinkle.setdefault("reshard_after_forward", fsdp_config["reshard_after_forward"])
+        if _parse_bool(fsdp_config.get("activation_checkpointing", False)) and not self.gradient_checkpointing:
+            logger.info("twinkle swift plugin: fsdp_config.activation_checkpointing -> --gradient_checkpointing")
+            self.gradient_checkpointing = True
         _STATE["fsdp_options"] = twinkle
-    else:
-        self.fsdp = []
+    self.fsdp = []
+    self.fsdp_config = None
     _STATE["args"] = self
     resolve_options(_STATE["fsdp_options"])  # option errors now, before any model is loaded
     _check_args(self)
@@ -186,7 +206,11 @@ def _init_fsdp(orig, self) -> None:
     # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.
     _STATE["swift_precision"] = "bf16" if self.bf16 else "no"
     self.bf16 = self.fp16 = False
-    from twinkle_strategy.platform import apply_backend_env_defaults, backend_for, detect_device_type
+    from twinkle_strategy.platform import (
+        apply_backend_env_defaults,
+        backend_for,
+        detect_device_type,
+    )
 
     device_type = detect_device_type()
     # Before accelerate creates the process group (the strategy then reuses it).
@@ -326,7 +350,11 @@ class TwinkleTrainerMixin:
 
     # -- gradient norm: expert gradients live on another mesh than the rest
     def _clip_grad_norm(self, model):
-        return self.twinkle_strategy.clip_grad_norm_(model, self.args.max_grad_norm)
+        norm = self.twinkle_strategy.clip_grad_norm_(model, self.args.max_grad_norm)
+        if not torch.isfinite(norm):  # like swift: skip this update instead of applying inf/NaN gradients
+            for p in model.parameters():
+                p.grad = None
+        return norm
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:
@@ -370,8 +398,10 @@ class TwinkleTrainerMixin:
         strategy = self.twinkle_strategy
         path = os.path.join(checkpoint, STATE_DIR, f"rank{strategy.rank}.pt")
         if not os.path.isfile(path):
-            raise ResumeError(f"{checkpoint} has no {STATE_DIR}/rank{strategy.rank}.pt: it was not saved by the "
-                              "twinkle plugin with this world size (or was saved with --save_only_model)")
+            if os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
+                raise ResumeError(f"{checkpoint} has no {STATE_DIR}/rank{strategy.rank}.pt: it was saved with "
+                                  "another world size; resume with the same number of processes")
+            return None  # saved with --save_only_model, or not by this plugin
         local = torch.load(path, map_location="cpu", weights_only=False)
         layout = {"world_size": strategy.world_size, "ep_size": strategy.ep_size}
         if local["layout"] != layout:
@@ -383,6 +413,17 @@ class TwinkleTrainerMixin:
         from twinkle_strategy.checkpoint import _local
 
         local = self._twinkle_local_state(resume_from_checkpoint)
+        if local is None:
+            if self.args.tuner_type == "full":
+                from twinkle_strategy.checkpoint import ResumeError
+
+                raise ResumeError(f"{resume_from_checkpoint} has no {STATE_DIR}/: it was saved with "
+                                  "--save_only_model or without the twinkle plugin; start a new run with --model "
+                                  f"{resume_from_checkpoint} instead of resuming")
+            # The adapter was loaded by swift's tuner before the model was sharded.
+            logger.warning("twinkle swift plugin: %s has no %s/: weights from the adapter, fresh optimizer state",
+                           resume_from_checkpoint, STATE_DIR)
+            return
         params = dict((model or self.model).named_parameters())
         with torch.no_grad():
             for name, tensor in local["params"].items():
@@ -396,6 +437,8 @@ class TwinkleTrainerMixin:
         from twinkle_strategy.checkpoint import _optimizer_from_local
 
         local = self._twinkle_local_state(checkpoint)
+        if local is None:
+            return
         self.optimizer.load_state_dict(_optimizer_from_local(local["optimizer"], self.optimizer))
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if os.path.isfile(scheduler):
