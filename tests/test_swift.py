@@ -1,4 +1,5 @@
-"""`swift sft` (real ms-swift 4.x) with the twinkle plugin, on CPU with gloo.
+"""`swift sft` (real ms-swift 4.x) with the twinkle plugin, on CPU with gloo; the oracle is plain `swift sft`
+in one process.
 
 ms-swift 4.6 needs older transformers/peft than .venv, so it lives in its own virtualenv,
 .venv-swift, which ``scripts/swift_env.sh`` creates (or only checks, when it is there). Each run
@@ -32,6 +33,7 @@ SWIFT_BIN = REPO / ".venv-swift" / "bin"
 PLUGIN = REPO / "twinkle_strategy" / "swift_plugin.py"
 WORKERS = REPO / "tests" / "workers"
 PROBE = WORKERS / "swift_probe_plugin.py"
+REFERENCE = WORKERS / "swift_reference_plugin.py"
 DATASET = REPO / "examples" / "data" / "demo_sft.jsonl"
 MAX_STEPS = 10
 
@@ -61,11 +63,13 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
-                  nnodes: int = 1, timeout: float = 420) -> dict:
+                  nnodes: int = 1, timeout: float = 420, reference: bool = False) -> dict:
     """One `swift sft` with 2 processes per node (``nnodes`` simulated nodes on this machine, each its own
-    `swift sft` as on a cluster); returns its losses, run directory and what the probe recorded."""
-    cmd = [str(swift_bin / "swift"), "sft", "--external_plugins", str(PLUGIN), str(PROBE),
-           "--callbacks", "twinkle_probe", "--model", str(model), "--template", "qwen3_nothinking",
+    `swift sft` as on a cluster); returns its losses, grad norms, run directory and what the probe recorded.
+    ``reference``: plain `swift sft` in one process without the twinkle plugin (the oracle)."""
+    plugins = ["--external_plugins", str(REFERENCE), "--callbacks", "twinkle_reference"] if reference else \
+        ["--external_plugins", str(PLUGIN), str(PROBE), "--callbacks", "twinkle_probe"]
+    cmd = [str(swift_bin / "swift"), "sft", *plugins, "--model", str(model), "--template", "qwen3_nothinking",
            "--dataset", str(DATASET), "--torch_dtype", "float32", "--max_steps", str(MAX_STEPS),
            "--learning_rate", "5e-3", "--logging_steps", "1", "--save_steps", "5",
            "--output_dir", str(out / "output"), "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
@@ -77,6 +81,9 @@ def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env
                     "NNODES": str(nnodes), "NODE_RANK": str(node), "OMP_NUM_THREADS": "1",
                     "TOKENIZERS_PARALLELISM": "false", "TWINKLE_PROBE_OUT": str(out / "probe"), **env}
         node_env.pop("VIRTUAL_ENV", None)
+        if reference:  # one process, no torchrun
+            for name in ("NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
+                node_env.pop(name)
         logs.append(out / f"swift_node{node}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(cmd, env=node_env, cwd=out, stdout=log, stderr=subprocess.STDOUT,
@@ -95,19 +102,21 @@ def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env
     assert returncodes == [0] * nnodes, f"swift sft exited with {returncodes} (None: killed after {timeout}s):\n" \
         + "\n".join(_tail(path.read_text(errors="replace"), 6000) for path in logs)
     (run_dir,) = glob.glob(str(out / "output" / "v0-*"))
-    losses = {}
+    losses, grad_norms = {}, {}
     with open(os.path.join(run_dir, "logging.jsonl")) as f:
         for line in f:
             entry = json.loads(line)
             if "loss" in entry and "global_step/max_steps" in entry:
-                losses[int(entry["global_step/max_steps"].split("/")[0])] = entry["loss"]
+                step = int(entry["global_step/max_steps"].split("/")[0])
+                losses[step], grad_norms[step] = entry["loss"], entry["grad_norm"]
     probe = out / "probe"
     return {
         "log": log,
         "run_dir": Path(run_dir),
         "probe_dir": probe,
         "losses": losses,
-        "ranks": {r: json.loads((probe / f"rank{r}.json").read_text()) for r in range(2 * nnodes)},
+        "grad_norms": grad_norms,
+        "ranks": {} if reference else {r: json.loads((probe / f"rank{r}.json").read_text()) for r in range(2 * nnodes)},
         "logits": torch.load(probe / "logits.pt"),
     }
 
@@ -164,6 +173,55 @@ def test_swift_sft_same_losses_without_memory_efficient_init(lora_runs):
     for step in mem["losses"]:
         assert abs(mem["losses"][step] - plain["losses"][step]) <= 1e-6, (step, mem["losses"], plain["losses"])
     assert torch.allclose(mem["logits"]["logits"], plain["logits"]["logits"], atol=1e-5)
+
+
+def test_swift_sft_matches_single_process_plain_swift(lora_runs, swift_bin, tiny_model, tmp_path):
+    """The oracle: plain `swift sft` in one process, no twinkle plugin, the same 4 samples per step. The plugin's
+    2-rank EP=2 + FSDP2 run with memory_efficient_init logs the same loss and gradient norm at every step and
+    ends with the same model."""
+    ref = run_swift_sft(swift_bin, tiny_model, tmp_path, ["--per_device_train_batch_size", "4", *LORA_ARGS], {},
+                        reference=True)
+    assert "twinkle swift plugin" not in ref["log"]
+    mem = lora_runs["mem"]
+    assert sorted(ref["losses"]) == sorted(mem["losses"]) == list(range(1, MAX_STEPS + 1))
+    for step in ref["losses"]:
+        assert abs(mem["losses"][step] - ref["losses"][step]) <= 1e-5, (step, mem["losses"], ref["losses"])
+        assert abs(mem["grad_norms"][step] - ref["grad_norms"][step]) <= 1e-5, (step, mem["grad_norms"],
+                                                                                ref["grad_norms"])
+    diff = (mem["logits"]["logits"] - ref["logits"]["logits"]).abs().max()
+    assert diff <= 1e-4, diff
+
+
+def test_swift_sft_full_parameters_match_single_process(swift_bin, tiny_model, tmp_path):
+    """`--tuner_type full`: every weight trains (experts EP-sliced and FSDP-sharded); losses and gradient norms
+    equal plain single-process `swift sft`, and the full checkpoint swift writes equals the reference's."""
+    from safetensors.torch import load_file
+
+    full = ["--tuner_type", "full", "--max_steps", "4", "--save_steps", "4", "--learning_rate", "1e-4"]
+    (tmp_path / "ref").mkdir()
+    (tmp_path / "mem").mkdir()
+    ref = run_swift_sft(swift_bin, tiny_model, tmp_path / "ref", ["--per_device_train_batch_size", "4", *full], {},
+                        reference=True)
+    mem = run_swift_sft(swift_bin, tiny_model, tmp_path / "mem", [*BATCH_2, *full],
+                        {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"})
+    assert mem["ranks"][1]["loaded_checkpoint"] is False
+    assert sorted(ref["losses"]) == sorted(mem["losses"]) == [1, 2, 3, 4]
+    for step in ref["losses"]:
+        assert abs(mem["losses"][step] - ref["losses"][step]) <= 1e-5, (step, mem["losses"], ref["losses"])
+        assert abs(mem["grad_norms"][step] - ref["grad_norms"][step]) <= 1e-5, (step, mem["grad_norms"],
+                                                                                ref["grad_norms"])
+    saved = load_file(str(mem["run_dir"] / "checkpoint-4" / "model.safetensors"))
+    expected = load_file(str(ref["run_dir"] / "checkpoint-4" / "model.safetensors"))
+    assert sorted(saved) == sorted(expected)
+    assert any("experts" in name for name in saved)
+    original = load_file(str(tiny_model / "model.safetensors"))
+    for name, tensor in expected.items():
+        assert saved[name].shape == tensor.shape, name
+        assert torch.allclose(saved[name], tensor, atol=1e-5), (name, (saved[name] - tensor).abs().max())
+    # (the tiny checkpoint stores experts one by one, as the hub's Qwen3-MoE does; swift saves them fused)
+    assert max((expected[n] - original[n]).abs().max() for n in set(expected) & set(original)) > 1e-4, \
+        "nothing was trained"
+    assert (mem["logits"]["logits"] - ref["logits"]["logits"]).abs().max() <= 1e-4
 
 
 def test_swift_sft_resume_continues_exactly(lora_runs):

@@ -328,9 +328,7 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
     model, _ = strategy.wrap_model(model)
     # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
-    model._is_accelerate_prepared = True
-    if strategy.is_main_process and strategy.init_report is not None:
-        logger.info("twinkle swift plugin: %s", strategy.init_report.log_line())
+    model._is_accelerate_prepared = True  # (the strategy has logged its init report already)
     return model
 
 

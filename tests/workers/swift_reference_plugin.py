@@ -1,0 +1,49 @@
+"""Test-only ms-swift plugin for the single-process reference run: plain `swift sft`, no twinkle plugin.
+
+    swift sft --external_plugins tests/workers/swift_reference_plugin.py --callbacks twinkle_reference ...
+
+Two things, so that the reference can be compared step by step with the twinkle plugin's runs:
+1. it seeds torch with ``--seed`` right before swift applies its tuner, as the twinkle plugin does, so
+   both start from the same fresh LoRA adapter (loading the model may consume random numbers);
+2. at the end of training it writes the model's logits on the probe's token ids to
+   ``$TWINKLE_PROBE_OUT/logits.pt``, as the probe does for the distributed model.
+Nothing else of swift is touched: this run is the oracle.
+"""
+
+import functools
+import os
+
+import torch
+from swift.callbacks import TrainerCallback
+from swift.callbacks.mapping import callbacks_map
+from swift.pipelines.train.tuner import TunerMixin
+
+PROBE_IDS = [[5, 17, 42, 99, 7, 3, 250, 31, 64, 12, 8, 77], [120, 9, 33, 2, 180, 45, 61, 14, 90, 6, 21, 300]]
+
+_prepare_model = TunerMixin.__dict__["prepare_model"].__func__
+
+
+@classmethod
+@functools.wraps(_prepare_model)
+def _seeded_prepare_model(cls, args, model, *pargs, **kwargs):
+    torch.manual_seed(args.seed)
+    return _prepare_model(cls, args, model, *pargs, **kwargs)
+
+
+TunerMixin.prepare_model = _seeded_prepare_model
+
+
+class TwinkleReference(TrainerCallback):
+
+    def on_train_end(self, args, state, control, **kwargs):
+        out = os.environ["TWINKLE_PROBE_OUT"]
+        os.makedirs(out, exist_ok=True)
+        model = self.trainer.model
+        model.eval()
+        with torch.no_grad():
+            ids = torch.tensor(PROBE_IDS, device=next(model.parameters()).device)
+            logits = model(input_ids=ids, use_cache=False).logits.float().cpu()
+        torch.save({"input_ids": torch.tensor(PROBE_IDS), "logits": logits}, os.path.join(out, "logits.pt"))
+
+
+callbacks_map["twinkle_reference"] = TwinkleReference
