@@ -15,6 +15,8 @@ import glob
 import json
 import math
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -62,11 +64,11 @@ def tiny_model(tmp_path_factory) -> Path:
     return path
 
 
-def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
-                  nnodes: int = 1, timeout: float = 420, reference: bool = False) -> dict:
-    """One `swift sft` with 2 processes per node (``nnodes`` simulated nodes on this machine, each its own
-    `swift sft` as on a cluster); returns its losses, grad norms, run directory and what the probe recorded.
-    ``reference``: plain `swift sft` in one process without the twinkle plugin (the oracle)."""
+def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
+                     nnodes: int = 1, timeout: float = 420, reference: bool = False) -> tuple[list, str, list[Path]]:
+    """Start `swift sft` with 2 processes per node (``nnodes`` simulated nodes on this machine, each its own
+    `swift sft` as on a cluster) and wait; returns the exit codes (None: killed after ``timeout``), the
+    combined log and the log files. ``reference``: plain `swift sft` in one process, no twinkle plugin."""
     plugins = ["--external_plugins", str(REFERENCE), "--callbacks", "twinkle_reference"] if reference else \
         ["--external_plugins", str(PLUGIN), str(PROBE), "--callbacks", "twinkle_probe"]
     cmd = [str(swift_bin / "swift"), "sft", *plugins, "--model", str(model), "--template", "qwen3_nothinking",
@@ -99,6 +101,14 @@ def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     log = "\n".join(f"--- node {i} ---\n" + path.read_text(errors="replace") for i, path in enumerate(logs))
+    return returncodes, log, logs
+
+
+def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
+                  nnodes: int = 1, timeout: float = 420, reference: bool = False) -> dict:
+    """`launch_swift_sft`, which must succeed; returns its losses, grad norms, run directory and what the probe
+    recorded (the reference run records only the final logits)."""
+    returncodes, log, logs = launch_swift_sft(swift_bin, model, out, extra, env, nnodes, timeout, reference)
     assert returncodes == [0] * nnodes, f"swift sft exited with {returncodes} (None: killed after {timeout}s):\n" \
         + "\n".join(_tail(path.read_text(errors="replace"), 6000) for path in logs)
     (run_dir,) = glob.glob(str(out / "output" / "v0-*"))
@@ -268,6 +278,27 @@ def test_swift_sft_two_nodes_node_local_sources(swift_bin, tiny_model, tmp_path)
     assert sorted(p.name for p in (checkpoint / "twinkle_state").iterdir()) == [f"rank{r}.pt" for r in range(4)]
     logits, _ = peft_logits(str(tiny_model), str(checkpoint), run["logits"]["input_ids"])
     assert torch.allclose(logits, run["logits"]["logits"], atol=1e-4), (logits - run["logits"]["logits"]).abs().max()
+
+
+def test_swift_sft_bad_checkpoint_fails_on_every_rank(swift_bin, tiny_model, tmp_path):
+    """A wrong-shaped tensor that only the source reads (memory_efficient_init): the receiver, which never opened
+    the file, must not wait forever: both ranks exit with the tensor's name, and no checkpoint is written."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad_model"
+    shutil.copytree(tiny_model, bad)
+    weights = load_file(str(bad / "model.safetensors"))
+    weights["model.layers.1.mlp.gate.weight"] = torch.zeros(3, 3)
+    save_file(weights, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    returncodes, log, _ = launch_swift_sft(swift_bin, bad, tmp_path, [*BATCH_2, *LORA_ARGS],
+                                           {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"},
+                                           timeout=240)
+    assert returncodes[0] not in (0, None), returncodes
+    assert "DistributedInitError" in log, _tail(log)
+    for rank in (0, 1):
+        assert f"[rank{rank}]" in log and re.search(
+            rf"\[rank{rank}\]:.*DistributedInitError: .*model.layers.1.mlp.gate.weight", log), _tail(log)
+    assert not glob.glob(str(tmp_path / "output" / "v0-*" / "checkpoint-*"))
 
 
 # ------------------------------------------------------------- options and argument checks (no swift needed)

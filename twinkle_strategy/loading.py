@@ -50,6 +50,13 @@ def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
             f"could not load the checkpoint in {path}: {type(exc).__name__}: {exc}. A file may be truncated or "
             "corrupt (re-download or re-export it), or the directory is not a transformers checkpoint"
         ) from exc
+    raise_for_loading_info(path, info)
+    return model
+
+
+def raise_for_loading_info(path: str, info: dict) -> None:
+    """Raise :class:`CheckpointError` naming every missing or wrong-shaped tensor of a transformers loading report
+    (``from_pretrained(..., output_loading_info=True, ignore_mismatched_sizes=True)``)."""
     problems = []
     for key, ckpt_shape, model_shape in sorted(info.get("mismatched_keys", ())):
         problems.append(f"tensor '{key}' has shape {tuple(ckpt_shape)} in the checkpoint but the model "
@@ -62,4 +69,3 @@ def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
             f"checkpoint {path} does not match its config.json: {shown}. "
             "Re-export the checkpoint, or fix config.json so the shapes agree"
         )
-    return model

@@ -95,6 +95,10 @@ class SwiftPluginError(ValueError):
     """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
 
 
+# swift imports this file under a generated module name; tracebacks should name the package's.
+SwiftPluginError.__module__ = _CANONICAL_NAME
+
+
 def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str, Any]:
     """Strategy options from ``TWINKLE_*`` variables, overridden by the ``--fsdp`` JSON's ``"twinkle"`` object."""
     environ = os.environ if environ is None else environ
@@ -253,19 +257,19 @@ def _meta_model(cls, config, kwargs):
 
 
 def _checked_load(from_pretrained, cls, path, *args, **kwargs):
+    from twinkle_strategy.loading import raise_for_loading_info
+
     kwargs["device_map"] = None  # CPU: shards go to the devices in wrap_model; no rank holds a whole model there
     want_info = kwargs.pop("output_loading_info", False)
+    # swift asks for ignore_mismatched_sizes only where it replaces a head on purpose (reward models); otherwise
+    # we ask for it ourselves, so that transformers reports the mismatched tensors and we raise naming them.
+    strict = kwargs.get("ignore_mismatched_sizes") is not True
+    kwargs["ignore_mismatched_sizes"] = True
     # transformers' own FSDP loading would give every non-local-rank-0 process a zero-filled copy.
     with _env("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"):
         model, info = from_pretrained(cls, path, *args, output_loading_info=True, **kwargs)
-    problems = [f"tensor '{key}' has shape {tuple(c)} in the checkpoint but the model expects {tuple(m)}"
-                for key, c, m in sorted(info.get("mismatched_keys", ()))]
-    problems += [f"tensor '{key}' is missing from the checkpoint" for key in sorted(info.get("missing_keys", ()))]
-    if problems and kwargs.get("ignore_mismatched_sizes") is not True:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        from twinkle_strategy.loading import CheckpointError
-
-        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shown}")
+    if strict:
+        raise_for_loading_info(path, info)
     return (model, info) if want_info else model
 
 
@@ -297,7 +301,7 @@ def _strategy_from_pretrained(strategy):
 def _load(orig, self):
     if not getattr(self, "load_model", False) or getattr(self, "return_dummy_model", False):
         return orig(self)
-    from twinkle_strategy.fail_together import raise_together
+    from twinkle_strategy.init.transport import raise_together  # -> DistributedInitError, as the strategy's own loading
 
     strategy = get_strategy()
     result, error = None, None
