@@ -19,5 +19,9 @@ setup(
         "matplotlib",
     ],
     entry_points={"console_scripts": ["twinkle-sft=twinkle_strategy.cli:main"]},
-    extras_require={"test": ["pytest"]},
+    extras_require={
+        "test": ["pytest"],
+        # ms-swift's `swift sft --external_plugins` integration (docs/swift.md); tested with ms-swift 4.6.0
+        "swift": ["ms-swift>=4.6,<5", "transformers>=5,<5.20", "peft>=0.17,<0.21"],
+    },
 )

@@ -341,3 +341,8 @@ def test_plugin_module_imports_without_swift():
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(PLUGIN)
+    # the installed console script, as the docs use it: PLUGIN=$(twinkle-sft --swift-plugin-path)
+    cli = Path(sys.executable).parent / "twinkle-sft"
+    proc = subprocess.run([str(cli), "--swift-plugin-path"], check=False, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(PLUGIN)

@@ -17,8 +17,7 @@ import torch
 from swift.callbacks import TrainerCallback
 from swift.callbacks.mapping import callbacks_map
 from swift.pipelines.train.tuner import TunerMixin
-
-PROBE_IDS = [[5, 17, 42, 99, 7, 3, 250, 31, 64, 12, 8, 77], [120, 9, 33, 2, 180, 45, 61, 14, 90, 6, 21, 300]]
+from swift_probe_plugin import PROBE_IDS  # swift puts a plugin's folder on sys.path
 
 _prepare_model = TunerMixin.__dict__["prepare_model"].__func__
 
