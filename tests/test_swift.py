@@ -131,6 +131,14 @@ def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env
     }
 
 
+def assert_same_steps(run: dict, ref: dict, atol: float = 1e-5) -> None:
+    """Every logged step of ``run`` has the loss and gradient norm of the reference run."""
+    for step in ref["losses"]:
+        assert abs(run["losses"][step] - ref["losses"][step]) <= atol, (step, run["losses"], ref["losses"])
+        assert abs(run["grad_norms"][step] - ref["grad_norms"][step]) <= atol, (step, run["grad_norms"],
+                                                                                ref["grad_norms"])
+
+
 @pytest.fixture(scope="module")
 def lora_runs(swift_bin, tiny_model, tmp_path_factory):
     """The same LoRA run with memory_efficient_init (options from TWINKLE_* variables) and without
@@ -194,10 +202,7 @@ def test_swift_sft_matches_single_process_plain_swift(lora_runs, swift_bin, tiny
     assert "twinkle swift plugin" not in ref["log"]
     mem = lora_runs["mem"]
     assert sorted(ref["losses"]) == sorted(mem["losses"]) == list(range(1, MAX_STEPS + 1))
-    for step in ref["losses"]:
-        assert abs(mem["losses"][step] - ref["losses"][step]) <= 1e-5, (step, mem["losses"], ref["losses"])
-        assert abs(mem["grad_norms"][step] - ref["grad_norms"][step]) <= 1e-5, (step, mem["grad_norms"],
-                                                                                ref["grad_norms"])
+    assert_same_steps(mem, ref)
     diff = (mem["logits"]["logits"] - ref["logits"]["logits"]).abs().max()
     assert diff <= 1e-4, diff
 
@@ -216,10 +221,7 @@ def test_swift_sft_full_parameters_match_single_process(swift_bin, tiny_model, t
                         {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"})
     assert mem["ranks"][1]["loaded_checkpoint"] is False
     assert sorted(ref["losses"]) == sorted(mem["losses"]) == [1, 2, 3, 4]
-    for step in ref["losses"]:
-        assert abs(mem["losses"][step] - ref["losses"][step]) <= 1e-5, (step, mem["losses"], ref["losses"])
-        assert abs(mem["grad_norms"][step] - ref["grad_norms"][step]) <= 1e-5, (step, mem["grad_norms"],
-                                                                                ref["grad_norms"])
+    assert_same_steps(mem, ref)
     saved = load_file(str(mem["run_dir"] / "checkpoint-4" / "model.safetensors"))
     expected = load_file(str(ref["run_dir"] / "checkpoint-4" / "model.safetensors"))
     assert sorted(saved) == sorted(expected)

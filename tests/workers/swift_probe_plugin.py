@@ -17,6 +17,15 @@ from swift.callbacks.mapping import callbacks_map
 PROBE_IDS = [[5, 17, 42, 99, 7, 3, 250, 31, 64, 12, 8, 77], [120, 9, 33, 2, 180, 45, 61, 14, 90, 6, 21, 300]]
 
 
+def probe_logits(model, device) -> torch.Tensor:
+    """The model's logits on PROBE_IDS (eval mode, no grad), on CPU in fp32."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(PROBE_IDS, device=device), use_cache=False).logits.float().cpu()
+    model.train()
+    return logits
+
+
 class TwinkleProbe(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -26,11 +35,7 @@ class TwinkleProbe(TrainerCallback):
         os.makedirs(out, exist_ok=True)
         strategy = swift_plugin.get_strategy()
         model = self.trainer.model
-        model.eval()
-        with torch.no_grad():
-            ids = torch.tensor(PROBE_IDS, device=strategy.device)
-            logits = model(input_ids=ids, use_cache=False).logits.float().cpu()
-        model.train()
+        logits = probe_logits(model, strategy.device)
         report = strategy.init_report
         info = {"rank": strategy.rank, "loaded_checkpoint": swift_plugin._STATE.get("loaded_checkpoint"),
                 "is_source": strategy.topology.is_source, "ep_size": strategy.ep_size,

@@ -17,7 +17,7 @@ import torch
 from swift.callbacks import TrainerCallback
 from swift.callbacks.mapping import callbacks_map
 from swift.pipelines.train.tuner import TunerMixin
-from swift_probe_plugin import PROBE_IDS  # swift puts a plugin's folder on sys.path
+from swift_probe_plugin import PROBE_IDS, probe_logits  # swift puts a plugin's folder on sys.path
 
 _prepare_model = TunerMixin.__dict__["prepare_model"].__func__
 
@@ -38,10 +38,7 @@ class TwinkleReference(TrainerCallback):
         out = os.environ["TWINKLE_PROBE_OUT"]
         os.makedirs(out, exist_ok=True)
         model = self.trainer.model
-        model.eval()
-        with torch.no_grad():
-            ids = torch.tensor(PROBE_IDS, device=next(model.parameters()).device)
-            logits = model(input_ids=ids, use_cache=False).logits.float().cpu()
+        logits = probe_logits(model, next(model.parameters()).device)
         torch.save({"input_ids": torch.tensor(PROBE_IDS), "logits": logits}, os.path.join(out, "logits.pt"))
 
 
