@@ -20,3 +20,7 @@ class ParallelConfigError(TwinkleError):
 
 class ModelStructureError(TwinkleError):
     """The model does not have the structure a requested feature needs (e.g. no MoE block with ep>1)."""
+
+
+class CheckpointError(TwinkleError):
+    """The checkpoint does not match the model (missing or wrong-shaped tensors, unreadable files)."""

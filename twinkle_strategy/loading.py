@@ -13,11 +13,7 @@ import os
 
 import torch
 
-from twinkle_strategy.errors import TwinkleError
-
-
-class CheckpointError(TwinkleError):
-    """The checkpoint does not match the model (missing or wrong-shaped tensors, unreadable files)."""
+from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
 
 
 def resolve_model_path(path_or_id: str) -> str:

@@ -97,16 +97,16 @@ def kill_rank_in_training_step(args):
 
 
 def kill_during_save(args):
-    from twinkle_strategy import checkpoint
+    from twinkle_strategy.checkpoint import training
 
-    original = checkpoint.torch.save
+    original = training.torch.save
 
     def save_then_die(obj, path, *a, **k):
         if RANK == 1 and "checkpoint-4.tmp" in str(path):
             die()
         return original(obj, path, *a, **k)
 
-    checkpoint.torch.save = save_then_die
+    training.torch.save = save_then_die
     _trainer(args, 6, 2, args.output_dir).train()
 
 

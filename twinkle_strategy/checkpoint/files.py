@@ -1,0 +1,195 @@
+"""Safetensors checkpoints read by header and byte range, never whole.
+
+A safetensors file is an 8-byte header length, a JSON header (name -> dtype,
+shape, byte offsets) and the raw tensor bytes. So from the headers alone we
+know every tensor of a checkpoint without reading any weight, can tell a
+truncated file before a byte moves, and can read rows ``[a, b)`` of a tensor as
+one contiguous byte range.
+
+Why not ``safetensors.safe_open(...).get_slice``: it memory-maps the file, and
+pages touched through a mapping count as resident memory of the reading
+process for as long as the kernel keeps them; on a host that streams hundreds
+of GB that looks (and is accounted) like holding the model. ``os.pread`` into
+a buffer we own reads exactly the requested bytes, frees them with the buffer,
+and lets us count every byte read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+import threading
+import time
+
+import torch
+
+from twinkle_strategy.errors import CheckpointError
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype names (https://github.com/huggingface/safetensors, format spec).
+_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredTensor:
+    """Where one checkpoint tensor lies: its file and the absolute byte range of its data."""
+
+    key: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute offset of the first byte in the file
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one index of dim 0 (the whole tensor for a 0-d tensor)."""
+        return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
+
+
+def checkpoint_files(path: str) -> list[str]:
+    """The safetensors files of the checkpoint directory ``path`` (index order), or [] if it has none."""
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map", {})
+        files = list(dict.fromkeys(weight_map.values()))
+        missing = [name for name in files if not os.path.isfile(os.path.join(path, name))]
+        if missing:
+            raise CheckpointError(f"{index} lists {missing[0]!r}, which does not exist in {path}"
+                                  f"{f' (nor {len(missing) - 1} other files)' if len(missing) > 1 else ''}; "
+                                  "the download is incomplete: download the checkpoint again")
+        return [os.path.join(path, name) for name in files]
+    single = os.path.join(path, SINGLE_FILE)
+    return [single] if os.path.isfile(single) else []
+
+
+def _read_header(file: str) -> tuple[dict, int]:
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"checkpoint file {file} is truncated ({size} bytes, not even a safetensors "
+                                  "header); re-download or re-export it")
+        (length,) = struct.unpack("<Q", raw)
+        if length > size - 8:
+            raise CheckpointError(f"checkpoint file {file} is truncated or not a safetensors file: its header "
+                                  f"claims {length} bytes but the file has {size}; re-download or re-export it")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise CheckpointError(f"checkpoint file {file} has an unreadable safetensors header ({exc}); "
+                                  "re-download or re-export it") from exc
+    return header, 8 + length
+
+
+class SafetensorsIndex:
+    """Every tensor of a safetensors checkpoint, known from the headers; reads byte ranges on demand.
+
+    Thread-safe for reads; counts the bytes and seconds spent reading tensor data.
+    """
+
+    def __init__(self, files: list[str]):
+        self.files = list(files)
+        self.tensors: dict[str, StoredTensor] = {}
+        self.header_bytes = 0
+        for file in self.files:
+            header, data_start = _read_header(file)
+            self.header_bytes += data_start
+            self._add_file(file, header, data_start)
+        self.bytes_read = 0
+        self.read_seconds = 0.0
+        self._lock = threading.Lock()
+        self._fds: dict[str, int] = {}
+
+    @classmethod
+    def from_directory(cls, path: str) -> "SafetensorsIndex":
+        files = checkpoint_files(path)
+        if not files:
+            raise CheckpointError(f"{path} has no {SINGLE_FILE} or {INDEX_FILE}; memory_efficient_init streams "
+                                  "safetensors checkpoints (convert it with save_pretrained(safe_serialization=True))")
+        return cls(files)
+
+    def _add_file(self, file: str, header: dict, data_start: int) -> None:
+        size = os.path.getsize(file)
+        past_end = []
+        for key, info in header.items():
+            if key == "__metadata__":
+                continue
+            if info["dtype"] not in _DTYPES:
+                raise CheckpointError(f"tensor '{key}' in {file} has dtype {info['dtype']}, which this reader "
+                                      "does not know; load the model in memory (stream_checkpoint=False)")
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (data_start + int(o) for o in info["data_offsets"])
+            if end - begin != math.prod(shape) * dtype.itemsize or begin > end:
+                raise CheckpointError(f"tensor '{key}' in {file} has {end - begin} bytes for shape {shape} of "
+                                      f"{dtype}; the file is corrupt: re-download or re-export it")
+            if end > size:
+                past_end.append(key)
+            if key in self.tensors:
+                raise CheckpointError(f"tensor '{key}' is stored twice, in {self.tensors[key].file} and {file}")
+            self.tensors[key] = StoredTensor(key, file, dtype, shape, begin, end)
+        if past_end:
+            needed = max(self.tensors[k].end for k in past_end)
+            shown = ", ".join(f"'{k}'" for k in sorted(past_end)[:3])
+            more = f" and {len(past_end) - 3} more" if len(past_end) > 3 else ""
+            raise CheckpointError(f"checkpoint file {file} is truncated: it has {size} bytes but its tensors need "
+                                  f"{needed}; tensor(s) {shown}{more} lie past the end. Re-download or re-export it")
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            if file not in self._fds:
+                self._fds[file] = os.open(file, os.O_RDONLY)
+            return self._fds[file]
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``key`` (rows ``[a, b)`` of dim 0 only, if given), read from disk into a new CPU tensor."""
+        stored = self.tensors[key]
+        if rows is None or not stored.shape:
+            begin, end, shape = stored.begin, stored.end, stored.shape
+        else:
+            a, b = rows
+            if not 0 <= a <= b <= stored.shape[0]:
+                raise IndexError(f"rows {rows} of '{key}' with shape {stored.shape}")
+            begin, end = stored.begin + a * stored.row_bytes, stored.begin + b * stored.row_bytes
+            shape = (b - a,) + stored.shape[1:]
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        start = time.perf_counter()
+        view = memoryview(out.numpy())
+        done, fd = 0, self._fd(stored.file)
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], begin + done)
+            if n == 0:
+                raise CheckpointError(f"checkpoint file {stored.file} ended while reading tensor '{key}': it was "
+                                      "truncated after the run started")
+            done += n
+        with self._lock:
+            self.bytes_read += end - begin
+            self.read_seconds += time.perf_counter() - start
+        return out.view(stored.dtype).reshape(shape) if out.numel() else torch.empty(shape, dtype=stored.dtype)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()

@@ -1,0 +1,308 @@
+"""How a model's tensors are made from a hub checkpoint's tensors, and how to read any rows of one.
+
+Hub checkpoints are not laid out like the model in memory: Mixtral stores
+``block_sparse_moe.experts.3.w1.weight`` per expert where the model has one
+fused ``mlp.experts.gate_up_proj [E, 2I, H]``, DeepSeek-V4 renames most keys,
+Qwen3.5-MoE as released nests the text model under ``model.language_model.``.
+transformers v5 knows these rules per model class (``conversion_mapping.py``:
+``WeightRenaming``, ``WeightConverter`` with ``MergeModulelist``,
+``Concatenate``, ...). This module asks transformers for the rules of the
+model at hand and applies them exactly as ``from_pretrained`` does, with one
+difference: it never loads a whole tensor when it can avoid it.
+
+FSDP2 shards every parameter on dim 0, and the expert dim of a fused expert
+tensor is dim 0, so what a rank keeps is always rows ``[a, b)`` of a model
+tensor. For most conversions those rows come from rows of the checkpoint
+tensors:
+
+* a renamed tensor: the same rows of the checkpoint tensor;
+* ``MergeModulelist(dim=0)`` (per-expert keys stacked into one tensor) followed
+  by operations that leave dim 0 alone (``Concatenate(dim=1)``,
+  ``Transpose(1, 2)``, ...): rows ``[a, b)`` are experts ``a..b-1``, i.e. the
+  per-expert checkpoint tensors of those experts only;
+* operations that leave dim 0 alone on their own: rows ``[a, b)`` of every
+  source tensor.
+
+Anything else (e.g. a ``Concatenate(dim=0)`` fusing q/k/v) is read whole,
+converted, then cut; :attr:`CheckpointLayout.materialized_whole` lists those
+tensors so the init report can say so. The knowledge of key layouts lives here
+and nowhere else (saving uses the same rules in reverse).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import re
+import types
+
+import torch
+
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+ROWS, PER_EXPERT, WHOLE = "rows", "per_expert", "whole"
+
+
+@dataclasses.dataclass
+class TensorRecipe:
+    """How transformers builds one model tensor (or several, for a one-to-many rule) from checkpoint tensors."""
+
+    transform: object  # a transformers WeightRenaming or WeightConverter, used as a template (copied per read)
+    first_target: str  # the model key transformers files this rule under
+    sources: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # source pattern -> checkpoint keys
+    targets: dict[str, tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=dict)
+    mode: str = WHOLE
+
+    @property
+    def checkpoint_keys(self) -> list[str]:
+        return [key for keys in self.sources.values() for key in keys]
+
+
+def _conversion_rules(model):
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None, add_legacy=True)
+
+
+def _row_mode(transform) -> str:
+    """How rows of dim 0 of the rule's output relate to its inputs (see the module docstring)."""
+    from transformers.core_model_loading import (
+        Chunk, Concatenate, Interleave, MergeModulelist, Split, Transpose, WeightConverter,
+    )
+
+    if not isinstance(transform, WeightConverter):
+        return ROWS
+    ops = list(transform.operations)
+    mode = ROWS
+    if ops and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0:
+        mode, ops = PER_EXPERT, ops[1:]
+    for op in ops:
+        if isinstance(op, (Concatenate, Chunk, Split, Interleave)) and op.dim > 0:
+            continue
+        if isinstance(op, Transpose) and op.dim0 > 0 and op.dim1 > 0:
+            continue
+        return WHOLE
+    return mode
+
+
+class _ShapeOnlyModel:
+    """What transformers' conversion operations may ask of the model: its config and a parameter's shape.
+
+    ``Transpose(check_dims=True)`` and ``Split`` look up the target parameter's
+    shape; when we convert only rows ``[a, b)``, the parameter they must see is
+    that region, so lookups answer with region-shaped meta tensors.
+    """
+
+    def __init__(self, config, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None):
+        self.config = config
+        self._shapes, self._rows = shapes, rows
+
+    def get_parameter(self, name: str) -> torch.Tensor:
+        shape, dtype = self._shapes[name]
+        if self._rows is not None and shape:
+            shape = (self._rows,) + tuple(shape[1:])
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+
+class CheckpointLayout:
+    """The model tensors a safetensors checkpoint provides, by transformers' rules for ``model``'s class.
+
+    Built from a model whose tensors have their final names and shapes (any
+    device: meta, placeholders) and from the checkpoint's headers; reads no
+    weight. :meth:`problems` lists what does not fit; :meth:`read_rows` reads
+    rows of a model tensor.
+    """
+
+    def __init__(self, index: SafetensorsIndex, model, path: str = ""):
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self.index, self.path = index, path
+        self.config = model.config
+        self.model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+            k: (tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
+        self.ignored_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
+                                                           or [])]
+        rules = _conversion_rules(model)
+        renamings = [r for r in rules if isinstance(r, WeightRenaming)]
+        converters = [r for r in rules if isinstance(r, WeightConverter)]
+        converter_of = {pattern: conv for conv in converters for pattern in conv.source_patterns}
+        # Keys are matched in transformers' order: converters collect per-expert tensors in list order.
+        recipes: dict[str, TensorRecipe] = {}
+        self.unexpected: list[str] = []
+        present = self.model_tensors
+        for key in sorted(index.tensors, key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, present)
+            if target not in present and key in present:  # as transformers: the key was fine as it was
+                target, pattern = key, None
+            if target not in present:
+                self.unexpected.append(key)
+                continue
+            if pattern is None:
+                recipe = recipes.setdefault(target, TensorRecipe(WeightRenaming(key, target), target))
+                pattern = key
+            else:
+                recipe = recipes.setdefault(target, TensorRecipe(converter_of[pattern], target))
+            recipe.sources.setdefault(pattern, []).append(key)
+        # The rules that matched, kept for saving in the checkpoint's own layout.
+        self.rules = [r for r in rules if r.was_used()]
+        self.recipes: dict[str, TensorRecipe] = {}  # every model key a recipe produces -> its recipe
+        self._problems: list[str] = []
+        for recipe in recipes.values():
+            self._plan(recipe)
+        self.materialized_whole: set[str] = set()
+
+    # ------------------------------------------------------------------ planning
+    def _meta_sources(self, recipe: TensorRecipe) -> dict[str, list[torch.Tensor]]:
+        out = {}
+        for pattern, keys in recipe.sources.items():
+            out[pattern] = [torch.empty(self.index.tensors[k].shape, dtype=self.index.tensors[k].dtype,
+                                        device="meta") for k in keys]
+        return out
+
+    def _convert(self, recipe: TensorRecipe, tensors: dict[str, list[torch.Tensor]], rows: int | None = None
+                 ) -> dict[str, torch.Tensor]:
+        """Run the rule on ``tensors`` (per source pattern, in order) exactly as from_pretrained does."""
+        from transformers.core_model_loading import WeightRenaming
+
+        if isinstance(recipe.transform, WeightRenaming):
+            (pieces,) = tensors.values()
+            return {recipe.first_target: pieces[0]}
+        transform = copy.deepcopy(recipe.transform)
+        for pattern, pieces in tensors.items():
+            for key, piece in zip(recipe.sources[pattern], pieces):
+                transform.add_tensor(recipe.first_target, key, pattern, piece)
+        shim = _ShapeOnlyModel(self.config, self.model_tensors, rows)
+        out = transform.convert(recipe.first_target, model=shim, config=self.config)
+        return {name: (value[0] if isinstance(value, list) else value) for name, value in out.items()}
+
+    def _plan(self, recipe: TensorRecipe) -> None:
+        # 1. Pieces merged into one tensor must agree (a wrong-shaped expert is named here, by its key).
+        for pattern, keys in recipe.sources.items():
+            shapes = [self.index.tensors[k].shape for k in keys]
+            common = max(set(shapes), key=shapes.count)
+            odd = [k for k, s in zip(keys, shapes) if s != common]
+            if odd:
+                target_shape = self.model_tensors[recipe.first_target][0]
+                for key in odd[:3]:
+                    self._problems.append(
+                        f"checkpoint tensor '{key}' has shape {self.index.tensors[key].shape} but the "
+                        f"{len(keys) - len(odd)} other tensors that form model parameter '{recipe.first_target}' "
+                        f"{target_shape} have {common}")
+                return
+        # 2. What the rule produces, computed on meta tensors: names and shapes, no bytes read.
+        try:
+            produced = self._convert(recipe, self._meta_sources(recipe))
+        except Exception as exc:  # noqa: BLE001 - transformers' conversion rejected the pieces
+            self._problems.append(f"checkpoint tensors {recipe.checkpoint_keys[:4]} cannot be converted into model "
+                                  f"parameter '{recipe.first_target}': {type(exc).__name__}: {exc}")
+            return
+        for name, value in produced.items():
+            if name not in self.model_tensors:
+                continue
+            want = self.model_tensors[name][0]
+            if tuple(value.shape) != want:
+                self._problems.append(self._mismatch(recipe, name, tuple(value.shape), want))
+                continue
+            recipe.targets[name] = (want, self.model_tensors[name][1])
+            self.recipes[name] = recipe
+        recipe.mode = _row_mode(recipe.transform)
+        if recipe.mode == PER_EXPERT and any(len(keys) != want[0] for keys in recipe.sources.values()
+                                             for want, _ in recipe.targets.values()):
+            recipe.mode = WHOLE
+
+    def _mismatch(self, recipe: TensorRecipe, name: str, got: tuple, want: tuple) -> str:
+        keys = recipe.checkpoint_keys
+        if len(keys) == 1:
+            return (f"tensor '{name}' has shape {got} in the checkpoint but the model expects {want}"
+                    + (f" (checkpoint key '{keys[0]}')" if keys[0] != name else ""))
+        expected = self.expected_checkpoint_keys(name, want)
+        missing = [k for k in expected if k not in self.index] if expected else []
+        if missing:
+            shown = ", ".join(f"'{k}'" for k in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
+                                                                 else "")
+            return f"model parameter '{name}' {want} needs checkpoint tensor(s) {shown}, which are missing"
+        return (f"model parameter '{name}' expects shape {want} but checkpoint tensors {keys[:3]}"
+                f"{'...' if len(keys) > 3 else ''} give {got}")
+
+    def expected_checkpoint_keys(self, name: str, shape: tuple | None = None) -> dict[str, tuple] | None:
+        """The checkpoint keys (and shapes) that model tensor ``name`` is saved as, by the reverse rules."""
+        from transformers.core_model_loading import revert_weight_conversion
+
+        shape_dtype = self.model_tensors.get(name)
+        if shape_dtype is None:
+            return None
+        shape = shape or shape_dtype[0]
+        shim = types.SimpleNamespace(_weight_conversions=self.rules or None, config=self.config,
+                                     get_parameter=_ShapeOnlyModel(self.config, self.model_tensors).get_parameter)
+        try:
+            out = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=shape_dtype[1], device="meta")})
+        except Exception:  # noqa: BLE001 - only used to word an error message better
+            return None
+        return {k: tuple(v.shape) for k, v in out.items()}
+
+    def problems(self, required: list[str]) -> list[str]:
+        """Why this checkpoint cannot provide the model tensors ``required``: wrong shapes, missing keys."""
+        found = list(self._problems)
+        for name in required:
+            if name in self.recipes:
+                continue
+            if any(problem_mentions(p, name) for p in self._problems):
+                continue
+            expected = self.expected_checkpoint_keys(name)
+            keys = [k for k in (expected or {}) if k != name]
+            found.append(f"tensor '{name}' is missing from the checkpoint"
+                         + (f" (checkpoint key {', '.join(repr(k) for k in keys[:2])})" if keys else ""))
+        return found
+
+    def unexpected_keys(self) -> list[str]:
+        """Checkpoint keys no model tensor is made from (minus those the model class says to ignore)."""
+        return [k for k in self.unexpected if not any(p.search(k) for p in self.ignored_unexpected)]
+
+    # ------------------------------------------------------------------ reading
+    def read_rows(self, name: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``[a, b)`` of dim 0 of model tensor ``name`` (all of it if None), in the model's dtype."""
+        recipe = self.recipes[name]
+        shape, dtype = recipe.targets[name]
+        if rows is not None and not shape:
+            rows = None
+        mode = recipe.mode if rows is not None else WHOLE
+        if mode == WHOLE and rows is not None:
+            self.materialized_whole.add(name)
+        if rows is not None and rows[0] == rows[1]:
+            return torch.empty((0,) + tuple(shape[1:]), dtype=dtype)
+        if mode == PER_EXPERT:
+            a, b = rows
+            pieces = {p: [self._read(k, None, dtype) for k in keys[a:b]] for p, keys in recipe.sources.items()}
+        else:
+            pieces = {p: [self._read(k, rows if mode == ROWS else None, dtype) for k in keys]
+                      for p, keys in recipe.sources.items()}
+        out = self._convert(recipe, pieces, rows=(rows[1] - rows[0]) if mode != WHOLE and rows else None)[name]
+        if mode == WHOLE and rows is not None:
+            out = out[rows[0]:rows[1]]
+        return out.to(dtype).contiguous()
+
+    def _read(self, key: str, rows, dtype: torch.dtype) -> torch.Tensor:
+        # Cast each piece at once, as from_pretrained does (so the converted tensor is built in the model's dtype).
+        return self.index.read(key, rows).to(dtype)
+
+    @property
+    def bytes_read(self) -> int:
+        return self.index.bytes_read
+
+    def close(self) -> None:
+        self.index.close()
+
+
+def problem_mentions(problem: str, name: str) -> bool:
+    return f"'{name}'" in problem
+
+
+def raise_for_problems(path: str, problems: list[str]) -> None:
+    if problems:
+        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shown}. "
+                              "Re-export the checkpoint, or fix config.json so the shapes agree")

@@ -1,0 +1,158 @@
+"""The model every rank builds before any weight is read: the real class, names and shapes, no weights.
+
+With memory_efficient_init every rank builds the model from its config on
+the meta device, so no rank ever holds the whole model; ``wrap_model`` later
+fills each rank's shards. Each checkpoint-backed parameter and persistent
+buffer becomes a :class:`CheckpointTensor`, a placeholder that knows which
+model tensor of which checkpoint it stands for:
+
+* On a node's source it reports the CPU device, so what the user does between
+  ``from_pretrained`` and ``wrap_model`` runs as on a model in host memory:
+  PEFT creates LoRA adapters on the CPU with real values (the same values a
+  single process gets for the same seed), ``PeftModel.from_pretrained`` loads
+  saved adapters into them, a new head is a real tensor. ``wrap_model`` keeps
+  those tensors by reference and reads the placeholders' rows from the files.
+* On every other rank it reports the meta device: adapters and heads stay
+  on meta and cost nothing; their values come from the source.
+
+Any computation on a placeholder raises :class:`WeightsNotLoadedError` on
+every rank alike (so no rank waits for one that failed), instead of silently
+computing on zeros or on nothing.
+
+Non-persistent buffers (RoPE ``inv_freq`` ...) are not in checkpoints: the
+source recomputes them the way ``from_pretrained`` does, with the model's
+own ``_init_weights``, and sends them to its node.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from twinkle_strategy.errors import CheckpointError, TwinkleError
+
+aten = torch.ops.aten
+
+
+class WeightsNotLoadedError(TwinkleError):
+    """A placeholder tensor was used before ``wrap_model`` read its weights."""
+
+
+class CheckpointTensor(torch.Tensor):
+    """A placeholder for model tensor ``key`` of the checkpoint ``layout`` (None on ranks that never read it)."""
+
+    key: str  # the model tensor it stands for
+    checkpoint: object  # the CheckpointLayout to read it from (None where this rank never reads)
+
+    @staticmethod
+    def __new__(cls, key: str, layout, shape, dtype: torch.dtype, device: torch.device | str):
+        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        tensor.key, tensor.checkpoint = key, layout
+        return tensor
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"CheckpointTensor('{self.key}', shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        first = next(a for a in args if isinstance(a, CheckpointTensor))
+        if func in (aten.detach.default, aten.alias.default):
+            # nn.Parameter(...), state_dict() and requires_grad_ go through detach: same placeholder.
+            return CheckpointTensor(first.key, first.checkpoint, first.shape, first.dtype, first.device)
+        raise WeightsNotLoadedError(
+            f"'{first.key}' has no values yet ({func} was called on it): with memory_efficient_init the "
+            "checkpoint is read inside strategy.wrap_model, each rank reading only its shard. Do this after "
+            "wrap_model, or load the whole model in host memory with "
+            "NativeFSDPStrategy(..., stream_checkpoint=False)")
+
+
+def checkpoint_tensors(model: nn.Module) -> dict[int, CheckpointTensor]:
+    """Every placeholder in ``model`` (tied ones once), by ``id``."""
+    found = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if isinstance(tensor, CheckpointTensor):
+            found[id(tensor)] = tensor
+    return found
+
+
+def build_skeleton(model_class, config, dtype: torch.dtype, layout=None, **init_kwargs) -> nn.Module:
+    """``model_class`` built from ``config`` with placeholders for every checkpoint tensor.
+
+    ``layout`` (a :class:`twinkle_strategy.checkpoint.layout.CheckpointLayout`)
+    is given on a node's source only: its placeholders report the CPU device
+    and its non-persistent buffers are computed. Elsewhere they are on meta.
+    """
+    with torch.device("meta"):
+        model = model_class.from_config(config, dtype=dtype, **init_kwargs)
+    if layout is not None:
+        compute_non_persistent_buffers(model)
+    device = torch.device("cpu") if layout is not None else torch.device("meta")
+    originals = list(model.named_parameters(remove_duplicate=False)) + _persistent_buffers(model)
+    names: dict[int, list[str]] = {}
+    for name, tensor in originals:
+        names.setdefault(id(tensor), []).append(name)
+    # Memoised by identity (``originals`` keeps the ids valid): tied tensors stay one tensor.
+    replaced: dict[int, torch.Tensor] = {}
+
+    def replacement(tensor: torch.Tensor, is_param: bool) -> torch.Tensor:
+        if id(tensor) not in replaced:
+            aliases = names[id(tensor)]
+            # A tied group is stored under one of its names; take the one the checkpoint has.
+            key = next((n for n in aliases if layout is not None and n in layout.recipes), aliases[0])
+            value = CheckpointTensor(key, layout, tensor.shape, tensor.dtype, device)
+            replaced[id(tensor)] = nn.Parameter(value, requires_grad=tensor.requires_grad) if is_param else value
+        return replaced[id(tensor)]
+
+    for module in model.modules():
+        for key, param in list(module._parameters.items()):
+            if param is not None:
+                module._parameters[key] = replacement(param, is_param=True)
+        for key, buf in list(module._buffers.items()):
+            if buf is not None and key not in module._non_persistent_buffers_set:
+                module._buffers[key] = replacement(buf, is_param=False)
+    del originals
+    return model
+
+
+def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    out = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for key, buf in module._buffers.items():
+            if buf is not None and key not in module._non_persistent_buffers_set:
+                out.append((f"{module_name}.{key}" if module_name else key, buf))
+    return out
+
+
+def compute_non_persistent_buffers(model: nn.Module) -> None:
+    """Give every non-persistent buffer (RoPE ``inv_freq`` ...) its value on the CPU, as ``from_pretrained`` does.
+
+    transformers builds models on meta and then lets each module's
+    ``_init_weights`` compute these buffers; we do the same for the modules that
+    own one (their parameters are still on meta, so nothing else is touched).
+    """
+    from transformers import PreTrainedModel
+
+    owners = {}
+    for name, module in model.named_modules():
+        for key in module._non_persistent_buffers_set:
+            buf = module._buffers.get(key)
+            if buf is None:
+                continue
+            # NaN marks "not computed" so a buffer _init_weights does not know is caught below.
+            fill = float("nan") if buf.is_floating_point() else 0
+            module._buffers[key] = torch.full(buf.shape, fill, dtype=buf.dtype, device="cpu")
+            owners[name] = module
+    pretrained = {n: m for n, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+    for name, module in owners.items():
+        nearest = max((p for p in pretrained if p == "" or name == p or name.startswith(p + ".")), key=len)
+        pretrained[nearest]._init_weights(module)
+    for name, module in owners.items():
+        for key in module._non_persistent_buffers_set:
+            buf = module._buffers.get(key)
+            if buf is not None and buf.is_floating_point() and torch.isnan(buf).any():
+                raise CheckpointError(
+                    f"buffer '{name}.{key}' ({type(module).__name__}) is not in the checkpoint and transformers' "
+                    "_init_weights does not compute it, so it cannot be streamed; load the model in host memory "
+                    "with NativeFSDPStrategy(..., stream_checkpoint=False)")
