@@ -1,10 +1,22 @@
-"""Resolving model ids and loading checkpoints strictly.
+"""Resolving model ids and opening checkpoints strictly, in host memory or as a streaming skeleton.
 
-``from_pretrained`` in transformers quietly re-initialises tensors that are
-missing from a checkpoint and re-initialises mismatched ones when asked to
-ignore them. Training on such weights is exactly the silent failure we exist
-to prevent, so every load here asks transformers for its loading report and
-turns missing or mismatched tensors into a :class:`CheckpointError` that names them.
+Two ways to open a checkpoint:
+
+* :func:`load_pretrained_strict`: transformers' ``from_pretrained`` on the CPU,
+  the whole model in host memory. transformers quietly re-initialises tensors
+  that are missing from a checkpoint, drops unexpected ones, and
+  re-initialises mismatched ones when asked to ignore them; training on such
+  weights is the silent failure we exist to prevent, so we ask for its loading
+  report and raise a :class:`CheckpointError` naming every such tensor.
+* :func:`open_streaming_model` (memory_efficient_init on a node's source): the
+  model built on meta with placeholders (:mod:`twinkle_strategy.init.skeleton`)
+  and the checkpoint known by its headers only
+  (:class:`twinkle_strategy.checkpoint.layout.CheckpointLayout`), checked the
+  same way before any weight is read. ``wrap_model`` then reads each rank's rows.
+
+:func:`stream_blocker` says when the second is not possible (no safetensors
+files, a quantized or custom-code checkpoint, ``from_pretrained`` options that
+only mean something to a full load); callers then use the first.
 """
 
 from __future__ import annotations
@@ -34,13 +46,44 @@ def resolve_model_path(path_or_id: str) -> str:
     return path_or_id
 
 
-def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
-    """``AutoModelForCausalLM.from_pretrained`` on CPU that refuses missing or mismatched tensors."""
-    from transformers import AutoModelForCausalLM
+def model_class_for(config):
+    """The transformers auto class whose model matches the checkpoint: a causal LM, else an image-text-to-text model.
 
+    A vision-language checkpoint (``config.architectures`` names the image-text
+    class, e.g. ``Qwen3_5MoeForConditionalGeneration``) gets that class, so its
+    vision tower is neither dropped on load nor missing when saved.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    image_text = MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES.get(config.model_type)
+    if image_text is not None and image_text in (getattr(config, "architectures", None) or []):
+        return AutoModelForImageTextToText
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and image_text is not None:
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
+def load_config(path: str, **kwargs):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(path, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - OS, JSON and transformers errors alike
+        raise CheckpointError(f"could not read the config of {path}: {type(exc).__name__}: {exc}. Is it a "
+                              "transformers checkpoint directory with a config.json?") from exc
+
+
+def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
+    """``from_pretrained`` (of :func:`model_class_for`'s class) on CPU that refuses missing, unexpected or
+    mismatched tensors."""
     kwargs.setdefault("ignore_mismatched_sizes", True)  # report them ourselves, by name
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+        model_class = model_class_for(load_config(path, trust_remote_code=kwargs.get("trust_remote_code", False)))
+        model, info = model_class.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
     except Exception as exc:  # noqa: BLE001 - safetensors, OS and transformers errors alike
         raise CheckpointError(
             f"could not load the checkpoint in {path}: {type(exc).__name__}: {exc}. A file may be truncated or "
@@ -59,9 +102,66 @@ def raise_for_loading_info(path: str, info: dict) -> None:
                         f"expects {tuple(model_shape)}")
     for key in sorted(info.get("missing_keys", ())):
         problems.append(f"tensor '{key}' is missing from the checkpoint")
+    problems += unexpected_problems(info.get("unexpected_keys", ()))
     if problems:
         shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(
             f"checkpoint {path} does not match its config.json: {shown}. "
             "Re-export the checkpoint, or fix config.json so the shapes agree"
         )
+
+
+def unexpected_problems(keys) -> list[str]:
+    """Checkpoint tensors the model would silently drop, as one problem (training would lose them on save)."""
+    keys = sorted(keys)
+    if not keys:
+        return []
+    shown = ", ".join(f"'{k}'" for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    return [f"checkpoint tensor(s) {shown} belong to no tensor of the model, which would drop them (does "
+            "config.json describe this checkpoint? is it the checkpoint of another model class?)"]
+
+
+# from_pretrained keyword arguments that mean the same to from_config (all others need a full load)
+STREAMABLE_KWARGS = {"attn_implementation"}
+
+
+def stream_blocker(path: str, config, kwargs: dict) -> str | None:
+    """Why the checkpoint in ``path`` cannot be streamed region by region, or None if it can."""
+    from twinkle_strategy.checkpoint.files import checkpoint_files
+
+    others = sorted(set(kwargs) - STREAMABLE_KWARGS)
+    if others:
+        return f"from_pretrained was given {others}, which only a full load understands"
+    if getattr(config, "quantization_config", None):
+        return "the checkpoint is quantized (config.json has a quantization_config)"
+    if getattr(config, "auto_map", None):
+        return "the model has custom code (config.json has an auto_map)"
+    if not checkpoint_files(path):
+        return "it has no safetensors files (model.safetensors or model.safetensors.index.json)"
+    return None
+
+
+def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None, **init_kwargs):
+    """The model of ``path`` with placeholders for its weights, checked against the checkpoint's headers.
+
+    Reads config and headers only. Raises :class:`CheckpointError` naming every
+    missing, unexpected or wrong-shaped tensor, by checkpoint key.
+    """
+    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+    from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
+
+    model = build_meta_model(model_class or model_class_for(config), config, dtype, **init_kwargs)
+    layout = CheckpointLayout(SafetensorsIndex.from_directory(path), model, path)
+    install_placeholders(model, layout)
+    keys = {t.key for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, CheckpointTensor)}
+    raise_for_problems(path, layout.problems(sorted(keys)) + unexpected_problems(layout.unexpected_keys()))
+    return model
+
+
+def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
+    """The same model with meta placeholders: what ranks that never read the checkpoint build."""
+    from twinkle_strategy.init.skeleton import build_meta_model, install_placeholders
+
+    return install_placeholders(build_meta_model(model_class or model_class_for(config), config, dtype,
+                                                 **init_kwargs))

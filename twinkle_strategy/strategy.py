@@ -33,7 +33,15 @@ from twinkle_strategy.grad_clip import clip_grad_norm_
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
-from twinkle_strategy.loading import load_pretrained_strict, resolve_model_path
+from twinkle_strategy.loading import (
+    STREAMABLE_KWARGS,
+    load_config,
+    load_pretrained_strict,
+    meta_skeleton,
+    open_streaming_model,
+    resolve_model_path,
+    stream_blocker,
+)
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
@@ -60,6 +68,11 @@ class NativeFSDPStrategy:
         memory_efficient_init: only each node's local rank 0 (its *source*) reads the
             checkpoint; the others build the model on the meta device. ``wrap_model``
             then sends every rank of the node exactly its final shards, in buckets.
+        stream_checkpoint: with memory_efficient_init, ``from_pretrained`` on a source reads
+            only the checkpoint's headers, and ``wrap_model`` reads from the files just the
+            rows its node keeps (no process ever holds the whole model). False, or a
+            checkpoint that cannot be streamed (no safetensors, quantized, custom code),
+            loads the whole model in the source's host memory first.
         init_bucket_mb: bucket size (MiB) of that transfer.
         init_transport: 'p2p' (default: paired isend/irecv, every rank receives exactly
             its bytes) or 'scatter' (one collective per bucket; pads uneven shards).
@@ -77,6 +90,7 @@ class NativeFSDPStrategy:
         mixed_precision: str | None = "bf16",
         fsdp_config: dict[str, Any] | None = None,
         memory_efficient_init: bool = False,
+        stream_checkpoint: bool = True,
         init_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
         init_transport: str = "p2p",
         verify_init: bool = False,
@@ -92,6 +106,7 @@ class NativeFSDPStrategy:
         if unknown:
             raise ValueError(f"unknown fsdp_config key(s) {sorted(unknown)}; supported: ['reshard_after_forward']")
         self.memory_efficient_init = bool(memory_efficient_init)
+        self.stream_checkpoint = bool(stream_checkpoint)
         self.init_bucket_bytes = int(init_bucket_mb * 2**20)
         if self.init_bucket_bytes <= 0:
             raise ValueError(f"init_bucket_mb must be positive, got {init_bucket_mb}")
@@ -146,32 +161,69 @@ class NativeFSDPStrategy:
 
     # ---------------------------------------------------------------- loading
     def from_pretrained(self, path_or_id: str, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
-        """Load a causal LM (``AutoModelForCausalLM``) from a local path, ``ms://org/name`` or ``hf://org/name``.
+        """Load a model from a local path, ``ms://org/name`` or ``hf://org/name`` (collective).
 
-        With ``memory_efficient_init`` only each node's source reads the
-        checkpoint; every other rank gets a meta model built from the config its
-        source sends, and ``wrap_model`` fills it. A checkpoint with missing or
-        wrong-shaped tensors raises on every rank, naming them.
+        The class is the checkpoint's own: a causal LM, or for a vision-language
+        checkpoint its image-text-to-text class (``loading.model_class_for``).
+
+        Without memory_efficient_init every rank loads the whole model on the CPU.
+        With it, only each node's source opens the checkpoint and the other ranks
+        build the model on meta from the config their source sends:
+
+        * streaming (the default, for safetensors checkpoints): the source too builds
+          the model without weights, from the config, and checks the checkpoint's
+          headers against it; ``wrap_model`` reads from the files only the rows its
+          node keeps. Whatever the user adds before ``wrap_model`` (LoRA, new heads)
+          lives in the source's host memory and is sent from there.
+        * in memory (``stream_checkpoint=False`` or a checkpoint that cannot be
+          streamed): the source loads the whole model on the CPU, and ``wrap_model``
+          sends from it by reference.
+
+        A checkpoint with missing, unexpected or wrong-shaped tensors raises on every
+        rank, naming them, before any weight is read.
         """
         self.setup()
-        loads_weights = not self.memory_efficient_init or self.topology.is_source
-        model, error = None, None
-        if loads_weights:
+        if not self.memory_efficient_init:
+            model, error = None, None
             try:
                 self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
                 model = load_pretrained_strict(self._resolved_paths[path_or_id], dtype=dtype, **kwargs)
             except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
                 error = exc
-        transport.raise_together(error, f"loading {path_or_id}")
-        if loads_weights:
-            if self.memory_efficient_init:
-                transport.broadcast_from_source(model.config, self.topology.source_rank, self.node_group)
+            transport.raise_together(error, f"loading {path_or_id}")
             return model
-        config = transport.broadcast_from_source(None, self.topology.source_rank, self.node_group)
-        from transformers import AutoModelForCausalLM
+        is_source = self.topology.is_source
+        path, config, error = None, None, None
+        if is_source:
+            try:
+                path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
+                config = load_config(path)
+            except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
+                error = exc
+        # The config first: the other ranks build their meta model while the source checks the checkpoint.
+        config = transport.broadcast_from_source(config, self.topology.source_rank, self.node_group)
+        transport.raise_together(error, f"loading {path_or_id}")
+        model, error = None, None
+        try:
+            if is_source:
+                model = self._open_on_source(path, config, dtype, kwargs)
+            else:
+                init_kwargs = {k: v for k, v in kwargs.items() if k in STREAMABLE_KWARGS}
+                model = meta_skeleton(config, dtype, **init_kwargs)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
+            error = exc
+        transport.raise_together(error, f"loading {path_or_id}")
+        return model
 
-        with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)
+    def _open_on_source(self, path: str, config, dtype: torch.dtype, kwargs: dict) -> nn.Module:
+        blocker = stream_blocker(path, config, kwargs) if self.stream_checkpoint else "stream_checkpoint=False"
+        if blocker is None:
+            logger.info("memory_efficient_init: node %d streams %s: wrap_model reads only the rows this node keeps",
+                        self.topology.node_index, path)
+            return open_streaming_model(path, config, dtype, **kwargs)
+        logger.info("memory_efficient_init: node %d loads %s whole in host memory (%s)",
+                    self.topology.node_index, path, blocker)
+        return load_pretrained_strict(path, dtype=dtype, **kwargs)
 
     def resolved_model_path(self, path_or_id: str) -> str:
         """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not)."""

@@ -1,39 +1,116 @@
-"""The source's pre-EP state, held by reference, and models turned into meta.
+"""What a node's source serves, and models turned into meta.
 
-The source keeps a reference to every parameter and buffer of the model as
-loaded (no copy: that would double host memory), then turns its model into a
-meta model like every other rank's, so all ranks run the same EP and FSDP code
-on meta tensors. The capture is released when distribution ends.
+The source keeps what it can serve without copying it:
+
+* tensors in host memory (a model loaded whole, LoRA adapters, new heads):
+  references, no copy (a copy would double host memory);
+* placeholders of a streamed checkpoint
+  (:class:`twinkle_strategy.init.skeleton.CheckpointTensor`): read from the
+  files, rows by rows, when a rank's region is sent.
+
+Then it turns its model into a meta model like every other rank's, so all
+ranks run the same EP and FSDP code on meta tensors. The capture is released
+when distribution ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 import torch
 from torch import nn
 
+from twinkle_strategy.init.plan import Need, checkpoint_rows, region_of
+from twinkle_strategy.init.skeleton import CheckpointTensor
+
 
 @dataclasses.dataclass
 class Capture:
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]  # held in host memory, by reference
+    placeholders: dict[str, CheckpointTensor]  # read from a checkpoint
+    _whole: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # checkpoint tensors read whole
 
     @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+    def layouts(self) -> list:
+        return list({id(p.checkpoint): p.checkpoint for p in self.placeholders.values()}.values())
+
+    @property
+    def bytes_read(self) -> int:
+        return sum(layout.bytes_read for layout in self.layouts)
+
+    @property
+    def read_seconds(self) -> float:
+        return sum(layout.index.read_seconds for layout in self.layouts)
+
+    @property
+    def whole_tensors(self) -> list[str]:
+        """Model tensors a conversion rule forced to read whole instead of by rows."""
+        return sorted(set().union(*(layout.materialized_whole for layout in self.layouts)) | set(self._whole))
+
+    def describe(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+        """Shape and dtype (before EP) of what the source holds for ``name``, or None."""
+        tensor = self.tensors.get(name)
+        if tensor is None:
+            tensor = self.placeholders.get(name)
+        return None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+
+    def region_chunks(self, need: Need, ep_plan, chunk_bytes: int) -> Iterator[torch.Tensor]:
+        """``need``'s region as consecutive chunks of rows of at most ``chunk_bytes`` (at least one row).
+
+        Never more than one chunk exists at a time on the reading side, so a
+        region of any size costs a bucket's worth of memory, not its own size.
+        """
+        shape = need.region_shape
+        if not shape or shape[0] == 0:
+            yield self.region(need, ep_plan, None)
+            return
+        row_bytes = max(need.nbytes // shape[0], 1)
+        step = max(chunk_bytes // row_bytes, 1)
+        for lo in range(0, shape[0], step):
+            yield self.region(need, ep_plan, (lo, min(lo + step, shape[0])))
+
+    def region(self, need: Need, ep_plan, part: tuple[int, int] | None = None) -> torch.Tensor:
+        """Rows ``part`` (all if None) of ``need``'s region: a view of a held tensor, or read from the checkpoint."""
+        if need.name in self.tensors:
+            region = region_of(self.tensors[need.name], need, ep_plan)
+            return region if part is None else region[part[0]:part[1]]
+        placeholder = self.placeholders[need.name]
+        rows = checkpoint_rows(need, ep_plan, placeholder.shape)
+        if rows is not None:
+            a = rows[0] + (part[0] if part else 0)
+            b = rows[0] + part[1] if part else rows[1]
+            return placeholder.checkpoint.read_rows(placeholder.key, (a, b) if placeholder.dim() else None)
+        # The region is not a run of rows of the checkpoint tensor (experts on another dim): read it whole,
+        # once (buffers every rank needs whole are read once per node, not once per rank).
+        if need.name not in self._whole:
+            self._whole[need.name] = placeholder.checkpoint.read_rows(placeholder.key)
+        region = region_of(self._whole[need.name], need, ep_plan)
+        return region if part is None else region[part[0]:part[1]]
 
     def release(self) -> None:
         self.tensors.clear()
+        self._whole.clear()
+        for layout in self.layouts:
+            layout.close()
+        self.placeholders.clear()
 
 
 def capture_state(model: nn.Module) -> Capture:
-    """References to every parameter and buffer (non-persistent ones such as RoPE ``inv_freq`` too)."""
+    """References to every parameter and buffer (non-persistent ones such as RoPE ``inv_freq`` too).
+
+    Placeholders are kept as what they are, to be read from their checkpoint.
+    Meta tensors have no value to serve and are left out; a rank that needs
+    one gets an error naming it.
+    """
     tensors: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        tensors[name] = param.detach()
-    for name, buf in model.named_buffers():
-        tensors[name] = buf.detach()
-    return Capture(tensors)
+    placeholders: dict[str, CheckpointTensor] = {}
+    for name, tensor in list(model.named_parameters()) + list(model.named_buffers()):
+        if isinstance(tensor, CheckpointTensor) and tensor.checkpoint is not None:
+            placeholders[name] = tensor
+        elif not tensor.is_meta and not isinstance(tensor, CheckpointTensor):
+            tensors[name] = tensor.detach()
+    return Capture(tensors, placeholders)
 
 
 def move_to_meta(model: nn.Module) -> None:
@@ -49,15 +126,19 @@ def move_to_meta(model: nn.Module) -> None:
             if param is None:
                 continue
             if id(param) not in converted:
-                converted[id(param)] = nn.Parameter(torch.empty_like(param, device="meta"),
-                                                    requires_grad=param.requires_grad)
+                converted[id(param)] = nn.Parameter(_meta_like(param), requires_grad=param.requires_grad)
             module._parameters[key] = converted[id(param)]
         for key, buf in list(module._buffers.items()):
             if buf is None:
                 continue
             if id(buf) not in converted:
-                converted[id(buf)] = torch.empty_like(buf, device="meta")
+                converted[id(buf)] = _meta_like(buf)
             module._buffers[key] = converted[id(buf)]
+
+
+def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
+    # Not empty_like: a placeholder refuses every operation on itself.
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
 
 
 def buffer_alias_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:

@@ -18,7 +18,7 @@ from torch import nn
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
-from twinkle_strategy.init.plan import Need, check_need, needs_of, source_region
+from twinkle_strategy.init.plan import Need, check_need, needs_of
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.platform import NodeTopology, peak_rss_bytes
@@ -44,12 +44,19 @@ class InitReport:
     peak_rss_bytes: int
     tensors: int
     phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # plan, transfer, agree
+    bytes_read: int = 0  # tensor bytes this rank read from checkpoint files (sources streaming a checkpoint)
+    read_seconds: float = 0.0  # time spent in those reads
+    whole_tensors: list[str] = dataclasses.field(default_factory=list)  # read whole: no region-wise rule
 
     def log_line(self) -> str:
         mib = 1024 * 1024
+        read = (f"read {self.bytes_read / mib:.1f} MiB from the checkpoint in {self.read_seconds:.2f}s"
+                + (f" ({len(self.whole_tensors)} tensors whole: {', '.join(self.whole_tensors[:3])}"
+                   f"{'...' if len(self.whole_tensors) > 3 else ''})" if self.whole_tensors else "") + ", "
+                if self.is_source else "")
         return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
                 f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
-                f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, "
+                f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, {read}"
                 f"received {self.bytes_received / mib:.1f} MiB, sent {self.bytes_sent / mib:.1f} MiB "
                 f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
@@ -111,13 +118,15 @@ def distribute(
             f"memory_efficient_init failed on rank {topology.rank} during '{phase}': {who}. "
             f"Underlying error: {exc}", [(r, "did not report back") for r in (silent or [])]) from exc
     my_needs = [need for need, _ in mine]
+    read = dict(bytes_read=capture.bytes_read, read_seconds=capture.read_seconds,
+                whole_tensors=capture.whole_tensors) if capture is not None else {}
     return InitReport(
         rank=topology.rank, is_source=topology.is_source, seconds=time.perf_counter() - start,
         bytes_sent=stats.bytes_sent, bytes_received=stats.bytes_received,
         shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
-        phase_seconds=phase_seconds,
+        phase_seconds=phase_seconds, **read,
     )
 
 
@@ -130,7 +139,7 @@ def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need
     if is_source:
         for local_rank, needs in enumerate(all_needs):
             for need in needs:
-                problem = check_need(need, capture.tensors, ep_plan, source)
+                problem = check_need(need, capture.describe(need.name), ep_plan, source)
                 if problem:
                     error = f"for local rank {local_rank} of node {topology.node_index}: {problem}"
                     break
@@ -147,39 +156,50 @@ def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, b
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally."""
     is_source = topology.is_source
     writer = StreamWriter([local for _, local in mine])
-    readers = [_reader(needs, capture, ep_plan) for needs in all_needs] if is_source else None
+    readers = [_reader(needs, capture, ep_plan, bucket_bytes) for needs in all_needs] if is_source else None
     progress = None
-    if show_progress and is_source and topology.local_world_size > 1:
+    if show_progress and is_source:
         from tqdm.auto import tqdm
 
-        to_send = sum(r.total for i, r in enumerate(readers) if i != topology.local_rank)
-        progress = tqdm(total=to_send, unit="B", unit_scale=True, desc="memory_efficient_init: sending shards")
+        # Every byte of the node's shards: read (or viewed) on the source, then sent or kept.
+        progress = tqdm(total=sum(r.total for r in readers), unit="B", unit_scale=True,
+                        desc="memory_efficient_init: reading and sending shards")
     transport.move_streams(transport_kind, readers, writer, topology, node_group, bucket_bytes, device, stats,
                            progress)
-    if progress is not None:
-        progress.close()
     if is_source:
         with torch.no_grad():
             for need, local in mine:
-                local.copy_(source_region(need, capture.tensors, ep_plan).reshape(local.shape))
+                rows_done = 0
+                for chunk in capture.region_chunks(need, ep_plan, bucket_bytes):
+                    target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
+                    target.copy_(chunk.reshape(target.shape))
+                    rows_done += len(chunk) if chunk.dim() else 0
+                    if progress is not None:
+                        progress.update(chunk.numel() * chunk.element_size())
+    if progress is not None:
+        progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
+        progress.close()
     if device.type != "cpu":
         torch.accelerator.synchronize()
 
 
-def _checksum(tensor: torch.Tensor) -> int:
-    return zlib.crc32(as_bytes(tensor.detach()).cpu().numpy().tobytes())
+def _checksum(chunks) -> int:
+    crc = 0
+    for chunk in chunks:
+        crc = zlib.crc32(as_bytes(chunk.detach()).cpu().numpy().tobytes(), crc)
+    return crc
 
 
 def _verify(mine, all_needs, capture, ep_plan, topology, node_group) -> str | None:
-    """CRC32 of every region each rank holds, compared on its source with the captured bytes."""
-    sums = [_checksum(local) for _, local in mine]
+    """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again."""
+    sums = [_checksum([local]) for _, local in mine]
     gathered = transport.gather_to_source(sums, topology.source_rank, node_group, topology.is_source)
     if not topology.is_source:
         return None
     node_ranks = topology.node_ranks[topology.node_index]
     for rank, needs, got in zip(node_ranks, all_needs, gathered):
         for need, checksum in zip(needs, got):
-            expected = _checksum(source_region(need, capture.tensors, ep_plan))
+            expected = _checksum(capture.region_chunks(need, ep_plan, 64 * 2**20))
             if checksum != expected:
                 region = f"rows {need.rows[0]}:{need.rows[1]}" if need.rows else "whole tensor"
                 expert = f", EP rank {need.ep_rank}" if need.ep_rank >= 0 else ""
@@ -189,6 +209,6 @@ def _verify(mine, all_needs, capture, ep_plan, topology, node_group) -> str | No
     return None
 
 
-def _reader(needs: list[Need], capture: Capture, ep_plan) -> StreamReader:
-    fns = [lambda need=need: source_region(need, capture.tensors, ep_plan) for need in needs]
-    return StreamReader(fns, [need.nbytes for need in needs])
+def _reader(needs: list[Need], capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
+    regions = [lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes) for need in needs]
+    return StreamReader(regions, [need.nbytes for need in needs])

@@ -71,31 +71,49 @@ def needs_of(model: nn.Module, ep_plan: ExpertParallelPlan | None) -> list[tuple
     return result
 
 
-def check_need(need: Need, captured: dict[str, torch.Tensor], ep_plan: ExpertParallelPlan | None,
-               source_rank: int) -> str | None:
-    """Why the source cannot serve ``need`` from its capture, or None."""
-    tensor = captured.get(need.name)
-    if tensor is None:
-        return (f"tensor '{need.name}' is not in the model loaded on source rank {source_rank}; "
-                "every rank must build the same model (same config, same PEFT adapters) before wrap_model")
-    shape = tuple(tensor.shape)
+def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None,
+               ep_plan: ExpertParallelPlan | None, source_rank: int) -> str | None:
+    """Why the source cannot serve ``need`` from what it holds (``described``: pre-EP shape and dtype), or None."""
+    if described is None:
+        return (f"tensor '{need.name}' is not in the model on source rank {source_rank}; every rank must build "
+                "the same model (same config, same PEFT adapters) before wrap_model")
+    shape, dtype = described
     if need.ep_rank != NOT_EXPERT:
         start, count = ep_plan.local_range(need.name, need.ep_rank)
         shape = ep_plan.axes[need.name].local_shape(shape, count)
     if shape != need.shape:
         return (f"tensor '{need.name}' has shape {shape} on source rank {source_rank} (after the EP cut) "
                 f"but the model expects {need.shape}; the checkpoint does not match the config")
-    if tensor.dtype != need.dtype:
-        return (f"tensor '{need.name}' has dtype {tensor.dtype} on source rank {source_rank} but the model "
+    if dtype != need.dtype:
+        return (f"tensor '{need.name}' has dtype {dtype} on source rank {source_rank} but the model "
                 f"expects {need.dtype}; load with the same dtype on every rank")
     return None
 
 
-def source_region(need: Need, captured: dict[str, torch.Tensor], ep_plan: ExpertParallelPlan | None) -> torch.Tensor:
-    """The region of the captured tensor that ``need`` asks for (a view where the layout allows)."""
-    tensor = captured[need.name]
+def region_of(tensor: torch.Tensor, need: Need, ep_plan: ExpertParallelPlan | None) -> torch.Tensor:
+    """The region of the pre-EP ``tensor`` that ``need`` asks for (a view where the layout allows)."""
     if need.ep_rank != NOT_EXPERT:
         tensor = ep_plan.cut(need.name, tensor, need.ep_rank)
     if need.rows is not None:
         tensor = tensor[need.rows[0]:need.rows[1]]
     return tensor
+
+
+def checkpoint_rows(need: Need, ep_plan: ExpertParallelPlan | None, full_shape) -> tuple[int, int] | None:
+    """The rows ``[a, b)`` of dim 0 of the pre-EP tensor that form ``need``'s region, or None if they are not a run.
+
+    An ordinary tensor's shard is a run of rows. So is an expert tensor's when
+    the experts are whole blocks of dim 0 (``[E, ...]`` base weights: this
+    rank's experts, then FSDP's rows of those), which is what lets a source
+    read a region of a checkpoint without reading the rest.
+    """
+    if not full_shape:
+        return None
+    lo, hi = need.rows if need.rows is not None else (0, need.shape[0])
+    if need.ep_rank == NOT_EXPERT:
+        return lo, hi
+    axis = ep_plan.axes[need.name]
+    if axis.dim != 0 or axis.outer != 1:
+        return None
+    start, _ = ep_plan.local_range(need.name, need.ep_rank)
+    return start * axis.inner + lo, start * axis.inner + hi

@@ -68,24 +68,19 @@ class CheckpointTensor(torch.Tensor):
             "NativeFSDPStrategy(..., stream_checkpoint=False)")
 
 
-def checkpoint_tensors(model: nn.Module) -> dict[int, CheckpointTensor]:
-    """Every placeholder in ``model`` (tied ones once), by ``id``."""
-    found = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if isinstance(tensor, CheckpointTensor):
-            found[id(tensor)] = tensor
-    return found
+def build_meta_model(model_class, config, dtype: torch.dtype, **init_kwargs) -> nn.Module:
+    """``model_class`` built from ``config`` on the meta device: every name and shape, no memory."""
+    with torch.device("meta"):
+        return model_class.from_config(config, dtype=dtype, **init_kwargs)
 
 
-def build_skeleton(model_class, config, dtype: torch.dtype, layout=None, **init_kwargs) -> nn.Module:
-    """``model_class`` built from ``config`` with placeholders for every checkpoint tensor.
+def install_placeholders(model: nn.Module, layout=None) -> nn.Module:
+    """Replace every parameter and persistent buffer of the meta ``model`` by a :class:`CheckpointTensor`.
 
     ``layout`` (a :class:`twinkle_strategy.checkpoint.layout.CheckpointLayout`)
     is given on a node's source only: its placeholders report the CPU device
-    and its non-persistent buffers are computed. Elsewhere they are on meta.
+    and its non-persistent buffers are computed. Elsewhere they stay on meta.
     """
-    with torch.device("meta"):
-        model = model_class.from_config(config, dtype=dtype, **init_kwargs)
     if layout is not None:
         compute_non_persistent_buffers(model)
     device = torch.device("cpu") if layout is not None else torch.device("meta")

@@ -1,14 +1,15 @@
 """Byte streams: a rank's shards laid end to end, read and written one bucket at a time.
 
 The source never assembles a whole stream (that would be another copy of the
-model): :class:`StreamReader` copies the next bucket's worth of bytes out of
-the captured tensors, and :class:`StreamWriter` on the receiving side copies a
+model), nor even a whole region: :class:`StreamReader` copies the next
+bucket's worth of bytes out of chunks of rows, read (or viewed) one at a
+time, and :class:`StreamWriter` on the receiving side copies a
 bucket's bytes into the local shards where they belong.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -20,27 +21,55 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 class StreamReader:
-    """Reads the concatenated bytes of regions produced lazily by ``region_fns``."""
+    """Reads the concatenated bytes of regions, each produced lazily as a sequence of chunks.
 
-    def __init__(self, region_fns: list[Callable[[], torch.Tensor]], sizes: list[int]):
-        self._fns, self._sizes = region_fns, sizes
-        self._index, self._offset = 0, 0
-        self._current: torch.Tensor | None = None
+    ``regions[i]()`` returns an iterator of tensors whose bytes, end to end,
+    are region ``i`` (``sizes[i]`` bytes). Only the chunk being copied is alive.
+    """
+
+    def __init__(self, regions: list[Callable[[], Iterator[torch.Tensor]]], sizes: list[int]):
+        self._regions, self._sizes = regions, sizes
+        self._index = 0
+        self._chunks: Iterator[torch.Tensor] | None = None
+        self._chunk: torch.Tensor | None = None
+        self._offset = 0  # into the current chunk
+        self._region_done = 0  # bytes of the current region already read
         self.total = sum(sizes)
+
+    def _next_chunk(self) -> bool:
+        """Advance to the next chunk with bytes; False at the end of the stream."""
+        while self._index < len(self._regions):
+            if self._chunks is None:
+                self._chunks, self._region_done = iter(self._regions[self._index]()), 0
+            chunk = next(self._chunks, None)
+            if chunk is not None:
+                self._chunk, self._offset = as_bytes(chunk), 0
+                self._region_done += self._chunk.numel()
+                if self._region_done > self._sizes[self._index]:
+                    raise AssertionError(f"region {self._index} produced more than its {self._sizes[self._index]} "
+                                         "bytes")
+                if self._chunk.numel():
+                    return True
+                continue
+            if self._region_done != self._sizes[self._index]:
+                raise AssertionError(f"region {self._index} produced {self._region_done} of its "
+                                     f"{self._sizes[self._index]} bytes")
+            self._index, self._chunks = self._index + 1, None
+        return False
 
     def read_into(self, out: torch.Tensor) -> int:
         """Fill ``out`` (uint8) from the stream; returns the number of stream bytes written."""
         filled = 0
-        while filled < out.numel() and self._index < len(self._fns):
-            if self._current is None:
-                self._current = as_bytes(self._fns[self._index]())
-            take = min(out.numel() - filled, self._sizes[self._index] - self._offset)
-            out[filled:filled + take].copy_(self._current[self._offset:self._offset + take])
+        while filled < out.numel():
+            if self._chunk is None or self._offset == self._chunk.numel():
+                # Drop our reference first, so the finished chunk is freed before the next is read.
+                self._chunk = None
+                if not self._next_chunk():
+                    break
+            take = min(out.numel() - filled, self._chunk.numel() - self._offset)
+            out[filled:filled + take].copy_(self._chunk[self._offset:self._offset + take])
             filled += take
             self._offset += take
-            if self._offset == self._sizes[self._index]:
-                # Drop our reference so a temporary (non-contiguous region) is freed at once.
-                self._index, self._offset, self._current = self._index + 1, 0, None
         return filled
 
 
