@@ -5,17 +5,32 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from twinkle_strategy.tiny_models import FAMILIES, save_tiny_checkpoint  # noqa: E402
+from twinkle_strategy.tiny_models import FAMILIES, LAYOUT_FAMILIES, save_tiny_checkpoint  # noqa: E402
+
+# Checkpoints split into several files (with model.safetensors.index.json): a few tensors per file.
+SHARD = "40KB"
+# Directory name -> (family, extra arguments): what the streaming tests load, in the hub layout transformers writes.
+LAYOUT_CHECKPOINTS = {
+    "deepseek_v4": ("deepseek_v4", {}),
+    "qwen3_5_moe_vl": ("qwen3_5_moe_vl", {}),
+    "mixtral_sharded": ("mixtral", {"max_shard_size": SHARD}),
+    "qwen2_moe_tied_sharded": ("qwen2_moe", {"max_shard_size": SHARD, "tie_word_embeddings": True}),
+    "deepseek_v4_sharded": ("deepseek_v4", {"max_shard_size": SHARD}),
+    "qwen3_5_moe_vl_sharded": ("qwen3_5_moe_vl", {"max_shard_size": SHARD}),
+}
+assert {family for family, _ in LAYOUT_CHECKPOINTS.values()} >= set(LAYOUT_FAMILIES)
 
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """Real safetensors checkpoints of the four tiny MoE families, built once per test session."""
+    """Real safetensors checkpoints of the tiny MoE families, built once per test session."""
     root = tmp_path_factory.mktemp("tiny_ckpts")
     for family in FAMILIES:
         save_tiny_checkpoint(family, str(root / family), seed=0)
     # Tied input/output embeddings: must stay one tensor after init.
     save_tiny_checkpoint("qwen3_moe", str(root / "qwen3_moe_tied"), seed=1, tie_word_embeddings=True)
+    for name, (family, kwargs) in LAYOUT_CHECKPOINTS.items():
+        save_tiny_checkpoint(family, str(root / name), seed=2, **kwargs)
     return root
 
 

@@ -1,8 +1,19 @@
-"""memory_efficient_init across simulated nodes: exact weights, own experts, only the bytes each rank keeps."""
+"""memory_efficient_init across simulated nodes: exact weights, own experts, only the bytes each rank keeps.
 
+Sources stream the checkpoint (hub layout, single file and sharded): each reads from the files only its
+node's rows; every other rank opens no weight file and receives exactly its shard and buffers.
+"""
+
+import json
 import math
+import shutil
 
+import pytest
+import torch
+
+from conftest import LAYOUT_CHECKPOINTS
 from multinode import launch
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.tiny_models import FAMILIES
 
 BUCKET = 4096
@@ -33,22 +44,38 @@ def check_base_cases(ranks: dict, nproc_per_node: int, expected_cases: set):
                 kept = report["shard_bytes"] + report["buffer_bytes"]
                 assert report["buckets"] == math.ceil(kept / BUCKET), f"{case}: {report}"
                 assert report["collective_calls"] == report["buckets"] + 3, f"{case}: {report}"
+            node_reports = [ranks[r]["cases"][index]["report"] for r in node]
+            node_share = sum(r["shard_bytes"] for r in node_reports)
             if is_source:
                 assert report["bytes_received"] == 0
                 assert report["bytes_sent"] > 0
+                # Streamed: the source read its node's rows and nothing else (buffers once, for the node).
+                assert node_share <= report["bytes_read"] <= 1.05 * node_share + report["buffer_bytes"], \
+                    f"{case}: read {report['bytes_read']} bytes for a node share of {node_share}"
+                assert report["whole_tensors"] == [], f"{case}: read whole: {report['whole_tensors']}"
+                assert c["opened_weight_files"] and all(f.endswith(tuple(c["weight_files"]))
+                                                        for f in c["opened_weight_files"])
             else:
+                assert report["bytes_read"] == 0 and c["opened_weight_files"] == [], \
+                    f"{case}: a non-source rank read {c['opened_weight_files']}"
                 kept = report["shard_bytes"] + report["buffer_bytes"]
                 assert report["bytes_sent"] == 0
-                assert kept <= report["bytes_received"] <= 1.05 * report["shard_bytes"] + report["buffer_bytes"], \
+                assert report["bytes_received"] == kept, \
                     f"{case}: received {report['bytes_received']} bytes for a shard of {report['shard_bytes']}"
                 # Never a full tensor on a non-source rank, and no allocation above a bucket or a local shard.
                 assert c["full_shaped_allocations"] == [], f"{case}: {c['full_shaped_allocations']}"
                 assert c["largest_allocation"] <= max(BUCKET, c["largest_local"], c["largest_buffer"]), case
+            if is_source:
+                # The source reads a bucket's worth of rows at a time (at least one row: an expert), never a
+                # whole tensor of which its node keeps a part.
+                limit = max(BUCKET, c["largest_local"], c["largest_buffer"], c["largest_row"],
+                            1.1 * c["node_plan_bytes"])
+                assert c["largest_allocation"] <= limit, f"{case}: {c['largest_allocation']} > {limit}"
 
 
 def test_two_nodes_all_families_lora_and_bad_checkpoint(tiny_checkpoints, wrong_shape_checkpoint, tmp_path):
     """2 nodes x 2 ranks, ep=2 (ep_fsdp=2) and ep=4; LoRA fresh and loaded; a wrong-shaped checkpoint."""
-    families = list(FAMILIES) + ["qwen3_moe_tied"]
+    families = list(FAMILIES) + ["qwen3_moe_tied"] + list(LAYOUT_CHECKPOINTS)
     result = launch("mem_init.py", ["--ckpt-root", str(tiny_checkpoints), "--families", ",".join(families),
                                     "--ep-sizes", "2,4", "--bucket-bytes", str(BUCKET), "--lora",
                                     "--bad-ckpt", str(wrong_shape_checkpoint)],
@@ -73,16 +100,81 @@ def test_two_nodes_all_families_lora_and_bad_checkpoint(tiny_checkpoints, wrong_
 
 def test_three_nodes(tiny_checkpoints, tmp_path):
     """3 nodes x 2 ranks, ep=2 (ep_fsdp=3): FSDP shards that do not divide evenly."""
+    families = list(FAMILIES) + list(LAYOUT_CHECKPOINTS)
     result = launch("mem_init.py", ["--ckpt-root", str(tiny_checkpoints), "--ep-sizes", "2",
-                                    "--bucket-bytes", str(BUCKET), "--also-scatter"],
+                                    "--families", ",".join(families), "--bucket-bytes", str(BUCKET),
+                                    "--also-scatter"],
                     tmp_path, nnodes=3, nproc_per_node=2, timeout=600)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == list(range(6))
-    check_base_cases(ranks, 2, {(f, 2) for f in FAMILIES})
+    check_base_cases(ranks, 2, {(f, 2) for f in families})
     for rank, data in ranks.items():
         # The collective (scatter) transport fills identical weights, padding the shorter streams.
         scatter = data["scatter"]
         assert scatter["mismatches_vs_p2p"] == [], f"rank {rank}: scatter and p2p transports differ"
         if rank % 2:
             assert scatter["bytes_received"] >= scatter["kept"]
+
+
+@pytest.fixture(scope="module")
+def broken_hub_checkpoints(tiny_checkpoints, tmp_path_factory):
+    """The sharded Mixtral checkpoint (per-expert hub keys) with one fault each."""
+    from safetensors.torch import load_file, save_file
+
+    good = tiny_checkpoints / "mixtral_sharded"
+    index = json.loads((good / "model.safetensors.index.json").read_text())["weight_map"]
+    root = tmp_path_factory.mktemp("broken_hub")
+
+    def variant(name, key, change):
+        path = root / name
+        shutil.copytree(good, path)
+        weights = load_file(str(path / index[key]))
+        change(weights)
+        save_file(weights, str(path / index[key]), metadata={"format": "pt"})
+        return path
+
+    wrong = variant("wrong_shape", WRONG_KEY, lambda w: w.__setitem__(WRONG_KEY, torch.zeros(64, 16)))
+    missing = variant("missing_key", MISSING_KEY, lambda w: w.pop(MISSING_KEY))
+    weight_map = json.loads((missing / "model.safetensors.index.json").read_text())
+    del weight_map["weight_map"][MISSING_KEY]
+    (missing / "model.safetensors.index.json").write_text(json.dumps(weight_map))
+    truncated = root / "truncated"
+    shutil.copytree(good, truncated)
+    stored = SafetensorsIndex.from_directory(str(good)).tensors[TRUNCATED_KEY]
+    shard = truncated / index[TRUNCATED_KEY]
+    shard.write_bytes(shard.read_bytes()[:stored.begin + stored.nbytes // 2])  # cut inside that tensor
+    return {"wrong_shape": wrong, "missing_key": missing, "truncated": truncated}
+
+
+WRONG_KEY = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
+MISSING_KEY = "model.layers.0.block_sparse_moe.experts.5.w1.weight"
+TRUNCATED_KEY = "model.layers.1.block_sparse_moe.experts.6.w3.weight"
+
+
+def test_bad_hub_checkpoints_are_named_by_key_on_every_rank(broken_hub_checkpoints, tmp_path):
+    """A wrong-shaped per-expert tensor, a missing one, a truncated shard: named by checkpoint key, before any
+    weight is read, on every rank; nobody hangs."""
+    paths = broken_hub_checkpoints
+    result = launch("bad_config.py", ["--cases", "hub_wrong_shape,hub_missing_key,hub_truncated",
+                                      "--hub-wrong-shape", str(paths["wrong_shape"]),
+                                      "--hub-missing-key", str(paths["missing_key"]),
+                                      "--hub-truncated", str(paths["truncated"])],
+                    tmp_path, nnodes=2, nproc_per_node=2, timeout=240)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3]
+    expected = {
+        "hub_wrong_shape": [f"checkpoint tensor '{WRONG_KEY}' has shape (64, 16)",
+                            "model parameter 'model.layers.1.mlp.experts.down_proj' (8, 32, 16) have (32, 16)"],
+        "hub_missing_key": [f"model parameter 'model.layers.0.mlp.experts.gate_up_proj' (8, 32, 32) needs "
+                            f"checkpoint tensor(s) '{MISSING_KEY}', which are missing"],
+        "hub_truncated": ["is truncated", f"'{TRUNCATED_KEY}'"],
+    }
+    for rank, data in ranks.items():
+        for case, texts in expected.items():
+            err = data["errors"][case]
+            assert err is not None and err["type"] == "DistributedInitError", (rank, case, err)
+            for text in texts:
+                assert text in err["message"], (rank, case, err["message"])
+            assert "rank(s) [0, 2]" in err["message"]  # both nodes' sources found it, from the headers

@@ -62,6 +62,18 @@ def case_dtype_differs_on_node1(args):
     _mem_init(args.good, dtype=torch.bfloat16 if os.environ["RANK"] == "2" else torch.float32)
 
 
+def case_hub_wrong_shape(args):
+    _mem_init(args.hub_wrong_shape)
+
+
+def case_hub_missing_key(args):
+    _mem_init(args.hub_missing_key)
+
+
+def case_hub_truncated(args):
+    _mem_init(args.hub_truncated)
+
+
 def case_plain_setup(args):
     NativeFSDPStrategy(ep_size=1, mixed_precision="no").setup()
 
@@ -75,7 +87,8 @@ def main():
     p.add_argument("--fatal", default=None)
     p.add_argument("--six-experts")
     p.add_argument("--dense")
-    for name in ("missing-key", "wrong-shape", "corrupt", "good"):
+    for name in ("missing-key", "wrong-shape", "corrupt", "good", "hub-wrong-shape", "hub-missing-key",
+                 "hub-truncated"):
         p.add_argument(f"--{name}")
     args = p.parse_args()
     errors = {}

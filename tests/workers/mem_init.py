@@ -2,24 +2,39 @@
 
 import argparse
 import os
+import pickle
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 import worker_common  # noqa: E402
 from alloc_tracker import AllocationTracker  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
-from twinkle_strategy.init.plan import fsdp_rows  # noqa: E402
+from twinkle_strategy.init.plan import fsdp_rows, needs_of  # noqa: E402
+from twinkle_strategy.loading import model_class_for  # noqa: E402
 
 SEQ, PER_RANK = 16, 2
 
+# Weight files this process opens while recording (Python's audit hooks see every open(), os.open too).
+OPENED_WEIGHT_FILES: list[str] = []
+RECORDING = [False]
+
+
+def _record_opens(event, args):
+    if RECORDING[0] and event == "open" and isinstance(args[0], (str, os.PathLike)) \
+            and os.fspath(args[0]).endswith(".safetensors"):
+        OPENED_WEIGHT_FILES.append(os.fspath(args[0]))
+
+
+sys.addaudithook(_record_opens)
+
 
 def reference(path):
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = model_class_for(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     buffers = {k: v.clone() for k, v in model.named_buffers()}
     return model, state, buffers
@@ -60,9 +75,12 @@ def base_cases(args, world, rank):
             path = os.path.join(args.ckpt_root, family)
             _, state, buffers = reference(path)
             tracker = AllocationTracker()
+            OPENED_WEIGHT_FILES.clear()
+            RECORDING[0] = True
             with tracker:
                 model = mem.from_pretrained(path)
                 model, _ = mem.wrap_model(model)
+            RECORDING[0] = False
             report = mem.init_report
             # Allocations shaped like a whole parameter (before or after the EP cut) of
             # which this rank holds less than all: FSDP's padded shard has
@@ -72,15 +90,23 @@ def base_cases(args, world, rank):
                 padded_rows = -(-p.shape[0] // p.device_mesh.size())
                 if padded_rows < p.shape[0] or p.shape != state[n].shape:
                     sharded_full |= {(tuple(p.shape), p.dtype), (tuple(state[n].shape), state[n].dtype)}
+            sharded_full -= {(tuple(b.shape), b.dtype) for b in model.buffers()}  # buffers arrive whole
+            # FSDP allocates every local shard with ceil(rows / mesh size) rows: that shape is this rank's own.
+            sharded_full -= {((-(-p.shape[0] // p.device_mesh.size()),) + tuple(p.shape[1:]), p.dtype)
+                             for p in model.parameters()}
             full_shaped = [a for a in tracker.allocations if (a[0], a[1]) in sharded_full]
             # FSDP allocates ceil(rows / mesh size) rows per rank (padding included).
             largest_local = max(-(-p.shape[0] // p.device_mesh.size()) * (p.numel() // max(p.shape[0], 1))
                                 * p.element_size() for p in model.parameters())
             largest_buffer = max(b.numel() * b.element_size() for b in model.buffers())
+            # One index of dim 0 (an expert of a fused expert tensor): the least a source reads at a time.
+            largest_row = max(p.numel() // max(p.shape[0], 1) * p.element_size() for p in state.values())
+            # The plan (tensor names and regions, pickled) the source gathers from its node: metadata, not weights.
+            plan_bytes = len(pickle.dumps([need for need, _ in needs_of(model, mem.ep_plan)]))
 
             got = mem.full_state_dict(model)
             got_buffers = {k: v.detach().clone() for k, v in model.named_buffers()}
-            ids, mine = local_batch(model.config.vocab_size, world, rank)
+            ids, mine = local_batch(model.config.get_text_config().vocab_size, world, rank)
             with torch.no_grad():
                 logits = model(input_ids=mine).logits
             plain_model, _ = plain.wrap_model(plain.from_pretrained(path))
@@ -95,7 +121,10 @@ def base_cases(args, world, rank):
                 logit_diff_vs_plain=(logits - plain_logits).abs().max().item(),
                 report=vars(report), full_shaped_allocations=[str(a) for a in full_shaped],
                 largest_allocation=tracker.largest, largest_local=largest_local, largest_buffer=largest_buffer,
+                largest_row=largest_row, node_plan_bytes=plan_bytes * mem.topology.local_world_size,
                 model_bytes=sum(t.numel() * t.element_size() for t in state.values()),
+                opened_weight_files=sorted(set(OPENED_WEIGHT_FILES)),
+                weight_files=sorted(f for f in os.listdir(path) if f.endswith(".safetensors")),
             ))
             del model, plain_model
     return cases

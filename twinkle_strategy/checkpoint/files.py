@@ -148,7 +148,8 @@ class SafetensorsIndex:
             self.tensors[key] = StoredTensor(key, file, dtype, shape, begin, end)
         if past_end:
             needed = max(self.tensors[k].end for k in past_end)
-            shown = ", ".join(f"'{k}'" for k in sorted(past_end)[:3])
+            past_end.sort(key=lambda k: self.tensors[k].begin)  # the first one cut first
+            shown = ", ".join(f"'{k}'" for k in past_end[:3])
             more = f" and {len(past_end) - 3} more" if len(past_end) > 3 else ""
             raise CheckpointError(f"checkpoint file {file} is truncated: it has {size} bytes but its tensors need "
                                   f"{needed}; tensor(s) {shown}{more} lie past the end. Re-download or re-export it")

@@ -197,36 +197,36 @@ class CheckpointLayout:
         try:
             produced = self._convert(recipe, self._meta_sources(recipe))
         except Exception as exc:  # noqa: BLE001 - transformers' conversion rejected the pieces
-            self._problems.append(f"checkpoint tensors {recipe.checkpoint_keys[:4]} cannot be converted into model "
-                                  f"parameter '{recipe.first_target}': {type(exc).__name__}: {exc}")
+            self._problems.append(self._diagnose(recipe, recipe.first_target, f"{type(exc).__name__}: {exc}"))
             return
         for name, value in produced.items():
             if name not in self.model_tensors:
                 continue
-            want = self.model_tensors[name][0]
-            if tuple(value.shape) != want:
-                self._problems.append(self._mismatch(recipe, name, tuple(value.shape), want))
+            if tuple(value.shape) != self.model_tensors[name][0]:
+                self._problems.append(self._diagnose(recipe, name, f"they give shape {tuple(value.shape)}"))
                 continue
-            recipe.targets[name] = (want, self.model_tensors[name][1])
+            recipe.targets[name] = self.model_tensors[name]
             self.recipes[name] = recipe
         recipe.mode = _row_mode(recipe.transform)
         if recipe.mode == PER_EXPERT and any(len(keys) != want[0] for keys in recipe.sources.values()
                                              for want, _ in recipe.targets.values()):
             recipe.mode = WHOLE
 
-    def _mismatch(self, recipe: TensorRecipe, name: str, got: tuple, want: tuple) -> str:
+    def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> str:
+        """Name what is wrong with the checkpoint tensors of model tensor ``name``: missing keys, else shapes."""
+        want = self.model_tensors[name][0]
         keys = recipe.checkpoint_keys
-        if len(keys) == 1:
-            return (f"tensor '{name}' has shape {got} in the checkpoint but the model expects {want}"
-                    + (f" (checkpoint key '{keys[0]}')" if keys[0] != name else ""))
-        expected = self.expected_checkpoint_keys(name, want)
-        missing = [k for k in expected if k not in self.index] if expected else []
+        missing = [k for k in (self.expected_checkpoint_keys(name) or {}) if k not in self.index]
         if missing:
             shown = ", ".join(f"'{k}'" for k in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
                                                                  else "")
             return f"model parameter '{name}' {want} needs checkpoint tensor(s) {shown}, which are missing"
-        return (f"model parameter '{name}' expects shape {want} but checkpoint tensors {keys[:3]}"
-                f"{'...' if len(keys) > 3 else ''} give {got}")
+        if len(keys) == 1:
+            got = self.index.tensors[keys[0]].shape
+            return (f"tensor '{name}' has shape {got} in the checkpoint but the model expects {want}"
+                    + (f" (checkpoint key '{keys[0]}')" if keys[0] != name else ""))
+        return (f"model parameter '{name}' expects shape {want} but cannot be made from checkpoint tensors "
+                f"{keys[:3]}{'...' if len(keys) > 3 else ''}: {failure}")
 
     def expected_checkpoint_keys(self, name: str, shape: tuple | None = None) -> dict[str, tuple] | None:
         """The checkpoint keys (and shapes) that model tensor ``name`` is saved as, by the reverse rules."""

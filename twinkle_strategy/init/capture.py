@@ -30,6 +30,7 @@ class Capture:
     tensors: dict[str, torch.Tensor]  # held in host memory, by reference
     placeholders: dict[str, CheckpointTensor]  # read from a checkpoint
     _whole: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # checkpoint tensors read whole
+    _cut_after_reading: set[str] = dataclasses.field(default_factory=set)  # parameters among them
 
     @property
     def layouts(self) -> list:
@@ -46,7 +47,7 @@ class Capture:
     @property
     def whole_tensors(self) -> list[str]:
         """Model tensors a conversion rule forced to read whole instead of by rows."""
-        return sorted(set().union(*(layout.materialized_whole for layout in self.layouts)) | set(self._whole))
+        return sorted(set().union(*(layout.materialized_whole for layout in self.layouts)) | self._cut_after_reading)
 
     def describe(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
         """Shape and dtype (before EP) of what the source holds for ``name``, or None."""
@@ -76,15 +77,17 @@ class Capture:
             region = region_of(self.tensors[need.name], need, ep_plan)
             return region if part is None else region[part[0]:part[1]]
         placeholder = self.placeholders[need.name]
-        rows = checkpoint_rows(need, ep_plan, placeholder.shape)
+        rows = None if need.is_buffer else checkpoint_rows(need, ep_plan, placeholder.shape)
         if rows is not None:
             a = rows[0] + (part[0] if part else 0)
             b = rows[0] + part[1] if part else rows[1]
             return placeholder.checkpoint.read_rows(placeholder.key, (a, b) if placeholder.dim() else None)
-        # The region is not a run of rows of the checkpoint tensor (experts on another dim): read it whole,
-        # once (buffers every rank needs whole are read once per node, not once per rank).
+        # A buffer (every rank needs it whole: read once per node, not once per rank), or a region that is
+        # not a run of rows of the checkpoint tensor (experts on another dim): read whole, once.
         if need.name not in self._whole:
             self._whole[need.name] = placeholder.checkpoint.read_rows(placeholder.key)
+            if not need.is_buffer:
+                self._cut_after_reading.add(need.name)
         region = region_of(self._whole[need.name], need, ep_plan)
         return region if part is None else region[part[0]:part[1]]
 
