@@ -50,7 +50,7 @@ def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_chec
         "missing_key": "tensor 'model.layers.0.self_attn.q_proj.weight' is missing from the checkpoint",
         "wrong_shape": "tensor 'model.layers.1.mlp.gate.weight' has shape (3, 3) in the checkpoint but the model "
                        "expects (8, 32)",
-        "corrupt_file": "could not load the checkpoint",
+        "corrupt_file": "is truncated: it has",
         "missing_path": "model path '/nonexistent/model/dir' does not exist or is not a directory",
         "dtype_differs_on_node1": "has dtype torch.bfloat16 on source rank 2 but the model expects torch.float32",
     }

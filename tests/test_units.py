@@ -143,9 +143,11 @@ def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
     from twinkle_strategy.init.streams import StreamReader, StreamWriter
 
     sources = [torch.randn(5, 3), torch.arange(7, dtype=torch.int64), torch.randn(4, 6).to(torch.bfloat16)[:, ::2]]
+    # Each region arrives as chunks of rows (one row at a time here, or all at once).
+    regions = [lambda s=s: iter(s.split(1)) for s in sources[:2]] + [lambda: iter([sources[2]])]
     for bucket in (1, 7, 64, 10_000):
         targets = [torch.empty(s.shape, dtype=s.dtype) for s in sources]
-        reader = StreamReader([lambda s=s: s for s in sources], [s.numel() * s.element_size() for s in sources])
+        reader = StreamReader(regions, [s.numel() * s.element_size() for s in sources])
         writer = StreamWriter(targets)
         assert reader.total == writer.total
         while True:
@@ -160,11 +162,11 @@ def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
 def test_check_need_names_the_tensor():
     from twinkle_strategy.init.plan import NOT_EXPERT, Need, check_need
 
-    captured = {"w": torch.zeros(4, 3), "b": torch.zeros(4, dtype=torch.bfloat16)}
-    assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), captured, None, 0) is None
-    assert "tensor 'x' is not in the model loaded on source rank 2" in check_need(
-        Need("x", NOT_EXPERT, None, (1,), torch.float32), captured, None, 2)
+    w, b = ((4, 3), torch.float32), ((4,), torch.bfloat16)  # what the source holds: shape and dtype before EP
+    assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), w, None, 0) is None
+    assert "tensor 'x' is not in the model on source rank 2" in check_need(
+        Need("x", NOT_EXPERT, None, (1,), torch.float32), None, None, 2)
     assert "tensor 'w' has shape (4, 3) on source rank 0 (after the EP cut) but the model expects (4, 4)" in \
-        check_need(Need("w", NOT_EXPERT, (0, 2), (4, 4), torch.float32), captured, None, 0)
+        check_need(Need("w", NOT_EXPERT, (0, 2), (4, 4), torch.float32), w, None, 0)
     assert "tensor 'b' has dtype torch.bfloat16 on source rank 0 but the model expects torch.float32" in \
-        check_need(Need("b", NOT_EXPERT, None, (4,), torch.float32), captured, None, 0)
+        check_need(Need("b", NOT_EXPERT, None, (4,), torch.float32), b, None, 0)
