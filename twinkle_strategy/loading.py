@@ -121,15 +121,23 @@ def unexpected_problems(keys) -> list[str]:
             "config.json describe this checkpoint? is it the checkpoint of another model class?)"]
 
 
-# from_pretrained keyword arguments that mean the same to from_config (all others need a full load)
-STREAMABLE_KWARGS = {"attn_implementation"}
+# from_pretrained keyword arguments that mean the same to from_config: passed on when building the skeleton.
+INIT_KWARGS = ("attn_implementation", "experts_implementation")
+# Keyword arguments that only say how or where a full load puts the weights: placement is wrap_model's job.
+PLACEMENT_KWARGS = ("device_map", "low_cpu_mem_usage", "trust_remote_code", "dtype", "torch_dtype")
+
+
+def init_kwargs(kwargs: dict) -> dict:
+    """The ``from_pretrained`` keyword arguments that apply to a model built from its config."""
+    return {k: kwargs[k] for k in INIT_KWARGS if k in kwargs}
 
 
 def stream_blocker(path: str, config, kwargs: dict) -> str | None:
     """Why the checkpoint in ``path`` cannot be streamed region by region, or None if it can."""
     from twinkle_strategy.checkpoint.files import checkpoint_files
 
-    others = sorted(set(kwargs) - STREAMABLE_KWARGS)
+    others = sorted(k for k, v in kwargs.items()
+                    if k not in INIT_KWARGS + PLACEMENT_KWARGS and v is not None and v is not False)
     if others:
         return f"from_pretrained was given {others}, which only a full load understands"
     if getattr(config, "quantization_config", None):

@@ -34,7 +34,7 @@ from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
 from twinkle_strategy.loading import (
-    STREAMABLE_KWARGS,
+    init_kwargs,
     load_config,
     load_pretrained_strict,
     meta_skeleton,
@@ -208,8 +208,7 @@ class NativeFSDPStrategy:
             if is_source:
                 model = self._open_on_source(path, config, dtype, kwargs)
             else:
-                init_kwargs = {k: v for k, v in kwargs.items() if k in STREAMABLE_KWARGS}
-                model = meta_skeleton(config, dtype, **init_kwargs)
+                model = meta_skeleton(config, dtype, **init_kwargs(kwargs))
         except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
             error = exc
         transport.raise_together(error, f"loading {path_or_id}")
@@ -220,7 +219,7 @@ class NativeFSDPStrategy:
         if blocker is None:
             logger.info("memory_efficient_init: node %d streams %s: wrap_model reads only the rows this node keeps",
                         self.topology.node_index, path)
-            return open_streaming_model(path, config, dtype, **kwargs)
+            return open_streaming_model(path, config, dtype, **init_kwargs(kwargs))
         logger.info("memory_efficient_init: node %d loads %s whole in host memory (%s)",
                     self.topology.node_index, path, blocker)
         return load_pretrained_strict(path, dtype=dtype, **kwargs)

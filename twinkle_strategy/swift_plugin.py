@@ -14,9 +14,11 @@ ms-swift 4.x; everything else (data, template, loss, logging, output layout) sta
    environment variables, or a ``"twinkle"`` object in the ``--fsdp`` JSON) and checks them and the
    LoRA options before any model is loaded. ``--fsdp`` is then cleared: transformers and
    accelerate must not shard, wrap or save the model themselves.
-2. **Model loading** (``ModelLoader.load``): with ``memory_efficient_init`` only each node's local
-   rank 0 reads the checkpoint (on CPU); every other rank builds the same model on the meta device.
-   Without it every rank loads on CPU. Missing or wrong-shaped tensors fail on every rank.
+2. **Model loading** (``ModelLoader.load``): with ``memory_efficient_init`` every rank builds the
+   model from its config without weights; each node's local rank 0 checks the checkpoint's headers
+   and, in ``wrap_model``, reads only the rows its node keeps (``stream_checkpoint``, the default;
+   checkpoints that cannot be streamed are loaded whole on that rank). Without it every rank loads
+   on CPU. Missing, unexpected or wrong-shaped tensors fail on every rank, named by checkpoint key.
 3. **Tuner** (``TunerMixin.prepare_model``): swift applies its tuner (``--tuner_type lora`` with
    ``--target_parameters`` for expert LoRA, or ``full``) to the whole, un-split model, so a LoRA
    adapter is the full ``[r*E]`` one; then ``strategy.wrap_model`` applies EP and FSDP2 and, with
@@ -31,6 +33,7 @@ Options (the ``--fsdp`` JSON's ``"twinkle"`` object wins over the environment)::
     TWINKLE_EP_SIZE=8                    "ep_size": 8                  ranks that split each MoE layer's experts
     TWINKLE_EP_FSDP_SIZE=2               "ep_fsdp_size": 2             default world_size / ep_size
     TWINKLE_MEMORY_EFFICIENT_INIT=1      "memory_efficient_init": true default true
+    TWINKLE_STREAM_CHECKPOINT=1          "stream_checkpoint": true     read only each node's rows from the files
     TWINKLE_INIT_BUCKET_MB=256           "init_bucket_mb": 256
     TWINKLE_INIT_TRANSPORT=p2p           "init_transport": "p2p"       or "scatter"
     TWINKLE_VERIFY_INIT=0                "verify_init": false
@@ -81,6 +84,7 @@ OPTIONS = {
     "ep_size": int,
     "ep_fsdp_size": _parse_optional_int,
     "memory_efficient_init": _parse_bool,
+    "stream_checkpoint": _parse_bool,
     "init_bucket_mb": float,
     "init_transport": str,
     "verify_init": _parse_bool,
@@ -245,15 +249,11 @@ def _env(name: str, value: str):
             os.environ[name] = old
 
 
-def _meta_model(cls, config, kwargs):
+def _dtype(config, kwargs):
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if dtype in (None, "auto"):
         dtype = getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with torch.device("meta"):
-        model = cls._from_config(config, dtype=dtype)
-    return model.eval()
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
 def _checked_load(from_pretrained, cls, path, *args, **kwargs):
@@ -283,13 +283,31 @@ def _strategy_from_pretrained(strategy):
     on_meta = strategy.memory_efficient_init and not strategy.topology.is_source
 
     def patched(cls, path, *args, config=None, **kwargs):
-        if on_meta:
-            if config is None:
-                from transformers import AutoConfig
+        if not strategy.memory_efficient_init:
+            return _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs)
+        from twinkle_strategy.loading import init_kwargs, meta_skeleton, open_streaming_model, stream_blocker
 
-                config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
-            return _meta_model(cls, config, kwargs)
-        return _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs)
+        if config is None:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(path, trust_remote_code=kwargs.get("trust_remote_code", False))
+        dtype = _dtype(config, kwargs)
+        if not strategy.topology.is_source:
+            return meta_skeleton(config, dtype, model_class=cls, **init_kwargs(kwargs)).eval()
+        # swift asks for ignore_mismatched_sizes where it replaces a head on purpose (reward models): a full load.
+        if not strategy.stream_checkpoint:
+            blocker = "stream_checkpoint=False"
+        elif args:
+            blocker = "from_pretrained was given positional arguments"
+        else:
+            blocker = stream_blocker(path, config, {k: v for k, v in kwargs.items() if k != "output_loading_info"})
+        if blocker is not None:
+            logger.info("twinkle swift plugin: node %d loads %s whole in host memory (%s)",
+                        strategy.topology.node_index, path, blocker)
+            return _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs)
+        model = open_streaming_model(path, config, dtype, model_class=cls, **init_kwargs(kwargs)).eval()
+        report = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+        return (model, report) if kwargs.get("output_loading_info") else model
 
     PreTrainedModel.from_pretrained = classmethod(patched)
     try:
@@ -313,8 +331,9 @@ def _load(orig, self):
     raise_together(error, f"loading {self.model_info.model_dir}")
     _STATE["loaded_checkpoint"] = not (strategy.memory_efficient_init and not strategy.topology.is_source)
     if strategy.is_main_process:
-        where = ("each node's local rank 0 loaded it on CPU, the others built it on meta"
-                 if strategy.memory_efficient_init else "every rank loaded it on CPU")
+        where = ("each node's local rank 0 opened it, every rank built the model without weights "
+                 "(wrap_model sends each rank its shards)" if strategy.memory_efficient_init
+                 else "every rank loaded it on CPU")
         logger.info("twinkle swift plugin: %s: %s", self.model_info.model_dir, where)
     return result
 

@@ -70,8 +70,10 @@ class CheckpointTensor(torch.Tensor):
 
 def build_meta_model(model_class, config, dtype: torch.dtype, **init_kwargs) -> nn.Module:
     """``model_class`` built from ``config`` on the meta device: every name and shape, no memory."""
+    # Auto classes build with from_config, concrete classes (as ms-swift passes them) with _from_config.
+    build = getattr(model_class, "from_config", None) or model_class._from_config
     with torch.device("meta"):
-        return model_class.from_config(config, dtype=dtype, **init_kwargs)
+        return build(config, dtype=dtype, **init_kwargs)
 
 
 def install_placeholders(model: nn.Module, layout=None) -> nn.Module:
