@@ -1,19 +1,26 @@
 """Getting a pretrained MoE checkpoint into an FSDP2 + EP model: this project against its peers, in one run.
 
+    python benchmarks/init_bench.py --model-mb 1200 --shard-mb 200 --scaling   # the reported run (1.2 GB, 1/2/3 nodes)
     python benchmarks/init_bench.py --scaling       # 200 MB model, 2 nodes x 2 ranks, ep=2, + 1/2/3-node scaling
-    python benchmarks/init_bench.py --quick         # ~20 MB smoke run, main five methods
+    python benchmarks/init_bench.py --quick         # ~20 MB smoke run, three methods
 
 Each method runs in fresh processes (one torchrun agent per simulated node on
 127.0.0.1, gloo on CPU), on the same synthetic Qwen3-MoE safetensors checkpoint,
 with the same EP cut and the same fully_shard calls as ours:
 
-  ours_mem           NativeFSDPStrategy(memory_efficient_init=True): node-local sources, bucketed shards
+  ours_stream        NativeFSDPStrategy(memory_efficient_init=True): every rank builds the model without weights;
+                     each node's source reads from the files only its node's rows and sends them in buckets
+  ours_mem           the same with stream_checkpoint=False: each node's source loads the whole model in host
+                     memory first, then sends each local rank its shards from it (the in-memory path)
   ours_plain         NativeFSDPStrategy(memory_efficient_init=False): every rank reads the checkpoint
   accelerate         accelerate.utils.fsdp_utils.fsdp2_load_full_state_dict: global rank 0 broadcasts every
                      tensor to the world, each rank distribute_tensor()s it (a scatter per tensor)
   dcp                torch DCP set_model_state_dict(full_state_dict=True, broadcast_from_rank0=True)
   node_bcast         per-parameter node-local baseline: each node's local rank 0 broadcasts every FULL
                      tensor inside its node (one collective per tensor), every rank slices its shard
+  dcp_hf             torch DCP dcp.load with HuggingFaceStorageReader: every rank reads its own slices from the
+                     safetensors files. It has no conversion rules, so it reads a copy of the checkpoint written
+                     in the model's own layout (fused expert tensors); the hub layout has no key it could match
   accelerate_fullsd  accelerate with rank 0 passing the whole (pre-EP) checkpoint state dict
   dcp_fullsd         DCP with rank 0 passing the whole (pre-EP) checkpoint state dict
 
@@ -44,8 +51,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-METHODS = ("ours_mem", "ours_plain", "accelerate", "dcp", "node_bcast", "accelerate_fullsd", "dcp_fullsd")
-QUICK_METHODS = ("ours_mem", "accelerate", "node_bcast")
+METHODS = ("ours_stream", "ours_mem", "ours_plain", "accelerate", "dcp", "node_bcast", "dcp_hf", "accelerate_fullsd",
+           "dcp_fullsd")
+OURS = ("ours_stream", "ours_mem", "ours_plain")
+QUICK_METHODS = ("ours_stream", "ours_mem", "node_bcast")
 
 
 # --------------------------------------------------------------------------- counting
@@ -211,7 +220,7 @@ def _node_bcast(strategy, path, config, counter):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from twinkle_strategy.init.plan import needs_of, source_region
+    from twinkle_strategy.init.plan import needs_of, region_of
 
     topo = strategy.topology
     full = None
@@ -232,8 +241,65 @@ def _node_bcast(strategy, path, config, counter):
         dist.broadcast(tensor, src=topo.source_rank, group=strategy._bench_node_group)
         # ...and each rank cuts out what it keeps.
         with torch.no_grad():
-            local.copy_(source_region(need, {need.name: tensor}, strategy.ep_plan).reshape(local.shape))
+            local.copy_(region_of(tensor, need, strategy.ep_plan).reshape(local.shape))
     return model, time.perf_counter() - t1, time.time()
+
+
+class SliceReadCounter:
+    """Bytes read through safetensors' ``safe_open(...).get_slice(...)[...]`` (DCP's HuggingFaceStorageReader)."""
+
+    def __init__(self):
+        import safetensors
+
+        self.bytes = 0
+        self._module, self._original = safetensors, safetensors.safe_open
+        counter = self
+
+        class CountingSafeOpen:
+            def __init__(self, *args, **kwargs):
+                self._file = counter._original(*args, **kwargs)
+
+            def __enter__(self):
+                self._file.__enter__()
+                return self
+
+            def __exit__(self, *exc):
+                return self._file.__exit__(*exc)
+
+            def get_slice(self, name):
+                part = self._file.get_slice(name)
+
+                class Slice:
+                    def __getitem__(self, index):
+                        tensor = part[index]
+                        counter.bytes += tensor.numel() * tensor.element_size()
+                        return tensor
+
+                    def __getattr__(self, attr):
+                        return getattr(part, attr)
+
+                return Slice()
+
+            def __getattr__(self, attr):
+                return getattr(self._file, attr)
+
+        safetensors.safe_open = CountingSafeOpen
+
+
+def _dcp_hf_load(strategy, model, path):
+    """torch DCP: every rank reads its own DTensor slices from the safetensors files of ``path``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    state = model.state_dict()
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(path))
+    model.load_state_dict(state)
+
+
+def _chars_read() -> int:
+    """Bytes this process read with read()/pread() so far (/proc/self/io rchar; mmap page faults not included)."""
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
 
 
 def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: float) -> dict:
@@ -243,7 +309,9 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.platform import peak_rss_bytes
 
-    strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no", memory_efficient_init=(method == "ours_mem"),
+    strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no",
+                                  memory_efficient_init=method in ("ours_stream", "ours_mem"),
+                                  stream_checkpoint=method == "ours_stream",
                                   init_bucket_mb=bucket_mb, device_type="cpu", timeout_s=timeout_s)
     strategy.setup()
     if method == "node_bcast":  # the baseline's node groups, created outside the timed region like ours
@@ -253,11 +321,13 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
             [list(r) for r in strategy.topology.node_ranks], timeout=datetime.timedelta(seconds=timeout_s))
     counter = Counter()
     counter.install()
+    slices = SliceReadCounter() if method == "dcp_hf" else None
     dist.barrier()
     counter.calls, counter.bytes_received, counter.by_name = 0, 0, {}  # the barrier above is not a load call
+    chars_before = _chars_read()
     t0 = time.perf_counter()
     report = None
-    if method in ("ours_mem", "ours_plain"):
+    if method in OURS:
         model = strategy.from_pretrained(path)
         t1 = time.perf_counter()
         model, _ = strategy.wrap_model(model)
@@ -269,6 +339,14 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
         config = AutoConfig.from_pretrained(path)
         if method == "node_bcast":
             model, distribute_s, distribute_end = _node_bcast(strategy, path, config, counter)
+        elif method == "dcp_hf":
+            model, buffers = _peer_model(config, torch.float32)
+            _shard(strategy, model, materialize=True)
+            counter.uncounted_barrier()
+            t1 = time.perf_counter()
+            _dcp_hf_load(strategy, model, path + MODEL_LAYOUT_SUFFIX)
+            distribute_s, distribute_end = time.perf_counter() - t1, time.time()
+            _restore_buffers(model, buffers)
         else:
             full_sd = _rank0_state_dict(strategy, path, ep_sliced=not method.endswith("_fullsd")) \
                 if strategy.rank == 0 else {}
@@ -298,6 +376,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
             del full_sd
     counts = counter.snapshot()
     counter.uninstall()
+    chars_read = _chars_read() - chars_before
     peak = peak_rss_bytes()
     dist.barrier()
     total_s = time.perf_counter() - t0
@@ -318,17 +397,27 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
         wrong_buffers = sorted({f"{n}@rank{r}" for r, bufs in enumerate(all_buffers)
                                 for n, b in ref_model.named_buffers()
                                 if n not in bufs or not torch.equal(bufs[n], b)})
-    # Weights a rank reads from disk: the whole checkpoint where it loads one, nothing elsewhere.
-    loads = method == "ours_plain" or (method in ("ours_mem", "node_bcast") and strategy.topology.is_source) \
-        or (method not in ("ours_mem", "ours_plain", "node_bcast") and strategy.rank == 0)
+    # Weight bytes a rank reads from disk: ours_stream counts them (InitReport.bytes_read, cross-checked with
+    # /proc/self/io); dcp_hf's slices are counted at safetensors; the others read the whole checkpoint where
+    # they load one (from_pretrained memory-maps it, which /proc/self/io does not see) and nothing elsewhere.
     disk = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+    if method == "ours_stream":
+        disk_read = report.bytes_read
+    elif method == "dcp_hf":
+        disk_read = slices.bytes
+    else:
+        loads = method == "ours_plain" or (method in ("ours_mem", "node_bcast") and strategy.topology.is_source) \
+            or (method not in OURS + ("node_bcast",) and strategy.rank == 0)
+        disk_read = disk if loads else 0
     init_report = None
     if report is not None:
         init_report = {k: getattr(report, k) for k in ("seconds", "bytes_sent", "bytes_received", "shard_bytes",
                                                        "buffer_bytes", "buckets", "collective_calls",
-                                                       "peak_rss_bytes", "tensors", "phase_seconds")}
+                                                       "peak_rss_bytes", "tensors", "phase_seconds", "bytes_read",
+                                                       "read_seconds", "whole_tensors")}
     return {"method": method, "rank": strategy.rank, "is_source": strategy.topology.is_source,
-            "disk_read_bytes": disk if loads else 0, "init_report": init_report,
+            "node": strategy.topology.node_index, "model_bytes": disk, "chars_read": chars_read,
+            "disk_read_bytes": disk_read, "init_report": init_report,
             "total_s": total_s, "distribute_s": distribute_s,
             "distribute_wall": [distribute_end - distribute_s, distribute_end], "bytes_received": counts["bytes_received"],
             "shard_bytes": shard_bytes, "collective_calls": counts["calls"], "calls_by_name": counts["by_name"],
@@ -349,7 +438,15 @@ def worker_main(args) -> None:
 
 
 # --------------------------------------------------------------------------- driver
-def build_checkpoint(model_mb: float, path: str) -> dict:
+MODEL_LAYOUT_SUFFIX = "-model-layout"
+
+
+def build_checkpoint(model_mb: float, path: str, shard_mb: float | None = None, model_layout: bool = False) -> dict:
+    """A synthetic Qwen3-MoE checkpoint in the hub layout (per-expert keys), split into ``shard_mb`` files.
+
+    With ``model_layout``, also a copy in the model's own layout (fused expert tensors) next to it, for
+    readers without conversion rules (DCP's HuggingFaceStorageReader).
+    """
     from twinkle_strategy.tiny_models import save_tiny_checkpoint
 
     hidden, inter, experts, vocab = 512, 512, 8, 4096
@@ -358,10 +455,30 @@ def build_checkpoint(model_mb: float, path: str) -> dict:
     if model_mb < 50:
         hidden, inter, vocab, layers = 256, 256, 2048, max(1, round(model_mb / 7))
     save_tiny_checkpoint("qwen3_moe", path, hidden_size=hidden, intermediate_size=inter, num_experts=experts,
-                         num_layers=layers, vocab_size=vocab)
-    size = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".safetensors"))
+                         num_layers=layers, vocab_size=vocab,
+                         max_shard_size=f"{int(shard_mb)}MB" if shard_mb else None)
+    files = [f for f in os.listdir(path) if f.endswith(".safetensors")]
+    size = sum(os.path.getsize(os.path.join(path, f)) for f in files)
+    if model_layout:
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        state = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+        out = path + MODEL_LAYOUT_SUFFIX
+        os.makedirs(out, exist_ok=True)
+        limit, part, parts = (shard_mb or 1e9) * 2**20, {}, []
+        for key, tensor in state.items():
+            part[key] = tensor.contiguous()
+            if sum(t.numel() * t.element_size() for t in part.values()) >= limit:
+                parts.append(part)
+                part = {}
+        parts += [part] if part else []
+        for i, part in enumerate(parts):
+            save_file(part, os.path.join(out, f"model-{i + 1:05d}-of-{len(parts):05d}.safetensors"),
+                      metadata={"format": "pt"})
+        del state
     return {"hidden": hidden, "moe_intermediate": inter, "experts": experts, "layers": layers, "vocab": vocab,
-            "checkpoint_mb": size / 2**20}
+            "checkpoint_mb": size / 2**20, "files": len(files)}
 
 
 def run_launch(method, model, nnodes, nproc, ep, bucket_mb, results_dir, timeout, collective_timeout):
@@ -463,6 +580,17 @@ def summarize(run: dict) -> dict:
         "rss_source_mb": max(r["peak_rss_bytes"] for r in source) / 2**20,
         "rss_nonsource_mb": max(r["peak_rss_bytes"] for r in non_source) / 2**20,
     }
+    model = ranks[0]["model_bytes"]
+    row["rss_source_over_model"] = row["rss_source_mb"] * 2**20 / model
+    row["rss_gap_over_model"] = (row["rss_source_mb"] - row["rss_nonsource_mb"]) * 2**20 / model
+    # Disk: bytes each node's ranks read, over the bytes that node's ranks keep (its share of the model).
+    nodes = sorted({r["node"] for r in ranks})
+    per_node = [(sum(r["disk_read_bytes"] for r in ranks if r["node"] == n),
+                 sum(r["shard_bytes"] for r in ranks if r["node"] == n)) for n in nodes]
+    row["disk_node_mb_max"] = max(read for read, _ in per_node) / 2**20
+    row["disk_node_over_share"] = max(read / share for read, share in per_node)
+    if run["method"] == "ours_stream":  # the InitReport's count next to what the kernel saw read() return
+        row["chars_read_over_reported"] = max(r["chars_read"] / max(r["disk_read_bytes"], 1) for r in source)
     reports = [r for r in ranks if r.get("init_report")]
     if reports:  # ours: the InitReport next to the counting wrapper, per rank
         row["init_report_check"] = [
@@ -476,40 +604,43 @@ def summarize(run: dict) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| method | nodes | result | init s | distribute s | recv MiB per rank (min-max) "
-            "| network recv / shard (non-source, min-max) | network + disk in / shard (non-source, max) "
-            "| collective calls (max/rank) | peak RSS source MiB | peak RSS non-source MiB |")
-    lines = [head, "|" + "---|" * 11]
+    head = ("| method | nodes | result | init s | distribute s | disk read per node / node's share (max) "
+            "| peak RSS source / model | (source - non-source) RSS / model | network recv / shard (non-source, max) "
+            "| network + disk in / shard (non-source, max) | collective calls (max/rank) | peak RSS source MiB "
+            "| peak RSS non-source MiB |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         if "init_s" not in r:
-            lines.append(f"| {r['method']} | {r['nnodes']} | {r['status']} |" + "  |" * 8)
+            lines.append(f"| {r['method']} | {r['nnodes']} | {r['status']} |" + "  |" * 10)
             continue
         lines.append(f"| {r['method']} | {r['nnodes']} | {r['status']} | {r['init_s']:.2f} | {r['distribute_s']:.2f} "
-                     f"| {r['recv_mb_min']:.1f}-{r['recv_mb_max']:.1f} "
-                     f"| {r['recv_over_shard_min']:.2f}-{r['recv_over_shard_max']:.2f} | {r['in_over_shard_max']:.2f} "
+                     f"| {r['disk_node_over_share']:.2f} | {r['rss_source_over_model']:.2f} "
+                     f"| {r['rss_gap_over_model']:.2f} | {r['recv_over_shard_max']:.2f} | {r['in_over_shard_max']:.2f} "
                      f"| {r['calls_max']} | {r['rss_source_mb']:.0f} | {r['rss_nonsource_mb']:.0f} |")
     return "\n".join(lines)
 
 
-PEERS = ("accelerate", "dcp", "node_bcast", "accelerate_fullsd", "dcp_fullsd")
+OURS_BEST = "ours_stream"
 RATIO_COLUMNS = (("init_s", "init s"), ("distribute_s", "distribute s"),
+                 ("disk_node_over_share", "disk read per node / node's share"),
+                 ("rss_source_over_model", "peak RSS source / model"),
+                 ("rss_gap_over_model", "(source - non-source) peak RSS / model"),
                  ("in_over_shard_max", "bytes in (network + disk) / shard, non-source max"),
-                 ("calls_max", "collective calls (max/rank)"), ("rss_source_mb", "peak RSS source MiB"),
-                 ("rss_nonsource_mb", "peak RSS non-source MiB"))
+                 ("calls_max", "collective calls (max/rank)"), ("rss_nonsource_mb", "peak RSS non-source MiB"))
 
 
-def ratios(rows: list[dict]) -> str:
-    ours = next((r for r in rows if r["method"] == "ours_mem" and "init_s" in r), None)
+def ratios(rows: list[dict], nnodes: int) -> str:
+    ours = next((r for r in rows if r["method"] == OURS_BEST and "init_s" in r and r["nnodes"] == nnodes), None)
     if ours is None:
-        return "(ours_mem has no result)"
-    # Peers: what users would pick instead (not our own every-rank-loads baseline).
-    peers = [r for r in rows if r["method"] in PEERS and "init_s" in r and r["nnodes"] == ours["nnodes"]]
-    correct = [r for r in peers if r["status"] == "correct"]
-    out = ["| column | ours_mem | best peer, any result | ours / it | best correct peer | ours / it |",
+        return f"({OURS_BEST} has no result at {nnodes} nodes)"
+    # Every other method: the peers users would pick, and our own in-memory and every-rank-loads paths.
+    others = [r for r in rows if r["method"] != OURS_BEST and "init_s" in r and r["nnodes"] == nnodes]
+    correct = [r for r in others if r["status"] == "correct"]
+    out = [f"| column | {OURS_BEST} | best other, any result | ours / it | best correct other | ours / it |",
            "|---|---|---|---|---|---|"]
     for key, label in RATIO_COLUMNS:
         cells = []
-        for group in (peers, correct):
+        for group in (others, correct):
             if not group:
                 cells += ["-", "-"]
                 continue
@@ -523,17 +654,19 @@ def scaling_table(rows: list[dict]) -> str:
     nodes = sorted({r["nnodes"] for r in rows})
     if len(nodes) < 2:
         return ""
-    out = [("| nodes x 2 ranks | ours_mem recv / shard (non-source max) | node_bcast recv / shard (non-source max) "
-            "| ours_mem init s | node_bcast init s | ours / node_bcast init s |"), "|---|---|---|---|---|---|"]
+    out = [f"| nodes x 2 ranks | {OURS_BEST} init s | fastest correct other (init s) | ours / it "
+           f"| {OURS_BEST} disk per node / share | {OURS_BEST} (source - non-source) RSS / model |",
+           "|---|---|---|---|---|---|"]
     for n in nodes:
-        ours = next((r for r in rows if r["method"] == "ours_mem" and r["nnodes"] == n and "init_s" in r), None)
-        base = next((r for r in rows if r["method"] == "node_bcast" and r["nnodes"] == n and "init_s" in r), None)
-        if ours is None or base is None:
-            out.append(f"| {n} | {'-' if ours is None else ours['status']} | {'-' if base is None else base['status']}"
-                       " | | | |")
+        ours = next((r for r in rows if r["method"] == OURS_BEST and r["nnodes"] == n and "init_s" in r), None)
+        others = [r for r in rows if r["method"] != OURS_BEST and r["nnodes"] == n and r.get("status") == "correct"]
+        if ours is None or not others:
+            out.append(f"| {n} | {'-' if ours is None else ours['status']} | | | | |")
             continue
-        out.append(f"| {n} | {ours['recv_over_shard_max']:.2f} | {base['recv_over_shard_max']:.2f} "
-                   f"| {ours['init_s']:.2f} | {base['init_s']:.2f} | {ours['init_s'] / base['init_s']:.2f} |")
+        best = min(others, key=lambda r: r["init_s"])
+        out.append(f"| {n} | {ours['init_s']:.2f} | {best['init_s']:.2f} ({best['method']}) "
+                   f"| {ours['init_s'] / best['init_s']:.2f} | {ours['disk_node_over_share']:.2f} "
+                   f"| {ours['rss_gap_over_model']:.2f} |")
     return "\n".join(out)
 
 
@@ -560,14 +693,14 @@ def chart(rows: list[dict], path: str, nnodes: int) -> None:
     failed = [r["method"] for r in rows if "init_s" not in r and r["nnodes"] == nnodes]
     rows = [r for r in rows if "init_s" in r and r["nnodes"] == nnodes]
     names = [r["method"] for r in rows]
-    panels = (("init_s", "whole init (s)"), ("distribute_s", "distribution phase (s)"),
+    panels = (("init_s", "whole init (s)"), ("disk_node_over_share", "disk read per node / node's share"),
+              ("rss_source_over_model", "peak RSS source / model"),
               ("in_over_shard_max", "bytes in (network + disk) / shard\nnon-source rank"),
-              ("calls_max", "collective calls per rank"), ("rss_nonsource_mb", "peak RSS non-source (MiB)"),
-              ("rss_source_mb", "peak RSS source (MiB)"))
+              ("calls_max", "collective calls per rank"), ("rss_nonsource_mb", "peak RSS non-source (MiB)"))
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
     for ax, (key, title) in zip(axes.flat, panels):
         bars = ax.bar(names, [r[key] for r in rows],
-                      color=["tab:green" if n == "ours_mem" else "tab:gray" for n in names])
+                      color=["tab:green" if n == OURS_BEST else "tab:gray" for n in names])
         for bar, r in zip(bars, rows):
             if r["status"] != "correct":
                 bar.set_color("tab:red")
@@ -585,13 +718,14 @@ def chart(rows: list[dict], path: str, nnodes: int) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-mb", type=float, default=200, help="checkpoint size (fp32), default 200")
-    p.add_argument("--quick", action="store_true", help="~20 MB model; ours_mem, accelerate, node_bcast only (smoke run)")
+    p.add_argument("--shard-mb", type=float, default=None, help="split the checkpoint into files of this size")
+    p.add_argument("--quick", action="store_true", help=f"~20 MB model; {', '.join(QUICK_METHODS)} only (smoke run)")
     p.add_argument("--nnodes", type=int, default=2)
     p.add_argument("--nproc-per-node", type=int, default=2)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=32, help="ours: init_bucket_mb")
     p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
-    p.add_argument("--scaling", action="store_true", help="also 1, 2, 3 nodes for ours_mem and node_bcast")
+    p.add_argument("--scaling", action="store_true", help="also 1, 2, 3 nodes, every method")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch before every process is killed")
     p.add_argument("--collective-timeout", type=float, default=120,
                    help="process-group timeout in the workers: a peer stuck in a collective fails after this")
@@ -616,11 +750,11 @@ def main() -> None:
     model_mb = 20 if args.quick else args.model_mb
     work = tempfile.mkdtemp(prefix="init_bench-")
     ckpt = os.path.join(work, "model")
-    shape = build_checkpoint(model_mb, ckpt)
+    shape = build_checkpoint(model_mb, ckpt, args.shard_mb, model_layout="dcp_hf" in methods)
     print(f"checkpoint: {shape} (work dir {work})", flush=True)
     plan = [(m, args.nnodes) for m in methods]
     if args.scaling:
-        plan += [(m, n) for n in (1, 2, 3) for m in ("ours_mem", "node_bcast") if (m, n) not in plan]
+        plan += [(m, n) for n in (1, 2, 3) for m in methods if (m, n) not in plan]
     runs = []
     for method, nnodes in plan:
         print(f"running {method} ({nnodes} nodes x {args.nproc_per_node})...", flush=True)
@@ -637,16 +771,18 @@ def report(rows, runs, shape, command, args) -> None:
             f"({shape['layers']} layers, {shape['experts']} experts, hidden {shape['hidden']}, "
             f"moe_intermediate {shape['moe_intermediate']}, vocab {shape['vocab']}); "
             f"{args.nnodes} simulated nodes x {args.nproc_per_node} ranks, ep={args.ep}, gloo on CPU, "
-            f"{os.cpu_count()} CPU cores.\n\n{markdown(rows)}\n\n"
-            f"Ratios at {args.nnodes} nodes, ours_mem / peer on each column (lower is better for every column):\n\n"
-            f"{ratios(rows)}\n")
+            f"{os.cpu_count()} CPU cores, {shape.get('files', 1)} safetensors files, init_bucket_mb={args.bucket_mb}."
+            f"\n\n{markdown(rows)}\n")
+    for nnodes in sorted({r["nnodes"] for r in rows}):
+        text += (f"\nRatios at {nnodes} node(s), {OURS_BEST} / the best other method on each column (lower is "
+                 f"better for every column):\n\n{ratios(rows, nnodes)}\n")
     scaling = scaling_table(rows)
     if scaling:
         text += f"\nScaling (same checkpoint, 2 ranks per node):\n\n{scaling}\n"
     check = cross_check(rows)
     if check:
-        text += f"\nours_mem: InitReport next to the counting wrapper (counted calls include from_pretrained's " \
-                f"config broadcast and its fail-together check):\n\n{check}\n"
+        text += f"\nOurs: InitReport next to the counting wrapper (counted calls include from_pretrained's " \
+                f"config broadcast and its fail-together checks):\n\n{check}\n"
     print(text)
     with open(os.path.join(args.out, "init_bench.md"), "w") as f:
         f.write(text)

@@ -78,7 +78,7 @@ def test_two_nodes_all_families_lora_and_bad_checkpoint(tiny_checkpoints, wrong_
     families = list(FAMILIES) + ["qwen3_moe_tied"] + list(LAYOUT_CHECKPOINTS)
     result = launch("mem_init.py", ["--ckpt-root", str(tiny_checkpoints), "--families", ",".join(families),
                                     "--ep-sizes", "2,4", "--bucket-bytes", str(BUCKET), "--lora",
-                                    "--bad-ckpt", str(wrong_shape_checkpoint)],
+                                    "--also-in-memory", "--bad-ckpt", str(wrong_shape_checkpoint)],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=600)
     assert not result.timed_out, result.describe()
     ranks = result.rank_results()
@@ -90,6 +90,13 @@ def test_two_nodes_all_families_lora_and_bad_checkpoint(tiny_checkpoints, wrong_
             assert c["expert_lora_keys"] > 0 and c["lora_keys"] > c["expert_lora_keys"]
             assert c["mismatches"] == [], f"rank {rank} LoRA {c['mode']}: adapter differs from single process"
             assert c["logit_diff"] <= 1e-5, f"rank {rank} LoRA {c['mode']}: logits differ by {c['logit_diff']}"
+        # The source's model in host memory: loaded whole (nothing read in wrap_model), or with a new head the
+        # user built (sent from memory) while the rest streams.
+        whole, new_head = data["in_memory"]["whole"], data["in_memory"]["new_head"]
+        assert whole["mismatches"] == [] and whole["report"]["bytes_read"] == 0, whole
+        assert new_head["mismatches"] == [], new_head
+        if rank % 2 == 0:
+            assert new_head["report"]["bytes_read"] > 0
         # The wrong-shaped checkpoint: every rank raises, naming the tensor, and exits.
         assert data["ok"] is False and data["error_type"] == "DistributedInitError", data.get("error")
         assert "tensor 'model.layers.1.mlp.gate.weight' has shape (3, 3) in the checkpoint but the model " \

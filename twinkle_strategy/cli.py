@@ -40,6 +40,8 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "expert_parallel_size": ("strategy.ep_size", "ranks that split each MoE layer's experts"),
     "expert_fsdp_size": ("strategy.ep_fsdp_size", "ranks sharding each expert slice (default world/ep)"),
     "memory_efficient_init": ("strategy.memory_efficient_init", "only each node's local rank 0 loads weights"),
+    "stream_checkpoint": ("strategy.stream_checkpoint",
+                          "with memory_efficient_init: read from the files only the rows each node keeps"),
     "mixed_precision": ("strategy.mixed_precision", "bf16 | fp16 | no"),
     "init_bucket_mb": ("strategy.init_bucket_mb", "memory_efficient_init transfer bucket size (MiB)"),
     "init_transport": ("strategy.init_transport", "p2p | scatter"),

@@ -56,6 +56,7 @@ class StrategyConfig:
     ep_fsdp_size: int | None = None
     mixed_precision: str = "bf16"
     memory_efficient_init: bool = False
+    stream_checkpoint: bool = True  # with memory_efficient_init: read only each node's rows from the files
     init_bucket_mb: float = 256.0
     init_transport: str = "p2p"
     verify_init: bool = False  # CRC32 of every received region checked against the source's

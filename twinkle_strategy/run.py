@@ -49,7 +49,8 @@ def build_training(recipe: Recipe):
 
     s = recipe.strategy
     strategy = NativeFSDPStrategy(ep_size=s.ep_size, ep_fsdp_size=s.ep_fsdp_size, mixed_precision=s.mixed_precision,
-                                  memory_efficient_init=s.memory_efficient_init, init_bucket_mb=s.init_bucket_mb,
+                                  memory_efficient_init=s.memory_efficient_init, stream_checkpoint=s.stream_checkpoint,
+                                  init_bucket_mb=s.init_bucket_mb,
                                   init_transport=s.init_transport, verify_init=s.verify_init,
                                   timeout_s=s.timeout_s, device_type=s.device_type)
     model = strategy.from_pretrained(recipe.model.path, dtype=_DTYPES[recipe.model.dtype])

@@ -174,6 +174,34 @@ def lora_cases(args, world, rank):
     return cases
 
 
+def in_memory_cases(args):
+    """The source's model in host memory: loaded whole (stream_checkpoint=False), or partly replaced by the user."""
+    from torch import nn
+
+    path = os.path.join(args.ckpt_root, "mixtral_sharded")
+    _, state, _ = reference(path)
+    cases = {}
+    whole = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, stream_checkpoint=False,
+                               init_bucket_mb=args.bucket_bytes / 2**20)
+    model, _ = whole.wrap_model(whole.from_pretrained(path))
+    cases["whole"] = dict(mismatches=exact_mismatches(whole.full_state_dict(model), state),
+                          report=vars(whole.init_report))
+    # A new head, built by the user between from_pretrained and wrap_model: it lives in the source's memory
+    # (a real tensor, kept by reference) while everything else streams from the checkpoint.
+    mixed = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
+                               init_bucket_mb=args.bucket_bytes / 2**20)
+    model = mixed.from_pretrained(path)
+    torch.manual_seed(11)
+    model.lm_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False)
+    torch.manual_seed(11)
+    new_head = nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=False).weight.detach().clone()
+    model, _ = mixed.wrap_model(model)
+    got = mixed.full_state_dict(model)
+    cases["new_head"] = dict(mismatches=exact_mismatches(got, {**state, "lm_head.weight": new_head}),
+                             report=vars(mixed.init_report))
+    return cases
+
+
 def scatter_case(args):
     path = os.path.join(args.ckpt_root, "qwen3_moe")
     states = {}
@@ -195,6 +223,7 @@ def main():
     p.add_argument("--bucket-bytes", type=int, default=4096)
     p.add_argument("--lora", action="store_true")
     p.add_argument("--also-scatter", action="store_true")
+    p.add_argument("--also-in-memory", action="store_true")
     p.add_argument("--bad-ckpt", default=None)
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
@@ -203,6 +232,8 @@ def main():
         result["lora"] = lora_cases(args, world, rank)
     if args.also_scatter:
         result["scatter"] = scatter_case(args)
+    if args.also_in_memory:
+        result["in_memory"] = in_memory_cases(args)
     worker_common.write_result(result)
     if args.bad_ckpt:
         strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True)
