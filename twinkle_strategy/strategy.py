@@ -34,8 +34,7 @@ from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
 from twinkle_strategy.loading import load_pretrained_strict, resolve_model_path
-from twinkle_strategy.moe.discovery import find_moe_blocks
-from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.platform import (
     NodeTopology,
@@ -200,6 +199,10 @@ class NativeFSDPStrategy:
         keeping its class, hyper-parameters and parameter groups.
         """
         self.setup()
+        if self.dims.ep_enabled:
+            # Refuse a model EP cannot serve before touching it: the same error on every rank,
+            # raised before any collective (every rank holds the same model structure).
+            plan_expert_parallel(model, self.dims, self.rank)
         names_by_param = {id(p): n for n, p in model.named_parameters()}
         capture = None
         if self.memory_efficient_init:
@@ -213,7 +216,7 @@ class NativeFSDPStrategy:
         experts_modules: list[nn.Module] = []
         if self.dims.ep_enabled:
             self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, self.meshes.ep_group)
-            experts_modules = [b.experts for b in find_moe_blocks(model)]
+            experts_modules = [model.get_submodule(name) for name in self.ep_plan.experts_modules]
         apply_fsdp(
             model,
             self.meshes,

@@ -1,9 +1,8 @@
 """Tiny, real MoE checkpoints for tests, demos and benchmarks.
 
-Each builder uses the transformers config and model classes of a family our
-users train (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3), shrinks every size,
-and writes a real safetensors checkpoint with ``save_pretrained``: the same
-files ``from_pretrained`` reads for a 30B model.
+Each builder uses the transformers config and model classes of an MoE family,
+shrinks every size, and writes a real safetensors checkpoint with
+``save_pretrained``: the same files ``from_pretrained`` reads for a 30B model.
 """
 
 from __future__ import annotations
@@ -12,18 +11,117 @@ import os
 
 import torch
 
+# The four families the foundation tests run at ep=2 and ep=4.
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+# The family matrix (tests/test_model_families.py): the families whose experts need more than
+# the common routed contract (Llama-4's pre-routed call, Nemotron-H's non-gated experts,
+# LongCat-Flash's zero-computation experts), and a representative set of the others.
+MATRIX_FAMILIES = ("llama4", "nemotron_h", "longcat_flash", "qwen3_moe", "deepseek_v4", "gpt_oss", "qwen3_next",
+                   "jamba", "gemma4")
+# MoE families expert parallelism refuses (with ep_size > 1), naming the family.
+REFUSED_FAMILIES = ("dbrx", "jetmoe")
+
+
+def _config(family: str, common: dict, experts: int, hidden: int, inter: int, layers: int):
+    """The config of ``family``: ``common`` sizes plus what the family calls its own."""
+    import transformers as tf
+
+    heads = dict(head_dim=hidden // 4)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(
+            **common, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            shared_expert_intermediate_size=inter, num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, num_hidden_layers=layers, intermediate_size=inter,
+                                num_local_experts=experts, num_experts_per_tok=2)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(
+            **common, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
+            # Group-limited routing: 4 groups of experts, tokens may use the best 2 groups.
+            n_group=4, topk_group=2, routed_scaling_factor=1.0, first_k_dense_replace=1,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    if family == "llama4":
+        # Every layer MoE; one chunked-attention layer without RoPE, one full-attention layer.
+        return tf.Llama4TextConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=inter, intermediate_size_mlp=2 * inter,
+            num_local_experts=experts, num_experts_per_tok=2, interleave_moe_layer_step=1,
+            moe_layers=list(range(layers)), attention_chunk_size=8, no_rope_layers=[1, 0] * (layers // 2),
+            layer_types=["chunked_attention", "full_attention"] * (layers // 2))
+    if family == "nemotron_h":
+        # Hybrid: Mamba-2, MoE, attention, MoE.
+        return tf.NemotronHConfig(
+            **common, **heads, layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+            intermediate_size=2 * inter, n_routed_experts=experts, num_experts_per_tok=2,
+            moe_intermediate_size=inter, moe_shared_expert_intermediate_size=inter,
+            ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, chunk_size=8)
+    if family == "longcat_flash":
+        # 8 routed experts + 4 zero-computation (identity) experts.
+        return tf.LongcatFlashConfig(
+            **{**common, "num_key_value_heads": common["num_attention_heads"]}, num_layers=layers,
+            ffn_hidden_size=2 * inter, expert_ffn_hidden_size=inter, n_routed_experts=experts,
+            zero_expert_num=experts // 2, moe_topk=2, routed_scaling_factor=1.0,
+            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=4, qk_rope_head_dim=4, head_dim=4, v_head_dim=8)
+    if family == "deepseek_v4":
+        # Hash-routed MoE (by token id) in layer 0, learned routing after; compressed attention.
+        return tf.DeepseekV4Config(
+            **{**common, "num_key_value_heads": 1}, head_dim=16, q_lora_rank=16, num_hidden_layers=3,
+            moe_intermediate_size=inter, n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
+            routed_scaling_factor=1.0, hc_mult=2, hc_sinkhorn_iters=3, num_nextn_predict_layers=0,
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
+            index_n_heads=2, index_head_dim=8, index_topk=4)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=inter, num_local_experts=experts,
+            num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                 original_max_position_embeddings=common["max_position_embeddings"] // 4,
+                                 rope_theta=150000.0))
+    if family == "qwen3_next":
+        return tf.Qwen3NextConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            shared_expert_intermediate_size=inter, num_experts=experts, num_experts_per_tok=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2))
+    if family == "jamba":
+        # Mamba then attention, MoE in every layer.
+        return tf.JambaConfig(
+            **common, num_hidden_layers=layers, intermediate_size=inter, num_experts=experts, num_experts_per_tok=2,
+            expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1,
+            mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2)
+    if family == "gemma4":
+        # The text model; the expert output goes through its own RMSNorm.
+        return tf.Gemma4TextConfig(
+            **common, **heads, global_head_dim=hidden // 4, num_hidden_layers=layers, intermediate_size=2 * inter,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            vocab_size_per_layer_input=common["vocab_size"], hidden_size_per_layer_input=4,
+            enable_moe_block=True, num_experts=experts, top_k_experts=2, moe_intermediate_size=inter)
+    if family == "dbrx":
+        return tf.DbrxConfig(
+            d_model=hidden, n_heads=4, n_layers=layers, max_seq_len=common["max_position_embeddings"],
+            vocab_size=common["vocab_size"], initializer_range=common["initializer_range"],
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=inter, moe_num_experts=experts, moe_top_k=2))
+    if family == "jetmoe":
+        return tf.JetMoeConfig(
+            vocab_size=common["vocab_size"], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, kv_channels=hidden // 4, intermediate_size=inter, num_local_experts=experts,
+            num_experts_per_tok=2, initializer_range=common["initializer_range"], tie_word_embeddings=False)
+    known = FAMILIES + MATRIX_FAMILIES + REFUSED_FAMILIES
+    raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(set(known))}")
 
 
 def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden_size: int = 32,
                 num_layers: int = 2, intermediate_size: int = 16, **overrides):
     """A transformers config of ``family`` with every dimension tiny."""
-    import transformers as tf
-
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -32,32 +130,7 @@ def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
-    if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(
-            **common, head_dim=hidden_size // 4, intermediate_size=2 * intermediate_size,
-            moe_intermediate_size=intermediate_size, num_experts=num_experts, num_experts_per_tok=2,
-            norm_topk_prob=True, decoder_sparse_step=1,
-        )
-    elif family == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(
-            **common, intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
-            shared_expert_intermediate_size=intermediate_size, num_experts=num_experts, num_experts_per_tok=2,
-            decoder_sparse_step=1,
-        )
-    elif family == "mixtral":
-        cfg = tf.MixtralConfig(
-            **common, intermediate_size=intermediate_size, num_local_experts=num_experts, num_experts_per_tok=2,
-        )
-    elif family == "deepseek_v3":
-        cfg = tf.DeepseekV3Config(
-            **common, intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
-            n_routed_experts=num_experts, num_experts_per_tok=2, n_shared_experts=1,
-            # Group-limited routing: 4 groups of experts, tokens may use the best 2 groups.
-            n_group=4, topk_group=2, routed_scaling_factor=1.0, first_k_dense_replace=1,
-            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-        )
-    else:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES}")
+    cfg = _config(family, common, num_experts, hidden_size, intermediate_size, num_layers)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
