@@ -65,10 +65,24 @@ def forward_backward(model, ids, strategy=None):
     return logits, float(loss), grad_norm(model, strategy)
 
 
+def count_zero_expert_choices(model) -> list[int]:
+    """A counter of the router's choices of zero-computation experts (LongCat-Flash), filled by forwards."""
+    count = [0]
+
+    def hook(module, args):
+        count[0] += int((args[1] >= module.num_routed_experts).sum())
+
+    for module in model.modules():
+        if hasattr(module, "zero_expert_num") and hasattr(module, "num_routed_experts"):
+            module.register_forward_pre_hook(hook)
+    return count
+
+
 def served_case(path: str, family: str, lora: bool, world: int, rank: int) -> dict:
     reference = with_adapter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora, family)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     ids, mine = local_batch(reference.config.vocab_size, world, rank)
+    zero_expert_choices = count_zero_expert_choices(reference)
     ref_logits, ref_loss, ref_norm = forward_backward(reference, ids)
     del reference
 
@@ -83,7 +97,7 @@ def served_case(path: str, family: str, lora: bool, world: int, rank: int) -> di
         family=family, lora=lora, state_mismatches=mismatches, own_experts_ok=own,
         expert_tensors=len(strategy.ep_plan.axes), lora_tensors=len([k for k in state if "lora_" in k]),
         logit_diff=(logits - ref_logits[rank * per_rank:(rank + 1) * per_rank]).abs().max().item(),
-        loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm,
+        loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm, zero_expert_choices=zero_expert_choices[0],
     )
 
 
