@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import textwrap
 
@@ -81,7 +82,8 @@ def _is_llama4_text_experts_forward(cls: type) -> bool:
     return inspect.unwrap(cls.forward) is inspect.unwrap(Llama4TextExperts.forward)
 
 
-def experts_call_arities(block: nn.Module, attr: str) -> set[int]:
+@functools.lru_cache(maxsize=None)
+def experts_call_arities(block_class: type, attr: str) -> frozenset[int]:
     """How many arguments the block's code passes in each ``self.<attr>(...)`` call.
 
     Read from the source of the block's classes (its MRO up to ``nn.Module``).
@@ -89,7 +91,7 @@ def experts_call_arities(block: nn.Module, attr: str) -> set[int]:
     forward's signature is then the only evidence.
     """
     arities: set[int] = set()
-    for cls in type(block).__mro__:
+    for cls in block_class.__mro__:
         if cls in (nn.Module, object):
             break
         try:
@@ -100,7 +102,7 @@ def experts_call_arities(block: nn.Module, attr: str) -> set[int]:
             if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr
                     and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"):
                 arities.add(len(node.args) + len(node.keywords))
-    return arities
+    return frozenset(arities)
 
 
 def expert_counts(inner: nn.Module) -> tuple[int, int] | None:
@@ -154,7 +156,7 @@ def read_contract(fqn: str, block: nn.Module, inner: nn.Module, attr: str, famil
         expected = " or ".join(f"forward({', '.join(s)})" for s in ROUTED_SIGNATURES)
         raise refuse(f"has forward({', '.join(inputs)}), which is no experts call we have a dispatch for "
                      f"(expected {expected}, or Llama4TextExperts.forward)")
-    arities = experts_call_arities(block, attr)
+    arities = experts_call_arities(type(block), attr)
     if arities and arities != {CALL_ARITY[kind]}:
         raise refuse(f"is called with {sorted(arities)} argument(s) by {type(block).__name__}, but its "
                      f"forward({', '.join(inputs)}) takes {CALL_ARITY[kind]}")
