@@ -22,6 +22,10 @@ MATRIX_FAMILIES = ("llama4", "nemotron_h", "longcat_flash", "qwen3_moe", "deepse
 REFUSED_FAMILIES = ("dbrx", "jetmoe")
 
 
+# transformers model_types of the text models whose tiny config is written by hand under a family name.
+_FAMILY_OF_MODEL_TYPE = {"llama4_text": "llama4", "gemma4_text": "gemma4"}
+
+
 def _config(family: str, common: dict, experts: int, hidden: int, inter: int, layers: int):
     """The config of ``family``: ``common`` sizes plus what the family calls its own."""
     import transformers as tf
@@ -112,8 +116,114 @@ def _config(family: str, common: dict, experts: int, hidden: int, inter: int, la
             vocab_size=common["vocab_size"], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
             num_key_value_heads=2, kv_channels=hidden // 4, intermediate_size=inter, num_local_experts=experts,
             num_experts_per_tok=2, initializer_range=common["initializer_range"], tie_word_embeddings=False)
-    known = FAMILIES + MATRIX_FAMILIES + REFUSED_FAMILIES
-    raise ValueError(f"unknown tiny model family {family!r}; choose one of {sorted(set(known))}")
+    return _shrunk_default_config(family, common, experts, hidden, inter, layers)
+
+
+# Size attributes of transformers configs and their tiny values (only those a config has are set).
+# "hidden" and "inter" stand for the hidden and expert intermediate sizes asked for.
+_TINY_SIZES = {
+    "d_model": "hidden", "intermediate_size": "2*inter", "ffn_hidden_size": "2*inter", "intermediate_size_mlp": "2*inter",
+    "dense_intermediate_size": "2*inter", "moe_intermediate_size": "inter", "expert_ffn_hidden_size": "inter",
+    "shared_expert_intermediate_size": "inter", "moe_shared_expert_intermediate_size": "inter",
+    "shared_experts_intermediate_size": "inter", "expert_intermediate_size": "inter",
+    "n_heads": 4, "head_dim": 8, "kv_channels": 8, "global_head_dim": 8, "swa_head_dim": 8,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+    "num_experts": "experts", "num_local_experts": "experts", "n_routed_experts": "experts", "moe_num_experts": "experts",
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k_experts": 2, "moe_top_k": 2,
+    "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "q_lora_rank": 16, "kv_lora_rank": 16, "o_lora_rank": 16, "o_groups": 2,
+    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 8, "linear_num_heads": 4,
+    "mamba_num_heads": 4, "mamba_head_dim": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,
+    "ssm_state_size": 8, "mamba_d_state": 4, "mamba_dt_rank": 4, "n_groups": 2, "chunk_size": 8, "mamba_chunk_size": 8,
+    "sliding_window": 8, "attention_chunk_size": 8, "hidden_size_per_layer_input": 4,
+    "vocab_size_per_layer_input": "vocab", "first_k_dense_replace": 1, "num_dense_layers": 1, "decoder_sparse_step": 1,
+    "num_nextn_predict_layers": 0, "zero_expert_num": "experts//2",
+}
+# Sizes some configs leave None by default although their model needs them.
+_TINY_REQUIRED = {"num_experts_per_tok", "n_routed_experts", "n_shared_experts", "head_dim"}
+# What a few families need beyond the common shrinking (their configs validate these).
+_TINY_OVERRIDES = {
+    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "dots3_note_text": {"head_dim": 8},  # "SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim"
+    # Defaults without an attention layer (all Mamba) or without a layer pattern at all.
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Its default indexed attention needs the QSA indexer sizes, which default to None.
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+                       "indexer_compress_ratio": 2},
+}
+
+
+def _representative_layers(defaults: dict, num_layers: int) -> list[int]:
+    """Layer indices, in order, covering every distinct kind of layer the default config has.
+
+    A layer's kind is its entry in every per-layer list (attention type, dense or
+    sparse MLP ...) and its membership in every list of layer indices.
+    """
+    per_layer = [v for v in defaults.values() if isinstance(v, list) and len(v) == num_layers]
+    index_lists = [v for k, v in defaults.items() if isinstance(v, list) and len(v) != num_layers
+                   and k.endswith(("layers", "layer_ids")) and all(isinstance(i, int) for i in v)]
+    chosen, seen = [], set()
+    for i in range(num_layers):
+        kind = tuple(str(v[i]) for v in per_layer) + tuple(i in s for s in index_lists)
+        if kind not in seen:
+            seen.add(kind)
+            chosen.append(i)
+    for i in range(num_layers):  # at least two layers
+        if len(chosen) >= 2:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return sorted(chosen)
+
+
+def _shrunk_default_config(model_type: str, common: dict, experts: int, hidden: int, inter: int, layers: int):
+    """Any transformers MoE config: its defaults with every size tiny and one layer of each kind it has.
+
+    For families without a hand-written tiny config (scripts/models_table.py runs them all).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        known = FAMILIES + MATRIX_FAMILIES + REFUSED_FAMILIES
+        raise ValueError(f"unknown tiny model family {model_type!r}; choose one of {sorted(set(known))} "
+                         "or a transformers model_type")
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    values = {"hidden": hidden, "inter": inter, "2*inter": 2 * inter, "experts": experts,
+              "experts//2": experts // 2, "vocab": common["vocab_size"]}
+    kwargs = {k: v for k, v in common.items() if k in defaults}
+    for key, size in _TINY_SIZES.items():
+        if key in defaults and (defaults[key] is not None or key in _TINY_REQUIRED) and not isinstance(
+                defaults[key], (dict, list)):
+            kwargs[key] = values.get(size, size)
+    if defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)  # some configs require equal counts
+    if "qk_rope_head_dim" in kwargs:
+        kwargs.pop("head_dim", None)  # MLA configs derive it from qk_rope_head_dim
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(defaults.get(key), int) and defaults[key] >= common["vocab_size"]:
+            kwargs[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[key]
+    depth_key = next((k for k in ("num_hidden_layers", "n_layers", "num_layers") if isinstance(defaults.get(k), int)),
+                     None)
+    if depth_key is not None:
+        num_default = defaults[depth_key]
+        chosen = _representative_layers(defaults, num_default)
+        kwargs[depth_key] = len(chosen)
+        for key, value in defaults.items():
+            if not isinstance(value, list):
+                continue
+            if len(value) == num_default:
+                kwargs[key] = [value[i] for i in chosen]
+            elif key.endswith(("layers", "layer_ids")) and all(isinstance(i, int) for i in value):
+                kwargs[key] = [new for new, old in enumerate(chosen) if old in value]
+        if isinstance(defaults.get("per_layer_config"), dict):
+            kwargs["per_layer_config"] = {}
+    kwargs.update(_TINY_OVERRIDES.get(model_type, {}))
+    return config_class(**kwargs)
 
 
 def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden_size: int = 32,
@@ -130,7 +240,8 @@ def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
-    cfg = _config(family, common, num_experts, hidden_size, intermediate_size, num_layers)
+    cfg = _config(_FAMILY_OF_MODEL_TYPE.get(family, family), common, num_experts, hidden_size, intermediate_size,
+                  num_layers)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
