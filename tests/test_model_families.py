@@ -41,6 +41,7 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
         for c in data["cases"]:
             case = f"rank {rank} {c['family']}{' + LoRA' if c['lora'] else ''}"
             assert c["expert_tensors"] > 0, case
+            assert c["train_mode"], f"{case}: training-mode forward is random, compared in eval mode"
             if c["lora"]:
                 assert c["lora_tensors"] > 0, case
             if c["family"] == "longcat_flash":  # the router did pick zero-computation experts

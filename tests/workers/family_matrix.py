@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 import worker_common  # noqa: E402
 from mem_init import exact_mismatches, local_batch, own_experts_ok  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+from twinkle_strategy.errors import TwinkleError  # noqa: E402
 
 LORA_SEED = 7
 # LoRA on attention and on each family's fused expert tensors (PEFT target_parameters).
@@ -53,9 +54,19 @@ def grad_norm(model, strategy=None) -> float:
     return float(torch.nn.utils.get_total_norm(grads))
 
 
-def forward_backward(model, ids, strategy=None):
-    """(logits, loss, gradient norm) of ``model`` on ``ids``."""
+def training_is_random(model, ids) -> bool:
+    """Whether two training-mode forwards differ (Phi-MoE's sparsemixer samples its routing)."""
     model.train()
+    with torch.no_grad():
+        torch.manual_seed(1)
+        first = model(input_ids=ids).logits
+        torch.manual_seed(2)
+        return not torch.equal(first, model(input_ids=ids).logits)
+
+
+def forward_backward(model, ids, strategy=None, train: bool = True):
+    """(logits, loss, gradient norm) of ``model`` on ``ids``."""
+    model.train(train)
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     loss = model(input_ids=ids, labels=ids).loss
@@ -82,19 +93,21 @@ def served_case(path: str, family: str, lora: bool, world: int, rank: int) -> di
     reference = with_adapter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora, family)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     ids, mine = local_batch(reference.config.vocab_size, world, rank)
+    # A model whose training-mode forward is random cannot match another process: compare it in eval mode.
+    train = not training_is_random(reference, ids)
     zero_expert_choices = count_zero_expert_choices(reference)
-    ref_logits, ref_loss, ref_norm = forward_backward(reference, ids)
+    ref_logits, ref_loss, ref_norm = forward_backward(reference, ids, train=train)
     del reference
 
-    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True)
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, timeout_s=120)
     model = with_adapter(strategy.from_pretrained(path), lora, family)
     model, _ = strategy.wrap_model(model)
     mismatches = exact_mismatches(strategy.full_state_dict(model), state)
     own = own_experts_ok(strategy, model, state, rank)
-    logits, loss, norm = forward_backward(model, mine, strategy)
+    logits, loss, norm = forward_backward(model, mine, strategy, train=train)
     per_rank = ref_logits.shape[0] // world
     return dict(
-        family=family, lora=lora, state_mismatches=mismatches, own_experts_ok=own,
+        family=family, lora=lora, train_mode=train, state_mismatches=mismatches, own_experts_ok=own,
         expert_tensors=len(strategy.ep_plan.axes), lora_tensors=len([k for k in state if "lora_" in k]),
         logit_diff=(logits - ref_logits[rank * per_rank:(rank + 1) * per_rank]).abs().max().item(),
         loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm, zero_expert_choices=zero_expert_choices[0],
@@ -134,12 +147,24 @@ def main():
     p.add_argument("--families", required=True)
     p.add_argument("--lora", default="", help="families also run with LoRA on attention and experts")
     p.add_argument("--refused", default="", help="checkpoints wrap_model must refuse: name=directory,...")
+    p.add_argument("--keep-going", action="store_true",
+                   help="record a family's error as its result (scripts/models_table.py)")
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cases = []
     runs = [(f, False) for f in args.families.split(",")] + [(f, True) for f in args.lora.split(",") if f]
     for family, lora in runs:
-        cases.append(served_case(os.path.join(args.ckpt_root, family), family, lora, world, rank))
+        try:
+            cases.append(served_case(os.path.join(args.ckpt_root, family), family, lora, world, rank))
+        except Exception as exc:  # noqa: BLE001 - recorded as this family's result
+            if not args.keep_going:
+                raise
+            cases.append(dict(family=family, lora=lora, error_type=type(exc).__name__, error=str(exc)))
+            worker_common.write_result({"cases": cases})
+            # Our own errors are raised by every rank at the same point; any other error may leave
+            # the ranks in different collectives, so this launch ends here.
+            if not isinstance(exc, TwinkleError):
+                raise
     refused = []
     for item in filter(None, args.refused.split(",")):
         name, directory = item.split("=")
