@@ -1,9 +1,9 @@
 """Every kind of experts call contract, against a single process (2 nodes x 2 ranks, ep=2, memory_efficient_init).
 
 One launch runs the whole matrix: Llama-4 (pre-routed experts), Nemotron-H
-(non-gated experts, also with LoRA on them), LongCat-Flash (zero-computation
-experts, also with LoRA), and a representative set of the routed families;
-then the models EP must refuse at wrap_model, on every rank.
+(non-gated experts), LongCat-Flash (zero-computation experts), each also with
+LoRA on attention and its experts, and a representative set of the routed
+families; then the models EP must refuse at wrap_model, on every rank.
 """
 
 import pytest
@@ -11,7 +11,7 @@ import pytest
 from multinode import launch
 from twinkle_strategy.tiny_models import MATRIX_FAMILIES, REFUSED_FAMILIES, save_tiny_checkpoint
 
-LORA_FAMILIES = ("nemotron_h", "longcat_flash")
+LORA_FAMILIES = ("llama4", "nemotron_h", "longcat_flash")
 REFUSED = {
     "dbrx": "dbrx",
     "jetmoe": "jetmoe",

@@ -75,7 +75,7 @@ def test_zero_expert_slots_are_shared_out():
     """Each EP rank keeps its routed experts followed by its share of the zero-computation slots."""
     axis = ExpertAxis(0, 8, zero_experts=4)
     full = torch.arange(12)
-    assert axis.cut(full, 2, 2).tolist() == [2, 3, 9]
+    assert axis.cut(full, 2, 2).tolist() == [2, 3, 9] == axis.slots(2, 2)
     assert axis.cut(full, 4, 4).tolist() == [4, 5, 6, 7, 10, 11]
     with pytest.raises(ValueError, match="do not carry a whole share of the 4 zero-computation experts"):
         axis.cut(full, 0, 1)
@@ -96,6 +96,7 @@ def test_contracts_read_from_the_code():
 @pytest.mark.parametrize("family,targets", [
     ("qwen3_moe", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
     ("nemotron_h", ["mixer.experts.up_proj", "mixer.experts.down_proj"]),         # non-gated experts
+    ("llama4", ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]),  # [E, H, 2I]
     ("longcat_flash", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),     # + zero-computation slots
 ])
 def test_lora_expert_cut_matches_peft_delta(family, targets):

@@ -25,6 +25,7 @@ from twinkle_strategy.errors import TwinkleError  # noqa: E402
 LORA_SEED = 7
 # LoRA on attention and on each family's fused expert tensors (PEFT target_parameters).
 LORA_TARGETS = {
+    "llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],  # pre-routed experts
     "nemotron_h": ["mixer.experts.up_proj", "mixer.experts.down_proj"],  # non-gated experts
     "longcat_flash": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # gate_up holds zero experts too
 }

@@ -65,14 +65,24 @@ class ExpertAxis:
         shape[self.dim] = self.outer * self._slots(count) * self.inner
         return tuple(shape)
 
+    def slots(self, start: int, count: int) -> list[int]:
+        """Positions along the expert axis (of the full tensor) that the cut of experts ``[start, start+count)``
+        keeps, in its order: the routed experts, then their share of zero-computation slots."""
+        routed = list(range(start, start + count))
+        if not self.zero_experts:
+            return routed
+        first_zero = self.num_experts + self._zero_share(start)
+        return routed + list(range(first_zero, first_zero + self._zero_share(count)))
+
     def cut(self, tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
         """Experts ``[start, start+count)`` of ``tensor`` (a view when possible, never a copy of the rest)."""
         split = tensor.reshape(self._split_shape(tensor.shape, self.num_experts))
         axis = self.dim + 1
-        part = split.narrow(axis, start, count)
-        if self.zero_experts:
-            zeros = split.narrow(axis, self.num_experts + self._zero_share(start), self._zero_share(count))
-            part = torch.cat([part, zeros], dim=axis)
+        if self.zero_experts:  # two ranges: a (small) copy
+            index = torch.tensor(self.slots(start, count), device=tensor.device)
+            part = split.index_select(axis, index)
+        else:
+            part = split.narrow(axis, start, count)
         return part.reshape(self.local_shape(tensor.shape, count))
 
     def _count_of(self, part: torch.Tensor) -> int:
