@@ -132,14 +132,16 @@ def dispatch_routed(
     weight 0 on a local identity expert (or, without one, the same expert
     again): they add exactly zero.
     """
-    num_tokens, top_k = top_k_index.shape
+    top_k = top_k_index.shape[1]
     flat_expert = top_k_index.reshape(-1)
     # Group (token, expert) pairs by expert, hence by owning rank; identity
     # experts have the largest indices and so come last.
     order = torch.argsort(flat_expert, stable=True)
     sorted_expert = flat_expert[order]
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
-    num_routed_rows = int((sorted_expert < num_routed_experts).sum())
+    num_rows = order.numel()
+    # (Counting needs a host sync: only models with identity experts pay for it.)
+    num_routed_rows = int((sorted_expert < num_routed_experts).sum()) if num_local_zero_experts else num_rows
 
     def local_forward(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         index = local_expert.unsqueeze(-1)
@@ -153,7 +155,7 @@ def dispatch_routed(
     routed_rows = token_of_row[:num_routed_rows]
     per_row = run_on_owners(hidden_states[routed_rows], sorted_expert[:num_routed_rows], local_forward,
                             num_local_experts, group)
-    if num_routed_rows < order.numel():
+    if num_routed_rows < num_rows:
         per_row = torch.cat([per_row, hidden_states[token_of_row[num_routed_rows:]].to(per_row.dtype)])
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
     weighted = (per_row * weights).to(hidden_states.dtype)
@@ -190,7 +192,9 @@ def dispatch_pre_routed(
             order = torch.argsort(local_expert, stable=True)
             first_of_expert = torch.cumsum(counts, 0) - counts
             slot = torch.empty_like(order)
-            slot[order] = local_expert[order] * width + torch.arange(order.numel(), device=order.device) - first_of_expert[local_expert[order]]
+            expert_of_sorted = local_expert[order]
+            rank_in_expert = torch.arange(order.numel(), device=order.device) - first_of_expert[expert_of_sorted]
+            slot[order] = expert_of_sorted * width + rank_in_expert
         padded = rows.new_zeros((num_local_experts * width, hidden)).index_copy(0, slot, rows)
         return experts_forward(padded)[slot]
 
