@@ -81,6 +81,39 @@ def test_zero_expert_slots_are_shared_out():
         axis.cut(full, 0, 1)
 
 
+def test_refusals_name_what_differs():
+    """An experts module whose call, count or layout we do not know is refused, naming it."""
+    from torch import nn
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from twinkle_strategy.errors import ModelStructureError
+    from twinkle_strategy.moe.discovery import find_moe_blocks
+    from twinkle_strategy.tiny_models import build_tiny_model
+
+    llama4 = build_tiny_model("llama4")
+    for layer in llama4.model.layers:  # a routed-call module where the block passes pre-routed tokens
+        layer.feed_forward.experts.__class__ = Qwen3MoeExperts
+    with pytest.raises(ModelStructureError, match=r"Llama4ForCausalLM \(model_type 'llama4_text'\) is not supported "
+                       r"with ep_size > 1 yet: model.layers.0.feed_forward.experts \(Qwen3MoeExperts, called by "
+                       r"Llama4TextMoe\) is called with \[1\] argument\(s\) by Llama4TextMoe, but its "
+                       r"forward\(hidden_states, top_k_index, top_k_weights\) takes 3"):
+        find_moe_blocks(llama4)
+    qwen = build_tiny_model("qwen3_moe")
+    for layer in qwen.model.layers:
+        layer.mlp.experts = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ModelStructureError, match="is a list of per-expert modules, not fused expert tensors"):
+        find_moe_blocks(qwen)
+    qwen = build_tiny_model("qwen3_moe")
+    del qwen.model.layers[0].mlp.experts.num_experts
+    with pytest.raises(ModelStructureError, match="has no integer num_experts"):
+        find_moe_blocks(qwen)
+    qwen = build_tiny_model("qwen3_moe")
+    qwen.model.layers[1].mlp.experts.scale = nn.Parameter(torch.ones(32))  # shared by all experts
+    with pytest.raises(ModelStructureError, match=r"model.layers.1.mlp.experts .* has parameters that do not hold "
+                                                  r"its 8 experts on dim 0 \(scale \(32,\)\)"):
+        find_moe_blocks(qwen)
+
+
 def test_contracts_read_from_the_code():
     from twinkle_strategy.moe.contracts import PRE_ROUTED, ROUTED
     from twinkle_strategy.moe.discovery import find_moe_blocks

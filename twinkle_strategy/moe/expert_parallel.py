@@ -1,8 +1,9 @@
 """Expert parallelism for transformers MoE models: slice the experts, route tokens to their owners.
 
 ``apply_expert_parallel`` keeps the model's structure and parameter names: each
-``experts`` module keeps its ``gate_up_proj``/``down_proj`` (and PEFT LoRA)
-parameters, cut down to this rank's experts, and its forward is wrapped so the
+``experts`` module keeps its expert tensors (``gate_up_proj``/``down_proj``,
+``up_proj``, biases, PEFT LoRA), cut down to this rank's experts, and its
+forward is wrapped, according to its call contract (:mod:`.contracts`), so the
 router's choices are dispatched to the owning EP ranks. The router itself is
 untouched, so routing is exactly the model's own.
 
