@@ -54,7 +54,7 @@ def test_invalid_sizes_fail_on_every_rank(odd_checkpoints, tmp_path):
         "ep_not_dividing_world": ("ParallelConfigError", "world size 4 is not divisible by ep_size 3; choose ep_size among [1, 2, 4]"),
         "ep_fsdp_mismatch": ("ParallelConfigError", "ep_fsdp_size 4 * ep_size 2 must equal the world size 4; use ep_fsdp_size=2"),
         "experts_not_divisible": ("ParallelConfigError", "model.layers.0.mlp.experts has 6 experts, not divisible by ep_size 4; choose ep_size among [1, 2]"),
-        "dense_model_with_ep": ("ModelStructureError", "ep_size=2 but Qwen3ForCausalLM has no MoE block"),
+        "dense_model_with_ep": ("ModelStructureError", "ep_size=2 but Qwen3ForCausalLM (model_type 'qwen3') has no MoE block"),
     }
     for rank, data in ranks.items():
         # The fatal case ends every rank with the error it raised.

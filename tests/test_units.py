@@ -60,6 +60,9 @@ def test_parallel_dims():
     (ExpertAxis(0, 8), (8, 6, 4)),            # gate_up_proj [E, 2I, H]
     (ExpertAxis(0, 8, 1, 3), (24, 5)),        # lora_A [E*r, in]
     (ExpertAxis(1, 8, 3, 1), (5, 24)),        # lora_B [out, r*E], expert fastest
+    (ExpertAxis(0, 8, zero_experts=4), (12, 6, 4)),   # LongCat-Flash gate_up_proj [E+Z, 2I, H]
+    (ExpertAxis(0, 8, 1, 3, 4), (36, 5)),             # its lora_A [(E+Z)*r, in]
+    (ExpertAxis(1, 8, 3, 1, 4), (5, 36)),             # its lora_B [out, r*(E+Z)]
 ])
 def test_expert_axis_cut_join_roundtrip(axis, shape):
     full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
@@ -68,7 +71,68 @@ def test_expert_axis_cut_join_roundtrip(axis, shape):
     assert torch.equal(axis.join(parts), full)
 
 
-def test_lora_expert_cut_matches_peft_delta():
+def test_zero_expert_slots_are_shared_out():
+    """Each EP rank keeps its routed experts followed by its share of the zero-computation slots."""
+    axis = ExpertAxis(0, 8, zero_experts=4)
+    full = torch.arange(12)
+    assert axis.cut(full, 2, 2).tolist() == [2, 3, 9] == axis.slots(2, 2)
+    assert axis.cut(full, 4, 4).tolist() == [4, 5, 6, 7, 10, 11]
+    with pytest.raises(ValueError, match="do not carry a whole share of the 4 zero-computation experts"):
+        axis.cut(full, 0, 1)
+
+
+def test_refusals_name_what_differs():
+    """An experts module whose call, count or layout we do not know is refused, naming it."""
+    from torch import nn
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    from twinkle_strategy.errors import ModelStructureError
+    from twinkle_strategy.moe.discovery import find_moe_blocks
+    from twinkle_strategy.tiny_models import build_tiny_model
+
+    llama4 = build_tiny_model("llama4")
+    for layer in llama4.model.layers:  # a routed-call module where the block passes pre-routed tokens
+        layer.feed_forward.experts.__class__ = Qwen3MoeExperts
+    with pytest.raises(ModelStructureError, match=r"Llama4ForCausalLM \(model_type 'llama4_text'\) is not supported "
+                       r"with ep_size > 1 yet: model.layers.0.feed_forward.experts \(Qwen3MoeExperts, called by "
+                       r"Llama4TextMoe\) is called with \[1\] argument\(s\) by Llama4TextMoe, but its "
+                       r"forward\(hidden_states, top_k_index, top_k_weights\) takes 3"):
+        find_moe_blocks(llama4)
+    qwen = build_tiny_model("qwen3_moe")
+    for layer in qwen.model.layers:
+        layer.mlp.experts = nn.ModuleList([nn.Linear(2, 2)])
+    with pytest.raises(ModelStructureError, match="is a list of per-expert modules, not fused expert tensors"):
+        find_moe_blocks(qwen)
+    qwen = build_tiny_model("qwen3_moe")
+    del qwen.model.layers[0].mlp.experts.num_experts
+    with pytest.raises(ModelStructureError, match="has no integer num_experts"):
+        find_moe_blocks(qwen)
+    qwen = build_tiny_model("qwen3_moe")
+    qwen.model.layers[1].mlp.experts.scale = nn.Parameter(torch.ones(32))  # shared by all experts
+    with pytest.raises(ModelStructureError, match=r"model.layers.1.mlp.experts .* has parameters that do not hold "
+                                                  r"its 8 experts on dim 0 \(scale \(32,\)\)"):
+        find_moe_blocks(qwen)
+
+
+def test_contracts_read_from_the_code():
+    from twinkle_strategy.moe.contracts import PRE_ROUTED, ROUTED
+    from twinkle_strategy.moe.discovery import find_moe_blocks
+    from twinkle_strategy.tiny_models import build_tiny_model
+
+    contracts = {f: find_moe_blocks(build_tiny_model(f))[0].contract for f in ("llama4", "nemotron_h", "longcat_flash")}
+    assert contracts["llama4"].kind == PRE_ROUTED
+    assert contracts["nemotron_h"].kind == ROUTED and contracts["nemotron_h"].zero_experts == 0
+    assert (contracts["longcat_flash"].num_experts, contracts["longcat_flash"].zero_experts) == (8, 4)
+    assert contracts["longcat_flash"].min_top_k == 2
+
+
+@pytest.mark.parametrize("family,targets", [
+    ("qwen3_moe", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),
+    ("nemotron_h", ["mixer.experts.up_proj", "mixer.experts.down_proj"]),         # non-gated experts
+    ("llama4", ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"]),  # [E, H, 2I]
+    ("longcat_flash", ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]),     # + zero-computation slots
+])
+def test_lora_expert_cut_matches_peft_delta(family, targets):
     """Cutting base + LoRA tensors for experts [k..k+n) gives PEFT's own delta for exactly those experts."""
     from peft import LoraConfig, get_peft_model
 
@@ -78,29 +142,32 @@ def test_lora_expert_cut_matches_peft_delta():
 
     def peft_model():
         torch.manual_seed(0)
-        model = build_tiny_model("qwen3_moe")
+        model = build_tiny_model(family)
         cfg = LoraConfig(r=2, lora_alpha=4, target_modules=["q_proj"], init_lora_weights=False,
-                         target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+                         target_parameters=targets)
         return get_peft_model(model, cfg)
 
-    full = peft_model()
-    full_deltas = {}
-    for block in find_moe_blocks(full):
-        wrapper = block.experts
-        while hasattr(wrapper, "get_delta_weight"):
-            full_deltas[(block.name, wrapper.parameter_name)] = wrapper.get_delta_weight("default")
-            wrapper = wrapper.base_layer
+    def deltas(model):
+        found = {}
+        for block in find_moe_blocks(model):
+            wrapper = block.experts
+            while hasattr(wrapper, "get_delta_weight"):
+                found[(block.name, wrapper.parameter_name)] = wrapper.get_delta_weight("default")
+                wrapper = wrapper.base_layer
+        return found
+
+    full_deltas = deltas(peft_model())
+    assert full_deltas
     for ep_rank in range(4):
         sliced = peft_model()
         plan = apply_expert_parallel(sliced, ParallelDims(world_size=4, ep_size=4), ep_rank, ep_group=None)
         assert any(".lora_B." in name for name in plan.axes)
-        for block in find_moe_blocks(sliced):
-            wrapper = block.experts
-            while hasattr(wrapper, "get_delta_weight"):
-                local = wrapper.get_delta_weight("default")
-                expected = full_deltas[(block.name, wrapper.parameter_name)][2 * ep_rank:2 * ep_rank + 2]
-                torch.testing.assert_close(local, expected, rtol=0, atol=1e-6)
-                wrapper = wrapper.base_layer
+        for key, local in deltas(sliced).items():
+            full = full_deltas[key]
+            expected = full[2 * ep_rank:2 * ep_rank + 2]
+            if full.shape[0] > 8:  # LongCat-Flash's gate_up_proj: this rank's one zero-computation slot after
+                expected = torch.cat([expected, full[8 + ep_rank:9 + ep_rank]])
+            torch.testing.assert_close(local, expected, rtol=0, atol=1e-6)
 
 
 def test_mixed_precision_rejects_unknown():

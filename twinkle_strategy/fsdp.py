@@ -47,7 +47,7 @@ def apply_fsdp(
 
     Expert gradients need no special divide factor here: the token dispatch
     already scales them so that FSDP's default mean over ``ep_fsdp`` gives the
-    world mean (see :func:`twinkle_strategy.moe.dispatch.dispatch_and_combine`).
+    world mean (see :func:`twinkle_strategy.moe.dispatch.run_on_owners`).
     """
     for experts in experts_modules:
         fully_shard(experts, mesh=meshes.ep_fsdp_mesh, mp_policy=mp_policy,

@@ -42,8 +42,7 @@ from twinkle_strategy.loading import (
     resolve_model_path,
     stream_blocker,
 )
-from twinkle_strategy.moe.discovery import find_moe_blocks
-from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.platform import (
     NodeTopology,
@@ -251,6 +250,10 @@ class NativeFSDPStrategy:
         keeping its class, hyper-parameters and parameter groups.
         """
         self.setup()
+        if self.dims.ep_enabled:
+            # Refuse a model EP cannot serve before touching it: the same error on every rank,
+            # raised before any collective (every rank holds the same model structure).
+            plan_expert_parallel(model, self.dims, self.rank)
         names_by_param = {id(p): n for n, p in model.named_parameters()}
         capture = None
         if self.memory_efficient_init:
@@ -264,7 +267,7 @@ class NativeFSDPStrategy:
         experts_modules: list[nn.Module] = []
         if self.dims.ep_enabled:
             self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, self.meshes.ep_group)
-            experts_modules = [b.experts for b in find_moe_blocks(model)]
+            experts_modules = [model.get_submodule(name) for name in self.ep_plan.experts_modules]
         apply_fsdp(
             model,
             self.meshes,

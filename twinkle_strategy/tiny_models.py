@@ -1,9 +1,8 @@
 """Tiny, real MoE checkpoints for tests, demos and benchmarks.
 
-Each builder uses the transformers config and model classes of a family our
-users train (Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3), shrinks every size,
-and writes a real safetensors checkpoint with ``save_pretrained``: the same
-files ``from_pretrained`` reads for a 30B model.
+Each builder uses the transformers config and model classes of an MoE family,
+shrinks every size, and writes a real safetensors checkpoint with
+``save_pretrained``: the same files ``from_pretrained`` reads for a 30B model.
 """
 
 from __future__ import annotations
@@ -12,21 +11,243 @@ import os
 
 import torch
 
+# The four families the foundation tests run at ep=2 and ep=4.
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
-# More families, for the tests of checkpoint layouts: DeepSeek-V4 (renamed keys, hash routing) and
-# Qwen3.5-MoE as released (a vision-language checkpoint, text model under model.language_model.).
+# The family matrix (tests/test_model_families.py): the families whose experts need more than
+# the common routed contract (Llama-4's pre-routed call, Nemotron-H's non-gated experts,
+# LongCat-Flash's zero-computation experts), and a representative set of the others.
+MATRIX_FAMILIES = ("llama4", "nemotron_h", "longcat_flash", "qwen3_moe", "deepseek_v4", "gpt_oss", "qwen3_next",
+                   "jamba", "gemma4")
+# MoE families expert parallelism refuses (with ep_size > 1), naming the family.
+REFUSED_FAMILIES = ("dbrx", "jetmoe")
+# For the tests of checkpoint layouts: DeepSeek-V4 (renamed keys, hash routing) and Qwen3.5-MoE as
+# released (a vision-language checkpoint, its text model under model.language_model.).
 LAYOUT_FAMILIES = ("deepseek_v4", "qwen3_5_moe_vl")
+
+
+# transformers model_types of the text models whose tiny config is written by hand under a family name.
+_FAMILY_OF_MODEL_TYPE = {"llama4_text": "llama4", "gemma4_text": "gemma4"}
+
+
+def _config(family: str, common: dict, experts: int, hidden: int, inter: int, layers: int):
+    """The config of ``family``: ``common`` sizes plus what the family calls its own."""
+    import transformers as tf
+
+    heads = dict(head_dim=hidden // 4)
+    if family == "qwen3_moe":
+        return tf.Qwen3MoeConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            num_experts=experts, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1)
+    if family == "qwen2_moe":
+        return tf.Qwen2MoeConfig(
+            **common, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            shared_expert_intermediate_size=inter, num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1)
+    if family == "mixtral":
+        return tf.MixtralConfig(**common, num_hidden_layers=layers, intermediate_size=inter,
+                                num_local_experts=experts, num_experts_per_tok=2)
+    if family == "deepseek_v3":
+        return tf.DeepseekV3Config(
+            **common, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
+            # Group-limited routing: 4 groups of experts, tokens may use the best 2 groups.
+            n_group=4, topk_group=2, routed_scaling_factor=1.0, first_k_dense_replace=1,
+            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8)
+    if family == "llama4":
+        # Every layer MoE; one chunked-attention layer without RoPE, one full-attention layer.
+        return tf.Llama4TextConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=inter, intermediate_size_mlp=2 * inter,
+            num_local_experts=experts, num_experts_per_tok=2, interleave_moe_layer_step=1,
+            moe_layers=list(range(layers)), attention_chunk_size=8, no_rope_layers=[1, 0] * (layers // 2),
+            layer_types=["chunked_attention", "full_attention"] * (layers // 2))
+    if family == "nemotron_h":
+        # Hybrid: Mamba-2, MoE, attention, MoE.
+        return tf.NemotronHConfig(
+            **common, **heads, layers_block_type=["linear_attention", "moe", "full_attention", "moe"],
+            intermediate_size=2 * inter, n_routed_experts=experts, num_experts_per_tok=2,
+            moe_intermediate_size=inter, moe_shared_expert_intermediate_size=inter,
+            ssm_state_size=8, mamba_num_heads=4, mamba_head_dim=8, n_groups=2, chunk_size=8)
+    if family == "longcat_flash":
+        # 8 routed experts + 4 zero-computation (identity) experts.
+        return tf.LongcatFlashConfig(
+            **{**common, "num_key_value_heads": common["num_attention_heads"]}, num_layers=layers,
+            ffn_hidden_size=2 * inter, expert_ffn_hidden_size=inter, n_routed_experts=experts,
+            zero_expert_num=experts // 2, moe_topk=2, routed_scaling_factor=1.0,
+            q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=4, qk_rope_head_dim=4, head_dim=4, v_head_dim=8)
+    if family == "deepseek_v4":
+        # Hash-routed MoE (by token id) in layer 0, learned routing after; compressed attention.
+        return tf.DeepseekV4Config(
+            **{**common, "num_key_value_heads": 1}, head_dim=16, q_lora_rank=16, num_hidden_layers=3,
+            moe_intermediate_size=inter, n_routed_experts=experts, num_experts_per_tok=2, n_shared_experts=1,
+            routed_scaling_factor=1.0, hc_mult=2, hc_sinkhorn_iters=3, num_nextn_predict_layers=0,
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+            mlp_layer_types=["hash_moe", "moe", "moe"], sliding_window=8, o_groups=2, o_lora_rank=16,
+            index_n_heads=2, index_head_dim=8, index_topk=4)
+    if family == "gpt_oss":
+        return tf.GptOssConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=inter, num_local_experts=experts,
+            num_experts_per_tok=2, sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            rope_parameters=dict(rope_type="yarn", factor=4.0, beta_fast=32.0, beta_slow=1.0, truncate=False,
+                                 original_max_position_embeddings=common["max_position_embeddings"] // 4,
+                                 rope_theta=150000.0))
+    if family == "qwen3_next":
+        return tf.Qwen3NextConfig(
+            **common, **heads, num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+            shared_expert_intermediate_size=inter, num_experts=experts, num_experts_per_tok=2,
+            linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+            layer_types=["linear_attention", "full_attention"] * (layers // 2))
+    if family == "jamba":
+        # Mamba then attention, MoE in every layer.
+        return tf.JambaConfig(
+            **common, num_hidden_layers=layers, intermediate_size=inter, num_experts=experts, num_experts_per_tok=2,
+            expert_layer_period=1, expert_layer_offset=0, attn_layer_period=2, attn_layer_offset=1,
+            mamba_d_state=4, mamba_dt_rank=4, mamba_expand=2)
+    if family == "gemma4":
+        # The text model; the expert output goes through its own RMSNorm.
+        return tf.Gemma4TextConfig(
+            **common, **heads, global_head_dim=hidden // 4, num_hidden_layers=layers, intermediate_size=2 * inter,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"] * (layers // 2),
+            vocab_size_per_layer_input=common["vocab_size"], hidden_size_per_layer_input=4,
+            enable_moe_block=True, num_experts=experts, top_k_experts=2, moe_intermediate_size=inter)
+    if family == "qwen3_5_moe_vl":
+        # The vision-language class as released (a tiny vision tower), trained here through its text model.
+        text = dict({k: v for k, v in common.items() if k != "tie_word_embeddings"}, **heads,
+                    moe_intermediate_size=inter, shared_expert_intermediate_size=inter, num_experts=experts,
+                    num_experts_per_tok=2, num_hidden_layers=layers,
+                    layer_types=["linear_attention", "full_attention"] * (layers // 2) + ["full_attention"] * (layers % 2),
+                    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
+                    linear_conv_kernel_dim=4)
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
+        config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        return config
+    if family == "dbrx":
+        return tf.DbrxConfig(
+            d_model=hidden, n_heads=4, n_layers=layers, max_seq_len=common["max_position_embeddings"],
+            vocab_size=common["vocab_size"], initializer_range=common["initializer_range"],
+            attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+            ffn_config=dict(ffn_hidden_size=inter, moe_num_experts=experts, moe_top_k=2))
+    if family == "jetmoe":
+        return tf.JetMoeConfig(
+            vocab_size=common["vocab_size"], hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, kv_channels=hidden // 4, intermediate_size=inter, num_local_experts=experts,
+            num_experts_per_tok=2, initializer_range=common["initializer_range"], tie_word_embeddings=False)
+    return _shrunk_default_config(family, common, experts, hidden, inter, layers)
+
+
+# Size attributes of transformers configs and their tiny values (only those a config has are set).
+# "hidden" and "inter" stand for the hidden and expert intermediate sizes asked for.
+_TINY_SIZES = {
+    "d_model": "hidden", "intermediate_size": "2*inter", "ffn_hidden_size": "2*inter", "intermediate_size_mlp": "2*inter",
+    "dense_intermediate_size": "2*inter", "moe_intermediate_size": "inter", "expert_ffn_hidden_size": "inter",
+    "shared_expert_intermediate_size": "inter", "moe_shared_expert_intermediate_size": "inter",
+    "shared_experts_intermediate_size": "inter", "expert_intermediate_size": "inter",
+    "n_heads": 4, "head_dim": 8, "kv_channels": 8, "global_head_dim": 8, "swa_head_dim": 8,
+    "swa_num_attention_heads": 4, "swa_num_key_value_heads": 2,
+    "num_experts": "experts", "num_local_experts": "experts", "n_routed_experts": "experts", "moe_num_experts": "experts",
+    "num_experts_per_tok": 2, "num_experts_per_token": 2, "moe_topk": 2, "top_k_experts": 2, "moe_top_k": 2,
+    "n_shared_experts": 1, "num_shared_experts": 1, "n_group": 1, "topk_group": 1, "num_expert_group": 1,
+    "q_lora_rank": 16, "kv_lora_rank": 16, "o_lora_rank": 16, "o_groups": 2,
+    "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8,
+    "index_n_heads": 2, "index_head_dim": 8, "index_topk": 4,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+    "linear_head_dim": 8, "linear_num_heads": 4,
+    "mamba_num_heads": 4, "mamba_head_dim": 8, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_n_groups": 1,
+    "ssm_state_size": 8, "mamba_d_state": 4, "mamba_dt_rank": 4, "n_groups": 2, "chunk_size": 8, "mamba_chunk_size": 8,
+    "sliding_window": 8, "attention_chunk_size": 8, "hidden_size_per_layer_input": 4,
+    "vocab_size_per_layer_input": "vocab", "first_k_dense_replace": 1, "num_dense_layers": 1, "decoder_sparse_step": 1,
+    "num_nextn_predict_layers": 0, "zero_expert_num": "experts//2",
+}
+# Sizes some configs leave None by default although their model needs them.
+_TINY_REQUIRED = {"num_experts_per_tok", "n_routed_experts", "n_shared_experts", "head_dim"}
+# What a few families need beyond the common shrinking (their configs validate these).
+_TINY_OVERRIDES = {
+    "zaya": {"num_experts_per_tok": 1},  # "ZAYA currently supports num_experts_per_tok=1 only"
+    "dots3_note_text": {"head_dim": 8},  # "SWA head_dim must equal qk_nope_head_dim + qk_rope_head_dim"
+    # Defaults without an attention layer (all Mamba) or without a layer pattern at all.
+    "granitemoehybrid": {"layer_types": ["linear_attention", "full_attention"]},
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # Its default indexed attention needs the QSA indexer sizes, which default to None.
+    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 8, "indexer_budget": 4,
+                       "indexer_compress_ratio": 2},
+}
+
+
+def _representative_layers(defaults: dict, num_layers: int) -> list[int]:
+    """Layer indices, in order, covering every distinct kind of layer the default config has.
+
+    A layer's kind is its entry in every per-layer list (attention type, dense or
+    sparse MLP ...) and its membership in every list of layer indices.
+    """
+    per_layer = [v for v in defaults.values() if isinstance(v, list) and len(v) == num_layers]
+    index_lists = [v for k, v in defaults.items() if isinstance(v, list) and len(v) != num_layers
+                   and k.endswith(("layers", "layer_ids")) and all(isinstance(i, int) for i in v)]
+    chosen, seen = [], set()
+    for i in range(num_layers):
+        kind = tuple(str(v[i]) for v in per_layer) + tuple(i in s for s in index_lists)
+        if kind not in seen:
+            seen.add(kind)
+            chosen.append(i)
+    for i in range(num_layers):  # at least two layers
+        if len(chosen) >= 2:
+            break
+        if i not in chosen:
+            chosen.append(i)
+    return sorted(chosen)
+
+
+def _shrunk_default_config(model_type: str, common: dict, experts: int, hidden: int, inter: int, layers: int):
+    """Any transformers MoE config: its defaults with every size tiny and one layer of each kind it has.
+
+    For families without a hand-written tiny config (scripts/models_table.py runs them all).
+    """
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    if model_type not in CONFIG_MAPPING:
+        known = FAMILIES + MATRIX_FAMILIES + REFUSED_FAMILIES
+        raise ValueError(f"unknown tiny model family {model_type!r}; choose one of {sorted(set(known))} "
+                         "or a transformers model_type")
+    config_class = CONFIG_MAPPING[model_type]
+    defaults = config_class().to_dict()
+    values = {"hidden": hidden, "inter": inter, "2*inter": 2 * inter, "experts": experts,
+              "experts//2": experts // 2, "vocab": common["vocab_size"]}
+    kwargs = {k: v for k, v in common.items() if k in defaults}
+    for key, size in _TINY_SIZES.items():
+        if key in defaults and (defaults[key] is not None or key in _TINY_REQUIRED) and not isinstance(
+                defaults[key], (dict, list)):
+            kwargs[key] = values.get(size, size)
+    if defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)  # some configs require equal counts
+    if "qk_rope_head_dim" in kwargs:
+        kwargs.pop("head_dim", None)  # MLA configs derive it from qk_rope_head_dim
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(defaults.get(key), int) and defaults[key] >= common["vocab_size"]:
+            kwargs[key] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}[key]
+    depth_key = next((k for k in ("num_hidden_layers", "n_layers", "num_layers") if isinstance(defaults.get(k), int)),
+                     None)
+    if depth_key is not None:
+        num_default = defaults[depth_key]
+        chosen = _representative_layers(defaults, num_default)
+        kwargs[depth_key] = len(chosen)
+        for key, value in defaults.items():
+            if not isinstance(value, list):
+                continue
+            if len(value) == num_default:
+                kwargs[key] = [value[i] for i in chosen]
+            elif key.endswith(("layers", "layer_ids")) and all(isinstance(i, int) for i in value):
+                kwargs[key] = [new for new, old in enumerate(chosen) if old in value]
+        if isinstance(defaults.get("per_layer_config"), dict):
+            kwargs["per_layer_config"] = {}
+    kwargs.update(_TINY_OVERRIDES.get(model_type, {}))
+    return config_class(**kwargs)
 
 
 def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden_size: int = 32,
                 num_layers: int = 2, intermediate_size: int = 16, **overrides):
     """A transformers config of ``family`` with every dimension tiny."""
-    import transformers as tf
-
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=512,
@@ -35,55 +256,8 @@ def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden
         initializer_range=0.2,
         tie_word_embeddings=False,
     )
-    if family == "qwen3_moe":
-        cfg = tf.Qwen3MoeConfig(
-            **common, head_dim=hidden_size // 4, intermediate_size=2 * intermediate_size,
-            moe_intermediate_size=intermediate_size, num_experts=num_experts, num_experts_per_tok=2,
-            norm_topk_prob=True, decoder_sparse_step=1,
-        )
-    elif family == "qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(
-            **common, intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
-            shared_expert_intermediate_size=intermediate_size, num_experts=num_experts, num_experts_per_tok=2,
-            decoder_sparse_step=1,
-        )
-    elif family == "mixtral":
-        cfg = tf.MixtralConfig(
-            **common, intermediate_size=intermediate_size, num_local_experts=num_experts, num_experts_per_tok=2,
-        )
-    elif family == "deepseek_v3":
-        cfg = tf.DeepseekV3Config(
-            **common, intermediate_size=2 * intermediate_size, moe_intermediate_size=intermediate_size,
-            n_routed_experts=num_experts, num_experts_per_tok=2, n_shared_experts=1,
-            # Group-limited routing: 4 groups of experts, tokens may use the best 2 groups.
-            n_group=4, topk_group=2, routed_scaling_factor=1.0, first_k_dense_replace=1,
-            q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
-        )
-    elif family == "deepseek_v4":
-        cfg = tf.DeepseekV4Config(
-            **{k: v for k, v in common.items() if k != "num_key_value_heads"}, num_key_value_heads=1,
-            head_dim=16, q_lora_rank=16, moe_intermediate_size=intermediate_size, n_routed_experts=num_experts,
-            num_experts_per_tok=2, n_shared_experts=1, o_groups=2, o_lora_rank=16, index_n_heads=2,
-            index_head_dim=8, index_topk=4, sliding_window=8, num_nextn_predict_layers=0, hc_mult=2,
-            # Two hash-routed MoE layers (a frozen token -> experts table), then learned routing.
-            mlp_layer_types=["hash_moe"] * (num_layers - 1) + ["moe"],
-        )
-    elif family == "qwen3_5_moe_vl":
-        text = dict(
-            {k: v for k, v in common.items() if k != "tie_word_embeddings"}, head_dim=8,
-            moe_intermediate_size=intermediate_size, shared_expert_intermediate_size=intermediate_size,
-            num_experts=num_experts, num_experts_per_tok=2,
-            layer_types=["linear_attention", "full_attention"] * (num_layers // 2) + ["full_attention"] * (
-                num_layers % 2),
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-        )
-        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=hidden_size,
-                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
-        cfg = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
-        cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
-    else:
-        raise ValueError(f"unknown tiny model family {family!r}; choose one of {FAMILIES + LAYOUT_FAMILIES}")
+    cfg = _config(_FAMILY_OF_MODEL_TYPE.get(family, family), common, num_experts, hidden_size, intermediate_size,
+                  num_layers)
     for key, value in overrides.items():
         setattr(cfg, key, value)
     return cfg
@@ -97,9 +271,9 @@ def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.floa
     model = model_class_for(cfg).from_config(cfg, dtype=dtype)
     with torch.no_grad():
         for module in model.modules():
-            # Non-zero correction bias (DeepSeek-V3), so a checkpoint that lost it is noticed.
+            # Non-zero correction bias (DeepSeek-V3 ...), so a checkpoint that lost it is noticed.
             bias = getattr(module, "e_score_correction_bias", None)
-            if isinstance(bias, torch.Tensor):
+            if family == "deepseek_v3" and isinstance(bias, torch.Tensor):
                 bias.copy_(torch.randn_like(bias) * 0.01)
             # A real hash table (DeepSeek-V4 hash_moe layers; all zeros after init): each token its own experts.
             table = getattr(module, "tid2eid", None)

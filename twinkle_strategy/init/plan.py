@@ -113,7 +113,7 @@ def checkpoint_rows(need: Need, ep_plan: ExpertParallelPlan | None, full_shape) 
     if need.ep_rank == NOT_EXPERT:
         return lo, hi
     axis = ep_plan.axes[need.name]
-    if axis.dim != 0 or axis.outer != 1:
+    if axis.dim != 0 or axis.outer != 1 or axis.zero_experts:  # LongCat's zero experts: two runs, not one
         return None
     start, _ = ep_plan.local_range(need.name, need.ep_rank)
     return start * axis.inner + lo, start * axis.inner + hi

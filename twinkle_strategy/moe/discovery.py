@@ -1,12 +1,16 @@
 """Finding the MoE blocks and expert tensors of a transformers v5 model.
 
-Transformers v5 MoE families (Qwen2/Qwen3-MoE, Mixtral, DeepSeek-V3, ...) share
-one shape: a block with a router (``gate``) and an ``experts`` module holding
-fused 3-D parameters ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``,
-called as ``experts(hidden_states, top_k_index, top_k_weights)``. PEFT's
-``target_parameters`` wraps that module in nested ``ParamWrapper``s, each adding
-a ``lora_A``/``lora_B`` pair for one fused parameter. We recognise the structure,
-not the class names, so new families with the same contract work unchanged.
+An MoE block is a module with an ``experts`` child; the block's router picks
+the experts and the block calls ``experts`` with its choices. Which calls and
+weight layouts we serve is :mod:`twinkle_strategy.moe.contracts`'s business:
+every ``experts`` child must match one, or discovery raises naming it, so a
+model is either served whole or refused at ``wrap_model`` (never half-split).
+We recognise the contract, not class names, so new families with a known
+contract work unchanged.
+
+PEFT's ``target_parameters`` wraps the experts module in nested
+``ParamWrapper``s, each adding a ``lora_A``/``lora_B`` pair for one fused
+parameter; those pairs are expert tensors too.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import dataclasses
 
 from torch import nn
 
+from twinkle_strategy.moe.contracts import ExpertsContract, read_contract
 from twinkle_strategy.moe.layout import ExpertAxis
 
 EXPERTS_ATTR = "experts"
@@ -38,17 +43,6 @@ def unwrap_experts(module: nn.Module) -> tuple[nn.Module, list[nn.Module]]:
     return module, wrappers
 
 
-def _is_fused_experts(module: nn.Module) -> bool:
-    inner, _ = unwrap_experts(module)
-    num = getattr(inner, "num_experts", None)
-    weights = [getattr(inner, name, None) for name in ("gate_up_proj", "down_proj")]
-    if not isinstance(num, int) or any(w is None for w in weights):
-        # Before EP the innermost module holds the tensors directly; during a
-        # PEFT forward they sit behind a parametrization, which we never see here.
-        return False
-    return all(w.dim() == 3 and w.shape[0] == num for w in weights)
-
-
 @dataclasses.dataclass
 class ExpertTensor:
     """One tensor that holds experts: its owner module, attribute name and expert axis."""
@@ -64,49 +58,67 @@ class MoEBlock:
     name: str  # fqn of the block (parent of ``experts``)
     block: nn.Module
     experts: nn.Module  # outermost module at ``block.experts`` (PEFT wrapper or the experts themselves)
-    num_experts: int
+    contract: ExpertsContract
     tensors: list[ExpertTensor]
+
+    @property
+    def num_experts(self) -> int:
+        """Routed experts, the ones EP splits (LongCat-Flash's zero-computation experts are not counted)."""
+        return self.contract.num_experts
 
     @property
     def experts_fqn(self) -> str:
         return f"{self.name}.{EXPERTS_ATTR}" if self.name else EXPERTS_ATTR
 
 
-def _expert_tensors(experts_fqn: str, outer: nn.Module, num_experts: int) -> list[ExpertTensor]:
+def _expert_tensors(experts_fqn: str, outer: nn.Module, contract: ExpertsContract) -> list[ExpertTensor]:
+    num = contract.num_experts
     inner, wrappers = unwrap_experts(outer)
     found: list[ExpertTensor] = []
     prefix = experts_fqn
     for wrapper in wrappers:
+        # A LoRA pair has one block per expert slot of the parameter it wraps
+        # (LongCat-Flash's gate_up_proj: routed + zero-computation experts).
+        zero = wrapper.num_experts - num
         for adapter, lora_a in wrapper.lora_A.items():
             lora_b = wrapper.lora_B[adapter]
             rank = wrapper.r[adapter]
             # lora_A is [E*r, in], expert-major; lora_B is [out, r*E], expert index fastest.
-            found.append(
-                ExpertTensor(lora_a, "weight", ExpertAxis(0, num_experts, 1, rank), f"{prefix}.lora_A.{adapter}.weight")
-            )
-            found.append(
-                ExpertTensor(lora_b, "weight", ExpertAxis(1, num_experts, rank, 1), f"{prefix}.lora_B.{adapter}.weight")
-            )
+            found.append(ExpertTensor(lora_a, "weight", ExpertAxis(0, num, 1, rank, zero),
+                                      f"{prefix}.lora_A.{adapter}.weight"))
+            found.append(ExpertTensor(lora_b, "weight", ExpertAxis(1, num, rank, 1, zero),
+                                      f"{prefix}.lora_B.{adapter}.weight"))
             if getattr(lora_b, "bias", None) is not None:
                 raise ValueError(f"{prefix}: LoRA bias on expert parameters cannot be split across EP ranks")
         prefix = f"{prefix}.base_layer"
     for attr, param in inner.named_parameters(recurse=False):
-        if param.dim() >= 1 and param.shape[0] == num_experts:
-            found.append(ExpertTensor(inner, attr, ExpertAxis(0, num_experts), f"{prefix}.{attr}"))
+        # read_contract checked that dim 0 holds the routed experts, plus the zero-computation ones for some.
+        zero = param.shape[0] - num
+        found.append(ExpertTensor(inner, attr, ExpertAxis(0, num, zero_experts=zero), f"{prefix}.{attr}"))
     return found
 
 
+def model_family(model: nn.Module) -> str:
+    """How errors name the model: its class and transformers ``model_type``."""
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    base = getattr(model, "get_base_model", lambda: model)()
+    return f"{type(base).__name__} (model_type '{model_type}')" if model_type else type(base).__name__
+
+
 def find_moe_blocks(model: nn.Module) -> list[MoEBlock]:
-    """Every module whose ``experts`` child is a fused-experts module, in module order."""
+    """Every module with an ``experts`` child, in module order, with the contract it is called by.
+
+    Raises :class:`ModelStructureError` for an ``experts`` child whose contract we do not serve.
+    """
+    family = model_family(model)
     blocks = []
     for name, module in model.named_modules():
         experts = getattr(module, EXPERTS_ATTR, None)
         if not isinstance(experts, nn.Module) or experts not in module.children():
             continue
-        if not _is_fused_experts(experts):
-            continue
-        inner, _ = unwrap_experts(experts)
-        num = inner.num_experts
         experts_fqn = f"{name}.{EXPERTS_ATTR}" if name else EXPERTS_ATTR
-        blocks.append(MoEBlock(name, module, experts, num, _expert_tensors(experts_fqn, experts, num)))
+        inner, _ = unwrap_experts(experts)
+        contract = read_contract(experts_fqn, module, inner, EXPERTS_ATTR, family)
+        blocks.append(MoEBlock(name, module, experts, contract, _expert_tensors(experts_fqn, experts, contract)))
     return blocks

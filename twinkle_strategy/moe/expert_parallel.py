@@ -1,8 +1,9 @@
 """Expert parallelism for transformers MoE models: slice the experts, route tokens to their owners.
 
 ``apply_expert_parallel`` keeps the model's structure and parameter names: each
-``experts`` module keeps its ``gate_up_proj``/``down_proj`` (and PEFT LoRA)
-parameters, cut down to this rank's experts, and its forward is wrapped so the
+``experts`` module keeps its expert tensors (``gate_up_proj``/``down_proj``,
+``up_proj``, biases, PEFT LoRA), cut down to this rank's experts, and its
+forward is wrapped, according to its call contract (:mod:`.contracts`), so the
 router's choices are dispatched to the owning EP ranks. The router itself is
 untouched, so routing is exactly the model's own.
 
@@ -20,9 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.errors import ModelStructureError
-from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks, unwrap_experts
-from twinkle_strategy.moe.dispatch import dispatch_and_combine
+from twinkle_strategy.errors import ModelStructureError, ParallelConfigError
+from twinkle_strategy.moe.contracts import PRE_ROUTED, set_local_expert_counts
+from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks, model_family, unwrap_experts
+from twinkle_strategy.moe.dispatch import dispatch_pre_routed, dispatch_routed
 from twinkle_strategy.moe.layout import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
 
@@ -52,16 +54,27 @@ class ExpertParallelPlan:
 
 
 def plan_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int) -> tuple[ExpertParallelPlan, list[MoEBlock]]:
-    """Find the MoE blocks and validate the sizes; changes nothing."""
+    """Find the MoE blocks, check their call contracts and the sizes; changes nothing.
+
+    Pure and identical on every rank (every rank holds the same model
+    structure), so a model EP cannot serve raises the same error everywhere
+    before any collective.
+    """
     blocks = find_moe_blocks(model)
     if not blocks:
         raise ModelStructureError(
-            f"ep_size={dims.ep_size} but {type(model).__name__} has no MoE block (a module with a fused "
-            "'experts' child holding gate_up_proj/down_proj); use ep_size=1 for dense models"
+            f"ep_size={dims.ep_size} but {model_family(model)} has no MoE block (a module with an 'experts' "
+            "child); use ep_size=1 for dense models"
         )
     axes = {}
     for block in blocks:
         dims.validate_num_experts(block.num_experts, where=block.experts_fqn)
+        zero = block.contract.zero_experts
+        if zero % dims.ep_size:
+            raise ParallelConfigError(
+                f"{block.experts_fqn} has {zero} zero-computation experts, not divisible by ep_size "
+                f"{dims.ep_size}: each EP rank stores an equal share of their gate_up_proj slots"
+            )
         for t in block.tensors:
             axes[t.fqn] = t.axis
     plan = ExpertParallelPlan(dims.ep_size, dims.ep_rank(rank), axes, [b.experts_fqn for b in blocks])
@@ -87,29 +100,40 @@ def apply_expert_parallel(
             cut = t.axis.cut(old.detach(), start, local).clone()
             setattr(t.module, t.attr, nn.Parameter(cut, requires_grad=old.requires_grad))
         _set_local_expert_count(block, local)
-        _install_dispatch(block.experts, local, ep_group)
+        _install_dispatch(block, local, ep_group)
     return plan
 
 
 def _set_local_expert_count(block: MoEBlock, local: int) -> None:
     inner, wrappers = unwrap_experts(block.experts)
-    inner.num_experts = local
+    set_local_expert_counts(inner, block.contract, local)
     for wrapper in wrappers:
-        # PEFT reshapes lora_A/lora_B with num_experts in every forward.
-        wrapper.num_experts = local
+        # PEFT reshapes lora_A/lora_B with num_experts (the wrapped parameter's
+        # expert slots) in every forward.
+        zero = (wrapper.num_experts - block.num_experts) * local // block.num_experts
+        wrapper.num_experts = local + zero
         for adapter in wrapper.lora_A:
             rank = wrapper.r[adapter]
-            wrapper.lora_A[adapter].out_features = rank * local
-            wrapper.lora_B[adapter].in_features = rank * local
+            wrapper.lora_A[adapter].out_features = rank * wrapper.num_experts
+            wrapper.lora_B[adapter].in_features = rank * wrapper.num_experts
 
 
-def _install_dispatch(experts: nn.Module, num_local: int, group: dist.ProcessGroup) -> None:
+def _install_dispatch(block: MoEBlock, num_local: int, group: dist.ProcessGroup) -> None:
     # An instance attribute shadows the class forward; nn.Module.__call__ (and
     # with it FSDP's hooks) still runs around it.
+    experts = block.experts
     local_forward = experts.forward
+    contract = block.contract
+    num_local_zero = contract.zero_experts * num_local // contract.num_experts
 
-    @functools.wraps(local_forward)
-    def expert_parallel_forward(hidden_states, top_k_index, top_k_weights):
-        return dispatch_and_combine(hidden_states, top_k_index, top_k_weights, local_forward, num_local, group)
+    if contract.kind == PRE_ROUTED:
+        @functools.wraps(local_forward)
+        def expert_parallel_forward(routed_in):
+            return dispatch_pre_routed(routed_in, local_forward, contract.num_experts, num_local, group)
+    else:
+        @functools.wraps(local_forward)
+        def expert_parallel_forward(hidden_states, top_k_index, top_k_weights):
+            return dispatch_routed(hidden_states, top_k_index, top_k_weights, local_forward, num_local,
+                                   contract.num_experts, group, contract.min_top_k, num_local_zero)
 
     experts.forward = expert_parallel_forward
