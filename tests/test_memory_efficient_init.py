@@ -64,12 +64,14 @@ def check_base_cases(ranks: dict, nproc_per_node: int, expected_cases: set):
                     f"{case}: received {report['bytes_received']} bytes for a shard of {report['shard_bytes']}"
                 # Never a full tensor on a non-source rank, and no allocation above a bucket or a local shard.
                 assert c["full_shaped_allocations"] == [], f"{case}: {c['full_shaped_allocations']}"
-                assert c["largest_allocation"] <= max(BUCKET, c["largest_local"], c["largest_buffer"]), case
+                # (the config from the source, and this rank's plan for it, are pickled messages: metadata)
+                assert c["largest_allocation"] <= max(BUCKET, c["largest_local"], c["largest_buffer"],
+                                                      1.1 * c["config_bytes"], 1.1 * c["plan_bytes"]), case
             if is_source:
                 # The source reads a bucket's worth of rows at a time (at least one row: an expert), never a
                 # whole tensor of which its node keeps a part.
                 limit = max(BUCKET, c["largest_local"], c["largest_buffer"], c["largest_row"],
-                            1.1 * c["node_plan_bytes"])
+                            1.1 * c["node_plan_bytes"], 1.1 * c["config_bytes"])
                 assert c["largest_allocation"] <= limit, f"{case}: {c['largest_allocation']} > {limit}"
 
 
