@@ -427,11 +427,14 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
 def worker_main(args) -> None:
     try:
         result = run_method(args.worker, args.model, args.ep, args.bucket_mb, args.collective_timeout)
-    except Exception as exc:  # noqa: BLE001 - a peer that crashes is a result too
+    except BaseException as exc:  # noqa: BLE001 - a peer that crashes is a result too (DCP raises BaseException)
         import traceback
 
-        result = {"method": args.worker, "rank": int(os.environ["RANK"]), "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()}
+        # Errors that wrap every rank's traceback (DCP's CheckpointException) end with the actual message.
+        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
+        message = lines[-1].strip() if len(lines) > 1 else str(exc)
+        result = {"method": args.worker, "rank": int(os.environ["RANK"]),
+                  "error": f"{type(exc).__name__}: {message}", "traceback": traceback.format_exc()}
     with open(os.path.join(args.results, f"{args.worker}-rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0 if "error" not in result else 1)
