@@ -17,6 +17,8 @@ LAYOUT_CHECKPOINTS = {
     "qwen2_moe_tied_sharded": ("qwen2_moe", {"max_shard_size": SHARD, "tie_word_embeddings": True}),
     "deepseek_v4_sharded": ("deepseek_v4", {"max_shard_size": SHARD}),
     "qwen3_5_moe_vl_sharded": ("qwen3_5_moe_vl", {"max_shard_size": SHARD}),
+    # (2I != H: its hub layout stores experts transposed, and transformers tells the two apart by shape)
+    "qwen3_vl_moe": ("qwen3_vl_moe", {"intermediate_size": 8}),
 }
 assert {family for family, _ in LAYOUT_CHECKPOINTS.values()} >= set(LAYOUT_FAMILIES)
 

@@ -35,8 +35,10 @@ def test_every_tensor_and_any_rows_equal_from_pretrained(tiny_checkpoints, name)
     state = reference_state(tiny_checkpoints / name)
     model, layout, placeholders = open_layout(tiny_checkpoints / name)
     assert set(placeholders) <= set(state) and placeholders
-    # Every fused expert tensor is read expert by expert from the per-expert hub keys, nothing whole.
-    assert any(layout.recipes[k].mode == PER_EXPERT for k in placeholders if "experts.gate_up_proj" in k)
+    # Fused expert tensors stored per expert in the hub layout are read expert by expert; nothing is read whole.
+    per_expert_keys = any(".experts.0." in k for k in layout.index.tensors)
+    assert per_expert_keys == any(layout.recipes[k].mode == PER_EXPERT for k in placeholders
+                                  if "experts.gate_up_proj" in k)
     assert all(recipe.mode != WHOLE for recipe in layout.recipes.values())
     for key in placeholders:
         want = state[key]
@@ -47,6 +49,28 @@ def test_every_tensor_and_any_rows_equal_from_pretrained(tiny_checkpoints, name)
             assert torch.equal(rows, want[1:-1]), key
             # Exactly those rows were read (the checkpoint stores fp32, like the model).
             assert layout.bytes_read - before == rows.numel() * rows.element_size(), key
+    assert layout.materialized_whole == set()
+
+
+def test_qwen3_vl_moe_hub_layout_is_transposed_on_read(tiny_checkpoints, tmp_path):
+    """Released Qwen3-VL-MoE checkpoints store fused experts as [E, H, 2I] / [E, I, H]; transformers' rule
+    (Transpose(1, 2) where the shapes differ) is applied to the rows read, not to whole tensors."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "qwen3_vl_moe_hub"
+    shutil.copytree(tiny_checkpoints / "qwen3_vl_moe", path)
+    weights = load_file(str(path / "model.safetensors"))
+    for key in [k for k in weights if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        weights[key] = weights[key].transpose(1, 2).contiguous()
+    save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+    state = reference_state(tiny_checkpoints / "qwen3_vl_moe")
+    _, layout, placeholders = open_layout(path)
+    experts = [k for k in placeholders if k.endswith("experts.gate_up_proj")]
+    assert experts and all(layout.recipes[k].mode != WHOLE for k in experts)
+    for key in placeholders:
+        assert torch.equal(layout.read_rows(key), state[key]), key
+        if key in experts:
+            assert torch.equal(layout.read_rows(key, (3, 6)), state[key][3:6]), key
     assert layout.materialized_whole == set()
 
 

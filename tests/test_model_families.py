@@ -9,9 +9,15 @@ families; then the models EP must refuse at wrap_model, on every rank.
 import pytest
 
 from multinode import launch
-from twinkle_strategy.tiny_models import MATRIX_FAMILIES, REFUSED_FAMILIES, save_tiny_checkpoint
+from twinkle_strategy.tiny_models import (
+    MATRIX_FAMILIES,
+    REFUSED_FAMILIES,
+    VISION_LANGUAGE_FAMILIES,
+    save_tiny_checkpoint,
+)
 
-LORA_FAMILIES = ("llama4", "nemotron_h", "longcat_flash")
+FAMILIES = MATRIX_FAMILIES + VISION_LANGUAGE_FAMILIES
+LORA_FAMILIES = ("llama4", "nemotron_h", "longcat_flash") + VISION_LANGUAGE_FAMILIES
 REFUSED = {
     "dbrx": "dbrx",
     "jetmoe": "jetmoe",
@@ -22,20 +28,20 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    for family in MATRIX_FAMILIES + REFUSED_FAMILIES:
+    for family in FAMILIES + REFUSED_FAMILIES:
         save_tiny_checkpoint(family, str(root / family), seed=0)
     return root
 
 
 def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_path):
     refused = ",".join(f"{name}={directory}" for name, directory in REFUSED.items())
-    result = launch("family_matrix.py", ["--ckpt-root", str(family_checkpoints), "--families", ",".join(MATRIX_FAMILIES),
+    result = launch("family_matrix.py", ["--ckpt-root", str(family_checkpoints), "--families", ",".join(FAMILIES),
                                          "--lora", ",".join(LORA_FAMILIES), "--refused", refused],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
-    expected_runs = [(f, False) for f in MATRIX_FAMILIES] + [(f, True) for f in LORA_FAMILIES]
+    expected_runs = [(f, False) for f in FAMILIES] + [(f, True) for f in LORA_FAMILIES]
     for rank, data in ranks.items():
         assert [(c["family"], c["lora"]) for c in data["cases"]] == expected_runs
         for c in data["cases"]:
@@ -53,6 +59,14 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
             assert c["ref_norm"] > 0
             assert abs(c["norm"] - c["ref_norm"]) <= 1e-5 * c["ref_norm"], \
                 f"{case}: gradient norm {c['norm']} vs {c['ref_norm']}"
+            if c["family"] in VISION_LANGUAGE_FAMILIES:
+                # The checkpoint's own class, vision tower included (not the text-only class dropping it).
+                assert c["model_class"].endswith("ForConditionalGeneration") and c["vision_tensors"] > 0, case
+                if c["lora"]:
+                    # The saved adapter loads with plain PEFT onto the vision-language class, same logits.
+                    adapter = c["adapter"]
+                    assert adapter["base_class"] == c["model_class"] and adapter["lora_tensors"] > 0, adapter
+                    assert adapter["logit_diff"] <= 1e-5, f"{case}: adapter logits differ by {adapter['logit_diff']}"
 
         errors = {r["name"]: r for r in data["refused"]}
         assert set(errors) == set(REFUSED)

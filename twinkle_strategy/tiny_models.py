@@ -23,6 +23,8 @@ REFUSED_FAMILIES = ("dbrx", "jetmoe")
 # For the tests of checkpoint layouts: DeepSeek-V4 (renamed keys, hash routing) and Qwen3.5-MoE as
 # released (a vision-language checkpoint, its text model under model.language_model.).
 LAYOUT_FAMILIES = ("deepseek_v4", "qwen3_5_moe_vl")
+# Vision-language MoE checkpoints (their own image-text-to-text class), trained on text.
+VISION_LANGUAGE_FAMILIES = ("qwen3_5_moe_vl", "qwen3_vl_moe")
 
 
 # transformers model_types of the text models whose tiny config is written by hand under a family name.
@@ -120,6 +122,19 @@ def _config(family: str, common: dict, experts: int, hidden: int, inter: int, la
                       patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16)
         config = tf.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
         config.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+        return config
+    if family == "qwen3_vl_moe":
+        # The vision-language class (there is no causal-LM class), with a tiny vision tower.
+        text = dict({k: v for k, v in common.items() if k != "tie_word_embeddings"}, **heads,
+                    num_hidden_layers=layers, intermediate_size=2 * inter, moe_intermediate_size=inter,
+                    num_experts=experts, num_experts_per_tok=2, decoder_sparse_step=1,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0, mrope_section=[2, 1, 1],
+                                         mrope_interleaved=True))
+        vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=hidden,
+                      patch_size=4, temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=16,
+                      deepstack_visual_indexes=[0])
+        config = tf.Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+        config.architectures = ["Qwen3VLMoeForConditionalGeneration"]
         return config
     if family == "dbrx":
         return tf.DbrxConfig(

@@ -15,12 +15,15 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 import worker_common  # noqa: E402
 from mem_init import exact_mismatches, local_batch, own_experts_ok  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.errors import TwinkleError  # noqa: E402
+from twinkle_strategy.loading import model_class_for  # noqa: E402
+from twinkle_strategy.tiny_models import VISION_LANGUAGE_FAMILIES  # noqa: E402
 
 LORA_SEED = 7
 # LoRA on attention and on each family's fused expert tensors (PEFT target_parameters).
@@ -28,6 +31,9 @@ LORA_TARGETS = {
     "llama4": ["feed_forward.experts.gate_up_proj", "feed_forward.experts.down_proj"],  # pre-routed experts
     "nemotron_h": ["mixer.experts.up_proj", "mixer.experts.down_proj"],  # non-gated experts
     "longcat_flash": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],  # gate_up holds zero experts too
+    # vision-language checkpoints: the language model's experts
+    "qwen3_5_moe_vl": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+    "qwen3_vl_moe": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
 }
 
 
@@ -90,10 +96,15 @@ def count_zero_expert_choices(model) -> list[int]:
     return count
 
 
+def load_single_process(path: str):
+    """The checkpoint as one process loads it: its own class (image-text-to-text for a vision-language one)."""
+    return model_class_for(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.float32)
+
+
 def served_case(path: str, family: str, lora: bool, world: int, rank: int) -> dict:
-    reference = with_adapter(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), lora, family)
+    reference = with_adapter(load_single_process(path), lora, family)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
-    ids, mine = local_batch(reference.config.vocab_size, world, rank)
+    ids, mine = local_batch(reference.config.get_text_config().vocab_size, world, rank)
     # A model whose training-mode forward is random cannot match another process: compare it in eval mode.
     train = not training_is_random(reference, ids)
     zero_expert_choices = count_zero_expert_choices(reference)
@@ -107,12 +118,38 @@ def served_case(path: str, family: str, lora: bool, world: int, rank: int) -> di
     own = own_experts_ok(strategy, model, state, rank)
     logits, loss, norm = forward_backward(model, mine, strategy, train=train)
     per_rank = ref_logits.shape[0] // world
-    return dict(
+    case = dict(
         family=family, lora=lora, train_mode=train, state_mismatches=mismatches, own_experts_ok=own,
         expert_tensors=len(strategy.ep_plan.axes), lora_tensors=len([k for k in state if "lora_" in k]),
         logit_diff=(logits - ref_logits[rank * per_rank:(rank + 1) * per_rank]).abs().max().item(),
         loss=loss, ref_loss=ref_loss, norm=norm, ref_norm=ref_norm, zero_expert_choices=zero_expert_choices[0],
+        # (fully_shard makes the class FSDP<class>)
+        model_class=type(model.get_base_model() if lora else model).__name__.removeprefix("FSDP"),
+        vision_tensors=len([k for k in state if ".visual." in k]),
     )
+    if lora and family in VISION_LANGUAGE_FAMILIES:
+        case["adapter"] = saved_adapter_check(strategy, model, path, ids, ref_logits)
+    return case
+
+
+def saved_adapter_check(strategy, model, path, ids, ref_logits) -> dict:
+    """Save the adapter as the trainer does (gathered, full [r*E] expert LoRA) and load it with plain PEFT
+    onto the vision-language class in one process: it must give the single-process adapter's logits."""
+    from peft import PeftModel
+
+    out = os.path.join(os.environ["TWINKLE_TEST_OUT"], f"adapter-{os.path.basename(path)}")
+    state = strategy.full_state_dict(model, rank0_only=True,
+                                     keys={n for n, p in model.named_parameters() if p.requires_grad})
+    if strategy.rank == 0:
+        model.save_pretrained(out, state_dict=state)
+    dist.barrier()
+    loaded = PeftModel.from_pretrained(load_single_process(path), out)
+    loaded.eval()
+    with torch.no_grad():
+        logits = loaded(input_ids=ids).logits
+    return dict(base_class=type(loaded.get_base_model()).__name__,
+                lora_tensors=len([n for n in loaded.state_dict() if "lora_" in n]),
+                logit_diff=(logits - ref_logits).abs().max().item())
 
 
 def with_unknown_experts_forward(model):
