@@ -174,6 +174,9 @@ def test_swift_sft_lora_trains_with_memory_efficient_init(lora_runs):
     report = receiver["init_report"]
     assert report["bytes_received"] == report["shard_bytes"] + report["buffer_bytes"] > 0
     assert source["init_report"]["bytes_sent"] == report["bytes_received"]
+    # The source streamed: it read from the files its node's shards (one node: all of them), nothing else.
+    assert source["init_report"]["bytes_read"] == source["init_report"]["shard_bytes"] + report["shard_bytes"]
+    assert receiver["init_report"]["bytes_read"] == 0
     assert receiver["model_class"].startswith("FSDP")
     # swift's own output layout
     checkpoint = run["run_dir"] / f"checkpoint-{MAX_STEPS}"

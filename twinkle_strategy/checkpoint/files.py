@@ -40,6 +40,7 @@ _DTYPES = {
     "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
     "C64": torch.complex64,
 }
+DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 
 
 @dataclasses.dataclass(frozen=True)

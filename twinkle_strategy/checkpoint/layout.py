@@ -117,12 +117,15 @@ class CheckpointLayout:
     rows of a model tensor.
     """
 
-    def __init__(self, index: SafetensorsIndex, model, path: str = ""):
+    def __init__(self, index: SafetensorsIndex, model, path: str = "",
+                 model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+        """``model_tensors`` (name -> shape, dtype) overrides the model's own, e.g. the pre-EP shapes of a
+        model whose experts are already cut."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
         self.index, self.path = index, path
         self.config = model.config
-        self.model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = {
+        self.model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = model_tensors or {
             k: (tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
         self.ignored_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
                                                            or [])]
@@ -295,6 +298,104 @@ class CheckpointLayout:
 
     def close(self) -> None:
         self.index.close()
+
+    # ------------------------------------------------------------------ writing (the same rules, reversed)
+    @classmethod
+    def for_saving(cls, model, model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "CheckpointLayout":
+        """The checkpoint ``model`` is saved as: transformers' rules reversed, as ``save_pretrained`` applies them.
+
+        The rules are those that matched when the model was loaded (so a checkpoint comes back in its own
+        layout), else the model class's own. Needs no file: names, shapes and dtypes only.
+        """
+        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
+
+        rules = getattr(model, "_weight_conversions", None)
+        if rules is None:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+
+            # As transformers does for a model not loaded by from_pretrained: no prefix it cannot know of.
+            rules = [r for r in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(r, PrefixChange)]
+        shapes = _ShapeOnlyModel(model.config, model_tensors)
+        shim = types.SimpleNamespace(_weight_conversions=list(rules), config=model.config,
+                                     get_parameter=shapes.get_parameter)
+        saved = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=dtype, device="meta")
+                                                for name, (shape, dtype) in model_tensors.items()})
+        layout = cls(DeclaredTensors({k: (tuple(v.shape), v.dtype) for k, v in saved.items()}), model,
+                     model_tensors=model_tensors)
+        lost = sorted(set(model_tensors) - set(layout.recipes))
+        if layout._problems or lost:
+            raise CheckpointError(f"cannot save {type(model).__name__} in the layout transformers' rules give it: "
+                                  f"{'; '.join(layout._problems[:3]) or f'no checkpoint tensor is made of {lost[:3]}'}")
+        return layout
+
+    def saved_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Checkpoint key -> shape and dtype, of every tensor a save writes."""
+        return {key: (tuple(t.shape), t.dtype) for key, t in self.index.tensors.items()}
+
+    def row_writable(self, name: str) -> bool:
+        """Whether rows of model tensor ``name`` map to rows (or whole pieces) of checkpoint tensors."""
+        recipe = self.recipes[name]
+        return recipe.mode != WHOLE and len(recipe.targets) == 1
+
+    def checkpoint_pieces(self, name: str, region: torch.Tensor, rows: tuple[int, int] | None
+                          ) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
+        """Model tensor ``name``'s rows ``[a, b)`` (``region``; all of it if ``rows`` is None) as what a save
+        writes: ``(checkpoint key, tensor, its rows or None for the whole checkpoint tensor)``.
+
+        The reverse of :meth:`read_rows`: transformers' reversed operations run on the region; for
+        per-expert keys, row ``i`` of the region is expert ``a + i``, written whole under its own key.
+        """
+        from transformers.core_model_loading import SplitModulelist, WeightRenaming
+
+        recipe = self.recipes[name]
+        if rows is None or not self.row_writable(name):
+            if rows is not None:
+                raise ValueError(f"'{name}' is saved by a rule that needs the whole tensor, not rows {rows}")
+            rows = (0, region.shape[0]) if region.dim() else None
+        if isinstance(recipe.transform, WeightRenaming):
+            (key,) = recipe.checkpoint_keys
+            return [(key, region, rows)]
+        forward = recipe.transform
+        backward = forward.reverse_transform()
+        # The reversed rule's targets are the forward rule's sources, in the same order.
+        source_of = dict(zip(backward.target_patterns, forward.source_patterns))
+        ops = list(backward.operations)
+        per_expert = recipe.mode == PER_EXPERT and ops and isinstance(ops[-1], SplitModulelist)
+        if per_expert:
+            ops = ops[:-1]  # split the experts here, so each gets its own checkpoint key (expert a + i)
+        collected: dict = {backward.source_patterns[0]: [region]}
+        shim = _ShapeOnlyModel(self.config, self.model_tensors, None if rows is None else rows[1] - rows[0])
+        for op in ops:
+            collected = op.convert(collected, source_patterns=backward.source_patterns,
+                                   target_patterns=backward.target_patterns, full_layer_name=name, model=shim,
+                                   config=self.config)
+        pieces = []
+        for pattern, value in collected.items():
+            value = value[0] if isinstance(value, list) else value
+            forward_pattern = source_of.get(pattern) or next(iter(recipe.sources))
+            keys = recipe.sources[forward_pattern]
+            if per_expert:
+                start = rows[0] if rows is not None else 0
+                pieces += [(keys[start + i], value[i], None) for i in range(value.shape[0])]
+            else:
+                (key,) = keys
+                pieces.append((key, value, rows))
+        return pieces
+
+
+class DeclaredTensors:
+    """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write."""
+
+    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]):
+        self.tensors = {k: types.SimpleNamespace(shape=tuple(shape), dtype=dtype) for k, (shape, dtype) in
+                        tensors.items()}
+        self.bytes_read, self.read_seconds = 0, 0.0
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.tensors
+
+    def close(self) -> None:
+        pass
 
 
 def problem_mentions(problem: str, name: str) -> bool:

@@ -164,23 +164,40 @@ def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, b
         # Every byte of the node's shards: read (or viewed) on the source, then sent or kept.
         progress = tqdm(total=sum(r.total for r in readers), unit="B", unit_scale=True,
                         desc="memory_efficient_init: reading and sending shards")
+    own = _copy_own_shards(mine, capture, ep_plan, bucket_bytes, progress) if is_source else iter(())
+
+    def copy_own(budget: int) -> None:
+        # The source copies its own shards while the receivers' buckets are on the wire.
+        done = 0
+        for copied in own:
+            done += copied
+            if done >= budget:
+                return
+
     transport.move_streams(transport_kind, readers, writer, topology, node_group, bucket_bytes, device, stats,
-                           progress)
-    if is_source:
-        with torch.no_grad():
-            for need, local in mine:
-                rows_done = 0
-                for chunk in capture.region_chunks(need, ep_plan, bucket_bytes):
-                    target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
-                    target.copy_(chunk.reshape(target.shape))
-                    rows_done += len(chunk) if chunk.dim() else 0
-                    if progress is not None:
-                        progress.update(chunk.numel() * chunk.element_size())
+                           progress, between_rounds=copy_own)
+    for _ in own:  # what is left of the source's own shards
+        pass
     if progress is not None:
         progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
         progress.close()
     if device.type != "cpu":
         torch.accelerator.synchronize()
+
+
+def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
+    """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
+    with torch.no_grad():
+        for need, local in mine:
+            rows_done = 0
+            for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
+                target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
+                target.copy_(chunk.reshape(target.shape))
+                rows_done += len(chunk) if chunk.dim() else 0
+                copied = chunk.numel() * chunk.element_size()
+                if progress is not None:
+                    progress.update(copied)
+                yield copied
 
 
 def _checksum(chunks) -> int:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 
@@ -80,12 +82,15 @@ def move_streams(
     device: torch.device,
     stats: TransferStats,
     progress=None,
+    between_rounds: Callable[[int], None] | None = None,
 ) -> None:
     """Move every local rank's stream from the node source to that rank, bucket by bucket.
 
     ``readers`` (source only) produce each local rank's bytes; ``writer`` puts
     the bytes this rank receives into its shards. The source's own stream is
-    not moved (it copies from its capture).
+    not moved (it copies from its capture): ``between_rounds(n)`` is called on
+    the source while a round of ``n`` bytes is on the wire, to do about that
+    much of its own copying meanwhile.
 
     * ``p2p``: for each bucket, the source posts one ``isend`` per receiver that
       still has bytes and each receiver one ``irecv``, paired and in order
@@ -98,9 +103,9 @@ def move_streams(
     if node_group is None or topology.local_world_size == 1:
         return
     if kind == "p2p":
-        _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress)
+        _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress, between_rounds)
     elif kind == "scatter":
-        _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress)
+        _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress, between_rounds)
     else:
         raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
 
@@ -111,12 +116,14 @@ def _stage(reader: StreamReader, size: int, device: torch.device) -> torch.Tenso
     return staged.to(device)
 
 
-def _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress) -> None:
+def _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress, between_rounds) -> None:
+    """Double-buffered: round k+1 is read (and the source's own shards copied) while round k is on the wire."""
     source = topology.source_rank
     node_ranks = topology.node_ranks[topology.node_index]
     if topology.is_source:
         plans = {rank: bucket_sizes(reader.total, bucket_bytes)
                  for rank, reader in zip(node_ranks, readers) if rank != source}
+        in_flight: list = []
         for k in range(max((len(p) for p in plans.values()), default=0)):
             ops, sent = [], 0
             for rank, sizes in plans.items():
@@ -124,25 +131,42 @@ def _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress) 
                     bucket = _stage(readers[node_ranks.index(rank)], sizes[k], device)
                     ops.append(dist.P2POp(dist.isend, bucket, rank))
                     sent += sizes[k]
-            for work in dist.batch_isend_irecv(ops):
+            for work in in_flight:  # the previous round is delivered: its buckets may be freed
                 work.wait()
+            in_flight = dist.batch_isend_irecv(ops)
             stats.bytes_sent += sent
             stats.buckets += len(ops)
             stats.collective_calls += 1
             if progress is not None:
                 progress.update(sent)
+            if between_rounds is not None:
+                between_rounds(sent)
+        for work in in_flight:
+            work.wait()
     else:
+        # The next bucket's receive is posted before this one is unpacked.
+        pending = None
         for size in bucket_sizes(writer.total, bucket_bytes):
             out = torch.empty(size, dtype=torch.uint8, device=device)
-            for work in dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, source)]):
-                work.wait()
-            writer.write(out)
-            stats.bytes_received += size
-            stats.buckets += 1
-            stats.collective_calls += 1
+            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, source)])
+            if pending is not None:
+                _unpack(pending, writer, stats)
+            pending = (works, out)
+        if pending is not None:
+            _unpack(pending, writer, stats)
 
 
-def _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress) -> None:
+def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> None:
+    works, out = pending
+    for work in works:
+        work.wait()
+    writer.write(out)
+    stats.bytes_received += out.numel()
+    stats.buckets += 1
+    stats.collective_calls += 1
+
+
+def _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress, between_rounds) -> None:
     source, is_source = topology.source_rank, topology.is_source
     total = max_over_node(writer.total, node_group)
     stats.collective_calls += 1
@@ -156,7 +180,10 @@ def _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, s
             stats.bytes_sent += size * (len(readers) - 1)
             if progress is not None:
                 progress.update(size * (len(readers) - 1))
-        dist.scatter(out, scatter_list=buckets, src=source, group=node_group)
+        work = dist.scatter(out, scatter_list=buckets, src=source, group=node_group, async_op=True)
+        if is_source and between_rounds is not None:
+            between_rounds(size * (len(readers) - 1))
+        work.wait()
         stats.buckets += 1
         stats.collective_calls += 1
         if not is_source:

@@ -1,0 +1,161 @@
+"""Safetensors files written by many processes at once, each writing only its own bytes.
+
+A safetensors file is a header (every tensor's dtype, shape and byte range)
+followed by the tensors' bytes. Everything in the header follows from names,
+shapes and dtypes, which every rank knows without a byte of weight: so every
+rank computes the same file plan, one rank creates the files (header, then
+the final size), and every rank writes the rows it owns at their offsets with
+``os.pwrite``. Rows of dim 0 of a tensor are one contiguous byte range, and an
+FSDP2 shard is rows of dim 0, so a rank's part of a tensor is one write.
+
+Nobody gathers anything: a rank sends and receives no tensor bytes, and holds
+at most the piece it is writing.
+
+Why not torch.distributed.checkpoint's ``HuggingFaceStorageWriter``: it writes
+each rank's shards into per-rank files, and its consolidation then reads them
+all back and assembles every whole tensor in one process's memory before
+writing the final files: twice the disk traffic, and a whole tensor (an
+embedding can be gigabytes) in memory. Writing the final files directly
+needs neither.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+
+import torch
+
+from twinkle_strategy.checkpoint.files import DTYPE_NAMES, INDEX_FILE
+
+
+@dataclasses.dataclass(frozen=True)
+class PlacedTensor:
+    key: str
+    file: str  # file name inside the checkpoint directory
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int  # absolute byte offset in the file
+
+    @property
+    def row_bytes(self) -> int:
+        if not self.shape or not self.shape[0]:
+            return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+
+@dataclasses.dataclass
+class FilePlan:
+    """Which tensor goes where; identical on every rank for the same tensors and limit."""
+
+    headers: dict[str, bytes]  # file name -> the bytes before the tensor data (length + JSON header)
+    sizes: dict[str, int]  # file name -> total size
+    tensors: dict[str, PlacedTensor]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def index(self) -> dict:
+        """The content of ``model.safetensors.index.json``, as transformers writes it."""
+        return {"metadata": {"total_size": sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors.values())},
+                "weight_map": {key: t.file for key, t in sorted(self.tensors.items())}}
+
+
+def plan_files(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], max_file_bytes: int,
+               prefix: str = "model") -> FilePlan:
+    """Assign ``tensors`` (key -> shape, dtype) to files of at most ``max_file_bytes`` (a bigger tensor gets a
+    file of its own), in transformers' key order, and lay out each file's header and data."""
+    from transformers.core_model_loading import dot_natural_key
+
+    groups: list[list[str]] = [[]]
+    size = 0
+    for key in sorted(tensors, key=dot_natural_key):
+        shape, dtype = tensors[key]
+        nbytes = math.prod(shape) * dtype.itemsize
+        if groups[-1] and size + nbytes > max_file_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(key)
+        size += nbytes
+    count = len(groups)
+    names = [f"{prefix}.safetensors"] if count == 1 else \
+        [f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+    headers, sizes, placed = {}, {}, {}
+    for name, keys in zip(names, groups):
+        header: dict = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for key in keys:
+            shape, dtype = tensors[key]
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[key] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # safetensors aligns the data section to 8 bytes
+        headers[name] = struct.pack("<Q", len(raw)) + raw
+        sizes[name] = len(headers[name]) + offset
+        for key in keys:
+            shape, dtype = tensors[key]
+            placed[key] = PlacedTensor(key, name, dtype, tuple(shape), len(headers[name]) + header[key]["data_offsets"][0])
+    return FilePlan(headers, sizes, placed)
+
+
+class ParallelFileWriter:
+    """Writes pieces of the planned tensors into the files of ``directory``; counts what it wrote."""
+
+    def __init__(self, directory: str, plan: FilePlan):
+        self.directory, self.plan = directory, plan
+        self._fds: dict[str, int] = {}
+        self.bytes_written = 0
+
+    def create_files(self) -> None:
+        """Write every header and give every file its final size (one rank, before anyone writes)."""
+        for name, header in self.plan.headers.items():
+            with open(os.path.join(self.directory, name), "wb") as f:
+                f.write(header)
+                f.truncate(self.plan.sizes[name])
+
+    def write(self, key: str, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
+        """Write ``tensor`` as rows ``[a, b)`` of dim 0 of tensor ``key`` (the whole tensor if None)."""
+        placed = self.plan.tensors[key]
+        if tensor.dtype != placed.dtype:
+            raise TypeError(f"'{key}' is planned as {placed.dtype}, got {tensor.dtype}")
+        expected = placed.shape if rows is None else (rows[1] - rows[0],) + placed.shape[1:]
+        if tuple(tensor.shape) != tuple(expected):
+            raise ValueError(f"'{key}' rows {rows}: expected shape {expected}, got {tuple(tensor.shape)}")
+        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
+        offset = placed.begin + (rows[0] * placed.row_bytes if rows else 0)
+        fd = self._fd(placed.file)
+        view, done = memoryview(data), 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+        self.bytes_written += len(view)
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
+        return self._fds[name]
+
+    def finish(self) -> None:
+        """Flush what this process wrote to stable storage (on a shared filesystem each writer must) and close."""
+        for fd in self._fds.values():
+            os.fsync(fd)
+            os.close(fd)
+        self._fds.clear()
+
+    def abort(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
+
+
+def write_index(directory: str, plan: FilePlan, prefix: str = "model") -> None:
+    """``model.safetensors.index.json`` next to several files (none for a single ``model.safetensors``)."""
+    if list(plan.headers) == [f"{prefix}.safetensors"]:
+        return
+    name = INDEX_FILE if prefix == "model" else f"{prefix}.safetensors.index.json"
+    with open(os.path.join(directory, name), "w") as f:
+        json.dump(plan.index(), f, indent=2)
