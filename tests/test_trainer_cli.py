@@ -56,7 +56,13 @@ def test_demo_cli_trains_and_saves(demo_run):
     for step in (4, STEPS):
         ckpt = run_dir / f"checkpoint-{step}"
         assert (ckpt / "adapter_model.safetensors").is_file() and (ckpt / "adapter_config.json").is_file()
-        assert (ckpt / "trainer_state.json").is_file() and len(list((ckpt / "trainer_state").iterdir())) == 4
+        state = ckpt / "trainer_state"
+        assert (ckpt / "trainer_state.json").is_file()
+        # Resume state by full tensor (any layout can read it), scheduler, one RNG file per rank.
+        for name in ("optimizer.json", "trainable.safetensors", "scheduler.pt"):
+            assert (state / name).is_file(), name
+        assert list(state.glob("optimizer*.safetensors"))
+        assert sorted(p.name for p in (state / "rng").iterdir()) == [f"rank{r}.pt" for r in range(4)]
     assert not list(run_dir.glob("*.tmp"))
     assert "memory_efficient_init:" in proc.stderr and "(source)" in proc.stderr  # the init log line
     assert f"last checkpoint: {run_dir.relative_to(work) / f'checkpoint-{STEPS}'}" in proc.stdout or \

@@ -162,6 +162,7 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     model = build_meta_model(model_class or model_class_for(config), config, dtype, **init_kwargs)
     layout = CheckpointLayout(SafetensorsIndex.from_directory(path), model, path)
     install_placeholders(model, layout)
+    model._weight_conversions = layout.rules  # as from_pretrained does: saving reverses the rules that matched
     keys = {t.key for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, CheckpointTensor)}
     raise_for_problems(path, layout.problems(sorted(keys)) + unexpected_problems(layout.unexpected_keys()))
     return model
@@ -173,3 +174,18 @@ def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
 
     return install_placeholders(build_meta_model(model_class or model_class_for(config), config, dtype,
                                                  **init_kwargs))
+
+
+def share_weight_conversions(model, topology, node_group) -> None:
+    """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective).
+
+    ``from_pretrained`` records the rules that matched in ``model._weight_conversions``, and saving
+    reverses them (the checkpoint is written back in its own key layout). Ranks that built the model
+    from the config alone learn them here, so that every rank plans the same files.
+    """
+    from twinkle_strategy.init import transport
+
+    rules = transport.broadcast_from_source(getattr(model, "_weight_conversions", None) if topology.is_source
+                                            else None, topology.source_rank, node_group)
+    if rules is not None:
+        model._weight_conversions = rules

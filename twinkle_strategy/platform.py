@@ -264,3 +264,38 @@ def current_device(device_type: str) -> torch.device:
 def peak_rss_bytes() -> int:
     """Peak resident host memory of this process so far (ru_maxrss is in KiB on Linux)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def reset_peak_rss() -> bool:
+    """Start measuring this process's peak resident memory afresh (Linux: ``/proc/self/clear_refs``).
+
+    Lets a phase (a checkpoint save) report its own peak, not the process's lifetime one. False
+    where the kernel does not support it; :func:`peak_rss_since_reset` then gives the lifetime peak.
+    """
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_since_reset() -> int:
+    """Peak resident memory since :func:`reset_peak_rss` (``VmHWM``), else since the process started."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return peak_rss_bytes()
+
+
+def rss_bytes() -> int:
+    """Resident memory now."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return peak_rss_bytes()

@@ -35,6 +35,7 @@ from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, mo
 from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
 from twinkle_strategy.loading import (
     init_kwargs,
+    share_weight_conversions,
     load_config,
     load_pretrained_strict,
     meta_skeleton,
@@ -211,6 +212,7 @@ class NativeFSDPStrategy:
         except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
             error = exc
         transport.raise_together(error, f"loading {path_or_id}")
+        share_weight_conversions(model, self.topology, self.node_group)
         return model
 
     def _open_on_source(self, path: str, config, dtype: torch.dtype, kwargs: dict) -> nn.Module:

@@ -329,6 +329,11 @@ def _load(orig, self):
     except Exception as exc:  # noqa: BLE001 - raised on every rank just below
         error = exc
     raise_together(error, f"loading {self.model_info.model_dir}")
+    if strategy.memory_efficient_init:
+        from twinkle_strategy.loading import share_weight_conversions
+
+        share_weight_conversions(result[0] if isinstance(result, tuple) else result, strategy.topology,
+                                 strategy.node_group)
     _STATE["loaded_checkpoint"] = not (strategy.memory_efficient_init and not strategy.topology.is_source)
     if strategy.is_main_process:
         where = ("each node's local rank 0 opened it, every rank built the model without weights "
@@ -357,6 +362,37 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
 
 # ------------------------------------------------------------------ 4. trainer
 STATE_DIR = "twinkle_state"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _optimizer_to_local(state_dict: dict) -> dict:
+    """swift's resume state, per rank: DTensor states become their local shards (same layout to resume)."""
+    return {
+        "state": {i: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                  for i, s in state_dict["state"].items()},
+        "param_groups": state_dict["param_groups"],
+    }
+
+
+def _optimizer_from_local(local: dict, optimizer) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, s in local["state"].items():
+        p = params[int(i)]
+        state[i] = {}
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.dim() > 0:
+                v = DTensor.from_local(v.to(_local(p).device), p.device_mesh, p.placements,
+                                       shape=p.shape, stride=p.stride())
+            state[i][k] = v
+    return {"state": state, "param_groups": local["param_groups"]}
 
 
 class TwinkleTrainerMixin:
@@ -398,8 +434,6 @@ class TwinkleTrainerMixin:
             self.push_to_hub(commit_message="Model save")
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        from twinkle_strategy.checkpoint import _local, _optimizer_to_local
-
         strategy = self.twinkle_strategy
         os.makedirs(os.path.join(output_dir, STATE_DIR), exist_ok=True)
         local = {
@@ -431,8 +465,6 @@ class TwinkleTrainerMixin:
         return local
 
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        from twinkle_strategy.checkpoint import _local
-
         local = self._twinkle_local_state(resume_from_checkpoint)
         if local is None:
             if self.args.tuner_type == "full":
@@ -454,8 +486,6 @@ class TwinkleTrainerMixin:
         if checkpoint is None or self.args.resume_only_model:
             return
         from transformers.trainer import SCHEDULER_NAME
-
-        from twinkle_strategy.checkpoint import _optimizer_from_local
 
         local = self._twinkle_local_state(checkpoint)
         if local is None:

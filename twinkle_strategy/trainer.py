@@ -157,14 +157,20 @@ class Trainer:
             path = args.resume_from_checkpoint
             if not os.path.basename(os.path.normpath(path)).startswith("checkpoint-"):
                 path = latest_checkpoint(path) or path
-            state = load_checkpoint(path, self.model, self.optimizer, self.scheduler, self._layout())
+            state = load_checkpoint(path, self.model, self.strategy, self.optimizer, self.scheduler,
+                                    {"global_batch": self._global_batch_size(), "peft": is_peft_model(self.model)})
             self.start_step = state["global_step"]
             self.log_history = state.get("log_history", [])
             if strategy.is_main_process:
                 logger.info("resumed from %s at step %d", path, self.start_step)
 
+    def _global_batch_size(self) -> int:
+        """Samples per optimizer step; with the seed it decides which samples each step sees."""
+        return self.global_batch * self.args.gradient_accumulation_steps
+
     def _layout(self) -> dict:
-        return {"world_size": self.world_size, "ep_size": self.strategy.ep_size}
+        return {"world_size": self.world_size, "ep_size": self.strategy.ep_size,
+                "nodes": self.strategy.topology.num_nodes, "global_batch": self._global_batch_size()}
 
     def _micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of optimizer step ``step``: a seeded permutation per epoch."""
@@ -284,8 +290,9 @@ class Trainer:
         path = os.path.join(self.run_dir, f"checkpoint-{global_step}")
         state = {"global_step": global_step, "max_steps": self.max_steps, "log_history": self.log_history,
                  "peft": is_peft_model(self.model), **self._layout()}
-        save_checkpoint(path, self.model, self.strategy, self.optimizer, self.scheduler, state,
-                        tokenizer=self.processing_class, save_optimizer=not self.args.save_only_model)
+        self.save_report = save_checkpoint(path, self.model, self.strategy, self.optimizer, self.scheduler, state,
+                                           tokenizer=self.processing_class,
+                                           save_optimizer=not self.args.save_only_model)
         if self.strategy.is_main_process:
             rotate_checkpoints(self.run_dir, self.args.save_total_limit)
             logger.info("saved %s", path)

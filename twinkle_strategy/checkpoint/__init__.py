@@ -1,17 +1,20 @@
 """Checkpoints in both directions.
 
-training.py  what a training run writes and resumes from (``checkpoint-{step}/``)
-files.py     safetensors files read by header and byte range, never whole
-layout.py    how a model's tensors are made from a hub checkpoint's tensors (transformers' conversion rules)
+training.py         what a training run writes and resumes from (``checkpoint-{step}/``), on any layout
+files.py            safetensors files read by header and byte range, never whole
+writer.py           safetensors files planned on every rank and written in parallel, each rank its own bytes
+layout.py           how a model's tensors are made from a hub checkpoint's tensors (transformers' conversion
+                    rules), and back
+sharded_io.py       each rank's rows of each tensor: written into the files, read back
+model_files.py      the model as a Hugging Face checkpoint, written in parallel
+optimizer_files.py  optimizer state and adapter weights by full tensor, for resuming on another layout
 """
 
 from twinkle_strategy.checkpoint.training import (  # noqa: F401
     STATE_FILE,
     CheckpointSaveError,
     ResumeError,
-    _local,
-    _optimizer_from_local,
-    _optimizer_to_local,
+    SaveReport,
     is_peft_model,
     latest_checkpoint,
     load_checkpoint,

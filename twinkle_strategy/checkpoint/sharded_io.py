@@ -87,42 +87,69 @@ class IOStats:
     seconds: float = 0.0
 
 
-def write_regions(regions: list[Region], layout: CheckpointLayout, writer: ParallelFileWriter, ep_plan, ep_group,
-                  chunk_bytes: int, stats: IOStats, key_of: Callable[[str], str] = lambda name: name) -> None:
-    """Write this rank's rows of every region (collective only for regions that must be gathered).
+class SameKeys:
+    """The trivial layout: a tensor is saved under its own name, in its own shape (optimizer state, adapters)."""
 
-    ``key_of`` maps a region's name to the model tensor name ``layout`` knows it by.
+    def row_writable(self, name: str) -> bool:
+        return True
+
+    def checkpoint_pieces(self, name, region, rows):
+        return [(name, region, rows)]
+
+
+def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, ep_plan, ep_group, chunk_bytes: int,
+                  stats: IOStats, key_of: Callable[[str], str] = lambda name: name,
+                  local_of: Callable[[Region], tuple[torch.Tensor, torch.Tensor]] | None = None
+                  ) -> BaseException | None:
+    """Write this rank's rows of every region; returns the first write error instead of raising.
+
+    Collective only for regions that must be gathered, and those gathers happen on every rank in the
+    same order even after a write failed here (disk full...), so no peer is left waiting: the caller
+    reports the error on every rank at its next fail-together check.
+    ``key_of`` maps a region's name to the name ``layout`` knows it by; ``local_of`` picks other
+    tensors with the region's layout (an optimizer state: its local rows, its DTensor).
     """
-    start = time.perf_counter()
+    start, written = time.perf_counter(), writer.bytes_written
     rank = dist.get_rank() if dist.is_initialized() else 0
+    error: BaseException | None = None
+
+    def write(name: str, tensor: torch.Tensor, rows) -> None:
+        nonlocal error
+        if error is not None:
+            return
+        try:
+            for key, piece, piece_rows in layout.checkpoint_pieces(name, tensor, rows):
+                writer.write(key, piece, piece_rows)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+            error = exc
+
     for region in regions:
         name = key_of(region.name)
+        local, value = local_of(region) if local_of is not None else (region.local, region.value)
         if region.rows is not None and layout.row_writable(name):
-            for lo, chunk in row_chunks(region.local, chunk_bytes):
-                rows = None
-                if region.local.dim():
-                    rows = (region.rows[0] + lo, region.rows[0] + lo + chunk.shape[0])
-                for key, piece, piece_rows in layout.checkpoint_pieces(name, chunk, rows):
-                    writer.write(key, piece, piece_rows)
+            for lo, chunk in row_chunks(local, chunk_bytes):
+                rows = (region.rows[0] + lo, region.rows[0] + lo + chunk.shape[0]) if local.dim() else None
+                write(name, chunk, rows)
             continue
         # Not a run of rows, or a rule that needs the whole tensor: gathered, written by rank 0.
         if region.need.is_buffer:
-            full = region.local
+            full = local
         else:
-            full = gather_full_tensor(region.name, region.value, ep_plan, ep_group)
-            stats.bytes_received += full.numel() * full.element_size() - region.local.numel() * \
-                region.local.element_size()
-            stats.gathered.append(region.name)
+            full = gather_full_tensor(region.name, value, ep_plan, ep_group)
+            stats.bytes_received += full.numel() * full.element_size() - local.numel() * local.element_size()
+            stats.gathered.append(name)
         if rank == 0:
-            for key, piece, piece_rows in layout.checkpoint_pieces(name, full, None):
-                writer.write(key, piece, piece_rows)
-    stats.bytes_written += writer.bytes_written
+            write(name, full, None)
+    stats.bytes_written += writer.bytes_written - written
     stats.seconds += time.perf_counter() - start
+    return error
 
 
 def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], ep_plan,
                  stats: IOStats, targets: dict[str, torch.Tensor] | None = None) -> None:
-    """Fill every region's local rows (or ``targets[name]``) from ``read(name, rows)`` of the full tensor."""
+    """Fill every region's local rows (or ``targets[name]``) from ``read(name, rows)`` of the full tensor.
+
+    (Bytes read are counted by the reader: its files know what they read.)"""
     start = time.perf_counter()
     with torch.no_grad():
         for region in regions:
@@ -133,6 +160,5 @@ def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | N
                 from twinkle_strategy.init.plan import region_of
 
                 value = region_of(read(region.name, None), region.need, ep_plan)
-            stats.bytes_read += value.numel() * value.element_size()
             target.copy_(value.reshape(target.shape))
     stats.seconds += time.perf_counter() - start

@@ -1,12 +1,19 @@
-"""Checkpoints: what users load (adapter or full safetensors) and what resume needs (per-rank state).
+"""``checkpoint-{step}/``: what users load, and what resume needs on any layout of nodes, ranks and ep_size.
 
-Layout of ``checkpoint-{step}/`` (like ms-swift / transformers):
+Layout (like ms-swift / transformers):
 
+* Full runs: the model as a Hugging Face checkpoint (``model*.safetensors``,
+  ``model.safetensors.index.json``, ``config.json``) in the key layout of the
+  checkpoint the run started from; plain ``from_pretrained`` loads it. Every
+  rank writes its own rows into the files (no gather: see
+  :mod:`twinkle_strategy.checkpoint.model_files`).
 * LoRA runs: ``adapter_model.safetensors`` + ``adapter_config.json`` with the
   full adapter (all experts), loadable by plain PEFT on one process.
-* Full runs: ``model.safetensors`` + ``config.json``, loadable by ``from_pretrained``.
-* ``trainer_state/rank{R}.pt``: this rank's trainable shards, optimizer state,
-  scheduler and RNG state; ``trainer_state.json`` written last.
+* ``trainer_state/``: optimizer state by full tensor (``optimizer*.safetensors``,
+  ``optimizer.json``), the trainable weights of adapter runs
+  (``trainable*.safetensors``), ``scheduler.pt`` and each rank's RNG state
+  (``rng/rank{R}.pt``): everything resume needs, readable by any layout.
+* ``trainer_state.json``, written last.
 
 Every checkpoint is written to ``checkpoint-{step}.tmp`` and renamed once all
 ranks have finished, so a crash mid-save never leaves a directory that resume
@@ -15,26 +22,47 @@ would take for a checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
+import logging
 import os
 import random
 import re
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
+from twinkle_strategy.checkpoint.model_files import (
+    DEFAULT_MAX_FILE_BYTES,
+    create_model_files,
+    plan_model_files,
+    read_model_files,
+    write_model_files,
+)
+from twinkle_strategy.checkpoint.optimizer_files import (
+    OptimizerFiles,
+    TrainableFiles,
+    read_optimizer_files,
+    read_trainable_files,
+)
+from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.fail_together import RanksFailedError, raise_together
+from twinkle_strategy.platform import peak_rss_since_reset, reset_peak_rss, rss_bytes
+
+logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
+STATE_DIR = "trainer_state"
+CHUNK_BYTES = 32 * 2**20  # rows written (or read) at a time: what a save holds beyond the model's own shards
 
 
 class ResumeError(TwinkleError):
-    """A checkpoint that cannot be resumed from (incomplete, or saved with another parallel layout)."""
+    """A checkpoint that cannot be resumed from (incomplete, or incompatible with this run)."""
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -49,10 +77,6 @@ def trainable_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
@@ -61,9 +85,30 @@ class CheckpointSaveError(RanksFailedError):
     """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
 
 
+@dataclasses.dataclass
+class SaveReport:
+    """What one rank did while saving a checkpoint."""
+
+    rank: int
+    seconds: float
+    bytes_written: int  # into the checkpoint's files, by this rank
+    bytes_received: int  # tensor bytes gathered from other ranks (adapters; tensors not laid out in rows)
+    shard_bytes: int  # parameter bytes this rank keeps
+    rss_before_bytes: int
+    peak_rss_bytes: int  # during the save
+    gathered: list[str] = dataclasses.field(default_factory=list)
+
+    def log_line(self) -> str:
+        mib = 2**20
+        return (f"saved checkpoint in {self.seconds:.2f}s: rank {self.rank} wrote {self.bytes_written / mib:.1f} MiB "
+                f"of its {self.shard_bytes / mib:.1f} MiB shard, received {self.bytes_received / mib:.1f} MiB, "
+                f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB "
+                f"(+{(self.peak_rss_bytes - self.rss_before_bytes) / mib:.0f} MiB during the save)")
+
+
 def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_state: dict, tokenizer=None,
-                    save_optimizer: bool = True) -> str:
-    """Write ``path`` atomically (collective: every rank calls it).
+                    save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> SaveReport:
+    """Write ``path`` atomically (collective: every rank calls it); returns this rank's :class:`SaveReport`.
 
     Each step ends with a fail-together check instead of a plain barrier: if
     any rank cannot write (disk full, permissions), every rank raises the same
@@ -71,118 +116,140 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
     mid-save leaves only ``.tmp``, which resume ignores.
     """
     tmp = path + ".tmp"
+    state_dir = os.path.join(tmp, STATE_DIR)
     step = os.path.basename(path)
+    rank = _rank()
+    reset_peak_rss()
+    rss_before, start = rss_bytes(), time.perf_counter()
+    stats = IOStats()
+    ep_plan, ep_group = strategy.ep_plan, strategy.meshes.ep_group
 
     def step_done(error: BaseException | None, what: str) -> None:
         try:
             raise_together(error, f"saving {step} ({what})")
         except RanksFailedError as exc:
-            if _rank() == 0:
+            if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise CheckpointSaveError(f"{exc}; previous checkpoints are untouched", exc.failures) from error
 
-    error = None
-    if _rank() == 0:
+    def on_rank0(action) -> BaseException | None:
+        if rank != 0:
+            return None
         try:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(os.path.join(tmp, "trainer_state"))
-        except OSError as exc:
-            error = exc
-    step_done(error, "creating the directory")
+            action()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by step_done
+            return exc
+        return None
+
+    def make_directories():
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(os.path.join(state_dir, "rng"))
+
+    step_done(on_rank0(make_directories), "creating the directory")
     peft = is_peft_model(model)
-    keys = trainable_names(model) if peft else None
-    # Collective gather; only rank 0 keeps the tensors.
-    state = strategy.full_state_dict(model, rank0_only=True, keys=keys)
+    if peft:
+        # The adapter is small: gathered on rank 0 and saved by PEFT, as plain PEFT loads it (all experts).
+        state = strategy.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
+        stats.bytes_received += sum(t.numel() * t.element_size() for t in state.values())
+        step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
+        del state
+    else:
+        layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes)
+        step_done(on_rank0(lambda: create_model_files(tmp, plan)), "model weights")
+        step_done(write_model_files(tmp, layout, plan, regions, ep_plan, ep_group, CHUNK_BYTES, stats),
+                  "model weights")
+    # What resume needs, by full tensor so that any layout can read it back.
+    parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if peft else []
+    if optimizer is not None and save_optimizer:
+        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes))
+    step_done(on_rank0(lambda: [part.create(state_dir) for part in parts]), "trainer state")
     error = None
-    if _rank() == 0:
-        try:
-            if peft:
-                model.save_pretrained(tmp, state_dict=state)
-            else:
-                model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(tmp)
-        except Exception as exc:  # noqa: BLE001 - reported on every rank
-            error = exc
-    del state
-    step_done(error, "model weights")
-    error = None
+    for part in parts:
+        error = part.write(state_dir, ep_group, CHUNK_BYTES, stats) or error
+
+    def small_files():
+        if not peft:
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model
+            base.config.save_pretrained(tmp)
+            if getattr(base, "generation_config", None) is not None and base.can_generate():
+                base.generation_config.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), os.path.join(state_dir, "scheduler.pt"))
+
+    error = error or on_rank0(small_files)
     try:
-        local = {
-            "params": {n: _local(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad},
-            "scheduler": scheduler.state_dict() if scheduler is not None else None,
-            "optimizer": _optimizer_to_local(optimizer.state_dict()) if (optimizer is not None and save_optimizer)
-            else None,
-            "rng": {"torch": torch.get_rng_state(), "python": random.getstate()},
-        }
-        torch.save(local, os.path.join(tmp, "trainer_state", f"rank{_rank()}.pt"))
-    except Exception as exc:  # noqa: BLE001
-        error = exc
+        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+                   os.path.join(state_dir, "rng", f"rank{rank}.pt"))
+    except Exception as exc:  # noqa: BLE001 - reported on every rank
+        error = error or exc
     step_done(error, "trainer state")
-    error = None
-    if _rank() == 0:
-        try:
-            with open(os.path.join(tmp, STATE_FILE), "w") as f:
-                json.dump(trainer_state, f, indent=2)
-            # The rename is the commit point: before it, resume never sees this checkpoint.
-            shutil.rmtree(path, ignore_errors=True)
-            os.rename(tmp, path)
-        except Exception as exc:  # noqa: BLE001
-            error = exc
-    step_done(error, "finalising")
-    return path
+
+    def commit():
+        with open(os.path.join(tmp, STATE_FILE), "w") as f:
+            json.dump(trainer_state, f, indent=2)
+        # The rename is the commit point: before it, resume never sees this checkpoint.
+        shutil.rmtree(path, ignore_errors=True)
+        os.rename(tmp, path)
+
+    step_done(on_rank0(commit), "finalising")
+    shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
+                for p in model.parameters())
+    report = SaveReport(rank=rank, seconds=time.perf_counter() - start, bytes_written=stats.bytes_written,
+                        bytes_received=stats.bytes_received, shard_bytes=shard, rss_before_bytes=rss_before,
+                        peak_rss_bytes=peak_rss_since_reset(), gathered=stats.gathered)
+    if rank == 0:
+        logger.info(report.log_line())
+    return report
 
 
-def _optimizer_to_local(state_dict: dict) -> dict:
-    # DTensor states become their local shards; resume rebuilds them from the parameters' placements.
-    return {
-        "state": {i: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                  for i, s in state_dict["state"].items()},
-        "param_groups": state_dict["param_groups"],
-    }
+def load_checkpoint(path: str, model, strategy, optimizer, scheduler, expect: dict) -> dict:
+    """Restore ``model``'s shards, the optimizer, scheduler and RNG from ``path``; return the trainer state.
 
-
-def _optimizer_from_local(local: dict, optimizer) -> dict:
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {}
-    for i, s in local["state"].items():
-        p = params[int(i)]
-        state[i] = {}
-        for k, v in s.items():
-            if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.dim() > 0:
-                v = DTensor.from_local(v.to(_local(p).device), p.device_mesh, p.placements,
-                                       shape=p.shape, stride=p.stride())
-            state[i][k] = v
-    return {"state": state, "param_groups": local["param_groups"]}
-
-
-def load_checkpoint(path: str, model, optimizer, scheduler, expect: dict) -> dict:
-    """Restore this rank's shards, optimizer, scheduler and RNG from ``path``; return the trainer state."""
+    Works for any layout of nodes, ranks and ep_size: each rank reads the rows of its own shards.
+    ``expect`` lists what must match (e.g. the global batch, so each step sees the same samples).
+    """
     state_path = os.path.join(path, STATE_FILE)
     if not os.path.isfile(state_path):
         raise ResumeError(f"{path} is not a complete checkpoint (no {STATE_FILE}); pick another checkpoint-* "
                           "directory")
     with open(state_path) as f:
         trainer_state = json.load(f)
+    state_dir = os.path.join(path, STATE_DIR)
+    if not os.path.isfile(os.path.join(state_dir, "optimizer.json")) and optimizer is not None:
+        raise ResumeError(f"{path} has no optimizer state ({STATE_DIR}/optimizer.json): it was saved with "
+                          "save_only_model, or by an older version; start a new run from its weights instead")
     for key, value in expect.items():
         if trainer_state.get(key) != value:
             raise ResumeError(f"checkpoint {path} was saved with {key}={trainer_state.get(key)}, this run has "
-                              f"{key}={value}; resume with the same parallel layout")
-    rank_file = os.path.join(path, "trainer_state", f"rank{_rank()}.pt")
-    local = torch.load(rank_file, map_location="cpu", weights_only=False)
-    params = dict(model.named_parameters())
-    with torch.no_grad():
-        for name, tensor in local["params"].items():
-            if name not in params:
-                raise ResumeError(f"checkpoint {path} has parameter '{name}' that this model does not have")
-            _local(params[name]).copy_(tensor)
-    if optimizer is not None and local["optimizer"] is not None:
-        optimizer.load_state_dict(_optimizer_from_local(local["optimizer"], optimizer))
-    if scheduler is not None and local["scheduler"] is not None:
-        scheduler.load_state_dict(local["scheduler"])
-    torch.set_rng_state(local["rng"]["torch"])
-    random.setstate(local["rng"]["python"])
+                              f"{key}={value}. {_EXPECT_HINTS.get(key, '')}".strip())
+    stats = IOStats()
+    if is_peft_model(model):
+        read_trainable_files(state_dir, model, strategy.ep_plan, stats)
+    else:
+        read_model_files(path, model, strategy.ep_plan, stats)
+    if optimizer is not None:
+        read_optimizer_files(state_dir, model, optimizer, strategy.ep_plan, stats)
+    if scheduler is not None and os.path.isfile(os.path.join(state_dir, "scheduler.pt")):
+        scheduler.load_state_dict(torch.load(os.path.join(state_dir, "scheduler.pt"), weights_only=False))
+    rng_file = os.path.join(state_dir, "rng", f"rank{_rank()}.pt")
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if os.path.isfile(rng_file):
+        rng = torch.load(rng_file, weights_only=False)
+        if rng.get("world_size") == world:  # on another layout, rank R's random stream is not rank R's any more
+            torch.set_rng_state(rng["torch"])
+            random.setstate(rng["python"])
     return trainer_state
+
+
+_EXPECT_HINTS = {
+    "global_batch": ("The samples of each step depend on the global batch (per_device_train_batch_size x "
+                     "gradient_accumulation_steps x data-parallel ranks): keep it, e.g. double "
+                     "per_device_train_batch_size on half the ranks."),
+    "peft": "Resume a LoRA run with the same LoRA configuration, and a full run without one.",
+}
 
 
 def latest_checkpoint(run_dir: str) -> str | None:

@@ -1,0 +1,73 @@
+"""A model's weights as a Hugging Face checkpoint: written by every rank in parallel, read back per rank.
+
+The files are what ``save_pretrained`` would write for the model, in the key
+layout of the checkpoint it was loaded from (per-expert hub keys, renames,
+by transformers' rules reversed): plain ``from_pretrained``, PEFT and
+inference engines read them. No rank gathers the model: each writes the rows
+it keeps (:mod:`twinkle_strategy.checkpoint.sharded_io`).
+"""
+
+from __future__ import annotations
+
+import os
+
+from torch import nn
+
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.sharded_io import IOStats, read_regions, regions_of, write_regions
+from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+
+DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # transformers' default max_shard_size
+
+
+def _model_tensors(regions) -> dict:
+    return {r.name: (r.full_shape, r.need.dtype) for r in regions}
+
+
+def plan_model_files(model: nn.Module, ep_plan, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+                     ) -> tuple[CheckpointLayout, FilePlan, list]:
+    """The save layout and file plan of ``model`` (the same on every rank: names, shapes and dtypes only)."""
+    regions = regions_of(model, ep_plan)
+    layout = CheckpointLayout.for_saving(model, _model_tensors(regions))
+    return layout, plan_files(layout.saved_tensors(), max_file_bytes), regions
+
+
+def create_model_files(directory: str, plan: FilePlan) -> None:
+    """Headers and final sizes of every file (one rank, before any rank writes)."""
+    ParallelFileWriter(directory, plan).create_files()
+    write_index(directory, plan)
+
+
+def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, regions, ep_plan, ep_group,
+                      chunk_bytes: int, stats: IOStats) -> BaseException | None:
+    """This rank's rows of every tensor, into the files :func:`create_model_files` made (collective)."""
+    writer = ParallelFileWriter(directory, plan)
+    error = write_regions(regions, layout, writer, ep_plan, ep_group, chunk_bytes, stats)
+    try:
+        writer.finish()
+    except OSError as exc:
+        error = error or exc
+    return error
+
+
+def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
+    """Fill this rank's shards of ``model`` from the Hugging Face checkpoint in ``directory`` (its own rows only).
+
+    Any layout of nodes, ranks and ep_size can read what any other wrote.
+    """
+    regions = regions_of(model, ep_plan)
+    layout = CheckpointLayout(SafetensorsIndex.from_directory(directory), model, directory,
+                              model_tensors=_model_tensors(regions))
+    from twinkle_strategy.checkpoint.layout import raise_for_problems
+
+    raise_for_problems(directory, layout.problems([r.name for r in regions]))
+    try:
+        read_regions(regions, layout.read_rows, ep_plan, stats)
+        stats.bytes_read += layout.bytes_read
+    finally:
+        layout.close()
+
+
+def is_model_directory(directory: str) -> bool:
+    return os.path.isfile(os.path.join(directory, "config.json"))

@@ -1,0 +1,176 @@
+"""Optimizer state (and trainable weights of adapter runs) saved by full tensor, so any layout can resume it.
+
+Each state tensor (AdamW's ``exp_avg``, ``exp_avg_sq``) is laid out like its
+parameter. It is saved under ``"{parameter}:{state}"`` in the parameter's full,
+pre-EP shape, every rank writing its own rows into shared safetensors files;
+scalars (``step``) and the hyper-parameters of each parameter group go to a
+small JSON file. Resuming with other nodes, ranks or ep_size then only reads,
+on each rank, the rows its new shards cover.
+
+Why not torch.distributed.checkpoint (``get_state_dict`` + ``dcp.save``): DCP
+identifies a shard by the parameter's name and its DTensor's global offsets,
+and with expert parallelism every EP rank's experts are a DTensor of the same
+name and global shape ``[E/ep, ...]`` starting at offset 0: the EP ranks'
+states would overwrite one another. Saving in full-tensor coordinates, as
+the init plans them, needs no such mapping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
+from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+
+OPTIMIZER_PREFIX = "optimizer"
+TRAINABLE_PREFIX = "trainable"
+SCALARS_FILE = "optimizer.json"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+class OptimizerFiles:
+    """What a save of ``optimizer``'s state writes, planned the same way on every rank."""
+
+    def __init__(self, model: nn.Module, optimizer, ep_plan, max_file_bytes: int):
+        self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
+        params = dict(model.named_parameters())
+        name_of = {id(p): n for n, p in params.items()}
+        self.regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
+        # Every rank steps the same parameters, so every rank has the same state keys.
+        self.tensor_keys: dict[str, list[str]] = {}  # parameter -> its state tensors (laid out like it)
+        self.scalars: dict[str, dict[str, float]] = {}
+        for param, state in optimizer.state.items():
+            name = name_of[id(param)]
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
+                    self.tensor_keys.setdefault(name, []).append(key)
+                else:
+                    self.scalars.setdefault(name, {})[key] = float(value)
+        tensors = {f"{name}:{key}": (self.regions[name].full_shape, self._state(name, key).dtype)
+                   for name, keys in self.tensor_keys.items() for key in keys}
+        self.plan: FilePlan = plan_files(tensors, max_file_bytes, prefix=OPTIMIZER_PREFIX)
+
+    def _state(self, name: str, key: str) -> torch.Tensor:
+        return self.optimizer.state[dict(self.model.named_parameters())[name]][key]
+
+    def create(self, directory: str) -> None:
+        """Headers, sizes, index and the JSON of scalars and hyper-parameters (one rank)."""
+        ParallelFileWriter(directory, self.plan).create_files()
+        write_index(directory, self.plan, prefix=OPTIMIZER_PREFIX)
+        names = {id(p): n for n, p in self.model.named_parameters()}
+        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+                  for group in self.optimizer.param_groups]
+        with open(os.path.join(directory, SCALARS_FILE), "w") as f:
+            json.dump({"param_groups": groups, "scalars": self.scalars}, f, indent=1, default=str)
+
+    def write(self, directory: str, ep_group, chunk_bytes: int, stats: IOStats) -> BaseException | None:
+        """This rank's rows of every state tensor (collective)."""
+        writer = ParallelFileWriter(directory, self.plan)
+        error = None
+        for name, keys in sorted(self.tensor_keys.items()):
+            for key in keys:
+                state = self._state(name, key)
+                error = error or write_regions(
+                    [self.regions[name]], SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats,
+                    key_of=lambda n, key=key: f"{n}:{key}", local_of=lambda r, state=state: (_local(state), state))
+        try:
+            writer.finish()
+        except OSError as exc:
+            error = error or exc
+        return error
+
+
+def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, stats: IOStats) -> None:
+    """Give ``optimizer`` the saved state, each rank reading the rows of its own (possibly new) shards."""
+    from twinkle_strategy.checkpoint.training import ResumeError
+
+    with open(os.path.join(directory, SCALARS_FILE)) as f:
+        saved = json.load(f)
+    params = dict(model.named_parameters())
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ResumeError(f"{directory}: the optimizer was saved with {len(saved['param_groups'])} parameter "
+                          f"groups, this one has {len(optimizer.param_groups)}")
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+        missing = sorted(set(saved_group["params"]) - set(params))
+        if missing:
+            raise ResumeError(f"{directory}: optimizer state of parameter '{missing[0]}', which this model does "
+                              "not have; resume with the model the checkpoint was trained from")
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    files = _files(directory)
+    index = SafetensorsIndex(files) if files else None
+    regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
+    tensor_keys: dict[str, list[str]] = {}
+    for key in (index.tensors if index is not None else {}):
+        name, _, state = key.rpartition(":")
+        tensor_keys.setdefault(name, []).append(state)
+    try:
+        for name in sorted(set(tensor_keys) | set(saved["scalars"])):
+            param = params[name]
+            state = {k: torch.tensor(v) for k, v in saved["scalars"].get(name, {}).items()}
+            for key in tensor_keys.get(name, []):
+                local = torch.empty_like(_local(param))
+                read_regions([regions[name]], lambda n, rows, key=key: index.read(f"{n}:{key}", rows), ep_plan,
+                             stats, targets={name: local})
+                state[key] = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                                stride=param.stride()) if isinstance(param, DTensor) else local
+            optimizer.state[param] = state
+    finally:
+        if index is not None:
+            stats.bytes_read += index.bytes_read
+            index.close()
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                  if f.startswith(OPTIMIZER_PREFIX) and f.endswith(".safetensors"))
+
+
+class TrainableFiles:
+    """The trainable weights of an adapter run (LoRA), by full tensor: what resume reads back on any layout."""
+
+    def __init__(self, model: nn.Module, ep_plan, max_file_bytes: int):
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        self.regions = regions_of(model, ep_plan, names=names)
+        self.ep_plan = ep_plan
+        self.plan = plan_files({r.name: (r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
+                               prefix=TRAINABLE_PREFIX)
+
+    def create(self, directory: str) -> None:
+        ParallelFileWriter(directory, self.plan).create_files()
+        write_index(directory, self.plan, prefix=TRAINABLE_PREFIX)
+
+    def write(self, directory: str, ep_group, chunk_bytes: int, stats: IOStats) -> BaseException | None:
+        writer = ParallelFileWriter(directory, self.plan)
+        error = write_regions(self.regions, SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats)
+        try:
+            writer.finish()
+        except OSError as exc:
+            error = error or exc
+        return error
+
+
+def read_trainable_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
+    from twinkle_strategy.checkpoint.training import ResumeError
+
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                   if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
+    index = SafetensorsIndex(files)
+    try:
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        missing = sorted(names - set(index.tensors))
+        if missing:
+            raise ResumeError(f"{directory} has no saved weights for trainable parameter '{missing[0]}' (nor "
+                              f"{len(missing) - 1} others); resume with the adapter configuration it was saved with")
+        read_regions(regions_of(model, ep_plan, names=names), index.read, ep_plan, stats)
+        stats.bytes_read += index.bytes_read
+    finally:
+        index.close()
