@@ -18,6 +18,18 @@ A problem is one line naming the key and flag, exit status 2, nothing written.
 A multi-process run writes every rank's output to <run dir>/logs/rank<R>.log and
 shows the first rank here; if it fails, it ends with one summary: each distinct
 error once with the ranks that raised it, and the first failing rank's traceback.
+
+Data: JSONL rows with 'messages', or 'query' and 'response'. As with swift's default
+--strict false, a row that cannot become an example (not JSON, no assistant turn,
+nothing left after truncation to --max_length) is skipped, with one warning naming
+the lines; --strict true stops at the first. --dataset a.jsonl b.jsonl#1000 is all of
+a.jsonl and 1000 examples of b.jsonl (swift's #N: whole copies of the file while N
+exceeds it, then a random subset seeded with --seed).
+
+Models: a local directory, hf://org/name (huggingface_hub; HF_HUB_OFFLINE=1 uses
+only the cache under HF_HOME) or ms://org/name (modelscope; a snapshot already under
+MODELSCOPE_CACHE is used without network access). With --memory_efficient_init true
+only each node's local rank 0 resolves and reads it.
 """
 
 from __future__ import annotations
