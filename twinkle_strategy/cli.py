@@ -117,19 +117,19 @@ def flag_for(key: str) -> str | None:
     return next((f"--{flag}" for flag, (k, _) in SWIFT_FLAGS.items() if k == key), None)
 
 
-def _launch_command(argv: list[str], recipe: Recipe) -> list[str] | None:
-    """torchrun command to re-launch under, or None to train in this process."""
+def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
+    """Re-launch under torchrun like swift (NPROC_PER_NODE, NNODES, ...); None to train in this process."""
     env = os.environ
-    if "LOCAL_RANK" in env:  # already a torchrun worker
-        return None
     nproc = int(env.get("NPROC_PER_NODE", recipe.launch.nproc_per_node))
     nnodes = int(env.get("NNODES", recipe.launch.nnodes))
     if nproc * nnodes == 1:
         return None
+    node_rank = int(env.get("NODE_RANK", "0"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", str(nnodes),
-           "--node_rank", env.get("NODE_RANK", "0"), "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
-           "--master_port", env.get("MASTER_PORT", "29500")]
-    return cmd + ["-m", "twinkle_strategy.cli", *argv]
+           "--node_rank", str(node_rank), "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
+           "--master_port", env.get("MASTER_PORT", "29500"), "-m", "twinkle_strategy.cli", *argv]
+    ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
+    return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,10 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
     if recipe.launch.simulated_nodes and recipe.launch.nnodes > 1:
         return _launch_simulated_nodes(argv, recipe)
-    cmd = _launch_command(argv, recipe)
-    if cmd is not None:
-        return _launch_torchrun(cmd, recipe)
-    run_recipe(recipe)
+    code = _launch_torchrun(argv, recipe)
+    if code is not None:
+        return code
+    run_recipe(recipe)  # one process: train here
     return 0
 
 
@@ -177,13 +177,6 @@ def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
                 for node in range(nnodes)]
     return _run_logged(commands, recipe, list(range(nnodes * nproc)), list(range(nnodes)),
                        f"{nnodes} simulated nodes x {nproc} ranks on this machine")
-
-
-def _launch_torchrun(cmd: list[str], recipe: Recipe) -> int:
-    nproc = int(cmd[cmd.index("--nproc_per_node") + 1])
-    node_rank = int(cmd[cmd.index("--node_rank") + 1])
-    ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
-    return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node")
 
 
 def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str) -> int:
