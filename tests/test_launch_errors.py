@@ -75,9 +75,9 @@ def _cases(tmp: Path) -> list[tuple[list[str], str]]:
         ([f"data.dataset={bad20}", "data.strict=true"], f"{bad20}:4: not valid JSON"),
         ([f"model.path={tmp}/nope"], f"model.path (--model): '{tmp}/nope' does not exist or is not a directory"),
         ([f"model.path={tmp}/no_config"], "has no config.json, so it is not a transformers checkpoint directory"),
-        ([f"model.path={tmp}/no_weights"], "has no *.safetensors weight files"),
-        ([f"model.path={tmp}/lost_shard"],
-         "lacks 1 of the 2 weight files its model.safetensors.index.json lists (e.g. model-00002-of-00002"),
+        ([f"model.path={tmp}/no_weights"], "has no safetensors weights (model.safetensors or model.safetensors"),
+        ([f"model.path={tmp}/lost_shard"], "model.safetensors.index.json lists 'model-00002-of-00002.safetensors', "
+                                           "which does not exist"),
         (["model.path=hf://twinkle/not-cached"], "model.path (--model): hf://twinkle/not-cached is not in the "
                                                  "Hugging Face cache"),
         ([f"train.output_dir={DATASET}/out"], f"train.output_dir (--output_dir): '{DATASET}/out' cannot be "
