@@ -7,8 +7,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from multinode import REPO
 
 DEMO = str(REPO / "yaml" / "demo.yaml")

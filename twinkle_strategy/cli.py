@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 
 from twinkle_strategy.errors import TwinkleError
