@@ -143,7 +143,7 @@ def test_swift_style_flags_map_to_recipe_keys():
                     "--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2",
                     "--output_dir", "o", "--max_steps", "7", "--resume_from_checkpoint", "ck"])
     assert (recipe.model.path, recipe.data.dataset, recipe.tuner.type, recipe.tuner.lora_rank) == \
-        ("/m", "d.jsonl", "full", 4)
+        ("/m", ["d.jsonl"], "full", 4)
     assert recipe.tuner.target_modules == ["q_proj", "v_proj"] and recipe.strategy.memory_efficient_init is True
     assert (recipe.train.num_train_epochs, recipe.train.learning_rate, recipe.train.per_device_train_batch_size,
             recipe.train.gradient_accumulation_steps, recipe.train.output_dir, recipe.train.max_steps,

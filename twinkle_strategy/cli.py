@@ -8,8 +8,28 @@
 Flags keep the names of ``swift sft``; each maps to one recipe key (see
 ``--help``), and ``key=value`` overrides any recipe key. Like swift, when
 NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several
-nodes) are set, the command re-launches itself under torchrun. Everything is
-validated before any process or process group is started.
+nodes) are set, the command re-launches itself under torchrun.
+
+Before any process or process group starts, the recipe is validated and its paths
+are checked on this machine: the dataset files and their first rows, the model
+directory (or an hf:// / ms:// id already in the local cache), the output directory.
+A problem is one line naming the key and flag, exit status 2, nothing written.
+
+A multi-process run writes every rank's output to <run dir>/logs/rank<R>.log and
+shows the first rank here; if it fails, it ends with one summary: each distinct
+error once with the ranks that raised it, and the first failing rank's traceback.
+
+Data: JSONL rows with 'messages', or 'query' and 'response'. As with swift's default
+--strict false, a row that cannot become an example (not JSON, no assistant turn,
+nothing left after truncation to --max_length) is skipped, with one warning naming
+the lines; --strict true stops at the first. --dataset a.jsonl b.jsonl#1000 is all of
+a.jsonl and 1000 examples of b.jsonl (swift's #N: whole copies of the file while N
+exceeds it, then a random subset seeded with --seed).
+
+Models: a local directory, hf://org/name (huggingface_hub; HF_HUB_OFFLINE=1 uses
+only the cache under HF_HOME) or ms://org/name (modelscope; a snapshot already under
+MODELSCOPE_CACHE is used without network access). With --memory_efficient_init true
+only each node's local rank 0 resolves and reads it.
 """
 
 from __future__ import annotations
@@ -17,7 +37,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import subprocess
 import sys
 
 from twinkle_strategy.errors import TwinkleError
@@ -28,7 +47,8 @@ from twinkle_strategy.trainer import TrainingArguments
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "model": ("model.path", "model dir, ms://org/name, hf://org/name or tiny://demo"),
     "torch_dtype": ("model.dtype", "float32 | bfloat16 | float16"),
-    "dataset": ("data.dataset", "JSONL file ('messages' or 'query'/'response' rows)"),
+    "dataset": ("data.dataset", "JSONL file(s) ('messages' or 'query'/'response' rows); FILE#N uses N examples"),
+    "strict": ("data.strict", "true: stop at the first bad row; false (default): skip bad rows with a warning"),
     "max_length": ("data.max_length", "truncate examples to this many tokens"),
     "packing": ("data.packing", "pack examples into max_length sequences (true/false)"),
     "tuner_type": ("tuner.type", "lora | full"),
@@ -51,7 +71,7 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
 for _field in dataclasses.fields(TrainingArguments):
     SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", f"training argument (default {_field.default})"))
 
-LIST_KEYS = {"tuner.target_modules", "tuner.target_parameters"}
+LIST_KEYS = {"data.dataset", "tuner.target_modules", "tuner.target_parameters"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,25 +100,35 @@ def parse(argv: list[str]) -> Recipe:
         if value is None:
             continue
         if key in LIST_KEYS:
-            flags.append(f"{key}=[{','.join(value)}]")
+            flags.append(f"{key}=[{','.join(_quoted(v) for v in value)}]")
         else:
             flags.append(f"{key}={value}")
     return load_recipe(recipe_path, flags + overrides)
 
 
-def _launch_command(argv: list[str], recipe: Recipe) -> list[str] | None:
-    """torchrun command to re-launch under, or None to train in this process."""
+def _quoted(value: str) -> str:
+    """``value`` as one item of a ``key=[...]`` override (YAML single quotes: paths may hold ',', ' ' or '#')."""
+    return "'" + value.replace("'", "''") + "'"
+
+
+def flag_for(key: str) -> str | None:
+    """The ``swift sft`` flag that sets recipe ``key``, if there is one."""
+    return next((f"--{flag}" for flag, (k, _) in SWIFT_FLAGS.items() if k == key), None)
+
+
+def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
+    """Re-launch under torchrun like swift (NPROC_PER_NODE, NNODES, ...); None to train in this process."""
     env = os.environ
-    if "LOCAL_RANK" in env:  # already a torchrun worker
-        return None
     nproc = int(env.get("NPROC_PER_NODE", recipe.launch.nproc_per_node))
     nnodes = int(env.get("NNODES", recipe.launch.nnodes))
     if nproc * nnodes == 1:
         return None
+    node_rank = int(env.get("NODE_RANK", "0"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", str(nnodes),
-           "--node_rank", env.get("NODE_RANK", "0"), "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
-           "--master_port", env.get("MASTER_PORT", "29500")]
-    return cmd + ["-m", "twinkle_strategy.cli", *argv]
+           "--node_rank", str(node_rank), "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
+           "--master_port", env.get("MASTER_PORT", "29500"), "-m", "twinkle_strategy.cli", *argv]
+    ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
+    return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,34 +137,80 @@ def main(argv: list[str] | None = None) -> int:
         # A path, not an import: importing the plugin would patch ms-swift in this process.
         print(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swift_plugin.py"))
         return 0
+    if "LOCAL_RANK" in os.environ:  # a torchrun worker
+        return _worker_main(argv)
     try:
         recipe = parse(argv)
+        from twinkle_strategy.preflight import check_before_launch
+
+        check_before_launch(recipe)
     except (RecipeError, TwinkleError) as exc:
-        print(f"twinkle-sft: error: {exc}", file=sys.stderr)
+        print(f"twinkle-sft: error: {_describe(exc)}", file=sys.stderr)
         return 2
-    from twinkle_strategy.run import prepare_model_path
+    from twinkle_strategy.run import prepare_model_path, run_recipe
 
-    if "LOCAL_RANK" not in os.environ:
-        # Build the embedded model (tiny://) once here, before any worker starts.
-        resolved = prepare_model_path(recipe.model.path, recipe.data.dataset)
-        if resolved != recipe.model.path:
-            argv = argv + [f"model.path={resolved}"]
-            recipe.model.path = resolved
-        if recipe.launch.simulated_nodes and recipe.launch.nnodes > 1:
-            from twinkle_strategy.launcher import run_simulated_nodes
+    # Build the embedded model (tiny://) once here, before any worker starts; the workers find it built.
+    recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
+    if recipe.launch.simulated_nodes and recipe.launch.nnodes > 1:
+        return _launch_simulated_nodes(argv, recipe)
+    code = _launch_torchrun(argv, recipe)
+    if code is not None:
+        return code
+    run_recipe(recipe)  # one process: train here
+    return 0
 
-            print(f"twinkle-sft: {recipe.launch.nnodes} simulated nodes x {recipe.launch.nproc_per_node} ranks "
-                  "on this machine", flush=True)
-            # "-m": run as a module; running the file would shadow the stdlib with our platform.py.
-            result = run_simulated_nodes(["-m", "twinkle_strategy.cli", *argv], nnodes=recipe.launch.nnodes,
-                                         nproc_per_node=recipe.launch.nproc_per_node)
-            return 0 if result.ok else 1
-        cmd = _launch_command(argv, recipe)
-        if cmd is not None:
-            return subprocess.call(cmd)
-    from twinkle_strategy.run import run_recipe
 
-    run_recipe(recipe)
+def _describe(exc: Exception) -> str:
+    key = getattr(exc, "key", None)
+    flag = flag_for(key) if key else None
+    return f"{key} ({flag}): {exc.reason}" if flag else str(exc)
+
+
+def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
+    from twinkle_strategy.launcher import free_port, torchrun_command
+
+    nnodes, nproc = recipe.launch.nnodes, recipe.launch.nproc_per_node
+    port = free_port()
+    # "-m": run as a module; running the file would shadow the stdlib with our platform.py.
+    commands = [torchrun_command(["-m", "twinkle_strategy.cli", *argv], nnodes, node, nproc, port)
+                for node in range(nnodes)]
+    return _run_logged(commands, recipe, list(range(nnodes * nproc)), list(range(nnodes)),
+                       f"{nnodes} simulated nodes x {nproc} ranks on this machine")
+
+
+def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str) -> int:
+    from twinkle_strategy.checkpoint import latest_checkpoint
+    from twinkle_strategy.launcher import run_logged
+    from twinkle_strategy.rank_logs import logs_dir
+    from twinkle_strategy.trainer import make_run_dir
+
+    # Chosen here, not by rank 0, so the logs have a home even if the run fails before training.
+    run_dir = make_run_dir(recipe.train.output_dir, recipe.train.add_version)
+    print(f"twinkle-sft: {what}; rank {ranks[0]}'s output follows, every rank's is in {logs_dir(run_dir)}",
+          file=sys.stderr, flush=True)
+    if not run_logged(commands, run_dir, ranks, node_ranks):
+        return 1
+    if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints
+        print(f"run directory: {run_dir}\nlast checkpoint: {latest_checkpoint(run_dir)}", flush=True)
+    return 0
+
+
+def _worker_main(argv: list[str]) -> int:
+    """One rank of a run ``twinkle-sft`` launched: log to the run directory, record a failure for the summary."""
+    from twinkle_strategy.rank_logs import RUN_DIR_ENV, capture_rank_output, record_error
+    from twinkle_strategy.run import prepare_model_path, run_recipe
+
+    run_dir, rank = os.environ.get(RUN_DIR_ENV), int(os.environ.get("RANK", "0"))
+    if run_dir:
+        capture_rank_output(run_dir, rank)
+    try:
+        recipe = parse(argv)
+        recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
+        run_recipe(recipe, run_dir)
+    except BaseException as exc:
+        if run_dir:
+            record_error(run_dir, rank, exc)
+        raise
     return 0
 
 

@@ -4,57 +4,153 @@ A row is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat,
 any number of turns) or ``{"query": ..., "response": ..., "system": ...}``.
 Tokens come from the tokenizer's own chat template; only assistant turns are
 trained on (every other label is -100), as in ms-swift.
+
+Bad rows, as in ``swift sft --strict false`` (the default): a row that cannot
+become a training example (not JSON, no assistant turn, nothing left to train on
+after truncation to ``max_length``) is skipped, and one warning counts the
+skipped rows and names the first few lines. ``strict=True`` raises on the first
+bad row instead, naming its file and line. A file with no usable row is an error
+either way.
+
+Several files, and swift's sample count: ``["a.jsonl", "b.jsonl#100"]`` is all
+of a.jsonl followed by 100 examples of b.jsonl, drawn as swift draws them: whole
+copies of the file while 100 exceeds its size, then a seeded random subset
+(without replacement) for the remainder.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import os
 from typing import Any
 
 import torch
+import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
+SHOWN_SKIPPED_ROWS = 5  # a warning names this many bad rows, then counts the rest
+STRICT_FIX = "fix the row, or set data.strict=false (--strict false) to skip bad rows with a warning"
 
 
 class DatasetError(ValueError):
     """A dataset file or row that cannot be used; names the file and line."""
 
 
-def load_jsonl(path: str) -> list[list[dict[str, str]]]:
-    """Read a JSONL file into a list of conversations (lists of messages)."""
-    if not os.path.isfile(path):
+class RowError(DatasetError):
+    """Why one row cannot become a training example (the caller adds where it is)."""
+
+
+Messages = list[dict[str, str]]
+
+
+@dataclasses.dataclass(frozen=True)
+class DatasetSpec:
+    """One ``--dataset`` entry: a JSONL path, optionally with swift's ``#N`` sample count."""
+
+    path: str
+    sample: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> "DatasetSpec":
+        # Like swift: split at the last '#', unless the whole text names an existing file.
+        if "#" not in text or os.path.exists(text):
+            return cls(text)
+        path, count = text.rsplit("#", 1)
+        if not count.isdigit() or int(count) < 1:
+            raise DatasetError(f"dataset {text!r}: after '#' comes the number of examples to use (swift's "
+                               f"path#N, e.g. data.jsonl#1000), got {count!r}")
+        return cls(path, int(count))
+
+
+@dataclasses.dataclass(frozen=True)
+class SkippedRow:
+    path: str
+    line: int
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def read_rows(path: str, strict: bool = False,
+              max_rows: int | None = None) -> tuple[list[tuple[int, Messages]], list[SkippedRow]]:
+    """``(line number, messages)`` of each usable row of a JSONL file, and the rows skipped.
+
+    ``strict`` raises :class:`DatasetError` on the first bad row instead of
+    skipping it. ``max_rows`` stops after that many non-blank rows (a quick look
+    at the start of a file).
+    """
+    if not os.path.exists(path):
         raise DatasetError(f"dataset file {path!r} does not exist")
-    conversations = []
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
+    if os.path.isdir(path):
+        raise DatasetError(f"dataset {path!r} is a directory; pass a JSONL file")
+    rows: list[tuple[int, Messages]] = []
+    skipped: list[SkippedRow] = []
+    try:
+        f = open(path, "rb")  # bytes: a line that is not UTF-8 is one bad row, not a failed file
+    except OSError as exc:
+        raise DatasetError(f"dataset file {path!r} cannot be read: {exc.strerror}") from exc
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
+            if max_rows is not None and len(rows) + len(skipped) >= max_rows:
+                break
             try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DatasetError(f"{path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            conversations.append(to_messages(row, f"{path}:{lineno}"))
-    if not conversations:
-        raise DatasetError(f"dataset file {path!r} has no rows")
-    return conversations
+                rows.append((lineno, to_messages(_parse_row(raw))))
+            except RowError as exc:
+                bad = SkippedRow(path, lineno, str(exc))
+                if strict:
+                    raise DatasetError(f"{bad}; {STRICT_FIX}") from exc
+                skipped.append(bad)
+    return rows, skipped
 
 
-def to_messages(row: dict[str, Any], where: str) -> list[dict[str, str]]:
+def _parse_row(raw: bytes) -> Any:
+    try:
+        return json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise RowError(f"not valid UTF-8 ({exc.reason})") from exc
+    except json.JSONDecodeError as exc:
+        raise RowError(f"not valid JSON ({exc.msg})") from exc
+
+
+def load_jsonl(path: str, strict: bool = True) -> list[Messages]:
+    """The conversations (lists of messages) of a JSONL file; by default every row must be usable."""
+    rows, skipped = read_rows(path, strict=strict)
+    if not rows:
+        raise no_usable_row_error(path, skipped)
+    return [messages for _, messages in rows]
+
+
+def no_usable_row_error(path: str, skipped: list[SkippedRow]) -> DatasetError:
+    if not skipped:
+        return DatasetError(f"dataset file {path!r} has no rows")
+    return DatasetError(f"dataset file {path!r} has no usable row: all {len(skipped)} rows were skipped, e.g. "
+                        f"{skipped[0]}. Rows need 'messages' with an assistant turn, or 'query' and 'response'")
+
+
+def to_messages(row: Any) -> Messages:
+    if not isinstance(row, dict):
+        raise RowError(f"a row must be a JSON object, got {type(row).__name__}")
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not all(
             isinstance(m, dict) and "role" in m and "content" in m for m in messages
         ):
-            raise DatasetError(f"{where}: 'messages' must be a list of {{'role': ..., 'content': ...}}")
+            raise RowError("'messages' must be a list of {'role': ..., 'content': ...}")
     elif "query" in row and "response" in row:
         messages = [{"role": "user", "content": row["query"]}, {"role": "assistant", "content": row["response"]}]
         if row.get("system"):
             messages.insert(0, {"role": "system", "content": row["system"]})
     else:
-        raise DatasetError(f"{where}: a row needs 'messages', or 'query' and 'response'; found keys {sorted(row)}")
+        raise RowError(f"a row needs 'messages', or 'query' and 'response'; found keys {sorted(row)}")
     if not any(m["role"] == "assistant" for m in messages):
-        raise DatasetError(f"{where}: no assistant message to train on")
+        raise RowError("no assistant message to train on")
     return messages
 
 
@@ -65,7 +161,7 @@ def _template_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]
     return list(ids)
 
 
-def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length: int) -> dict[str, list[int]]:
+def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> dict[str, list[int]]:
     """input_ids and labels; labels are -100 except on assistant turns."""
     input_ids: list[int] = []
     labels: list[int] = []
@@ -81,25 +177,92 @@ def tokenize_conversation(tokenizer, messages: list[dict[str, str]], max_length:
     return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
 
 
-class SFTDataset(torch.utils.data.Dataset):
-    """Tokenized conversations, optionally packed into sequences of ``max_length`` tokens."""
+def has_labels(example: dict[str, list[int]]) -> bool:
+    """Whether a causal LM learns anything from ``example`` (the first label is never predicted)."""
+    return any(label != IGNORE_INDEX for label in example["labels"][1:])
 
-    def __init__(self, conversations, tokenizer, max_length: int = 512, packing: bool = False):
-        examples = [tokenize_conversation(tokenizer, m, max_length) for m in conversations]
-        examples = [e for e in examples if any(l != IGNORE_INDEX for l in e["labels"][1:])]
-        if packing:
-            examples = pack(examples, max_length)
-        self.examples = examples
+
+def sample_examples(examples: list, count: int, generator: torch.Generator) -> list:
+    """swift's ``path#N``: whole copies of ``examples`` while N exceeds their number, then a
+    random subset without replacement for the remainder."""
+    copies, remainder = divmod(count, len(examples))
+    picked = list(range(len(examples))) * copies
+    picked += torch.randperm(len(examples), generator=generator)[:remainder].tolist()
+    return [examples[i] for i in picked]
+
+
+def load_examples(spec: DatasetSpec, tokenizer, max_length: int, strict: bool,
+                  generator: torch.Generator) -> tuple[list[dict[str, list[int]]], list[SkippedRow], int]:
+    """Tokenized examples of one dataset entry, the rows skipped, and the number of rows read."""
+    rows, skipped = read_rows(spec.path, strict=strict)
+    rows_read = len(rows) + len(skipped)
+    examples = []
+    for lineno, messages in rows:
+        example = tokenize_conversation(tokenizer, messages, max_length)
+        if has_labels(example):
+            examples.append(example)
+            continue
+        bad = SkippedRow(spec.path, lineno, f"nothing to train on after truncation to max_length={max_length} "
+                                            "(the prompt fills it)")
+        if strict:
+            raise DatasetError(f"{bad}; {STRICT_FIX}, or raise data.max_length")
+        skipped.append(bad)
+    if not examples:
+        raise no_usable_row_error(spec.path, skipped)
+    if spec.sample is not None:
+        examples = sample_examples(examples, spec.sample, generator)
+    return examples, skipped, rows_read
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Tokenized examples, optionally packed into sequences of ``max_length`` tokens.
+
+    ``skipped`` lists the rows that could not be used (see the module docstring).
+    """
+
+    def __init__(self, examples: list[dict[str, list[int]]], max_length: int = 512, packing: bool = False,
+                 skipped: list[SkippedRow] | None = None):
+        self.examples = pack(examples, max_length) if packing else examples
+        self.skipped = list(skipped or [])
 
     @classmethod
-    def from_jsonl(cls, path: str, tokenizer, max_length: int = 512, packing: bool = False) -> "SFTDataset":
-        return cls(load_jsonl(path), tokenizer, max_length, packing)
+    def from_jsonl(cls, datasets: str | list[str], tokenizer, max_length: int = 512, packing: bool = False,
+                   strict: bool = False, seed: int = 42) -> "SFTDataset":
+        """One or more JSONL files (``path`` or swift's ``path#N``), concatenated in order.
+
+        Every rank builds the same dataset: sampling is seeded with ``seed``.
+        """
+        specs = [DatasetSpec.parse(d) for d in ([datasets] if isinstance(datasets, str) else datasets)]
+        if not specs:
+            raise DatasetError("no dataset given; pass one or more JSONL files")
+        generator = torch.Generator().manual_seed(seed)
+        examples, skipped, rows = [], [], 0
+        for spec in specs:
+            spec_examples, spec_skipped, spec_rows = load_examples(spec, tokenizer, max_length, strict, generator)
+            examples += spec_examples
+            skipped += spec_skipped
+            rows += spec_rows
+        dataset = cls(examples, max_length, packing, skipped)
+        if skipped and _is_first_rank():  # every rank reads the same rows: warn once
+            logger.warning(skipped_rows_warning(skipped, rows, len(examples)))
+        return dataset
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.examples[index]
+
+
+def skipped_rows_warning(skipped: list[SkippedRow], rows: int, examples: int) -> str:
+    shown = "; ".join(str(s) for s in skipped[:SHOWN_SKIPPED_ROWS])
+    more = f"; and {len(skipped) - SHOWN_SKIPPED_ROWS} more" if len(skipped) > SHOWN_SKIPPED_ROWS else ""
+    return (f"skipped {len(skipped)} of {rows} dataset rows that cannot become a training example ({shown}{more}); "
+            f"training on {examples} examples. Set data.strict=true (--strict true) to stop at the first bad row")
+
+
+def _is_first_rank() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 def pack(examples: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:

@@ -1,8 +1,10 @@
-"""Start a script as several torchrun agents on one machine: simulated nodes for demos and tests.
+"""Start torchrun agents and wait for them: simulated nodes, and twinkle-sft's launches with per-rank logs.
 
 On a real cluster you run one ``torchrun --nnodes N --node_rank i ...`` per
-node. Here every "node" is a torchrun agent on 127.0.0.1, so each rank sees
-RANK, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK exactly as it would there.
+node. Simulated nodes are several torchrun agents on 127.0.0.1 (demos, tests), so
+each rank sees RANK, LOCAL_RANK, LOCAL_WORLD_SIZE and GROUP_RANK exactly as it
+would there. :func:`run_logged` is how ``twinkle-sft`` runs either: every rank's
+output in a log file, one rank on the terminal, one summary if the run fails.
 """
 
 from __future__ import annotations
@@ -14,7 +16,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from twinkle_strategy.rank_logs import RUN_DIR_ENV, LogFollower, agent_log_path, failure_summary, logs_dir
 
 
 def free_port() -> int:
@@ -60,39 +65,65 @@ def run_simulated_nodes(
     """
     per_node = nproc_per_node if isinstance(nproc_per_node, list) else [nproc_per_node] * nnodes
     port = free_port()
-    full_env = {**os.environ, **(env or {})}
-    full_env.setdefault("OMP_NUM_THREADS", "1")
-    procs, log_paths = [], []
+    commands = [torchrun_command(script_and_args, nnodes, node, per_node[node], port) for node in range(nnodes)]
+    log_paths = [None if log_dir is None else Path(log_dir) / f"node{node}.log" for node in range(nnodes)]
     start = time.monotonic()
-    for node in range(nnodes):
-        out = None
-        path = None
-        if log_dir is not None:
-            path = Path(log_dir) / f"node{node}.log"
-            out = open(path, "w")
-        cmd = torchrun_command(script_and_args, nnodes, node, per_node[node], port)
-        # A session of its own per agent, so a time-out can kill the agent with all its workers.
-        procs.append(subprocess.Popen(cmd, env=full_env, stdout=out, stderr=subprocess.STDOUT if out else None,
+    returncodes, timed_out = run_agents(commands, {**os.environ, **(env or {})}, log_paths, timeout=timeout, cwd=cwd)
+    return AgentsResult(returncodes, timed_out, log_paths, time.monotonic() - start)
+
+
+def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_ranks: list[int]) -> bool:
+    """Run torchrun agents (``commands``, one per node) whose workers log to ``run_dir/logs``.
+
+    The workers (``twinkle-sft``) find ``run_dir`` in ``TWINKLE_RUN_DIR``. The first of
+    ``ranks`` is shown live on stderr; a failed run ends with one summary on stderr
+    (:mod:`twinkle_strategy.rank_logs`). Returns whether every agent succeeded.
+    """
+    os.makedirs(logs_dir(run_dir), exist_ok=True)
+    env = {**os.environ, RUN_DIR_ENV: run_dir, "PYTHONUNBUFFERED": "1"}
+    follower = LogFollower(run_dir, ranks[0], sys.stderr.buffer)
+    returncodes, _ = run_agents(commands, env, [Path(agent_log_path(run_dir, n)) for n in node_ranks],
+                                while_waiting=follower.poll)
+    follower.finish()
+    if all(rc == 0 for rc in returncodes):
+        return True
+    print(failure_summary(run_dir, ranks, node_ranks), file=sys.stderr, flush=True)
+    return False
+
+
+def run_agents(commands: list[list[str]], env: dict[str, str], log_paths: list[Path | None],
+               timeout: float | None = None, cwd: str | None = None,
+               while_waiting: Callable[[], None] | None = None, poll_s: float = 0.2) -> tuple[list[int | None], bool]:
+    """Start one process per command and wait for all: (return codes, timed out).
+
+    An agent's output goes to its log path, or to this process's stdout where that is
+    None. ``while_waiting`` is called every ``poll_s`` seconds. Past ``timeout``, or if
+    this process is interrupted, every agent is killed with all its workers.
+    """
+    env = {**env}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    procs = []
+    for cmd, path in zip(commands, log_paths):
+        out = None if path is None else open(path, "w")
+        # A session of its own per agent, so it can be killed with all its workers.
+        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                       start_new_session=True, cwd=cwd))
         if out is not None:
             out.close()
-        log_paths.append(path)
-    returncodes: list[int | None] = [None] * nnodes
-    timed_out = False
+    deadline = None if timeout is None else time.monotonic() + timeout
     try:
-        for i, proc in enumerate(procs):
-            remaining = None if timeout is None else max(start + timeout - time.monotonic(), 0.1)
-            returncodes[i] = proc.wait(timeout=remaining)
-    except subprocess.TimeoutExpired:
-        timed_out = True
+        while any(proc.poll() is None for proc in procs):
+            if deadline is not None and time.monotonic() > deadline:
+                return [proc.poll() for proc in procs], True
+            if while_waiting is not None:
+                while_waiting()
+            time.sleep(poll_s)
+        return [proc.returncode for proc in procs], False
     finally:
-        for i, proc in enumerate(procs):
+        for proc in procs:
             if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
                 proc.wait()
-            elif returncodes[i] is None:
-                returncodes[i] = proc.returncode
-    return AgentsResult(returncodes, timed_out, log_paths, time.monotonic() - start)

@@ -27,23 +27,70 @@ import torch
 
 from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
 
+HF_PREFIX, MS_PREFIX = "hf://", "ms://"
+
 
 def resolve_model_path(path_or_id: str) -> str:
-    """A local directory for ``path_or_id``: a local path, ``ms://org/name`` (ModelScope) or ``hf://org/name``."""
-    if path_or_id.startswith("ms://"):
-        from modelscope import snapshot_download
+    """A local directory for ``path_or_id``: a local path, ``ms://org/name`` (ModelScope) or ``hf://org/name``.
 
-        return snapshot_download(path_or_id[len("ms://"):])
-    if path_or_id.startswith("hf://"):
-        from huggingface_hub import snapshot_download
-
-        return snapshot_download(path_or_id[len("hf://"):])
+    ``hf://``: huggingface_hub's ``snapshot_download`` and its rules: the snapshot in the
+    cache (``HF_HOME``) when ``HF_HUB_OFFLINE=1`` or the Hub cannot be reached, else the
+    Hub's latest revision. ``ms://``: a snapshot already in the ModelScope cache
+    (``MODELSCOPE_CACHE``) is used as it is, without network access (modelscope has no
+    offline switch of its own); otherwise modelscope downloads it.
+    """
+    if path_or_id.startswith((HF_PREFIX, MS_PREFIX)):
+        cached = cached_model_path(path_or_id) if path_or_id.startswith(MS_PREFIX) else None
+        if cached is not None:
+            return cached
+        try:
+            return _snapshot_download(path_or_id, local_files_only=False)
+        except Exception as exc:  # noqa: BLE001 - network, authentication and cache errors of either client
+            raise CheckpointError(f"could not resolve {path_or_id}: {type(exc).__name__}: {exc}") from exc
     if not os.path.isdir(path_or_id):
         raise CheckpointError(
             f"model path {path_or_id!r} does not exist or is not a directory; pass a local checkpoint directory, "
             "'ms://org/name' for ModelScope or 'hf://org/name' for the Hugging Face Hub"
         )
     return path_or_id
+
+
+def cached_model_path(model_id: str) -> str | None:
+    """The local snapshot of an ``hf://`` or ``ms://`` id if its hub's cache holds one with a config.json
+    (no network access, nothing written), else None."""
+    try:
+        path = _snapshot_download(model_id, local_files_only=True)
+    except Exception:  # noqa: BLE001 - "not in the cache" has a different class in each client
+        return None
+    return path if os.path.isfile(os.path.join(path, "config.json")) else None
+
+
+def _snapshot_download(model_id: str, local_files_only: bool) -> str:
+    if model_id.startswith(MS_PREFIX):
+        from modelscope import snapshot_download
+    else:
+        from huggingface_hub import snapshot_download
+    repo = model_id.split("://", 1)[1]
+    return str(snapshot_download(repo, local_files_only=local_files_only))
+
+
+def checkpoint_files_problem(path: str) -> str | None:
+    """What keeps ``path`` from being a loadable checkpoint directory (config.json, safetensors weights,
+    every file its index lists), or None. Reads file names and the index only."""
+    from twinkle_strategy.checkpoint.files import checkpoint_files
+
+    if not os.path.isdir(path):
+        return f"{path!r} does not exist or is not a directory"
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return f"{path!r} has no config.json, so it is not a transformers checkpoint directory"
+    try:
+        files = checkpoint_files(path)
+    except CheckpointError as exc:
+        return str(exc)
+    if not files:
+        return (f"{path!r} has no safetensors weights (model.safetensors or model.safetensors.index.json); "
+                "save the checkpoint with save_pretrained(safe_serialization=True)")
+    return None
 
 
 def model_class_for(config):

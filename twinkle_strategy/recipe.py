@@ -11,7 +11,8 @@ import dataclasses
 import json
 import os
 
-from omegaconf import MISSING, OmegaConf
+import yaml
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from twinkle_strategy.errors import TwinkleError
@@ -31,9 +32,12 @@ class ModelConfig:
 
 @dataclasses.dataclass
 class DataConfig:
-    dataset: str = MISSING  # a JSONL file with "messages" or "query"/"response" rows
+    # JSONL files with "messages" or "query"/"response" rows; swift's "path#N" uses N examples of a file.
+    # A single path may be written as a plain string.
+    dataset: list[str] = MISSING
     max_length: int = 2048
     packing: bool = False
+    strict: bool = False  # true: stop at the first bad row; false (swift's default): skip bad rows with a warning
 
 
 @dataclasses.dataclass
@@ -98,12 +102,12 @@ def load_recipe(yaml_path: str | None = None, overrides: list[str] | None = None
         if yaml_path is not None:
             if not os.path.isfile(yaml_path):
                 raise RecipeError(f"recipe file {yaml_path!r} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(yaml_path))
+            merged = OmegaConf.merge(merged, _dataset_as_list(OmegaConf.load(yaml_path)))
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise RecipeError(f"override {bad[0]!r} is not of the form key=value (e.g. train.max_steps=10)")
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(overrides))
+            merged = OmegaConf.merge(merged, _dataset_as_list(OmegaConf.from_dotlist(overrides)))
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise RecipeError(f"recipe is missing required key(s) {missing}; set them in the YAML or as key=value")
@@ -111,12 +115,24 @@ def load_recipe(yaml_path: str | None = None, overrides: list[str] | None = None
     except OmegaConfBaseException as exc:
         where = f" in {yaml_path}" if yaml_path else ""
         raise RecipeError(f"invalid recipe{where}: {_reason(exc)}") from exc
+    except yaml.YAMLError as exc:  # a value omegaconf could not even parse, e.g. key=[a, b without ']'
+        problem = " ".join(str(exc).split())
+        raise RecipeError(f"invalid recipe: {problem}; check the YAML file and each key=value (quote odd values)") \
+            from exc
     except ValueError as exc:  # raised by dataclass __post_init__ checks (e.g. TrainingArguments)
         if isinstance(exc, TwinkleError):
             raise
         raise RecipeError(f"invalid recipe: {exc}") from exc
     validate_recipe(recipe)
     return recipe
+
+
+def _dataset_as_list(config):
+    """``data.dataset: file.jsonl`` is the common case of a list of one; the schema wants a list."""
+    data = config.get("data") if isinstance(config, DictConfig) else None
+    if isinstance(data, DictConfig) and isinstance(data.get("dataset"), str):
+        data.dataset = [data.dataset]
+    return config
 
 
 def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
@@ -143,6 +159,8 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
         raise RecipeError(f"strategy.mixed_precision={strategy.mixed_precision!r}; use bf16, fp16 or no")
     if strategy.init_transport not in ("p2p", "scatter"):
         raise RecipeError(f"strategy.init_transport={strategy.init_transport!r}; use p2p or scatter")
+    if not recipe.data.dataset:
+        raise RecipeError("data.dataset is empty; name one or more JSONL files")
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:

@@ -12,15 +12,16 @@ TINY_PREFIX = "tiny://"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def prepare_model_path(path: str, dataset: str) -> str:
-    """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``dataset``) under ./output/tiny/NAME."""
+def prepare_model_path(path: str, datasets: list[str]) -> str:
+    """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``datasets``) under ./output/tiny/NAME."""
     if not path.startswith(TINY_PREFIX):
         return path
+    from twinkle_strategy.data import DatasetSpec
     from twinkle_strategy.tiny_models import prepare_demo_model
 
     name = path[len(TINY_PREFIX):] or "demo"
     target = os.path.abspath(os.path.join("output", "tiny", name))
-    prepare_demo_model(target, dataset)
+    prepare_demo_model(target, [DatasetSpec.parse(d).path for d in datasets])
     return target
 
 
@@ -39,8 +40,11 @@ def lora_config(recipe: Recipe):
     )
 
 
-def build_training(recipe: Recipe):
-    """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python."""
+def build_training(recipe: Recipe, run_dir: str | None = None):
+    """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python.
+
+    ``run_dir``: the run directory the launcher chose (default: a new ``v{N}-{time}`` under train.output_dir).
+    """
     from transformers import AutoTokenizer
 
     from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
@@ -61,14 +65,17 @@ def build_training(recipe: Recipe):
 
         torch.manual_seed(recipe.train.seed)  # same fresh adapter whatever the number of nodes
         model = get_peft_model(model, lora_config(recipe))
-    dataset = SFTDataset.from_jsonl(recipe.data.dataset, tokenizer, recipe.data.max_length, recipe.data.packing)
+    data = recipe.data
+    dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing, strict=data.strict,
+                                    seed=recipe.train.seed)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
-                      data_collator=DataCollatorForSFT(tokenizer.pad_token_id), processing_class=tokenizer)
+                      data_collator=DataCollatorForSFT(tokenizer.pad_token_id), processing_class=tokenizer,
+                      run_dir=run_dir)
     return trainer, strategy
 
 
-def run_recipe(recipe: Recipe) -> list[dict]:
-    trainer, strategy = build_training(recipe)
+def run_recipe(recipe: Recipe, run_dir: str | None = None) -> list[dict]:
+    trainer, strategy = build_training(recipe, run_dir)
     try:
         return trainer.train()
     finally:

@@ -341,27 +341,24 @@ def build_tokenizer(texts: list[str], vocab_size: int = 384):
     return fast
 
 
-def prepare_demo_model(path: str, dataset_path: str, family: str = "qwen3_moe", seed: int = 0) -> str:
-    """The embedded default: a tiny ``family`` model with a tokenizer trained on the demo dataset.
+def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = "qwen3_moe", seed: int = 0) -> str:
+    """The embedded default: a tiny ``family`` model with a tokenizer trained on the dataset file(s).
 
     Written once to ``path`` (model.safetensors, config.json, tokenizer files);
     later calls reuse it. Written to a temporary directory and renamed, so an
     interrupted build never leaves a half checkpoint behind.
     """
-    import json
     import shutil
     import tempfile
+
+    from twinkle_strategy.data import read_rows
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     texts = []
-    with open(dataset_path) as f:
-        for line in f:
-            row = json.loads(line)
-            if "messages" in row:
-                texts.extend(m["content"] for m in row["messages"])
-            else:
-                texts.extend([row.get("query", ""), row.get("response", "")])
+    for dataset_path in [dataset_paths] if isinstance(dataset_paths, str) else dataset_paths:
+        rows, _ = read_rows(dataset_path)  # rows training will skip do not shape the vocabulary either
+        texts.extend(m["content"] for _, messages in rows for m in messages if isinstance(m["content"], str))
     tokenizer = build_tokenizer(texts)
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)

@@ -143,9 +143,9 @@ class Trainer:
 
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.max_steps)
-        if self.run_dir is None:
-            self.run_dir = _broadcast(make_run_dir(args.output_dir, args.add_version)
-                                      if strategy.is_main_process else None)
+        # Rank 0's choice for everyone: with several real nodes, each node's launcher may have named its own.
+        self.run_dir = _broadcast((self.run_dir or make_run_dir(args.output_dir, args.add_version))
+                                  if strategy.is_main_process else None)
         if strategy.is_main_process:
             os.makedirs(self.run_dir, exist_ok=True)
             with open(os.path.join(self.run_dir, "args.json"), "w") as f:

@@ -1,0 +1,214 @@
+"""A failed run reads as one message: checks before launch, per-rank logs, one summary; bad rows do not end a run."""
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from multinode import REPO
+
+DEMO = str(REPO / "yaml" / "demo.yaml")
+DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+
+
+def demo_rows(count):
+    with open(DATASET) as f:
+        return [json.loads(line) for line in f][:count]
+
+
+def write_rows(path, rows):
+    """``rows``: dicts (written as JSON) or strings (written as they are)."""
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+def twenty_rows_three_bad(path):
+    """Rows 4 (not JSON), 9 (no assistant turn) and 15 (nothing left after truncation to 64 tokens) are bad."""
+    rows = demo_rows(20)
+    rows[3] = '{"query": "What is 2 plus 2?", "response": '
+    rows[8] = {"messages": [{"role": "user", "content": "What is 3 plus 3?"}]}
+    rows[14] = {"query": "What is 1 plus 1? " * 30, "response": "1 plus 1 is 2."}
+    return write_rows(path, rows)
+
+
+def run_cli(args, cwd, env=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "twinkle_strategy.cli", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def only_run_dir(output_dir):
+    runs = [p for p in Path(output_dir).iterdir() if p.name.startswith("v")]
+    assert len(runs) == 1, runs
+    return runs[0]
+
+
+# ------------------------------------------------------------------------- checks before launch
+def _cases(tmp: Path) -> list[tuple[list[str], str]]:
+    """(overrides, the one line expected) for every check made before launch."""
+    tmp.mkdir()
+    (tmp / "a_dir").mkdir()
+    (tmp / "no_config").mkdir()
+    (tmp / "no_weights").mkdir()
+    (tmp / "no_weights" / "config.json").write_text("{}")
+    (tmp / "lost_shard").mkdir()
+    (tmp / "lost_shard" / "config.json").write_text("{}")
+    (tmp / "lost_shard" / "model-00001-of-00002.safetensors").write_bytes(b"")
+    (tmp / "lost_shard" / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}))
+    (tmp / "binary.jsonl").write_bytes(bytes(range(256)) * 4)
+    wrong_keys = write_rows(tmp / "wrong_keys.jsonl", [{"text": "x"}] * 3)
+    bad20 = twenty_rows_three_bad(tmp / "bad20.jsonl")
+    return [
+        ([f"data.dataset={tmp}/nope.jsonl"],
+         f"data.dataset (--dataset): dataset file '{tmp}/nope.jsonl' does not exist"),
+        ([f"data.dataset={tmp}/a_dir"], f"data.dataset (--dataset): dataset '{tmp}/a_dir' is a directory"),
+        ([f"data.dataset=[{DATASET},{tmp}/binary.jsonl]"],
+         f"data.dataset (--dataset): dataset file '{tmp}/binary.jsonl' has no usable row"),
+        ([f"data.dataset={wrong_keys}"], "has no usable row: all 3 rows were skipped, e.g. "
+                                         f"{wrong_keys}:1: a row needs 'messages', or 'query' and 'response'"),
+        ([f"data.dataset={DATASET}#many"], "after '#' comes the number of examples to use"),
+        ([f"data.dataset={bad20}", "data.strict=true"], f"{bad20}:4: not valid JSON"),
+        ([f"model.path={tmp}/nope"], f"model.path (--model): '{tmp}/nope' does not exist or is not a directory"),
+        ([f"model.path={tmp}/no_config"], "has no config.json, so it is not a transformers checkpoint directory"),
+        ([f"model.path={tmp}/no_weights"], "has no safetensors weights (model.safetensors or model.safetensors"),
+        ([f"model.path={tmp}/lost_shard"], "model.safetensors.index.json lists 'model-00002-of-00002.safetensors', "
+                                           "which does not exist"),
+        (["model.path=hf://twinkle/not-cached"], "model.path (--model): hf://twinkle/not-cached is not in the "
+                                                 "Hugging Face cache"),
+        ([f"train.output_dir={DATASET}/out"], f"train.output_dir (--output_dir): '{DATASET}/out' cannot be "
+                                              f"created: '{DATASET}' is a file, not a directory"),
+        ([f"train.resume_from_checkpoint={tmp}/checkpoint-9"], "train.resume_from_checkpoint "
+                                                               "(--resume_from_checkpoint): "),
+    ]
+
+
+def test_each_check_before_launch_is_one_line_and_writes_nothing(tmp_path, monkeypatch, capsys):
+    """Through the CLI's main, in this process: one line on stderr, status 2, no process group, nothing written."""
+    import torch.distributed as dist
+
+    from twinkle_strategy.cli import main
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)  # tiny://demo would be built here: nothing may be
+    out = tmp_path / "out"
+    for overrides, expected in _cases(tmp_path / "inputs"):
+        code = main([DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}", *overrides])
+        captured = capsys.readouterr()
+        assert code == 2, (overrides, captured)
+        assert captured.err.count("\n") == 1 and captured.err.startswith("twinkle-sft: error: "), captured.err
+        assert expected in captured.err, (expected, captured.err)
+        assert captured.out == ""
+        assert not dist.is_initialized() and not out.exists() and not list(cwd.iterdir()), overrides
+
+
+def test_installed_cli_stops_a_missing_dataset_before_any_process(tmp_path):
+    """The report that opened this: a missing dataset used to print 173 lines from 4 processes."""
+    cli = Path(sys.executable).parent / "twinkle-sft"
+    out = tmp_path / "out"
+    proc = subprocess.run([str(cli), DEMO, f"data.dataset={tmp_path}/nope.jsonl", f"train.output_dir={out}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    assert proc.stderr == (f"twinkle-sft: error: data.dataset (--dataset): dataset file '{tmp_path}/nope.jsonl' "
+                           f"does not exist (checked the first 100 rows; relative paths start at {tmp_path})\n")
+    assert list(tmp_path.iterdir()) == []  # no output dir, no tiny model, no logs
+
+
+# --------------------------------------------------------------- a run that fails: one summary
+def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
+    """2 simulated nodes x 2 ranks; row 15 only turns out empty once tokenized, so the checks before launch
+    pass and every rank stops on it (data.strict=true)."""
+    rows = demo_rows(20)
+    rows[14] = {"query": "What is 1 plus 1? " * 30, "response": "1 plus 1 is 2."}
+    dataset = write_rows(tmp_path / "long_row.jsonl", rows)
+    proc = run_cli([DEMO, f"data.dataset={dataset}", "data.strict=true", f"train.output_dir={tmp_path / 'out'}"],
+                   cwd=tmp_path)
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 1, terminal[-5000:]
+    error = (f"DatasetError: {dataset}:15: nothing to train on after truncation to max_length=64 (the prompt "
+             "fills it); fix the row, or set data.strict=false (--strict false)")
+    assert f"  {error}" in terminal and f"{error} to skip bad rows with a warning, or raise data.max_length\n    " \
+        "raised on rank(s) [0, 1, 2, 3]\n" in terminal, terminal
+    assert terminal.count(error) == 2, terminal  # the summary's line, and the last line of the one traceback
+    assert terminal.count("Traceback (most recent call last)") == 1, terminal
+    assert "Traceback of rank " in terminal and "the first to fail:" in terminal
+    assert "[rank" not in terminal and "ChildFailedError" not in terminal  # no worker's or torchrun's own report
+    logs = only_run_dir(tmp_path / "out") / "logs"
+    assert f"Every rank's full output: {logs}/rank<R>.log (ranks 0-3)" in terminal
+    for rank in range(4):
+        log = (logs / f"rank{rank}.log").read_text()
+        # The whole output of the rank: from its start to its traceback.
+        assert log.startswith(f"rank {rank} of 4 (node {rank // 2}, local rank {rank % 2}), pid ")
+        assert "Traceback (most recent call last)" in log, log[-3000:]
+        assert f"{dataset}:15: nothing to train on" in log
+    assert "ChildFailedError" in (logs / "torchrun-node0.log").read_text()  # kept, off the terminal
+
+
+def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
+    """Through the torchrun re-launch (2 ranks on one node): 17 of 20 rows are trained on, one warning."""
+    from twinkle_strategy.launcher import free_port
+
+    dataset = twenty_rows_three_bad(tmp_path / "bad20.jsonl")
+    out = tmp_path / "out"
+    proc = run_cli([DEMO, f"data.dataset={dataset}", f"train.output_dir={out}", "launch.simulated_nodes=false",
+                    "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=-1", "train.save_steps=0",
+                    "train.per_device_train_batch_size=2", "train.logging_steps=1"],
+                   cwd=tmp_path, env={"MASTER_PORT": str(free_port())})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    warning = (f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not valid JSON "
+               f"(Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: nothing to train "
+               "on after truncation to max_length=64 (the prompt fills it)); training on 17 examples")
+    assert proc.stderr.count(warning) == 1, proc.stderr[-5000:]
+    run_dir = only_run_dir(out)
+    with open(run_dir / "logging.jsonl") as f:
+        steps = [json.loads(line)["global_step/max_steps"] for line in f]
+    # One epoch of 17 examples at 2 ranks x 2 per rank is 4 steps (20 examples would be 5).
+    assert steps == ["1/4", "2/4", "3/4", "4/4"]
+    assert warning in (run_dir / "logs" / "rank0.log").read_text()
+    assert "rows that cannot become" not in (run_dir / "logs" / "rank1.log").read_text()  # once per run
+    assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
+
+
+# ------------------------------------------------------------------- the pieces, without processes
+def test_summary_groups_errors_by_rank_and_shows_the_first_traceback(tmp_path):
+    from twinkle_strategy.rank_logs import failure_summary, record_error
+
+    def raised(exc):
+        try:
+            raise exc
+        except ValueError as caught:
+            return caught
+
+    run_dir = str(tmp_path)
+    os.makedirs(tmp_path / "logs")
+    record_error(run_dir, 1, raised(ValueError("rank 1's own problem")))  # first in time
+    for rank in (0, 2):
+        record_error(run_dir, rank, raised(ValueError("the shared problem")))
+    summary = failure_summary(run_dir, [0, 1, 2, 3], [0, 1])
+    assert "3 of 4 ranks raised an error" in summary
+    assert "ValueError: the shared problem\n    raised on rank(s) [0, 2]" in summary
+    assert "ValueError: rank 1's own problem\n    raised on rank(s) [1]" in summary
+    assert "rank(s) [3] raised nothing" in summary
+    assert "Traceback of rank 1, the first to fail:\nTraceback (most recent call last)" in summary
+    assert summary.count("Traceback (most recent call last)") == 1
+
+
+def test_log_follower_stops_at_the_fatal_traceback_only(tmp_path):
+    from twinkle_strategy.rank_logs import LogFollower, record_error
+
+    os.makedirs(tmp_path / "logs")
+    log = tmp_path / "logs" / "rank0.log"
+    seen = io.BytesIO()
+    follower = LogFollower(str(tmp_path), 0, seen)
+    log.write_bytes(b"step 1\rstep 2\nTraceback (most recent call last):\n  survived\npartial")
+    follower.poll()  # no error recorded: a traceback the rank survived is shown like any output
+    assert seen.getvalue() == b"step 1\rstep 2\nTraceback (most recent call last):\n  survived\n"
+    record_error(str(tmp_path), 0, ValueError("fatal"))
+    with open(log, "ab") as f:
+        f.write(b" line\n[rank0]: Traceback (most recent call last):\n[rank0]:   fatal\n")
+    follower.finish()
+    assert seen.getvalue().endswith(b"survived\npartial line\n")

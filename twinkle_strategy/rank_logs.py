@@ -1,0 +1,175 @@
+"""Per-rank logs of a multi-process run, and the one summary a failed run ends with.
+
+Left to torchrun, a run that fails on 4 ranks prints 4 interleaved tracebacks and then
+torchrun's own error blocks, and the one line that matters is lost among them. Instead:
+
+* each rank's stdout and stderr go to ``<run dir>/logs/rank{R}.log`` (one file per rank,
+  as torchrun's ``--log-dir``; the two streams interleaved as a terminal shows them);
+  torchrun's own output goes to ``logs/torchrun-node{N}.log``;
+* the terminal shows one rank's log live (as torchrun's ``--tee`` with
+  ``--local-ranks-filter``) up to its fatal traceback;
+* a failed run ends with :func:`failure_summary`: each distinct error once with the ranks
+  that raised it, the traceback of the rank that failed first, and where the logs are.
+
+Worker side: :func:`capture_rank_output` and :func:`record_error`. Launcher side:
+:class:`LogFollower` and :func:`failure_summary`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+import traceback
+from typing import BinaryIO
+
+RUN_DIR_ENV = "TWINKLE_RUN_DIR"  # the run directory a launcher chose for its workers
+# A traceback's first line; torch.distributed's excepthook prefixes each line with "[rank<R>]: ".
+TRACEBACK_START = re.compile(rb"(\[rank\d+\]: )?Traceback \(most recent call last\)")
+AGENT_LOG_TAIL_LINES = 20
+
+
+def logs_dir(run_dir: str) -> str:
+    return os.path.join(run_dir, "logs")
+
+
+def rank_log_path(run_dir: str, rank: int) -> str:
+    return os.path.join(logs_dir(run_dir), f"rank{rank}.log")
+
+
+def agent_log_path(run_dir: str, node_rank: int) -> str:
+    return os.path.join(logs_dir(run_dir), f"torchrun-node{node_rank}.log")
+
+
+def _error_record_path(run_dir: str, rank: int) -> str:
+    return os.path.join(logs_dir(run_dir), f"rank{rank}.error.json")
+
+
+# ----------------------------------------------------------------------------- worker side
+def capture_rank_output(run_dir: str, rank: int) -> None:
+    """Send this process's stdout and stderr to its rank log.
+
+    The file descriptors are redirected, not just ``sys.stdout``: output of C++ code
+    (gloo, NCCL) and the traceback the interpreter prints on its way out land there too.
+    """
+    os.makedirs(logs_dir(run_dir), exist_ok=True)
+    fd = os.open(rank_log_path(run_dir, rank), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True)  # a live view and a complete log even if the rank is killed
+    env = os.environ
+    print(f"rank {rank} of {env.get('WORLD_SIZE', '?')} (node {env.get('GROUP_RANK', '?')}, local rank "
+          f"{env.get('LOCAL_RANK', '?')}), pid {os.getpid()}: {' '.join(sys.argv)}", flush=True)
+
+
+def record_error(run_dir: str, rank: int, exc: BaseException) -> None:
+    """Write what the failure summary needs about ``exc``; call before the traceback is printed."""
+    record = {"rank": rank, "type": type(exc).__name__, "message": str(exc),
+              "traceback": "".join(traceback.format_exception(exc)), "time": time.time()}
+    path = _error_record_path(run_dir, rank)
+    with open(path + ".tmp", "w") as f:
+        json.dump(record, f)
+    os.replace(path + ".tmp", path)  # whole or absent: the launcher may read it at any moment
+
+
+# --------------------------------------------------------------------------- launcher side
+class LogFollower:
+    """Copies one rank's log to ``out`` as it grows, until the rank's fatal traceback.
+
+    That traceback is left to the failure summary, which shows it once. A traceback the
+    rank prints and survives (no error record yet) is copied like any other output.
+    """
+
+    def __init__(self, run_dir: str, rank: int, out: BinaryIO):
+        self.path = rank_log_path(run_dir, rank)
+        self.error_record = _error_record_path(run_dir, rank)
+        self.out = out
+        self.offset = 0
+        self.pending = b""
+        self.stopped = False
+
+    def poll(self) -> None:
+        if self.stopped or not os.path.exists(self.path):
+            return
+        with open(self.path, "rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        self.offset += len(data)
+        # Whole lines only, where a progress bar's '\r' also ends a line.
+        *complete, self.pending = re.split(rb"(?<=[\r\n])", self.pending + data)
+        for piece in complete:
+            if TRACEBACK_START.match(piece) and os.path.exists(self.error_record):
+                self.stopped = True
+                break
+            self.out.write(piece)
+        self.out.flush()
+
+    def finish(self) -> None:
+        self.poll()
+        if not self.stopped and self.pending:
+            self.out.write(self.pending + b"\n")
+            self.out.flush()
+
+
+@dataclasses.dataclass
+class ErrorRecord:
+    rank: int
+    type: str
+    message: str
+    traceback: str
+    time: float
+
+
+def read_error_records(run_dir: str, ranks: list[int]) -> dict[int, ErrorRecord]:
+    records = {}
+    for rank in ranks:
+        path = _error_record_path(run_dir, rank)
+        if os.path.exists(path):
+            with open(path) as f:
+                records[rank] = ErrorRecord(**json.load(f))
+    return records
+
+
+def failure_summary(run_dir: str, ranks: list[int], node_ranks: list[int]) -> str:
+    """Each distinct error once with the ranks that raised it, the first failing rank's traceback,
+    and where every rank's log is."""
+    records = read_error_records(run_dir, ranks)
+    lines = []
+    if records:
+        lines.append(f"twinkle-sft: the run failed; {len(records)} of {len(ranks)} ranks raised an error:")
+        by_error: dict[tuple[str, str], list[int]] = {}
+        for rank in sorted(records):
+            by_error.setdefault((records[rank].type, records[rank].message), []).append(rank)
+        for (kind, message), raised_by in by_error.items():
+            lines.append(f"  {kind}: {message}")
+            lines.append(f"    raised on rank(s) {raised_by}")
+        silent = [rank for rank in ranks if rank not in records]
+        if silent:
+            lines.append(f"  rank(s) {silent} raised nothing: stopped by torchrun after another rank failed, or "
+                         "killed (out of memory?); see their logs")
+        first = min(records.values(), key=lambda r: r.time)
+        lines.append(f"Traceback of rank {first.rank}, the first to fail:")
+        lines.append(first.traceback.rstrip())
+    else:
+        lines.append("twinkle-sft: the run failed and no rank recorded a Python error (killed, out of memory, or "
+                     "stopped before start-up). The end of torchrun's output:")
+        for node in node_ranks:
+            lines.extend(_tail(agent_log_path(run_dir, node), AGENT_LOG_TAIL_LINES))
+    logs = logs_dir(run_dir)
+    lines.append(f"Every rank's full output: {os.path.join(logs, 'rank<R>.log')} "
+                 f"(ranks {ranks[0]}-{ranks[-1]}); torchrun's own: {os.path.join(logs, 'torchrun-node<N>.log')}")
+    return "\n".join(lines)
+
+
+def _tail(path: str, count: int) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as f:
+        return ["  " + line.rstrip("\n") for line in f.readlines()[-count:]]
