@@ -110,11 +110,13 @@ def test_rank_killed_during_a_training_step(demo_model, tmp_path):
         assert "step3 failed on rank" in data["error"]
 
 
-def test_killed_mid_save_keeps_previous_checkpoint_and_resume_uses_it(demo_model, tmp_path):
+@pytest.mark.parametrize("tuner", ["lora", "full"])
+def test_killed_mid_save_keeps_previous_checkpoint_and_resume_uses_it(demo_model, tmp_path, tuner):
     from twinkle_strategy.checkpoint import latest_checkpoint
 
     out = tmp_path / "out"
-    args = ["--model", demo_model, "--dataset", DATASET, "--output-dir", str(out)]
+    args = ["--model", demo_model, "--dataset", DATASET, "--output-dir", str(out)] + (["--full"] if tuner == "full"
+                                                                                       else [])
     result = launch("faults.py", ["--scenario", "kill_during_save", *args], tmp_path / "l1", timeout=LIMIT)
     _assert_everyone_stopped(result)
     assert (out / "checkpoint-2" / "trainer_state.json").is_file()
@@ -123,14 +125,19 @@ def test_killed_mid_save_keeps_previous_checkpoint_and_resume_uses_it(demo_model
     resumed = launch("faults.py", ["--scenario", "resume", *args], tmp_path / "l2", timeout=LIMIT)
     assert resumed.ok(), resumed.describe()
     assert resumed.rank_results()[0]["start_step"] == 2
-    assert (out / "checkpoint-6" / "adapter_model.safetensors").is_file()
+    weights = "adapter_model.safetensors" if tuner == "lora" else "model.safetensors"
+    assert (out / "checkpoint-6" / weights).is_file()
     assert not list(out.glob("*.tmp"))
 
 
-def test_disk_full_while_saving(demo_model, tmp_path):
+@pytest.mark.parametrize("tuner", ["lora", "full"])
+def test_disk_full_while_saving(demo_model, tmp_path, tuner):
+    from safetensors.torch import load_file
+
     out = tmp_path / "out"
     result = launch("faults.py", ["--scenario", "disk_full_during_save", "--model", demo_model, "--dataset", DATASET,
-                                  "--output-dir", str(out)], tmp_path / "l", timeout=LIMIT)
+                                  "--output-dir", str(out)] + (["--full"] if tuner == "full" else []),
+                    tmp_path / "l", timeout=LIMIT)
     _assert_everyone_stopped(result)
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3], result.describe()
@@ -138,10 +145,10 @@ def test_disk_full_while_saving(demo_model, tmp_path):
         assert data["error_type"] == "CheckpointSaveError", data
         assert data["error"].startswith("saving checkpoint-4 (model weights) failed on rank(s) [0]: rank 0: ")
         assert "File too large" in data["error"] and data["error"].endswith("previous checkpoints are untouched")
-    from safetensors.torch import load_file
-
-    before = load_file(out / "checkpoint-2" / "trainer_state" / "trainable.safetensors")
-    assert before and (out / "checkpoint-2" / "adapter_model.safetensors").stat().st_size > 1024
+    weights = "adapter_model.safetensors" if tuner == "lora" else "model.safetensors"
+    assert (out / "checkpoint-2" / weights).stat().st_size > 1024
+    if tuner == "lora":
+        assert load_file(out / "checkpoint-2" / "trainer_state" / "trainable.safetensors")
     assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4.tmp").exists()
 
 

@@ -341,9 +341,11 @@ def build_tokenizer(texts: list[str], vocab_size: int = 384):
     return fast
 
 
-def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = "qwen3_moe", seed: int = 0) -> str:
+def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = "qwen3_moe", seed: int = 0,
+                       **sizes) -> str:
     """The embedded default: a tiny ``family`` model with a tokenizer trained on the dataset file(s).
 
+    ``sizes`` (``hidden_size``, ``num_layers``, ``max_shard_size``...) override the demo's.
     Written once to ``path`` (model.safetensors, config.json, tokenizer files);
     later calls reuse it. Written to a temporary directory and renamed, so an
     interrupted build never leaves a half checkpoint behind.
@@ -365,7 +367,7 @@ def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = 
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
         save_tiny_checkpoint(family, tmp, seed=seed, tokenizer=tokenizer, vocab_size=len(tokenizer),
-                             hidden_size=64, intermediate_size=32,
+                             **{"hidden_size": 64, "intermediate_size": 32, **sizes},
                              eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         os.rename(tmp, path)
     except BaseException:

@@ -61,6 +61,7 @@ class TrainingArguments:
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: int | None = None
     save_only_model: bool = False  # skip optimizer state (smaller, but not resumable exactly)
+    max_shard_size: str = "5GB"  # largest safetensors file of a saved model, as save_pretrained's
     resume_from_checkpoint: str | None = None  # a checkpoint-* directory, or a run directory (latest is used)
 
     def __post_init__(self) -> None:
@@ -287,12 +288,16 @@ class Trainer:
         return entry
 
     def save(self, global_step: int) -> str:
+        from transformers.utils.hub import convert_file_size_to_int
+
         path = os.path.join(self.run_dir, f"checkpoint-{global_step}")
         state = {"global_step": global_step, "max_steps": self.max_steps, "log_history": self.log_history,
                  "peft": is_peft_model(self.model), **self._layout()}
         self.save_report = save_checkpoint(path, self.model, self.strategy, self.optimizer, self.scheduler, state,
                                            tokenizer=self.processing_class,
-                                           save_optimizer=not self.args.save_only_model)
+                                           save_optimizer=not self.args.save_only_model,
+                                           max_file_bytes=convert_file_size_to_int(self.args.max_shard_size),
+                                           chunk_bytes=self.strategy.init_bucket_bytes)
         if self.strategy.is_main_process:
             rotate_checkpoints(self.run_dir, self.args.save_total_limit)
             logger.info("saved %s", path)

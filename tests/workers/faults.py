@@ -72,9 +72,10 @@ def _trainer(args, max_steps, save_steps, output_dir, resume=None):
     strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
                                   timeout_s=args.timeout)
     model = strategy.from_pretrained(args.model)
-    torch.manual_seed(0)
-    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
-                                             target_parameters=["mlp.experts.gate_up_proj"]))
+    if not args.full:  # LoRA; with --full every weight trains (and a save writes the whole model in parallel)
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                 target_parameters=["mlp.experts.gate_up_proj"]))
     train_args = TrainingArguments(output_dir=output_dir, add_version=False, max_steps=max_steps,
                                    save_steps=save_steps, per_device_train_batch_size=2, logging_steps=1,
                                    learning_rate=1e-3, resume_from_checkpoint=resume)
@@ -97,16 +98,23 @@ def kill_rank_in_training_step(args):
 
 
 def kill_during_save(args):
-    from twinkle_strategy.checkpoint import training
+    from twinkle_strategy.checkpoint import training, writer
 
-    original = training.torch.save
+    original_save, original_write = training.torch.save, writer.ParallelFileWriter.write
 
     def save_then_die(obj, path, *a, **k):
         if RANK == 1 and "checkpoint-4.tmp" in str(path):
             die()
-        return original(obj, path, *a, **k)
+        return original_save(obj, path, *a, **k)
+
+    def write_then_die(self, key, tensor, rows=None):
+        # Rank 1 dies in the middle of writing its rows into the checkpoint's files.
+        if RANK == 1 and "checkpoint-4.tmp" in self.directory and self.bytes_written > 0:
+            die()
+        return original_write(self, key, tensor, rows)
 
     training.torch.save = save_then_die
+    writer.ParallelFileWriter.write = write_then_die
     _trainer(args, 6, 2, args.output_dir).train()
 
 
@@ -144,6 +152,7 @@ def main():
     p.add_argument("--dataset")
     p.add_argument("--output-dir")
     p.add_argument("--timeout", type=float, default=60)
+    p.add_argument("--full", action="store_true", help="full-parameter training instead of LoRA")
     args = p.parse_args()
     return SCENARIOS[args.scenario](args)
 

@@ -42,7 +42,7 @@ class OptimizerFiles:
 
     def __init__(self, model: nn.Module, optimizer, ep_plan, max_file_bytes: int):
         self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
-        params = dict(model.named_parameters())
+        params = self.params = dict(model.named_parameters())
         name_of = {id(p): n for n, p in params.items()}
         self.regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
         # Every rank steps the same parameters, so every rank has the same state keys.
@@ -60,7 +60,7 @@ class OptimizerFiles:
         self.plan: FilePlan = plan_files(tensors, max_file_bytes, prefix=OPTIMIZER_PREFIX)
 
     def _state(self, name: str, key: str) -> torch.Tensor:
-        return self.optimizer.state[dict(self.model.named_parameters())[name]][key]
+        return self.optimizer.state[self.params[name]][key]
 
     def create(self, directory: str) -> None:
         """Headers, sizes, index and the JSON of scalars and hyper-parameters (one rank)."""

@@ -107,7 +107,8 @@ class SaveReport:
 
 
 def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_state: dict, tokenizer=None,
-                    save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES) -> SaveReport:
+                    save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                    chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
     """Write ``path`` atomically (collective: every rank calls it); returns this rank's :class:`SaveReport`.
 
     Each step ends with a fail-together check instead of a plain barrier: if
@@ -156,7 +157,7 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
     else:
         layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes)
         step_done(on_rank0(lambda: create_model_files(tmp, plan)), "model weights")
-        step_done(write_model_files(tmp, layout, plan, regions, ep_plan, ep_group, CHUNK_BYTES, stats),
+        step_done(write_model_files(tmp, layout, plan, regions, ep_plan, ep_group, chunk_bytes, stats),
                   "model weights")
     # What resume needs, by full tensor so that any layout can read it back.
     parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if peft else []
@@ -165,7 +166,7 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
     step_done(on_rank0(lambda: [part.create(state_dir) for part in parts]), "trainer state")
     error = None
     for part in parts:
-        error = part.write(state_dir, ep_group, CHUNK_BYTES, stats) or error
+        error = part.write(state_dir, ep_group, chunk_bytes, stats) or error
 
     def small_files():
         if not peft:
