@@ -170,8 +170,9 @@ def unexpected_problems(keys) -> list[str]:
 
 # from_pretrained keyword arguments that mean the same to from_config: passed on when building the skeleton.
 INIT_KWARGS = ("attn_implementation", "experts_implementation")
-# Keyword arguments that only say how or where a full load puts the weights: placement is wrap_model's job.
-PLACEMENT_KWARGS = ("device_map", "low_cpu_mem_usage", "trust_remote_code", "dtype", "torch_dtype")
+# Keyword arguments that only say how or where a full load puts the weights: placement is wrap_model's job
+# (adapter_kwargs only matter for a directory holding a PEFT adapter, which stream_blocker refuses).
+PLACEMENT_KWARGS = ("device_map", "low_cpu_mem_usage", "trust_remote_code", "dtype", "torch_dtype", "adapter_kwargs")
 
 
 def init_kwargs(kwargs: dict) -> dict:
@@ -183,8 +184,11 @@ def stream_blocker(path: str, config, kwargs: dict) -> str | None:
     """Why the checkpoint in ``path`` cannot be streamed region by region, or None if it can."""
     from twinkle_strategy.checkpoint.files import checkpoint_files
 
+    # (empty values say nothing; names with a leading underscore are transformers' own bookkeeping,
+    # e.g. _from_auto when an auto class calls the concrete class)
     others = sorted(k for k, v in kwargs.items()
-                    if k not in INIT_KWARGS + PLACEMENT_KWARGS and v is not None and v is not False)
+                    if k not in INIT_KWARGS + PLACEMENT_KWARGS and not k.startswith("_") and v not in (None, False)
+                    and not (isinstance(v, (dict, list, tuple, str)) and not v))
     if others:
         return f"from_pretrained was given {others}, which only a full load understands"
     if getattr(config, "quantization_config", None):
@@ -193,6 +197,8 @@ def stream_blocker(path: str, config, kwargs: dict) -> str | None:
         return "the model has custom code (config.json has an auto_map)"
     if not checkpoint_files(path):
         return "it has no safetensors files (model.safetensors or model.safetensors.index.json)"
+    if os.path.isfile(os.path.join(path, "adapter_config.json")):
+        return "it holds a PEFT adapter, which transformers attaches to its base model on a full load"
     return None
 
 

@@ -21,6 +21,7 @@ Typical use::
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -330,6 +331,46 @@ class NativeFSDPStrategy:
     def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None):
         """The unsharded state dict (plain transformers/PEFT keys and shapes, CPU tensors). Collective."""
         return gather_full_state_dict(model, self.ep_plan, self.meshes.ep_group, rank0_only=rank0_only, keys=keys)
+
+    def save_pretrained(self, model: nn.Module, directory: str, max_shard_size: int | str = "5GB",
+                        tokenizer=None) -> None:
+        """Save ``model`` as a Hugging Face checkpoint in ``directory`` (collective), without gathering it.
+
+        Every rank writes the rows it keeps straight into the final safetensors files, in the key
+        layout of the checkpoint the model was loaded from (per-expert hub keys, renames): plain
+        ``from_pretrained`` reads the result. A PEFT model saves its adapter (all experts), as
+        ``save_pretrained`` of PEFT does. Any rank's error (disk full...) is raised on every rank.
+        """
+        from transformers.utils.hub import convert_file_size_to_int
+
+        from twinkle_strategy.checkpoint import is_peft_model, trainable_names
+        from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
+        from twinkle_strategy.checkpoint.sharded_io import IOStats
+
+        self.setup()
+
+        def step_done(error, what):
+            transport.raise_together(error, f"saving {directory} ({what})")
+
+        def on_main(action):
+            if not self.is_main_process:
+                return None
+            try:
+                action()
+            except Exception as exc:  # noqa: BLE001 - reported on every rank
+                return exc
+            return None
+
+        step_done(on_main(lambda: os.makedirs(directory, exist_ok=True)), "creating the directory")
+        if is_peft_model(model):
+            state = self.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
+            step_done(on_main(lambda: model.save_pretrained(directory, state_dict=state)), "adapter")
+        else:
+            save_model_files(directory, model, self.ep_plan, self.meshes.ep_group, IOStats(), step_done,
+                             convert_file_size_to_int(max_shard_size), self.init_bucket_bytes)
+            step_done(on_main(lambda: save_model_config(directory, model)), "config")
+        if tokenizer is not None:
+            step_done(on_main(lambda: tokenizer.save_pretrained(directory)), "tokenizer")
 
     def shutdown(self) -> None:
         if dist.is_initialized():

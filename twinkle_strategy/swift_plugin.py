@@ -24,9 +24,10 @@ ms-swift 4.x; everything else (data, template, loss, logging, output layout) sta
    adapter is the full ``[r*E]`` one; then ``strategy.wrap_model`` applies EP and FSDP2 and, with
    ``memory_efficient_init``, sends every rank exactly its shards from its node's source.
 4. **Trainer** (``TrainerFactory.get_trainer_cls``): swift's trainer class, with EP-aware gradient
-   clipping, and saving that gathers collectively (``strategy.full_state_dict(rank0_only=True)`` on
-   every rank) before swift writes the checkpoint on process zero, plus per-rank optimizer state
-   so ``--resume_from_checkpoint`` continues exactly (same world size and ep_size).
+   clipping; full-parameter saves written by every rank in parallel into the checkpoint's
+   safetensors files (``strategy.save_pretrained``: no gather, the source checkpoint's key layout),
+   adapters gathered (small) and written by process zero; plus per-rank optimizer state so
+   ``--resume_from_checkpoint`` continues exactly (same world size and ep_size).
 
 Options (the ``--fsdp`` JSON's ``"twinkle"`` object wins over the environment)::
 
@@ -418,20 +419,29 @@ class TwinkleTrainerMixin:
             grad_norm = self.twinkle_strategy.clip_grad_norm_(model, float("inf"))
         return grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
 
-    # -- saving: gather on every rank, write on process zero (swift's own _save and layout)
-    def _twinkle_keys(self):
-        if self.args.tuner_type == "full":
-            return None
-        return {n for n, p in self.model.named_parameters() if p.requires_grad}
-
+    # -- saving: swift's own _save and layout; the weights without a gather
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        state = self.twinkle_strategy.full_state_dict(self.model, rank0_only=True, keys=self._twinkle_keys())
-        if self.args.should_save:
-            self._save(output_dir, state_dict=state)
-        del state
+        if self.args.tuner_type == "full":
+            # Every rank writes its rows straight into the checkpoint's safetensors files (in the layout of
+            # the checkpoint the run started from); process zero then lets swift write everything else.
+            self.twinkle_strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
+            if self.args.should_save:
+                self._save(output_dir, state_dict=None)
+        else:
+            # The adapter is small: gathered (all experts, as plain PEFT loads it) and written by process zero.
+            keys = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            state = self.twinkle_strategy.full_state_dict(self.model, rank0_only=True, keys=keys)
+            if self.args.should_save:
+                self._save(output_dir, state_dict=state)
+            del state
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
+
+    def _save_model(self, output_dir: str | None = None, state_dict=None):
+        if self.args.tuner_type == "full":
+            return  # written by every rank in save_model, config included
+        return super()._save_model(output_dir, state_dict)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         strategy = self.twinkle_strategy

@@ -70,20 +70,21 @@ def _conversion_rules(model):
 
 def _row_mode(transform) -> str:
     """How rows of dim 0 of the rule's output relate to its inputs (see the module docstring)."""
-    from transformers.core_model_loading import (
-        Chunk, Concatenate, Interleave, MergeModulelist, Split, Transpose, WeightConverter,
-    )
+    from transformers import core_model_loading as rules
 
-    if not isinstance(transform, WeightConverter):
+    if not isinstance(transform, rules.WeightConverter):
         return ROWS
     ops = list(transform.operations)
     mode = ROWS
-    if ops and isinstance(ops[0], MergeModulelist) and ops[0].dim == 0:
+    if ops and isinstance(ops[0], rules.MergeModulelist) and ops[0].dim == 0:
         mode, ops = PER_EXPERT, ops[1:]
+    # (by name: not every transformers 5.x has every operation, e.g. Split is newer than 5.19)
+    along_a_dim = tuple(getattr(rules, name) for name in ("Concatenate", "Chunk", "Split", "Interleave")
+                        if hasattr(rules, name))
     for op in ops:
-        if isinstance(op, (Concatenate, Chunk, Split, Interleave)) and op.dim > 0:
+        if isinstance(op, along_a_dim) and op.dim > 0:
             continue
-        if isinstance(op, Transpose) and op.dim0 > 0 and op.dim1 > 0:
+        if isinstance(op, rules.Transpose) and op.dim0 > 0 and op.dim1 > 0:
             continue
         return WHOLE
     return mode

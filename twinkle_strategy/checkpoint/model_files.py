@@ -51,6 +51,35 @@ def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, 
     return error
 
 
+def save_model_files(directory: str, model: nn.Module, ep_plan, ep_group, stats: IOStats, step_done,
+                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = 32 * 2**20) -> None:
+    """The whole collective save of ``model``'s weights into ``directory`` (which must exist).
+
+    ``step_done(error, what)`` is the caller's fail-together check, called on every rank after each
+    step: the files are created (rank 0) before any rank writes into them.
+    """
+    import torch.distributed as dist
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes)
+    error = None
+    if rank == 0:
+        try:
+            create_model_files(directory, plan)
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by step_done
+            error = exc
+    step_done(error, "model weights")
+    step_done(write_model_files(directory, layout, plan, regions, ep_plan, ep_group, chunk_bytes, stats),
+              "model weights")
+
+
+def save_model_config(directory: str, model: nn.Module) -> None:
+    """``config.json`` and ``generation_config.json`` next to the weights (one rank)."""
+    model.config.save_pretrained(directory)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(directory)
+
+
 def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
     """Fill this rank's shards of ``model`` from the Hugging Face checkpoint in ``directory`` (its own rows only).
 

@@ -38,10 +38,9 @@ from torch import nn
 
 from twinkle_strategy.checkpoint.model_files import (
     DEFAULT_MAX_FILE_BYTES,
-    create_model_files,
-    plan_model_files,
     read_model_files,
-    write_model_files,
+    save_model_config,
+    save_model_files,
 )
 from twinkle_strategy.checkpoint.optimizer_files import (
     OptimizerFiles,
@@ -155,10 +154,7 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
         step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
         del state
     else:
-        layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes)
-        step_done(on_rank0(lambda: create_model_files(tmp, plan)), "model weights")
-        step_done(write_model_files(tmp, layout, plan, regions, ep_plan, ep_group, chunk_bytes, stats),
-                  "model weights")
+        save_model_files(tmp, model, ep_plan, ep_group, stats, step_done, max_file_bytes, chunk_bytes)
     # What resume needs, by full tensor so that any layout can read it back.
     parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if peft else []
     if optimizer is not None and save_optimizer:
@@ -170,10 +166,7 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
 
     def small_files():
         if not peft:
-            base = model.get_base_model() if hasattr(model, "get_base_model") else model
-            base.config.save_pretrained(tmp)
-            if getattr(base, "generation_config", None) is not None and base.can_generate():
-                base.generation_config.save_pretrained(tmp)
+            save_model_config(tmp, model)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         if scheduler is not None:
