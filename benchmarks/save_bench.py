@@ -126,16 +126,22 @@ def check_checkpoint(out: str, source: str, gathered: dict) -> dict:
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
 
     try:
-        loaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True)
+        loaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True,
+                                                            ignore_mismatched_sizes=True)
     except Exception as exc:  # noqa: BLE001
         return {"status": f"FAILED to load: {type(exc).__name__}: {str(exc)[:150]}"}
     state = loaded.state_dict()
     wrong = sorted(k for k in gathered if k not in state or not torch.equal(state[k], gathered[k]))
     missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    mismatched = sorted(info.get("mismatched_keys", []))
     same_keys = set(SafetensorsIndex.from_directory(out).tensors) == set(SafetensorsIndex.from_directory(source).tensors)
     parts = []
     if missing or unexpected:
         parts.append(f"{len(missing)} missing, {len(unexpected)} unexpected keys on load")
+    if mismatched:
+        key, saved, expected = mismatched[0]
+        parts.append(f"{len(mismatched)} tensors of the wrong shape (e.g. {key}: {tuple(saved)}, the model has "
+                     f"{tuple(expected)})")
     if wrong:
         parts.append(f"{len(wrong)} tensors differ (e.g. {wrong[0]})")
     status = "WRONG: " + "; ".join(parts) if parts else "correct"
