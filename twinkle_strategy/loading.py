@@ -124,6 +124,34 @@ def load_config(path: str, **kwargs):
                               "transformers checkpoint directory with a config.json?") from exc
 
 
+def read_config_text(path: str) -> str:
+    """The text of ``path``'s config.json: what a source sends its node (no transformers import needed to read it)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return f.read()
+    except OSError as exc:
+        raise CheckpointError(f"could not read the config of {path}: {exc}. Is it a transformers checkpoint "
+                              "directory with a config.json?") from exc
+
+
+def config_from_text(text: str):
+    """A transformers config from config.json's text, exactly as ``AutoConfig.from_pretrained`` builds it.
+
+    Every rank of a node builds its config from the text its source sends, at the same time: importing
+    the model's config and model classes (seconds) then happens in parallel, not one rank after another.
+    """
+    import json
+    import tempfile
+
+    if "AutoConfig" in (json.loads(text).get("auto_map") or {}):
+        raise CheckpointError("the checkpoint's config has custom code (auto_map), which memory_efficient_init "
+                              "cannot build on ranks that do not read the checkpoint; use memory_efficient_init=False")
+    with tempfile.TemporaryDirectory(prefix="twinkle-config-") as directory:
+        with open(os.path.join(directory, "config.json"), "w") as f:
+            f.write(text)
+        return load_config(directory)
+
+
 def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
     """``from_pretrained`` (of :func:`model_class_for`'s class) on CPU that refuses missing, unexpected or
     mismatched tensors."""

@@ -35,13 +35,14 @@ from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
 from twinkle_strategy.loading import (
+    config_from_text,
     init_kwargs,
-    share_weight_conversions,
-    load_config,
     load_pretrained_strict,
     meta_skeleton,
     open_streaming_model,
+    read_config_text,
     resolve_model_path,
+    share_weight_conversions,
     stream_blocker,
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
@@ -194,18 +195,19 @@ class NativeFSDPStrategy:
             transport.raise_together(error, f"loading {path_or_id}")
             return model
         is_source = self.topology.is_source
-        path, config, error = None, None, None
+        path, text, error = None, None, None
         if is_source:
             try:
                 path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
-                config = load_config(path)
+                text = read_config_text(path)
             except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
                 error = exc
-        # The config first: the other ranks build their meta model while the source checks the checkpoint.
-        config = transport.broadcast_from_source(config, self.topology.source_rank, self.node_group)
+        # The config first, as text: every rank builds it and its meta model while the source checks the checkpoint.
+        text = transport.broadcast_from_source(text, self.topology.source_rank, self.node_group)
         transport.raise_together(error, f"loading {path_or_id}")
-        model, error = None, None
+        model, config, error = None, None, None
         try:
+            config = config_from_text(text)
             if is_source:
                 model = self._open_on_source(path, config, dtype, kwargs)
             else:

@@ -16,6 +16,7 @@ when distribution ends.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from typing import Iterator
 
 import torch
@@ -31,6 +32,8 @@ class Capture:
     placeholders: dict[str, CheckpointTensor]  # read from a checkpoint
     _whole: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # checkpoint tensors read whole
     _cut_after_reading: set[str] = dataclasses.field(default_factory=set)  # parameters among them
+    # The source's streams read in threads of their own (one per receiver, one for its own shards).
+    _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     @property
     def layouts(self) -> list:
@@ -84,11 +87,13 @@ class Capture:
             return placeholder.checkpoint.read_rows(placeholder.key, (a, b) if placeholder.dim() else None)
         # A buffer (every rank needs it whole: read once per node, not once per rank), or a region that is
         # not a run of rows of the checkpoint tensor (experts on another dim): read whole, once.
-        if need.name not in self._whole:
-            self._whole[need.name] = placeholder.checkpoint.read_rows(placeholder.key)
-            if not need.is_buffer:
-                self._cut_after_reading.add(need.name)
-        region = region_of(self._whole[need.name], need, ep_plan)
+        with self._lock:
+            if need.name not in self._whole:
+                self._whole[need.name] = placeholder.checkpoint.read_rows(placeholder.key)
+                if not need.is_buffer:
+                    self._cut_after_reading.add(need.name)
+            whole = self._whole[need.name]
+        region = region_of(whole, need, ep_plan)
         return region if part is None else region[part[0]:part[1]]
 
     def release(self) -> None:

@@ -19,13 +19,15 @@ from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of
-from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
+from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes, prefetched
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.platform import NodeTopology, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+# Chunks each of the source's streams reads ahead in a background thread (reads overlap sending).
+READ_AHEAD = 2
 
 
 @dataclasses.dataclass
@@ -187,17 +189,19 @@ def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, b
 
 def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
     """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
+    pieces = ((local, chunk) for need, local in mine for chunk in capture.region_chunks(need, ep_plan, chunk_bytes))
+    rows_done, current = 0, None
     with torch.no_grad():
-        for need, local in mine:
-            rows_done = 0
-            for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
-                target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
-                target.copy_(chunk.reshape(target.shape))
-                rows_done += len(chunk) if chunk.dim() else 0
-                copied = chunk.numel() * chunk.element_size()
-                if progress is not None:
-                    progress.update(copied)
-                yield copied
+        for local, chunk in prefetched(pieces, READ_AHEAD):
+            if local is not current:
+                rows_done, current = 0, local
+            target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
+            target.copy_(chunk.reshape(target.shape))
+            rows_done += len(chunk) if chunk.dim() else 0
+            copied = chunk.numel() * chunk.element_size()
+            if progress is not None:
+                progress.update(copied)
+            yield copied
 
 
 def _checksum(chunks) -> int:
@@ -228,4 +232,4 @@ def _verify(mine, all_needs, capture, ep_plan, topology, node_group) -> str | No
 
 def _reader(needs: list[Need], capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
     regions = [lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes) for need in needs]
-    return StreamReader(regions, [need.nbytes for need in needs])
+    return StreamReader(regions, [need.nbytes for need in needs], prefetch=READ_AHEAD)

@@ -9,6 +9,8 @@ bucket's bytes into the local shards where they belong.
 
 from __future__ import annotations
 
+import queue
+import threading
 from typing import Callable, Iterator
 
 import torch
@@ -24,37 +26,24 @@ class StreamReader:
     """Reads the concatenated bytes of regions, each produced lazily as a sequence of chunks.
 
     ``regions[i]()`` returns an iterator of tensors whose bytes, end to end,
-    are region ``i`` (``sizes[i]`` bytes). Only the chunk being copied is alive.
+    are region ``i`` (``sizes[i]`` bytes). With ``prefetch`` a background thread
+    produces up to that many chunks ahead (reading from disk and converting
+    overlap with the sending); otherwise only the chunk being copied is alive.
     """
 
-    def __init__(self, regions: list[Callable[[], Iterator[torch.Tensor]]], sizes: list[int]):
-        self._regions, self._sizes = regions, sizes
-        self._index = 0
-        self._chunks: Iterator[torch.Tensor] | None = None
+    def __init__(self, regions: list[Callable[[], Iterator[torch.Tensor]]], sizes: list[int], prefetch: int = 0):
+        self.total = sum(sizes)
+        chunks = _checked_chunks(regions, sizes)
+        self._chunks = prefetched(chunks, prefetch) if prefetch and self.total else chunks
         self._chunk: torch.Tensor | None = None
         self._offset = 0  # into the current chunk
-        self._region_done = 0  # bytes of the current region already read
-        self.total = sum(sizes)
 
     def _next_chunk(self) -> bool:
         """Advance to the next chunk with bytes; False at the end of the stream."""
-        while self._index < len(self._regions):
-            if self._chunks is None:
-                self._chunks, self._region_done = iter(self._regions[self._index]()), 0
-            chunk = next(self._chunks, None)
-            if chunk is not None:
-                self._chunk, self._offset = as_bytes(chunk), 0
-                self._region_done += self._chunk.numel()
-                if self._region_done > self._sizes[self._index]:
-                    raise AssertionError(f"region {self._index} produced more than its {self._sizes[self._index]} "
-                                         "bytes")
-                if self._chunk.numel():
-                    return True
-                continue
-            if self._region_done != self._sizes[self._index]:
-                raise AssertionError(f"region {self._index} produced {self._region_done} of its "
-                                     f"{self._sizes[self._index]} bytes")
-            self._index, self._chunks = self._index + 1, None
+        for chunk in self._chunks:
+            self._chunk, self._offset = as_bytes(chunk), 0
+            if self._chunk.numel():
+                return True
         return False
 
     def read_into(self, out: torch.Tensor) -> int:
@@ -71,6 +60,57 @@ class StreamReader:
             filled += take
             self._offset += take
         return filled
+
+
+def _checked_chunks(regions, sizes) -> Iterator[torch.Tensor]:
+    """Every region's chunks in order, checking that each region produces exactly its size."""
+    for index, (region, size) in enumerate(zip(regions, sizes)):
+        produced = 0
+        for chunk in region():
+            produced += chunk.numel() * chunk.element_size()
+            yield chunk
+        if produced != size:
+            raise AssertionError(f"region {index} produced {produced} of its {size} bytes")
+
+
+def prefetched(chunks: Iterator[torch.Tensor], depth: int) -> Iterator[torch.Tensor]:
+    """``chunks``, produced by a background thread at most ``depth`` ahead (bounded memory).
+
+    Reading a checkpoint (``os.preadv``) and torch's copies release the GIL,
+    so the producer runs while the consumer stages and sends. An error in the
+    producer is raised in the consumer; a consumer that stops early stops it.
+    """
+    done = object()
+    ahead: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for chunk in chunks:
+                while not stop.is_set():
+                    try:
+                        ahead.put(chunk, timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            ahead.put(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            ahead.put(exc)
+
+    thread = threading.Thread(target=produce, name="twinkle-read-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ahead.get()
+            if item is done:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
 
 
 class StreamWriter:
