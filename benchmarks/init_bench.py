@@ -567,6 +567,7 @@ def summarize(run: dict) -> dict:
     incoming = [(r["bytes_received"] + r["disk_read_bytes"]) / r["shard_bytes"] for r in non_source]
     row = {
         "method": run["method"], "nnodes": run["nnodes"], "status": _status(ranks, len(run["ranks"])),
+        "init_s_runs": run.get("init_s_runs", []),
         "init_s": max(r["total_s"] for r in ranks),
         # From the moment the last rank enters the distribution step to the moment the last rank leaves it
         # (the same wall clock: every simulated node is this machine). Time a rank spends in the step
@@ -607,7 +608,7 @@ def summarize(run: dict) -> dict:
 
 
 def markdown(rows: list[dict]) -> str:
-    head = ("| method | nodes | result | init s | distribute s | disk read per node / node's share (max) "
+    head = ("| method | nodes | result | init s (median; range) | distribute s | disk read per node / node's share (max) "
             "| peak RSS source / model | (source - non-source) RSS / model | network recv / shard (non-source, max) "
             "| network + disk in / shard (non-source, max) | collective calls (max/rank) | peak RSS source MiB "
             "| peak RSS non-source MiB |")
@@ -616,7 +617,9 @@ def markdown(rows: list[dict]) -> str:
         if "init_s" not in r:
             lines.append(f"| {r['method']} | {r['nnodes']} | {r['status']} |" + "  |" * 10)
             continue
-        lines.append(f"| {r['method']} | {r['nnodes']} | {r['status']} | {r['init_s']:.2f} | {r['distribute_s']:.2f} "
+        runs = r.get("init_s_runs") or []
+        spread = f" ({min(runs):.2f}-{max(runs):.2f})" if len(runs) > 1 else ""
+        lines.append(f"| {r['method']} | {r['nnodes']} | {r['status']} | {r['init_s']:.2f}{spread} | {r['distribute_s']:.2f} "
                      f"| {r['disk_node_over_share']:.2f} | {r['rss_source_over_model']:.2f} "
                      f"| {r['rss_gap_over_model']:.2f} | {r['recv_over_shard_max']:.2f} | {r['in_over_shard_max']:.2f} "
                      f"| {r['calls_max']} | {r['rss_source_mb']:.0f} | {r['rss_nonsource_mb']:.0f} |")
@@ -729,6 +732,8 @@ def main() -> None:
     p.add_argument("--bucket-mb", type=float, default=32, help="ours: init_bucket_mb")
     p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--scaling", action="store_true", help="also 1, 2, 3 nodes, every method")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="runs per method and node count; the table shows the run with the median init time")
     p.add_argument("--timeout", type=float, default=600, help="seconds per launch before every process is killed")
     p.add_argument("--collective-timeout", type=float, default=120,
                    help="process-group timeout in the workers: a peer stuck in a collective fails after this")
@@ -760,11 +765,22 @@ def main() -> None:
         plan += [(m, n) for n in (1, 2, 3) for m in methods if (m, n) not in plan]
     runs = []
     for method, nnodes in plan:
-        print(f"running {method} ({nnodes} nodes x {args.nproc_per_node})...", flush=True)
-        run = run_launch(method, ckpt, nnodes, args.nproc_per_node, args.ep, args.bucket_mb,
-                         os.path.join(work, f"{method}-{nnodes}"), args.timeout, args.collective_timeout)
-        print(f"  {summarize(run)['status']} ({run['wall_s']:.0f} s with process start-up)", flush=True)
-        runs.append(run)
+        attempts = []
+        for attempt in range(args.repeat):
+            print(f"running {method} ({nnodes} nodes x {args.nproc_per_node}, run {attempt + 1})...", flush=True)
+            run = run_launch(method, ckpt, nnodes, args.nproc_per_node, args.ep, args.bucket_mb,
+                             os.path.join(work, f"{method}-{nnodes}-{attempt}"), args.timeout,
+                             args.collective_timeout)
+            status = summarize(run)["status"]
+            print(f"  {status} ({run['wall_s']:.0f} s with process start-up)", flush=True)
+            attempts.append(run)
+            if "init_s" not in summarize(run):
+                break  # a method that fails, fails every time: no point in repeating it
+        # Timings on a shared machine vary between runs: report the run with the median whole-init time.
+        timed = sorted((r for r in attempts if "init_s" in summarize(r)), key=lambda r: summarize(r)["init_s"])
+        chosen = timed[len(timed) // 2] if timed else attempts[-1]
+        chosen["init_s_runs"] = [round(summarize(r)["init_s"], 2) for r in timed]
+        runs.append(chosen)
     command = "python benchmarks/init_bench.py " + " ".join(sys.argv[1:])
     report([summarize(r) for r in runs], runs, shape, command, args)
 

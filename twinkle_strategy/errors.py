@@ -24,3 +24,7 @@ class ModelStructureError(TwinkleError):
 
 class CheckpointError(TwinkleError):
     """The checkpoint does not match the model (missing or wrong-shaped tensors, unreadable files)."""
+
+
+class ResumeError(TwinkleError):
+    """A checkpoint that cannot be resumed from (incomplete, or incompatible with this run)."""

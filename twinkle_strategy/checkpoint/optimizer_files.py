@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.errors import ResumeError
 
 OPTIMIZER_PREFIX = "optimizer"
 TRAINABLE_PREFIX = "trainable"
@@ -91,8 +92,6 @@ class OptimizerFiles:
 
 def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, stats: IOStats) -> None:
     """Give ``optimizer`` the saved state, each rank reading the rows of its own (possibly new) shards."""
-    from twinkle_strategy.checkpoint.training import ResumeError
-
     with open(os.path.join(directory, SCALARS_FILE)) as f:
         saved = json.load(f)
     params = dict(model.named_parameters())
@@ -159,8 +158,6 @@ class TrainableFiles:
 
 
 def read_trainable_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
-    from twinkle_strategy.checkpoint.training import ResumeError
-
     files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
                    if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
     index = SafetensorsIndex(files)

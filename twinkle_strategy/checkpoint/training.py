@@ -49,7 +49,7 @@ from twinkle_strategy.checkpoint.optimizer_files import (
     read_trainable_files,
 )
 from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import ResumeError  # noqa: F401  (raised here, importable from here)
 from twinkle_strategy.fail_together import RanksFailedError, raise_together
 from twinkle_strategy.platform import peak_rss_since_reset, reset_peak_rss, rss_bytes
 
@@ -58,10 +58,6 @@ logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.json"
 STATE_DIR = "trainer_state"
 CHUNK_BYTES = 32 * 2**20  # rows written (or read) at a time: what a save holds beyond the model's own shards
-
-
-class ResumeError(TwinkleError):
-    """A checkpoint that cannot be resumed from (incomplete, or incompatible with this run)."""
 
 
 def is_peft_model(model: nn.Module) -> bool:
