@@ -4,7 +4,6 @@ import re
 import shutil
 
 import pytest
-import torch
 
 from multinode import REPO, launch
 

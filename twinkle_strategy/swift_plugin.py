@@ -281,7 +281,6 @@ def _strategy_from_pretrained(strategy):
 
     original = PreTrainedModel.__dict__["from_pretrained"]
     from_pretrained = original.__func__
-    on_meta = strategy.memory_efficient_init and not strategy.topology.is_source
 
     def patched(cls, path, *args, config=None, **kwargs):
         if not strategy.memory_efficient_init:

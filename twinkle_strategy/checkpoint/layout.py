@@ -240,7 +240,7 @@ class CheckpointLayout:
         if shape_dtype is None:
             return None
         shape = shape or shape_dtype[0]
-        shim = types.SimpleNamespace(_weight_conversions=self.rules or None, config=self.config,
+        shim = types.SimpleNamespace(_weight_conversions=list(self.rules), config=self.config,
                                      get_parameter=_ShapeOnlyModel(self.config, self.model_tensors).get_parameter)
         try:
             out = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=shape_dtype[1], device="meta")})

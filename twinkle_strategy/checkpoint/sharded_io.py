@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.checkpoint.layout import CheckpointLayout
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
 from twinkle_strategy.gather import gather_full_tensor
 from twinkle_strategy.init.plan import Need, checkpoint_rows, needs_of
