@@ -9,7 +9,6 @@ it keeps (:mod:`twinkle_strategy.checkpoint.sharded_io`).
 
 from __future__ import annotations
 
-import os
 
 from torch import nn
 
@@ -44,11 +43,8 @@ def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, 
     """This rank's rows of every tensor, into the files :func:`create_model_files` made (collective)."""
     writer = ParallelFileWriter(directory, plan)
     error = write_regions(regions, layout, writer, ep_plan, ep_group, chunk_bytes, stats)
-    try:
-        writer.finish()
-    except OSError as exc:
-        error = error or exc
-    return error
+    finished = writer.finish()  # always: it closes the files
+    return error or finished
 
 
 def save_model_files(directory: str, model: nn.Module, ep_plan, ep_group, stats: IOStats, step_done,
@@ -96,7 +92,3 @@ def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) 
         stats.bytes_read += layout.bytes_read
     finally:
         layout.close()
-
-
-def is_model_directory(directory: str) -> bool:
-    return os.path.isfile(os.path.join(directory, "config.json"))

@@ -83,11 +83,8 @@ class OptimizerFiles:
                 error = error or write_regions(
                     [self.regions[name]], SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats,
                     key_of=lambda n, key=key: f"{n}:{key}", local_of=lambda r, state=state: (_local(state), state))
-        try:
-            writer.finish()
-        except OSError as exc:
-            error = error or exc
-        return error
+        finished = writer.finish()  # always: it closes the files
+        return error or finished
 
 
 def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, stats: IOStats) -> None:
@@ -150,11 +147,8 @@ class TrainableFiles:
     def write(self, directory: str, ep_group, chunk_bytes: int, stats: IOStats) -> BaseException | None:
         writer = ParallelFileWriter(directory, self.plan)
         error = write_regions(self.regions, SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats)
-        try:
-            writer.finish()
-        except OSError as exc:
-            error = error or exc
-        return error
+        finished = writer.finish()  # always: it closes the files
+        return error or finished
 
 
 def read_trainable_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:

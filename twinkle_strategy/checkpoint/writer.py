@@ -139,17 +139,20 @@ class ParallelFileWriter:
             self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
         return self._fds[name]
 
-    def finish(self) -> None:
-        """Flush what this process wrote to stable storage (on a shared filesystem each writer must) and close."""
-        for fd in self._fds.values():
-            os.fsync(fd)
-            os.close(fd)
-        self._fds.clear()
+    def finish(self) -> OSError | None:
+        """Flush what this process wrote to stable storage (on a shared filesystem each writer must) and close.
 
-    def abort(self) -> None:
+        Returns the error instead of raising it: the caller reports it on every rank at its next
+        fail-together check."""
+        error = None
         for fd in self._fds.values():
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                error = error or exc
             os.close(fd)
         self._fds.clear()
+        return error
 
 
 def write_index(directory: str, plan: FilePlan, prefix: str = "model") -> None:
