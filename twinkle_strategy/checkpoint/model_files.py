@@ -9,7 +9,6 @@ it keeps (:mod:`twinkle_strategy.checkpoint.sharded_io`).
 
 from __future__ import annotations
 
-
 from torch import nn
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
