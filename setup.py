@@ -18,7 +18,7 @@ setup(
         "tqdm",
         "matplotlib",
     ],
-    entry_points={"console_scripts": ["twinkle-sft=twinkle_strategy.cli:main"]},
+    entry_points={"console_scripts": ["twinkle-sft=twinkle_strategy.train.cli:main"]},
     extras_require={
         "test": ["pytest"],
         # ms-swift's `swift sft --external_plugins` integration (docs/swift.md); tested with ms-swift 4.6.0

@@ -307,7 +307,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
     from transformers import AutoConfig
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.platform import peak_rss_bytes
+    from twinkle_strategy.runtime import peak_rss_bytes
 
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no",
                                   memory_efficient_init=method in ("ours_stream", "ours_mem"),
@@ -450,7 +450,7 @@ def build_checkpoint(model_mb: float, path: str, shard_mb: float | None = None, 
     With ``model_layout``, also a copy in the model's own layout (fused expert tensors) next to it, for
     readers without conversion rules (DCP's HuggingFaceStorageReader).
     """
-    from twinkle_strategy.tiny_models import save_tiny_checkpoint
+    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
 
     hidden, inter, experts, vocab = 512, 512, 8, 4096
     per_layer = (experts * 3 * hidden * inter + 4 * hidden * hidden) * 4
@@ -485,7 +485,7 @@ def build_checkpoint(model_mb: float, path: str, shard_mb: float | None = None, 
 
 
 def run_launch(method, model, nnodes, nproc, ep, bucket_mb, results_dir, timeout, collective_timeout):
-    from twinkle_strategy.launcher import run_simulated_nodes
+    from twinkle_strategy.train.launcher import run_simulated_nodes
 
     os.makedirs(results_dir, exist_ok=True)
     script = [os.path.abspath(__file__), "--worker", method, "--model", model, "--ep", str(ep),

@@ -84,7 +84,7 @@ def run_method(method: str, path: str, out: str, ep: int, bucket_mb: float, max_
 
     from init_bench import Counter
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.platform import peak_rss_since_reset, reset_peak_rss, rss_bytes
+    from twinkle_strategy.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
 
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no", memory_efficient_init=True,
                                   init_bucket_mb=bucket_mb, device_type="cpu", timeout_s=600)
@@ -216,7 +216,7 @@ def main() -> None:
         return worker_main(args)
     from init_bench import build_checkpoint
 
-    from twinkle_strategy.launcher import run_simulated_nodes
+    from twinkle_strategy.train.launcher import run_simulated_nodes
 
     work = tempfile.mkdtemp(prefix="save_bench-")
     model = os.path.join(work, "model")

@@ -11,7 +11,7 @@ import json
 import os
 from pathlib import Path
 
-from twinkle_strategy.launcher import run_simulated_nodes
+from twinkle_strategy.train.launcher import run_simulated_nodes
 
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"

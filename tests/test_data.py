@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from twinkle_strategy.data import (
+from twinkle_strategy.train.data import (
     IGNORE_INDEX,
     DataCollatorForSFT,
     DatasetError,
@@ -12,7 +12,7 @@ from twinkle_strategy.data import (
     SFTDataset,
     load_jsonl,
 )
-from twinkle_strategy.tiny_models import build_tokenizer
+from twinkle_strategy.train.tiny_models import build_tokenizer
 
 
 @pytest.fixture(scope="module")

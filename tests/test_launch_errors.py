@@ -35,7 +35,7 @@ def twenty_rows_three_bad(path):
 
 def run_cli(args, cwd, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
-    return subprocess.run([sys.executable, "-m", "twinkle_strategy.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
 
@@ -89,7 +89,7 @@ def test_each_check_before_launch_is_one_line_and_writes_nothing(tmp_path, monke
     """Through the CLI's main, in this process: one line on stderr, status 2, no process group, nothing written."""
     import torch.distributed as dist
 
-    from twinkle_strategy.cli import main
+    from twinkle_strategy.train.cli import main
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     cwd = tmp_path / "cwd"
@@ -150,7 +150,7 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
 
 def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     """Through the torchrun re-launch (2 ranks on one node): 17 of 20 rows are trained on, one warning."""
-    from twinkle_strategy.launcher import free_port
+    from twinkle_strategy.train.launcher import free_port
 
     dataset = twenty_rows_three_bad(tmp_path / "bad20.jsonl")
     out = tmp_path / "out"
@@ -175,7 +175,7 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
 
 # ------------------------------------------------------------------- the pieces, without processes
 def test_summary_groups_errors_by_rank_and_shows_the_first_traceback(tmp_path):
-    from twinkle_strategy.rank_logs import failure_summary, record_error
+    from twinkle_strategy.train.rank_logs import failure_summary, record_error
 
     def raised(exc):
         try:
@@ -198,7 +198,7 @@ def test_summary_groups_errors_by_rank_and_shows_the_first_traceback(tmp_path):
 
 
 def test_log_follower_stops_at_the_fatal_traceback_only(tmp_path):
-    from twinkle_strategy.rank_logs import LogFollower, record_error
+    from twinkle_strategy.train.rank_logs import LogFollower, record_error
 
     os.makedirs(tmp_path / "logs")
     log = tmp_path / "logs" / "rank0.log"

@@ -14,7 +14,7 @@ import torch
 from conftest import LAYOUT_CHECKPOINTS
 from multinode import launch
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.tiny_models import FAMILIES
+from twinkle_strategy.train.tiny_models import FAMILIES
 
 BUCKET = 4096
 

@@ -31,7 +31,7 @@ def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory):
-    from twinkle_strategy.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.tiny_models import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
 
@@ -158,7 +158,7 @@ def test_disk_full_while_saving(demo_model, tmp_path, tuner):
     ("train.max_stepz=3", "Key 'max_stepz' not in 'TrainingArguments'"),
 ])
 def test_lora_options_the_expert_path_cannot_serve(override, message, tmp_path, capsys):
-    from twinkle_strategy.cli import main
+    from twinkle_strategy.train.cli import main
 
     code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={tmp_path}/o",
                  override])
@@ -168,7 +168,7 @@ def test_lora_options_the_expert_path_cannot_serve(override, message, tmp_path, 
 
 
 def test_hccl_defaults_are_set_only_when_unset(monkeypatch):
-    from twinkle_strategy.platform import HCCL_ENV_DEFAULTS, apply_backend_env_defaults
+    from twinkle_strategy.runtime import HCCL_ENV_DEFAULTS, apply_backend_env_defaults
 
     monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "77")

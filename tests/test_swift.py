@@ -3,7 +3,7 @@ in one process.
 
 ms-swift 4.6 needs older transformers/peft than .venv, so it lives in its own virtualenv,
 .venv-swift, which ``scripts/swift_env.sh`` creates (or only checks, when it is there). Each run
-is `NPROC_PER_NODE=2 swift sft --external_plugins twinkle_strategy/swift_plugin.py
+is `NPROC_PER_NODE=2 swift sft --external_plugins twinkle_strategy/integrations/swift/plugin.py
 tests/workers/swift_probe_plugin.py --callbacks twinkle_probe ...` on the tiny Qwen3-MoE with
 EP=2 and LoRA on attention and experts; the probe callback records, at the end of training, the
 distributed model's logits on fixed tokens and each rank's memory_efficient_init report.
@@ -27,12 +27,12 @@ import pytest
 import torch
 from workers.swift_peft_logits import peft_logits
 
-from twinkle_strategy.launcher import free_port
-from twinkle_strategy.tiny_models import prepare_demo_model
+from twinkle_strategy.train.launcher import free_port
+from twinkle_strategy.train.tiny_models import prepare_demo_model
 
 REPO = Path(__file__).resolve().parent.parent
 SWIFT_BIN = REPO / ".venv-swift" / "bin"
-PLUGIN = REPO / "twinkle_strategy" / "swift_plugin.py"
+PLUGIN = REPO / "twinkle_strategy" / "integrations" / "swift" / "plugin.py"
 WORKERS = REPO / "tests" / "workers"
 PROBE = WORKERS / "swift_probe_plugin.py"
 REFERENCE = WORKERS / "swift_reference_plugin.py"
@@ -312,7 +312,7 @@ def test_swift_sft_bad_checkpoint_fails_on_every_rank(swift_bin, tiny_model, tmp
 
 # ------------------------------------------------------------- options and argument checks (no swift needed)
 def test_plugin_options_from_environment_and_fsdp_json():
-    from twinkle_strategy.swift_plugin import SwiftPluginError, resolve_options
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, resolve_options
 
     env = {"TWINKLE_EP_SIZE": "4", "TWINKLE_MEMORY_EFFICIENT_INIT": "0", "TWINKLE_INIT_BUCKET_MB": "64"}
     assert resolve_options(None, env) == {"ep_size": 4, "memory_efficient_init": False, "init_bucket_mb": 64.0}
@@ -328,7 +328,7 @@ def test_plugin_options_from_environment_and_fsdp_json():
 
 
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
-    from twinkle_strategy.swift_plugin import SwiftPluginError, _check_args
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, _check_args
 
     args = types.SimpleNamespace(tuner_type="lora", lora_dropout=0.05, use_dora=False, lora_bias="none",
                                  target_parameters=["mlp.experts.gate_up_proj"])
@@ -346,7 +346,7 @@ def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
 
 def test_plugin_module_imports_without_swift():
     """Outside ms-swift (e.g. for `twinkle-sft --swift-plugin-path`) importing it hooks nothing."""
-    code = "import twinkle_strategy.swift_plugin as p; print(p.plugin_path())"
+    code = "import twinkle_strategy.integrations.swift.plugin as p; print(p.plugin_path())"
     proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == str(PLUGIN)

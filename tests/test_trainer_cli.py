@@ -17,7 +17,7 @@ STEPS = 8
 
 def run_cli(args, cwd, timeout=600):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "twinkle_strategy.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +87,7 @@ def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
 
     work, run_dir, _ = demo_run
     model_path = str(work / "output" / "tiny" / "demo")
@@ -125,7 +125,7 @@ def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run
 def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
     import torch.distributed as dist
 
-    from twinkle_strategy.cli import main
+    from twinkle_strategy.train.cli import main
 
     out = tmp_path / "out"
     code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}", override])
@@ -135,7 +135,7 @@ def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
 
 
 def test_swift_style_flags_map_to_recipe_keys():
-    from twinkle_strategy.cli import build_parser, parse
+    from twinkle_strategy.train.cli import build_parser, parse
 
     recipe = parse(["--model", "/m", "--dataset", "d.jsonl", "--train_type", "full", "--lora_rank", "4",
                     "--target_modules", "q_proj", "v_proj", "--expert_parallel_size", "1",
@@ -158,7 +158,7 @@ def test_swift_style_flags_map_to_recipe_keys():
 
 @pytest.mark.parametrize("recipe", sorted((REPO / "yaml").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_are_valid(recipe):
-    from twinkle_strategy.recipe import load_recipe
+    from twinkle_strategy.train.recipe import load_recipe
 
     loaded = load_recipe(str(recipe))
     assert loaded.launch.nnodes * loaded.launch.nproc_per_node % loaded.strategy.ep_size == 0
@@ -170,7 +170,7 @@ def test_swift_style_relaunch_under_torchrun(demo_run, tmp_path):
     work, _, _ = demo_run
     env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port())}
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, "-m", "twinkle_strategy.cli", "--model", str(work / "output" / "tiny" / "demo"),
+    proc = subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", "--model", str(work / "output" / "tiny" / "demo"),
                            "--dataset", DATASET, "--tuner_type", "lora", "--target_modules", "q_proj",
                            "--expert_parallel_size", "2", "--memory_efficient_init", "true", "--torch_dtype", "float32",
                            "--mixed_precision", "no", "--max_steps", "3", "--logging_steps", "1",
@@ -184,7 +184,7 @@ def test_swift_style_relaunch_under_torchrun(demo_run, tmp_path):
 
 
 def _free_port():
-    from twinkle_strategy.launcher import free_port
+    from twinkle_strategy.train.launcher import free_port
 
     return free_port()
 
@@ -195,7 +195,7 @@ def test_twinkle_sft_trains_a_vision_language_checkpoint_on_text(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from twinkle_strategy.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.tiny_models import prepare_demo_model
 
     model_dir = prepare_demo_model(str(tmp_path / "qwen3_5_moe_vl"), DATASET, family="qwen3_5_moe_vl")
     out = tmp_path / "out"

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from twinkle_strategy.errors import ParallelConfigError
-from twinkle_strategy.platform import NodeTopology
+from twinkle_strategy.runtime import NodeTopology
 
 logger = logging.getLogger(__name__)
 

@@ -47,7 +47,7 @@ from twinkle_strategy.loading import (
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
-from twinkle_strategy.platform import (
+from twinkle_strategy.runtime import (
     NodeTopology,
     current_device,
     discover_topology,

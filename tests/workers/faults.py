@@ -64,8 +64,8 @@ def _trainer(args, max_steps, save_steps, output_dir, resume=None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
-    from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
-    from twinkle_strategy.trainer import Trainer, TrainingArguments
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.train.trainer import Trainer, TrainingArguments
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     dataset = SFTDataset.from_jsonl(args.dataset, tokenizer, max_length=48)
@@ -84,7 +84,7 @@ def _trainer(args, max_steps, save_steps, output_dir, resume=None):
 
 
 def kill_rank_in_training_step(args):
-    from twinkle_strategy.trainer import Trainer
+    from twinkle_strategy.train.trainer import Trainer
 
     original = Trainer.training_step
 
@@ -119,7 +119,7 @@ def kill_during_save(args):
 
 
 def disk_full_during_save(args):
-    from twinkle_strategy.trainer import Trainer
+    from twinkle_strategy.train.trainer import Trainer
 
     original = Trainer.save
 

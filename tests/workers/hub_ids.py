@@ -61,9 +61,9 @@ def main():
     p.add_argument("--ids", nargs="+", required=True)
     p.add_argument("--not-loadable", nargs="+", default=[], help="cached ids the checks before launch must refuse")
     args = p.parse_args()
-    from twinkle_strategy.preflight import PreflightError, check_before_launch
-    from twinkle_strategy.recipe import load_recipe
-    from twinkle_strategy.run import build_training
+    from twinkle_strategy.train.preflight import PreflightError, check_before_launch
+    from twinkle_strategy.train.recipe import load_recipe
+    from twinkle_strategy.train.run import build_training
 
     result = {"runs": {}, "refused": {}}
     for model_id in args.ids:

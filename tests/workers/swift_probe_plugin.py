@@ -29,7 +29,7 @@ def probe_logits(model, device) -> torch.Tensor:
 class TwinkleProbe(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
-        from twinkle_strategy import swift_plugin
+        from twinkle_strategy.integrations.swift import plugin as swift_plugin
 
         out = os.environ["TWINKLE_PROBE_OUT"]
         os.makedirs(out, exist_ok=True)

@@ -14,8 +14,8 @@ import torch  # noqa: E402
 
 import worker_common  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
-from twinkle_strategy.data import DataCollatorForSFT, SFTDataset  # noqa: E402
-from twinkle_strategy.trainer import Trainer, TrainingArguments  # noqa: E402
+from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset  # noqa: E402
+from twinkle_strategy.train.trainer import Trainer, TrainingArguments  # noqa: E402
 
 PROBE = 3
 

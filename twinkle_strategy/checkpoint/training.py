@@ -51,7 +51,7 @@ from twinkle_strategy.checkpoint.optimizer_files import (
 from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.errors import ResumeError  # noqa: F401  (raised here, importable from here)
 from twinkle_strategy.fail_together import RanksFailedError, raise_together
-from twinkle_strategy.platform import peak_rss_since_reset, reset_peak_rss, rss_bytes
+from twinkle_strategy.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
 
 logger = logging.getLogger(__name__)
 

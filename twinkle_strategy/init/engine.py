@@ -21,7 +21,7 @@ from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes, prefetched
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
-from twinkle_strategy.platform import NodeTopology, peak_rss_bytes
+from twinkle_strategy.runtime import NodeTopology, peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 

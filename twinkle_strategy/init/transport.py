@@ -19,7 +19,7 @@ import torch.distributed as dist
 from twinkle_strategy import fail_together
 from twinkle_strategy.fail_together import RanksFailedError
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
-from twinkle_strategy.platform import NodeTopology
+from twinkle_strategy.runtime import NodeTopology
 
 
 class DistributedInitError(RanksFailedError):

@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from twinkle_strategy.recipe import Recipe
+from twinkle_strategy.train.recipe import Recipe
 
 TINY_PREFIX = "tiny://"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -16,8 +16,8 @@ def prepare_model_path(path: str, datasets: list[str]) -> str:
     """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``datasets``) under ./output/tiny/NAME."""
     if not path.startswith(TINY_PREFIX):
         return path
-    from twinkle_strategy.data import DatasetSpec
-    from twinkle_strategy.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.data import DatasetSpec
+    from twinkle_strategy.train.tiny_models import prepare_demo_model
 
     name = path[len(TINY_PREFIX):] or "demo"
     target = os.path.abspath(os.path.join("output", "tiny", name))
@@ -47,9 +47,9 @@ def build_training(recipe: Recipe, run_dir: str | None = None):
     """
     from transformers import AutoTokenizer
 
-    from twinkle_strategy.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
     from twinkle_strategy.strategy import NativeFSDPStrategy
-    from twinkle_strategy.trainer import Trainer
+    from twinkle_strategy.train.trainer import Trainer
 
     s = recipe.strategy
     strategy = NativeFSDPStrategy(ep_size=s.ep_size, ep_fsdp_size=s.ep_fsdp_size, mixed_precision=s.mixed_precision,

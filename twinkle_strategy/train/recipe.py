@@ -17,7 +17,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.trainer import TrainingArguments
+from twinkle_strategy.train.trainer import TrainingArguments
 
 
 class RecipeError(TwinkleError):

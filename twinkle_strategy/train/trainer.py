@@ -34,7 +34,7 @@ from twinkle_strategy.checkpoint import (
 )
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.init.liveness import StatusBoard
-from twinkle_strategy.platform import peak_rss_bytes
+from twinkle_strategy.runtime import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 

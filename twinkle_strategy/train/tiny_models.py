@@ -353,7 +353,7 @@ def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = 
     import shutil
     import tempfile
 
-    from twinkle_strategy.data import read_rows
+    from twinkle_strategy.train.data import read_rows
 
     if os.path.exists(os.path.join(path, "config.json")):
         return path

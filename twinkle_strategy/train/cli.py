@@ -40,8 +40,8 @@ import os
 import sys
 
 from twinkle_strategy.errors import TwinkleError
-from twinkle_strategy.recipe import Recipe, RecipeError, load_recipe
-from twinkle_strategy.trainer import TrainingArguments
+from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
+from twinkle_strategy.train.trainer import TrainingArguments
 
 # swift sft flag -> recipe key, help
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
@@ -126,7 +126,7 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
     node_rank = int(env.get("NODE_RANK", "0"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", str(nnodes),
            "--node_rank", str(node_rank), "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
-           "--master_port", env.get("MASTER_PORT", "29500"), "-m", "twinkle_strategy.cli", *argv]
+           "--master_port", env.get("MASTER_PORT", "29500"), "-m", "twinkle_strategy.train.cli", *argv]
     ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
     return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node")
 
@@ -135,19 +135,19 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--swift-plugin-path" in argv:
         # A path, not an import: importing the plugin would patch ms-swift in this process.
-        print(os.path.join(os.path.dirname(os.path.abspath(__file__)), "swift_plugin.py"))
+        print(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integrations", "swift", "plugin.py"))
         return 0
     if "LOCAL_RANK" in os.environ:  # a torchrun worker
         return _worker_main(argv)
     try:
         recipe = parse(argv)
-        from twinkle_strategy.preflight import check_before_launch
+        from twinkle_strategy.train.preflight import check_before_launch
 
         check_before_launch(recipe)
     except (RecipeError, TwinkleError) as exc:
         print(f"twinkle-sft: error: {_describe(exc)}", file=sys.stderr)
         return 2
-    from twinkle_strategy.run import prepare_model_path, run_recipe
+    from twinkle_strategy.train.run import prepare_model_path, run_recipe
 
     # Build the embedded model (tiny://) once here, before any worker starts; the workers find it built.
     recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
@@ -167,12 +167,11 @@ def _describe(exc: Exception) -> str:
 
 
 def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
-    from twinkle_strategy.launcher import free_port, torchrun_command
+    from twinkle_strategy.train.launcher import free_port, torchrun_command
 
     nnodes, nproc = recipe.launch.nnodes, recipe.launch.nproc_per_node
     port = free_port()
-    # "-m": run as a module; running the file would shadow the stdlib with our platform.py.
-    commands = [torchrun_command(["-m", "twinkle_strategy.cli", *argv], nnodes, node, nproc, port)
+    commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port)
                 for node in range(nnodes)]
     return _run_logged(commands, recipe, list(range(nnodes * nproc)), list(range(nnodes)),
                        f"{nnodes} simulated nodes x {nproc} ranks on this machine")
@@ -180,9 +179,9 @@ def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
 
 def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str) -> int:
     from twinkle_strategy.checkpoint import latest_checkpoint
-    from twinkle_strategy.launcher import run_logged
-    from twinkle_strategy.rank_logs import logs_dir
-    from twinkle_strategy.trainer import make_run_dir
+    from twinkle_strategy.train.launcher import run_logged
+    from twinkle_strategy.train.rank_logs import logs_dir
+    from twinkle_strategy.train.trainer import make_run_dir
 
     # Chosen here, not by rank 0, so the logs have a home even if the run fails before training.
     run_dir = make_run_dir(recipe.train.output_dir, recipe.train.add_version)
@@ -197,8 +196,8 @@ def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], nod
 
 def _worker_main(argv: list[str]) -> int:
     """One rank of a run ``twinkle-sft`` launched: log to the run directory, record a failure for the summary."""
-    from twinkle_strategy.rank_logs import RUN_DIR_ENV, capture_rank_output, record_error
-    from twinkle_strategy.run import prepare_model_path, run_recipe
+    from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, record_error
+    from twinkle_strategy.train.run import prepare_model_path, run_recipe
 
     run_dir, rank = os.environ.get(RUN_DIR_ENV), int(os.environ.get("RANK", "0"))
     if run_dir:

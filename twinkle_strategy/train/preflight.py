@@ -18,10 +18,10 @@ from __future__ import annotations
 import os
 import tempfile
 
-from twinkle_strategy.data import DatasetError, DatasetSpec, no_usable_row_error, read_rows
+from twinkle_strategy.train.data import DatasetError, DatasetSpec, no_usable_row_error, read_rows
 from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path, checkpoint_files_problem
-from twinkle_strategy.recipe import Recipe, RecipeError
-from twinkle_strategy.run import TINY_PREFIX
+from twinkle_strategy.train.recipe import Recipe, RecipeError
+from twinkle_strategy.train.run import TINY_PREFIX
 
 ROWS_CHECKED = 100  # rows read per dataset file here; the run reads them all
 

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from twinkle_strategy.rank_logs import RUN_DIR_ENV, LogFollower, agent_log_path, failure_summary, logs_dir
+from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, LogFollower, agent_log_path, failure_summary, logs_dir
 
 
 def free_port() -> int:
@@ -77,7 +77,7 @@ def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_r
 
     The workers (``twinkle-sft``) find ``run_dir`` in ``TWINKLE_RUN_DIR``. The first of
     ``ranks`` is shown live on stderr; a failed run ends with one summary on stderr
-    (:mod:`twinkle_strategy.rank_logs`). Returns whether every agent succeeded.
+    (:mod:`twinkle_strategy.train.rank_logs`). Returns whether every agent succeeded.
     """
     os.makedirs(logs_dir(run_dir), exist_ok=True)
     env = {**os.environ, RUN_DIR_ENV: run_dir, "PYTHONUNBUFFERED": "1"}

@@ -55,13 +55,11 @@ from typing import Any
 
 import torch
 
-_CANONICAL_NAME = "twinkle_strategy.swift_plugin"
+_CANONICAL_NAME = "twinkle_strategy.integrations.swift.plugin"
 # swift imports this file by path, as `_swift_external_<hash>`, after putting its directory first on
-# sys.path. That directory is our package: its platform.py, data.py, ... must not shadow top-level modules.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+# sys.path. That folder holds only this plugin, so nothing in it can shadow another module.
 
-logger = logging.getLogger("twinkle_strategy.swift_plugin")
+logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
 
 ENV_PREFIX = "TWINKLE_"
 # option -> parser; the default is NativeFSDPStrategy's unless listed in DEFAULTS.
@@ -215,7 +213,7 @@ def _init_fsdp(_orig, self) -> None:
     # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.
     _STATE["swift_precision"] = "bf16" if self.bf16 else "no"
     self.bf16 = self.fp16 = False
-    from twinkle_strategy.platform import (
+    from twinkle_strategy.runtime import (
         apply_backend_env_defaults,
         backend_for,
         detect_device_type,
