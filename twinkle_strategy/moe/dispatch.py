@@ -107,9 +107,9 @@ def run_on_owners(
     rows: torch.Tensor,
     row_expert: torch.Tensor,
     local_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
     num_local_experts: int,
     group: dist.ProcessGroup,
-    *,
     replay: _Exchange | None = None,
 ) -> tuple[torch.Tensor, _Exchange]:
     """Expert output for every row of ``rows`` [N, H], computed on the EP rank owning ``row_expert`` [N].
@@ -180,11 +180,12 @@ def dispatch_routed(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     experts_forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    num_experts: int,
     num_local_experts: int,
-    num_routed_experts: int,
     group: dist.ProcessGroup,
-    min_top_k: int = 1,
     num_local_zero_experts: int = 0,
+    min_top_k: int = 1,
 ) -> torch.Tensor:
     """Routed expert output for ``hidden_states`` [T, H], computed by the owning EP ranks.
 
@@ -193,7 +194,7 @@ def dispatch_routed(
     We give it weight 1 per row and apply the router weights after the return
     trip, so it stays a pure per-row function of the token.
 
-    Indices ``>= num_routed_experts`` are zero-computation (identity) experts
+    ``num_experts`` counts the routed experts of every EP rank; indices ``>= num_experts`` are zero-computation (identity) experts
     (LongCat-Flash): their output is the token itself, computed here, so they
     never travel. The (token, expert) rows are combined in ascending expert
     order, as the model's own forward does, so each token's sum adds its terms
@@ -213,7 +214,7 @@ def dispatch_routed(
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
     num_rows = order.numel()
     # (Counting needs a host sync: only models with identity experts pay for it.)
-    num_routed_rows = int((sorted_expert < num_routed_experts).sum()) if num_local_zero_experts else num_rows
+    num_routed_rows = int((sorted_expert < num_experts).sum()) if num_local_zero_experts else num_rows
 
     def local_forward(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         index = local_expert.unsqueeze(-1)
@@ -227,7 +228,7 @@ def dispatch_routed(
     routed_rows = token_of_row[:num_routed_rows]
     replay = _recorded_exchange(top_k_index)
     per_row, exchange = run_on_owners(hidden_states[routed_rows], sorted_expert[:num_routed_rows], local_forward,
-                                      num_local_experts, group, replay=replay)
+                                      num_local_experts=num_local_experts, group=group, replay=replay)
     _keep_exchange(exchange, top_k_index)
     if num_routed_rows < num_rows:
         per_row = torch.cat([per_row, hidden_states[token_of_row[num_routed_rows:]].to(per_row.dtype)])
@@ -240,6 +241,7 @@ def dispatch_routed(
 def dispatch_pre_routed(
     routed_in: torch.Tensor,
     experts_forward: Callable[[torch.Tensor], torch.Tensor],
+    *,
     num_experts: int,
     num_local_experts: int,
     group: dist.ProcessGroup,
@@ -274,7 +276,7 @@ def dispatch_pre_routed(
 
     replay = _recorded_exchange(row_expert)
     per_row, exchange = run_on_owners(per_expert[row_expert, row_token], row_expert, local_forward,
-                                      num_local_experts, group, replay=replay)
+                                      num_local_experts=num_local_experts, group=group, replay=replay)
     _keep_exchange(exchange, row_expert)
     out = per_row.new_zeros((num_experts, per_expert.shape[1], per_row.shape[-1]))
     return out.index_put((row_expert, row_token), per_row).view(-1, per_row.shape[-1])
