@@ -40,11 +40,14 @@ class AgentsResult:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
 
 
-def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int) -> list[str]:
+def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int, *,
+                     max_restarts: int = 0, master_addr: str = "127.0.0.1") -> list[str]:
+    """One node's torchrun; ``max_restarts``: times torchrun restarts the workers after a failure (the
+    trainer of a restarted worker resumes from its run's newest complete checkpoint)."""
     return [
         sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(port),
+        "--master_addr", master_addr, "--master_port", str(port), "--max_restarts", str(max_restarts),
         *script_and_args,
     ]
 

@@ -248,6 +248,18 @@ class Trainer:
     # ---------------------------------------------------------------- training
     def training_step(self, step: int) -> dict:
         """One optimizer step: the global batch's mean loss per response token, grad norm, and statistics."""
+        result = self.compute_gradients(step)
+        result["grad_norm"] = float(self.strategy.clip_grad_norm_(self.model, self.args.max_grad_norm))
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        result["expert_counts"] = self.expert_load.take_global() if self.expert_load is not None else None
+        if self.correction_biases:
+            update_correction_bias(self.correction_biases, result["expert_counts"], self.args.load_balance_coeff)
+        return result
+
+    def compute_gradients(self, step: int) -> dict:
+        """Forward and backward of every micro-batch of step ``step``; global loss, aux loss and token sums."""
         device = self.strategy.device
         batches = self._micro_batches(step)
         sizes = torch.tensor([sum(float((b["labels"][:, 1:] != -100).sum()) for b in batches),
@@ -261,17 +273,10 @@ class Trainer:
             loss, aux, router = self._forward_backward(batch, global_tokens, router)
             sums[:2] += torch.stack([loss, aux])
         sums[2] = float(self._preemption is not None and self._preemption.requested)
-        norm = self.strategy.clip_grad_norm_(self.model, self.args.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        expert_counts = self.expert_load.take_global() if self.expert_load is not None else None
-        if self.correction_biases:
-            update_correction_bias(self.correction_biases, expert_counts, self.args.load_balance_coeff)
         loss, aux, preempted = _all_reduce_sum(sums).tolist()
         seq_len = sum(b["input_ids"].shape[1] for b in batches) / len(batches)
-        return {"loss": loss, "grad_norm": float(norm), "aux_loss": aux, "tokens": float(input_tokens),
-                "seq_len": seq_len, "expert_counts": expert_counts, "preempted": preempted > 0}
+        return {"loss": loss, "aux_loss": aux, "tokens": float(input_tokens), "seq_len": seq_len,
+                "preempted": preempted > 0}
 
     def _forward_backward(self, batch: dict, global_tokens: torch.Tensor, router):
         """One micro-batch; returns (its loss share, its aux-loss share, the global router statistics)."""
