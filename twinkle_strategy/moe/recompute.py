@@ -113,3 +113,37 @@ def _checkpointed(forward):
 
     checkpointed_forward._twinkle_checkpointed = True
     return checkpointed_forward
+
+
+def replay_in_transformers_checkpointing(model: nn.Module) -> None:
+    """Make transformers' own gradient checkpointing (``gradient_checkpointing_enable``, used by
+    ms-swift and the HF Trainer) non-reentrant with :func:`checkpoint_contexts`, whether it is
+    enabled already or later."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and func is not None:
+            module._gradient_checkpointing_func = _with_replay(func)
+        # transformers >= 5.2x routes activation_/gradient_checkpointing_enable to the private worker;
+        # older versions have only the public method.
+        name = next((n for n in ("_activation_checkpointing_enable", "gradient_checkpointing_enable")
+                     if hasattr(module, n)), None)
+        enable = getattr(module, name) if name else None
+        if enable is not None and not getattr(enable, "_twinkle_replay", False):
+            setattr(module, name, _enable_with_replay(enable))
+
+
+def _with_replay(func):
+    keywords = dict(getattr(func, "keywords", None) or {})
+    base = getattr(func, "func", checkpoint)  # transformers' own wrapper when it offloads to the host
+    return functools.partial(base, **{**keywords, "use_reentrant": False, "context_fn": checkpoint_contexts})
+
+
+def _enable_with_replay(enable):
+    @functools.wraps(enable)
+    def enable_with_replay(checkpointing_kwargs=None, *args, **kwargs):
+        # The context_fn is added here, not in the user's kwargs: swift and HF serialise those into args.json.
+        options = {**(checkpointing_kwargs or {}), "use_reentrant": False, "context_fn": checkpoint_contexts}
+        return enable(options, *args, **kwargs)
+
+    enable_with_replay._twinkle_replay = True
+    return enable_with_replay

@@ -169,7 +169,8 @@ class Trainer:
 
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
                                        num_training_steps=self.max_steps)
-        restarted = restart_count() > 0
+        # torchrun counts restarts per node, and only on the node whose workers failed: ask every rank.
+        restarted = bool(_all_reduce_sum(torch.tensor(float(restart_count() > 0), device=strategy.device)) > 0)
         if restarted and self.run_dir is None and args.add_version:
             self.run_dir = newest_run_dir(args.output_dir)  # a restarted worker continues its run, not a new one
         # Rank 0's choice for everyone: with several real nodes, each node's launcher may have named its own.
@@ -187,8 +188,7 @@ class Trainer:
             # torchrun restarted this worker (launch.max_restarts): continue from the newest complete checkpoint.
             path = _broadcast(latest_checkpoint(self.run_dir) if strategy.is_main_process else None)
             if path is None and strategy.is_main_process:
-                logger.warning("restart %d: no complete checkpoint in %s yet, training from the start",
-                               restart_count(), self.run_dir)
+                logger.warning("restarted: no complete checkpoint in %s yet, training from the start", self.run_dir)
         if path:
             self._resume(path, same_run=not args.resume_from_checkpoint)
 
