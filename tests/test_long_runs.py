@@ -175,3 +175,42 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
     assert counts[0].sum() == 2 * 12 * 2 * 2  # tokens x top-2 x 2 layers, counted once with recomputation too
     torch.testing.assert_close(counts[1], counts[0], rtol=0, atol=0)
     torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_active_parameters_count_only_the_routed_experts_a_token_uses():
+    from twinkle_strategy.train.throughput import FlopsModel, throughput
+    from twinkle_strategy.train.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe")
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size  # gate, up, down
+    experts = config.num_hidden_layers * config.num_experts * per_expert
+    expected = (total - model.get_input_embeddings().weight.numel() - experts
+                + config.num_hidden_layers * config.num_experts_per_tok * per_expert)
+    flops = FlopsModel.of(model)
+    assert flops.active_params == expected
+    fields = throughput(flops, tokens=10**9, seq_len=10, seconds=2.0, world_size=4, peak_tflops=10.0)
+    assert fields["tokens_per_second"] == 5e8
+    per_token = 6 * expected + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 10
+    assert fields["tflops_per_device"] == pytest.approx(per_token * 10**9 / 2.0 / 4 / 1e12, rel=1e-3)
+    assert fields["mfu"] == pytest.approx(fields["tflops_per_device"] / 10.0, rel=1e-3)
+
+
+def test_aux_loss_free_bias_moves_towards_balance_and_other_losses_are_refused():
+    from twinkle_strategy.errors import ModelStructureError
+    from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
+    from twinkle_strategy.train.tiny_models import build_tiny_model
+
+    model = build_tiny_model("deepseek_v3")
+    biases = correction_biases(model)
+    assert len(biases) == model.config.num_hidden_layers - model.config.first_k_dense_replace
+    counts = torch.ones(len(biases), model.config.n_routed_experts)
+    counts[:, 0], counts[:, 1] = 9.0, 0.0  # expert 0 overloaded, expert 1 starved
+    before = [bias.clone() for bias in biases]
+    update_correction_bias(biases, counts, 0.01)
+    for bias, old in zip(biases, before):
+        change = bias - old
+        assert change[0] < 0 < change[1] and abs(float(change.sum())) < 1e-6, change
+    with pytest.raises(ModelStructureError, match="load_balance_coeff"):
+        BalancingLoss.of(model)  # DeepSeek-V3 has no load-balancing loss of its own
