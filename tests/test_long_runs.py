@@ -2,7 +2,6 @@
 
 import pytest
 import torch
-
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")

@@ -17,8 +17,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 import worker_common  # noqa: E402
+
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.gather import gather_full_tensor  # noqa: E402
 from twinkle_strategy.moe.load import load_imbalance  # noqa: E402
