@@ -124,8 +124,14 @@ def test_killed_rank_restarts_and_sigterm_saves_and_resumes(tiny_model, tmp_path
                (("reference", reference), ("killed", killed), ("stopped", stopped))}
     for name, proc in (("reference", reference), ("killed", killed), ("stopped", stopped)):
         assert proc.returncode == 0, (name, outputs[name][-5000:])
-    uninterrupted = read_log(the_run_dir(tmp_path / "ref"))
+    reference_dir = the_run_dir(tmp_path / "ref")
+    uninterrupted = read_log(reference_dir)
     assert sorted(uninterrupted) == list(range(1, 7))
+    # The MoE and throughput fields of every log line, and the expert-load heatmap.
+    for entry in uninterrupted.values():
+        assert entry["moe_load_imbalance"] >= 1.0 and entry["tokens_per_second"] > 0 < entry["tflops_per_device"]
+        assert "mfu" not in entry and "aux_loss" not in entry  # no known CPU peak; coefficient 0
+    assert (reference_dir / "images" / "expert_load.png").stat().st_size > 1000
 
     # Restarted in place: the same run directory, logging continued, the uninterrupted losses.
     restarted = read_log(killed_dir)

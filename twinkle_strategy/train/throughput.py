@@ -15,6 +15,7 @@ import dataclasses
 import torch
 from torch import nn
 
+from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.moe.discovery import find_moe_blocks
 
 # Dense bf16 peak TFLOPS per device (vendor data sheets; no sparsity).
@@ -50,7 +51,10 @@ def _text_config(model: nn.Module):
 
 def active_parameters(model: nn.Module, *, ep_size: int = 1) -> int:
     """Parameters one token's forward uses (``ep_size``: the EP ``model`` is already cut by, else 1)."""
-    blocks = find_moe_blocks(model)
+    try:
+        blocks = find_moe_blocks(model)
+    except ModelStructureError:  # experts we cannot identify (DBRX...): counted as dense, an upper bound
+        blocks = []
     top_k = _top_k(_text_config(model))
     skip = {id(p) for p in model.get_input_embeddings().parameters()}
     active = 0

@@ -32,7 +32,7 @@ from twinkle_strategy.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
-from twinkle_strategy.errors import TrainingAbortedError
+from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
@@ -112,6 +112,16 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     if dist.is_initialized():
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
     return value
+
+
+def _expert_load_or_none(model, *, ep_size: int) -> ExpertLoad | None:
+    """Expert-load counting for an MoE model whose experts call we know; None otherwise (dense models, and
+    families EP refuses, which still train with ep_size=1 but log no moe_load_imbalance)."""
+    try:
+        return ExpertLoad(model, ep_size=ep_size) if find_moe_blocks(model) else None
+    except ModelStructureError as exc:
+        logger.warning("no expert-load statistics: %s", exc)
+        return None
 
 
 def _rewrite_log(path: str, entries: list[dict]) -> None:
@@ -207,8 +217,7 @@ class Trainer:
     def _prepare_moe_training(self, *, ep_size: int) -> None:
         """Expert-load counting, the global-batch balancing loss, aux-loss-free biases, activation checkpointing."""
         args, model = self.args, self.model
-        has_moe = bool(find_moe_blocks(model))
-        self.expert_load = ExpertLoad(model, ep_size=ep_size) if has_moe else None
+        self.expert_load = _expert_load_or_none(model, ep_size=ep_size)
         self.balancing = BalancingLoss.of(model) if args.router_aux_loss_coef > 0 else None
         if self.balancing is not None:
             self.balancing.silence_model_term()
