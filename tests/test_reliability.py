@@ -151,6 +151,27 @@ def test_disk_full_while_saving(demo_model, tmp_path, tuner):
     assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4.tmp").exists()
 
 
+def test_a_rank_failing_to_write_trainer_state_stops_every_rank_together(demo_model, tmp_path):
+    # Rank 1 fails while writing the optimizer state, then the trainable weights (expert LoRA, ep=2: some of
+    # both are gathered to be written). Every rank must get CheckpointSaveError at once, not wait in a gather
+    # for the 60 s collective timeout the worker sets.
+    out = tmp_path / "out"
+    result = launch("faults.py", ["--scenario", "fail_trainer_state_writes", "--model", demo_model,
+                                  "--dataset", DATASET, "--output-dir", str(out)], tmp_path / "l", timeout=LIMIT)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3], result.describe()
+    for rank, data in ranks.items():
+        for part in ("optimizer", "trainable"):
+            save = data["saves"][part]
+            assert save["error_type"] == "CheckpointSaveError", (rank, part, save)
+            assert "failed on rank(s) [1]: rank 1: OSError: [Errno 5] injected I/O error" in save["error"], save
+            assert save["seconds"] < 30, (rank, part, save)
+    assert (out / "checkpoint-1" / "trainer_state.json").is_file()
+    assert not (out / "checkpoint-2").exists() and not (out / "checkpoint-3").exists()
+    assert not list(out.glob("*.tmp"))
+
+
 @pytest.mark.parametrize("override,message", [
     ("tuner.lora_dropout=0.1", "tuner.lora_dropout=0.1 cannot be used with tuner.target_parameters"),
     ("tuner.use_dora=true", "tuner.use_dora=true cannot be used with tuner.target_parameters"),

@@ -80,9 +80,12 @@ class OptimizerFiles:
         for name, keys in sorted(self.tensor_keys.items()):
             for key in keys:
                 state = self._state(name, key)
-                error = error or write_regions(
+                # Called on every rank even after this rank failed: some regions are gathered (expert
+                # LoRA's lora_B), and a rank that skipped a gather would leave its peers waiting in it.
+                failed = write_regions(
                     [self.regions[name]], SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats,
                     key_of=lambda n, key=key: f"{n}:{key}", local_of=lambda r, state=state: (_local(state), state))
+                error = error or failed
         finished = writer.finish()  # always: it closes the files
         return error or finished
 
