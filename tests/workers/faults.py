@@ -118,6 +118,41 @@ def kill_during_save(args):
     _trainer(args, 6, 2, args.output_dir).train()
 
 
+def kill_during_save_pretrained(args):
+    """save_pretrained into a new directory, again into it (now holding a file of the user's too),
+    then into another new directory, during which rank 1 dies."""
+    import hashlib
+
+    from twinkle_strategy.checkpoint import writer
+
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
+                                  timeout_s=args.timeout)
+    model, _ = strategy.wrap_model(strategy.from_pretrained(args.model))
+    target = os.path.join(args.output_dir, "model")
+
+    def digests():
+        return {name: hashlib.sha256(open(os.path.join(target, name), "rb").read()).hexdigest()
+                for name in sorted(os.listdir(target))}
+
+    strategy.save_pretrained(model, target)
+    if RANK == 0:
+        first = digests()
+        with open(os.path.join(target, "notes.txt"), "w") as f:
+            f.write("the user's own file")
+    strategy.save_pretrained(model, target)
+    if RANK == 0:
+        worker_common.write_result({"first_save": first, "second_save": digests()})
+    original_write = writer.ParallelFileWriter.write
+
+    def write_then_die(self, key, tensor, rows=None):
+        if RANK == 1 and self.bytes_written > 0:  # in the middle of its rows
+            die()
+        return original_write(self, key, tensor, rows)
+
+    writer.ParallelFileWriter.write = write_then_die
+    strategy.save_pretrained(model, os.path.join(args.output_dir, "fresh"))
+
+
 def disk_full_during_save(args):
     from twinkle_strategy.train.trainer import Trainer
 
@@ -176,7 +211,8 @@ def resume(args):
 
 
 SCENARIOS = {f.__name__: f for f in (kill_source_mid_transfer, corrupt_in_transit, kill_rank_in_training_step,
-                                     kill_during_save, disk_full_during_save, fail_trainer_state_writes,
+                                     kill_during_save, kill_during_save_pretrained, disk_full_during_save,
+                                     fail_trainer_state_writes,
                                      resume)}
 
 
