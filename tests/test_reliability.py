@@ -48,12 +48,15 @@ def demo_model(tmp_path_factory):
 def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_checkpoint, tmp_path):
     headers = {case: broken_checkpoints[case] for case in [*EDITS, "invalid_config_json"]}
     cases = ",".join(["missing_key", "wrong_shape", "corrupt_file", "missing_path", "dtype_differs_on_node1",
-                      *headers])
+                      *headers, "output_dir_not_shared"])
+    # Each simulated node gets its own output directory, as nodes with only local disks would.
+    node_dirs = [tmp_path / f"node{n}_disk" / "output" for n in range(2)]
     result = launch("bad_config.py", ["--cases", cases, "--missing-key", broken_checkpoints["missing_key"],
                                       "--wrong-shape", str(wrong_shape_checkpoint),
                                       "--corrupt", broken_checkpoints["corrupt"], "--good", broken_checkpoints["good"],
                                       "--checkpoints", json.dumps(headers)],
-                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT)
+                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT,
+                    node_env=[{"TWINKLE_TEST_NODE_DIR": str(d)} for d in node_dirs])
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
@@ -75,6 +78,13 @@ def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_chec
                "unknown_dtype": "has dtype 'F33', which is not a safetensors dtype",
                "shape_not_matching_bytes": "which needs"}
     for rank, data in ranks.items():
+        err = data["errors"]["output_dir_not_shared"]  # before training, the same error on every rank
+        assert err["type"] == "OutputDirNotSharedError", (rank, err)
+        node_dir = node_dirs[rank // 2]
+        assert err["message"].startswith(f"output_dir {node_dir} is not shared by all ranks (rank(s) [0, 1] see only "
+                                         "the files of rank(s) [0, 1]; rank(s) [2, 3] see only the files of rank(s) "
+                                         "[2, 3]): on another node it is another disk"), err["message"]
+        assert "need a shared filesystem" in err["message"] and "set output_dir to a directory on it" in err["message"]
         for case, text in expected.items():
             err = data["errors"][case]
             assert err is not None and err["type"] == "DistributedInitError", (rank, case, err)

@@ -28,3 +28,7 @@ class CheckpointError(TwinkleError):
 
 class ResumeError(TwinkleError):
     """A checkpoint that cannot be resumed from (incomplete, or incompatible with this run)."""
+
+
+class OutputDirNotSharedError(TwinkleError):
+    """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""

@@ -353,10 +353,12 @@ class NativeFSDPStrategy:
         from twinkle_strategy.checkpoint import is_peft_model, trainable_names
         from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
         from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
+        from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
         from twinkle_strategy.checkpoint.sharded_io import IOStats
 
         self.setup()
         directory = os.path.normpath(directory)
+        check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_pretrained")
 
         def step_done(error, what):
             try:

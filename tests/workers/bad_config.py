@@ -75,6 +75,16 @@ def case_hub_truncated(args):
     _mem_init(args.hub_truncated)
 
 
+def case_output_dir_not_shared(args):
+    from twinkle_strategy.train.trainer import Trainer, TrainingArguments
+
+    # The test gives each simulated node its own directory, as nodes with local disks would have.
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", timeout_s=60)
+    model = strategy.from_pretrained(args.good)
+    Trainer(model=model, strategy=strategy, args=TrainingArguments(output_dir=os.environ["TWINKLE_TEST_NODE_DIR"]),
+            train_dataset=[], data_collator=None).train()
+
+
 def case_plain_setup(args):
     NativeFSDPStrategy(ep_size=1, mixed_precision="no").setup()
 
