@@ -6,10 +6,10 @@ import os
 
 import pytest
 import torch
+from header_edit import corrupt_copy, read_header, write_with_header
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from header_edit import EDITS, corrupt_copy, read_header, write_with_header
 from twinkle_strategy.checkpoint.durable import (
     INCOMPLETE_MARKER,
     commit_staging,

@@ -5,7 +5,6 @@ import re
 import shutil
 
 import pytest
-
 from header_edit import EDITS, corrupt_copy
 from multinode import REPO, launch
 

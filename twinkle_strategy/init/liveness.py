@@ -23,6 +23,8 @@ import time
 
 import torch.distributed as dist
 
+from twinkle_strategy.runtime import global_rank
+
 NOT_STARTED = "0"
 
 
@@ -48,7 +50,7 @@ class StatusBoard:
         StatusBoard._created[name] = StatusBoard._created.get(name, 0) + 1
         self.namespace = f"{name}{StatusBoard._created[name]}"
         self.store = _store() if store is None else store
-        self.rank = (dist.get_rank() if dist.is_initialized() else 0) if rank is None else rank
+        self.rank = global_rank() if rank is None else rank
         self.world = (dist.get_world_size() if dist.is_initialized() else 1) if world is None else world
         self.finished_phases = 0
         self._try(self._create_keys)
