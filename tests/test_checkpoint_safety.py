@@ -123,3 +123,30 @@ def test_publish_replaces_and_commit_merges_into_a_directory_with_other_files(tm
     _save(staging, {"trainer_state.json": "{}"})
     publish(staging, final)  # a training checkpoint is replaced whole
     assert os.listdir(final) == ["trainer_state.json"] and not os.path.exists(final + ".old")
+
+
+def _checkpoint(run_dir, step: int, *, complete: bool = True, marked: bool = False) -> str:
+    path = os.path.join(run_dir, f"checkpoint-{step}")
+    os.makedirs(path)
+    if complete:
+        _save(path, {"trainer_state.json": json.dumps({"global_step": step})})
+    if marked:
+        _save(path, {INCOMPLETE_MARKER: ""})
+    return path
+
+
+def test_resume_and_rotation_ignore_incomplete_checkpoints(tmp_path):
+    from twinkle_strategy.checkpoint import latest_checkpoint, load_checkpoint, rotate_checkpoints
+
+    run = str(tmp_path)
+    for step in (2, 4, 6):
+        _checkpoint(run, step)
+    marked = _checkpoint(run, 8, marked=True)  # e.g. copied while a save was being written
+    _checkpoint(run, 10, complete=False)  # no trainer_state.json
+    os.makedirs(os.path.join(run, "checkpoint-12.tmp"))
+    assert latest_checkpoint(run) == os.path.join(run, "checkpoint-6")
+    with pytest.raises(ResumeError, match=f"{marked} is an incomplete save"):
+        load_checkpoint(marked, None, None, optimizer=None, scheduler=None, expect={})
+    rotate_checkpoints(run, keep=2)  # the two newest complete ones stay; nothing incomplete counts or goes
+    assert sorted(os.listdir(run)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-4", "checkpoint-6",
+                                       "checkpoint-8"]
