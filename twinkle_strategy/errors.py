@@ -48,9 +48,9 @@ class WeightsNotLoadedError(TwinkleError):
 class RanksFailedError(TwinkleError):
     """One or more ranks failed; raised on every rank with every failing rank's reason."""
 
-    def __init__(self, message: str, failures: list[tuple[int, str]] | None = None):
-        super().__init__(message)  # (one argument: str() is the message, not a tuple)
-        self.failures = failures or []
+    def __init__(self, message: str, failures: list[tuple[int, str]]):
+        super().__init__(message)
+        self.failures = failures
 
 
 class DistributedInitError(RanksFailedError):
@@ -92,7 +92,3 @@ class TrainingAbortedError(TwinkleError):
 
 class SwiftPluginError(TwinkleError):
     """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
-
-
-class OutputDirNotSharedError(TwinkleError):
-    """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""
