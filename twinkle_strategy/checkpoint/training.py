@@ -254,5 +254,10 @@ def rotate_checkpoints(run_dir: str, keep: int | None) -> None:
             complete.append((int(m.group(1)), path))
     for _, path in sorted(complete)[:-keep]:
         # Renamed first: a kill during the removal must not leave a half-deleted checkpoint-N behind.
-        os.rename(path, path + ".old")
-        shutil.rmtree(path + ".old", ignore_errors=True)
+        # Only rank 0 rotates, so a failure here must not raise (the others would wait for it): it is logged.
+        try:
+            shutil.rmtree(path + ".old", ignore_errors=True)
+            os.rename(path, path + ".old")
+            shutil.rmtree(path + ".old", ignore_errors=True)
+        except OSError as exc:
+            logger.warning("could not remove the old checkpoint %s: %s", path, exc)
