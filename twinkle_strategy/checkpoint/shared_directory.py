@@ -22,7 +22,7 @@ from twinkle_strategy.errors import OutputDirNotSharedError
 PROBE_DIR = ".twinkle-shared-check"
 
 
-def check_shared_directory(directory: str, what: str = "output_dir") -> None:
+def check_shared_directory(directory: str, *, what: str = "output_dir") -> None:
     """Raise :class:`OutputDirNotSharedError` on every rank unless every rank sees every rank's files in
     ``directory`` (collective; nothing to check in a one-process job)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
