@@ -32,6 +32,7 @@ from twinkle_strategy.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
+from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.init.liveness import StatusBoard
@@ -152,6 +153,8 @@ class Trainer:
     def _setup(self):
         strategy, args = self.strategy, self.args
         strategy.setup()
+        # Before anything expensive: a save hours from now needs every rank to see the same output_dir.
+        check_shared_directory(args.output_dir, what="output_dir")
         wrapped = isinstance(self.model, FSDPModule)
         self._prepare_moe_training(ep_size=strategy.ep_size if wrapped else 1)
         if not wrapped:
