@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from twinkle_strategy.errors import ModelStructureError
+from twinkle_strategy.kept_dtypes import kept_parameters, pretrained_model
 from twinkle_strategy.parallel import Meshes
 
 _DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
@@ -43,16 +45,81 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy,
     reshard_after_forward: bool = True,
 ) -> nn.Module:
-    """Shard ``model`` bottom-up: experts, then each decoder layer, then the root.
+    """Shard ``model`` bottom-up: experts, modules kept in their own dtype, then each decoder layer, then the root.
 
     Expert gradients need no special divide factor here: the token dispatch
     already scales them so that FSDP's default mean over ``ep_fsdp`` gives the
     world mean (see :func:`twinkle_strategy.moe.dispatch.run_on_owners`).
     """
+    def shard(module, mesh, policy):
+        fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+
     for experts in experts_modules:
-        fully_shard(experts, mesh=meshes.ep_fsdp_mesh, mp_policy=mp_policy,
-                    reshard_after_forward=reshard_after_forward)
+        shard(experts, meshes.ep_fsdp_mesh, mp_policy)
+    kept = kept_parameters(model, mp_policy.param_dtype or _loaded_dtype(model))
+    for module, keeps_dtype in kept_dtype_units(model, kept, experts_modules):
+        # param_dtype=None: computed (and reduced) in the dtype transformers gave them, whatever the model's policy.
+        shard(module, meshes.fsdp, KEEP_DTYPE_POLICY if keeps_dtype else mp_policy)
     for layer in find_decoder_layers(model):
-        fully_shard(layer, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=meshes.fsdp, mp_policy=mp_policy, reshard_after_forward=reshard_after_forward)
+        if not isinstance(layer, FSDPModule):  # (a layer that itself holds kept parameters is a unit already)
+            shard(layer, meshes.fsdp, mp_policy)
+    shard(model, meshes.fsdp, mp_policy)
     return model
+
+
+# Leaves each parameter in its own dtype, for compute and for the gradient reduction.
+KEEP_DTYPE_POLICY = MixedPrecisionPolicy()
+_KEPT, _OTHER = "kept", "other"
+
+
+def _loaded_dtype(model: nn.Module) -> torch.dtype:
+    pretrained = pretrained_model(model)
+    dtype = getattr(getattr(pretrained, "config", None), "dtype", None)
+    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
+
+
+def kept_dtype_units(model: nn.Module, kept: set[int], experts_modules: list[nn.Module]) -> list[tuple[nn.Module, bool]]:
+    """The extra ``fully_shard`` units that keep ``kept`` parameters apart from the others, bottom-up.
+
+    FSDP2 needs one original dtype per unit, and a bf16 policy would cast a unit's fp32 router
+    to bf16 (which changes routing). So each module holding kept parameters only becomes a unit
+    of its own (True: leave its dtype); where a module holds kept parameters itself and others in
+    children (DeepSeek-V4's attention ``sinks`` beside its projections), those children become
+    units under the model's policy first (False), so that the module's unit holds only kept ones.
+    """
+    units: list[tuple[nn.Module, bool]] = []
+    opaque = {id(m) for m in experts_modules}  # units of their own already
+
+    def visit(module: nn.Module, name: str) -> set[str]:
+        """The kinds of parameters under ``module`` that no unit below it holds yet."""
+        own = {_KEPT if id(p) in kept else _OTHER for p in module._parameters.values() if p is not None}
+        below = {child: visit(child, f"{name}.{key}".lstrip(".")) for key, child in module.named_children()}
+        kinds = own.union(*below.values())
+        if id(module) in opaque and len(kinds) > 1:
+            raise ModelStructureError(_mixed_message(name, module, kept, "experts module"))
+        if id(module) in opaque or len(kinds) < 2:
+            return set() if id(module) in opaque else kinds
+        if len(own) > 1:
+            raise ModelStructureError(_mixed_message(name, module, kept, "module"))
+        for child, left in below.items():
+            if left == {_KEPT} and own != {_KEPT}:
+                units.append((child, True))
+            elif left == {_OTHER} and own == {_KEPT}:
+                units.append((child, False))
+        if own == {_KEPT}:
+            units.append((module, True))
+            return set()
+        return {_OTHER}
+
+    if kept:
+        visit(model, "")
+    return units
+
+
+def _mixed_message(name: str, module: nn.Module, kept: set[int], what: str) -> str:
+    dtypes = {key: p.dtype for key, p in module.named_parameters() if p is not None}
+    kept_names = [key for key, p in module.named_parameters() if id(p) in kept]
+    return (f"{what} '{name}' ({type(module).__name__}) holds parameters transformers keeps in their own dtype "
+            f"({kept_names}) beside others ({dtypes}) in one module, and FSDP2 shards a module's parameters as one "
+            "unit with one dtype. Load the model with dtype=torch.float32 and mixed_precision='no', or keep "
+            "this module out of training")
