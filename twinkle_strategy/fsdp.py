@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
@@ -54,9 +56,14 @@ def apply_fsdp(
     def shard(module, mesh, policy):
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
+    loaded = _loaded_dtype(model)
+    if mp_policy.param_dtype is not None and mp_policy.param_dtype == loaded:
+        # A model loaded in the compute dtype gets its inputs in it already, except those it keeps in fp32 on
+        # purpose (Ernie-4.5's rotary cos/sin): casting them would compute otherwise than one process does.
+        mp_policy = dataclasses.replace(mp_policy, cast_forward_inputs=False)
     for experts in experts_modules:
         shard(experts, meshes.ep_fsdp_mesh, mp_policy)
-    kept = kept_parameters(model, mp_policy.param_dtype or _loaded_dtype(model))
+    kept = kept_parameters(model, mp_policy.param_dtype or loaded)
     for module, keeps_dtype in kept_dtype_units(model, kept, experts_modules):
         # param_dtype=None: computed (and reduced) in the dtype transformers gave them, whatever the model's policy.
         shard(module, meshes.fsdp, KEEP_DTYPE_POLICY if keeps_dtype else mp_policy)

@@ -76,18 +76,26 @@ class Probes:
         return [torch.cat(calls) for calls in self.routing.values()]
 
 
-def forward_backward(model, ids, probes, strategy=None):
+def routed_logits(model, ids, probes):
+    """Logits of ``ids``, recording the routing. The reference runs this rank's rows alone too: on the CPU a
+    bf16 matmul's rounding depends on the batch shape, so one process on the whole batch would not compute
+    the first router's input bit for bit as a rank does."""
     model.train()
     probes.recording = True
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     probes.recording = False
+    return logits
+
+
+def loss_and_norm(model, ids, strategy=None) -> tuple[float, float]:
+    model.train()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
     if strategy is not None:
-        return logits, float(strategy.reduce_mean(loss)), float(strategy.clip_grad_norm_(model, float("inf")))
+        return float(strategy.reduce_mean(loss)), float(strategy.clip_grad_norm_(model, float("inf")))
     grads = [p.grad for p in model.parameters() if p.grad is not None]
-    return logits, float(loss), float(torch.nn.utils.get_total_norm(grads))
+    return float(loss), float(torch.nn.utils.get_total_norm(grads))
 
 
 def batch(vocab: int, world: int):
@@ -95,43 +103,49 @@ def batch(vocab: int, world: int):
     return torch.randint(0, vocab, (world * PER_RANK, SEQ), generator=g)
 
 
-def reference(path: str, family: str, lora: bool, ids):
+def reference(path: str, family: str, lora: bool, ids, mine):
     model = model_class_for(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.bfloat16)
     model = with_adapter(model, family, lora)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     # What transformers keeps in fp32 (adapters aside: PEFT keeps LoRA in fp32 by design).
     kept = sorted(k for k, v in state.items() if v.dtype == torch.float32 and "lora_" not in k)
     probes = Probes(model, [k for k in kept if k in dict(model.named_parameters())])
-    logits, loss, norm = forward_backward(model, ids, probes)
+    logits = routed_logits(model, mine, probes)
+    loss, norm = loss_and_norm(model, ids)
     return dict(state=state, kept=kept, probes=probes, logits=logits, loss=loss, norm=norm)
 
 
 def strategy_for(mode: str, ep: int) -> NativeFSDPStrategy:
-    return NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", timeout_s=300,
+    # Full parameters: mixed_precision='bf16' as users run it (on a bf16 model it computes in the model's
+    # dtypes and reduces gradients in fp32; it must leave fp32-kept modules in fp32). LoRA: 'no', which on a
+    # bf16 model computes exactly as one process does (PEFT keeps adapters in fp32; a bf16 policy would cast
+    # them for compute, and the first router's input would then differ by design).
+    precision = "no" if mode.startswith("lora") else "bf16"
+    return NativeFSDPStrategy(ep_size=ep, mixed_precision=precision, timeout_s=300,
                               memory_efficient_init=not mode.endswith("-plain"),
                               stream_checkpoint=not mode.endswith("-inmemory"))
 
 
-def routed_otherwise(mine: list[torch.Tensor], ref: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+def routed_otherwise(mine: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per MoE layer, which of this rank's tokens chose another set of experts than in the reference."""
-    tokens = PER_RANK * SEQ
-    return [(got != want[rank * tokens:(rank + 1) * tokens]).any(dim=-1) for got, want in zip(mine, ref)]
+    return [(got != want).any(dim=-1) for got, want in zip(mine, ref)]
 
 
 def run_case(path: str, family: str, mode: str, ep: int, world: int, rank: int) -> dict:
     lora = mode.startswith("lora")
     ids = batch(AutoConfig.from_pretrained(path).get_text_config().vocab_size, world)
-    ref = reference(path, family, lora, ids)
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    ref = reference(path, family, lora, ids, mine)
     strategy = strategy_for(mode, ep)
     model = with_adapter(strategy.from_pretrained(path, dtype=torch.bfloat16), family, lora)
     model, _ = strategy.wrap_model(model)
     got = strategy.full_state_dict(model)
     params = dict(model.named_parameters())
     probes = Probes(model, [k for k in ref["kept"] if k in params])
-    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
-    logits, loss, norm = forward_backward(model, mine, probes, strategy)
-    want = ref["logits"][rank * PER_RANK:(rank + 1) * PER_RANK]
-    otherwise = routed_otherwise(probes.choices(), ref["probes"].choices(), rank)
+    logits = routed_logits(model, mine, probes)
+    loss, norm = loss_and_norm(model, mine, strategy)
+    want = ref["logits"]
+    otherwise = routed_otherwise(probes.choices(), ref["probes"].choices())
     # Logits are compared where every layer routed the token as one process did; a token a later layer
     # routed otherwise (a bf16 near-tie) is counted instead.
     same = ~torch.stack(otherwise).any(dim=0).view(PER_RANK, SEQ) if otherwise else torch.ones(PER_RANK, SEQ, dtype=bool)
@@ -142,11 +156,28 @@ def run_case(path: str, family: str, mode: str, ep: int, world: int, rank: int) 
         compute_dtypes=probes.compute_dtypes, ref_compute_dtypes=ref["probes"].compute_dtypes,
         moe_layers=len(probes.choices()), ref_moe_layers=len(ref["probes"].choices()),
         routing_differences=[float(t.float().mean()) for t in otherwise], same_routing_tokens=int(same.sum()),
+        tokens=same.numel(),
         logit_diff=(logits.float() - want.float())[same].abs().max().item(),
         logit_diff_all=(logits.float() - want.float()).abs().max().item(),
         logit_scale=want.float().abs().max().item(),
         loss=loss, ref_loss=ref["loss"], norm=norm, ref_norm=ref["norm"],
     )
+
+
+def changed_on_sources_case(path: str) -> dict:
+    """The sources cast their model to bf16 before wrap_model (the router bias too), the other ranks do not:
+    every rank must stop with an error naming the tensor and what transformers chose, not blame the dtype
+    the user asked for."""
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="bf16", memory_efficient_init=True,
+                                  stream_checkpoint=False, timeout_s=120)
+    model = strategy.from_pretrained(path, dtype=torch.bfloat16)
+    if strategy.topology.is_source:
+        model = model.to(torch.bfloat16)
+    try:
+        strategy.wrap_model(model)
+    except Exception as exc:  # noqa: BLE001 - the test checks type and message
+        return dict(error_type=type(exc).__name__, error=str(exc))
+    return dict(error_type=None, error=None)
 
 
 def main():
@@ -155,6 +186,7 @@ def main():
     p.add_argument("--cases", required=True, help="family:mode,... (modes: full lora full-plain lora-plain "
                                                   "full-inmemory)")
     p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--changed-on-sources", default=None, help="a family whose sources change dtypes (see above)")
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cases = []
@@ -162,6 +194,9 @@ def main():
         family, mode = item.split(":")
         cases.append(run_case(os.path.join(args.ckpt_root, family), family, mode, args.ep, world, rank))
         worker_common.write_result({"cases": cases})
+    if args.changed_on_sources:
+        return {"cases": cases, "changed": changed_on_sources_case(os.path.join(args.ckpt_root,
+                                                                                args.changed_on_sources))}
     return {"cases": cases}
 
 

@@ -89,8 +89,8 @@ def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None
                 f"but the model expects {need.shape}; the checkpoint does not match the config")
     if dtype != need.dtype:
         why = f" ({dtype_reason})" if dtype_reason else ""
-        return (f"tensor '{need.name}' has dtype {dtype} on source rank {source_rank}{why} but {need.dtype} on "
-                "this rank. Every rank builds the model with the dtypes from_pretrained gives each tensor "
+        return (f"tensor '{need.name}' is {dtype} on source rank {source_rank} but {need.dtype} in the "
+                f"receiving rank's model{why}. Every rank builds the model with the dtypes from_pretrained gives each tensor "
                 "(fp32-kept modules included), so they differ only where the model was changed on some ranks "
                 "before wrap_model (a .to(dtype), another dtype passed to from_pretrained): make the same "
                 "changes on every rank")
