@@ -35,7 +35,8 @@ FAMILIES = ("deepseek_v3", "deepseek_v4", "ernie4_5_moe", "glm4_moe")
 # Checkpoints as released (bf16, fp32-kept tensors in fp32) for some, fp32 (cast while loading) for others.
 SAVED_AS_RELEASED = ("deepseek_v3", "ernie4_5_moe")
 # Several MoE layers (DeepSeek-V4's tiny config has three: hash-routed, then learned).
-LAYERS = {"deepseek_v4": {}, "ernie4_5_moe": {"num_hidden_layers": 4, "moe_layer_end_index": 3}}
+LAYERS = {"deepseek_v3": {"num_layers": 4}, "deepseek_v4": {},
+          "ernie4_5_moe": {"num_hidden_layers": 4, "moe_layer_end_index": 3}, "glm4_moe": {"num_hidden_layers": 4}}
 CASES_2X2 = ([f"{f}:{m}" for f in FAMILIES for m in ("full", "lora", "full-plain")]
              + ["ernie4_5_moe:lora-plain", "deepseek_v3:full-inmemory"])
 CASES_2X4 = ["deepseek_v3:full", "ernie4_5_moe:full-plain", "deepseek_v4:lora", "glm4_moe:full-inmemory"]
@@ -46,7 +47,7 @@ def save_checkpoint(family: str, path: str) -> None:
     router bias (fp32 bits a bf16 rounding would lose)."""
     from transformers import AutoModelForCausalLM
 
-    model = build_tiny_model(family, seed=3, **LAYERS.get(family, {"num_layers": 4}))
+    model = build_tiny_model(family, seed=3, **LAYERS[family])
     with torch.no_grad():
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
@@ -71,14 +72,14 @@ def check_cases(ranks: dict, expected: list[str]) -> list[float]:
         assert [f"{c['family']}:{c['mode']}" for c in data["cases"]] == expected
         for c in data["cases"]:
             case = f"rank {rank} {c['family']} {c['mode']} ep={c['ep']}"
-            assert c["kept"], f"{case}: transformers keeps no tensor in fp32, the case tests nothing"
             assert c["dtype_mismatches"] == [], f"{case}: dtypes differ from from_pretrained(dtype=bf16)"
             assert c["state_mismatches"] == [], f"{case}: weights after init differ from the single process"
             assert c["compute_dtypes"] == c["ref_compute_dtypes"], \
                 f"{case}: fp32-kept parameters compute in {c['compute_dtypes']}, one process in " \
                 f"{c['ref_compute_dtypes']}"
-            assert c["moe_layers"] == c["ref_moe_layers"] >= 2, case
-            assert c["routing_differences"][0] == 0.0, f"{case}: first MoE layer routes differently"
+            assert c["moe_layers"] == c["ref_moe_layers"], case
+            if c["moe_layers"]:  # (Llama-4's pre-routed experts call shows no routing to compare)
+                assert c["routing_differences"][0] == 0.0, f"{case}: first MoE layer routes differently"
             later += c["routing_differences"][1:]
             assert c["same_routing_tokens"] >= 0.75 * c["tokens"], f"{case}: logits compared on too few tokens"
             assert c["logit_diff"] <= LOGIT_TOLERANCE * c["logit_scale"], f"{case}: logits differ by {c['logit_diff']}"
@@ -100,6 +101,9 @@ def test_bf16_matches_one_process(checkpoints, layout, tmp_path):
     ranks = result.rank_results()
     assert sorted(ranks) == list(range(2 * per_node))
     later = check_cases(ranks, cases)
+    for c in ranks[0]["cases"]:
+        assert c["kept"], f"{c['family']}: transformers keeps no tensor in fp32, the case tests nothing"
+        assert c["moe_layers"] >= 2, f"{c['family']}: one MoE layer, no later layer to report on"
     if changed:
         check_changed_on_sources(ranks)
     # Reported (not asserted): how often bf16 rounding broke a near-tie differently in a later MoE layer.

@@ -62,7 +62,9 @@ class Probes:
 
     def _routing_hook(self, name):
         def hook(module, args):
-            if self.recording:  # (experts(hidden_states, top_k_index, top_k_weights): the router's choice)
+            # experts(hidden_states, top_k_index, top_k_weights): the router's choice (Llama-4's pre-routed
+            # experts(routed_in) shows none).
+            if self.recording and len(args) >= 2:
                 self.routing.setdefault(name, []).append(args[1].detach().sort(dim=-1).values)
         return hook
 
