@@ -25,8 +25,8 @@ import math
 
 import pytest
 import torch
-
 from multinode import launch
+
 from twinkle_strategy.train.tiny_models import build_tiny_model
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significand bits with the implicit one)

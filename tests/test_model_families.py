@@ -7,9 +7,9 @@ families; then the models EP must refuse at wrap_model, on every rank.
 """
 
 import pytest
-
 from multinode import launch
 from test_bf16 import check_cases as check_bf16_cases
+
 from twinkle_strategy.train.tiny_models import (
     MATRIX_FAMILIES,
     REFUSED_FAMILIES,

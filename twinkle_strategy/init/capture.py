@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from twinkle_strategy.init.plan import Need, checkpoint_rows, region_of
-from twinkle_strategy.kept_dtypes import kept_reasons, pretrained_model
 from twinkle_strategy.init.skeleton import CheckpointTensor
+from twinkle_strategy.kept_dtypes import kept_reasons, pretrained_model
 
 
 @dataclasses.dataclass

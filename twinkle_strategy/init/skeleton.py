@@ -29,14 +29,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from twinkle_strategy.errors import CheckpointError, TwinkleError
+from twinkle_strategy.errors import CheckpointError, WeightsNotLoadedError
 from twinkle_strategy.kept_dtypes import apply_kept_dtypes
 
 aten = torch.ops.aten
-
-
-class WeightsNotLoadedError(TwinkleError):
-    """A placeholder tensor was used before ``wrap_model`` read its weights."""
 
 
 class CheckpointTensor(torch.Tensor):
