@@ -193,7 +193,7 @@ def main():
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cases, bf16_cases = [], []
-    runs = [(f, False) for f in args.families.split(",")] + [(f, True) for f in args.lora.split(",") if f]
+    runs = [(f, False) for f in args.families.split(",") if f] + [(f, True) for f in args.lora.split(",") if f]
     for family, lora in runs:
         run_recorded(lambda: served_case(os.path.join(args.ckpt_root, family), family, lora, world, rank),
                      cases, dict(family=family, lora=lora), args.keep_going, "cases")
