@@ -165,7 +165,7 @@ def test_fsdp_units_never_mix_dtypes(family):
     model = meta_skeleton(tiny_config(family), torch.bfloat16)
     kept = kept_parameters(model, torch.bfloat16)
     assert kept and {p.dtype for p in model.parameters() if id(p) in kept} == {torch.float32}
-    units = kept_dtype_units(model, kept, [])
+    units = kept_dtype_units(model, kept)
     groups = fsdp_groups(model, units)
     assert all(len(group) <= 1 for group in groups), family
     assert [group for group, (_, keeps) in zip(groups, units) if keeps] == [{torch.float32}] * sum(
@@ -184,4 +184,4 @@ def test_a_module_holding_both_dtypes_itself_is_refused_naming_it():
     model = meta_skeleton(tiny_config("inkling_text"), torch.bfloat16)
     with pytest.raises(ModelStructureError, match=r"module 'model\.layers\.0\.mlp\.gate' \(\w+\) holds parameters "
                                                   r"transformers keeps in their own dtype \(\['global_scale'\]\)"):
-        kept_dtype_units(model, kept_parameters(model, torch.bfloat16), [])
+        kept_dtype_units(model, kept_parameters(model, torch.bfloat16))

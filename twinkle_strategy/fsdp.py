@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.errors import ModelStructureError
-from twinkle_strategy.kept_dtypes import kept_parameters, pretrained_model
+from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.parallel import Meshes
 
 _NO_MIXED_PRECISION = {None, "no", "fp32", "float32"}
@@ -56,7 +56,7 @@ def apply_fsdp(
     def shard(module, mesh, policy):
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
-    loaded = _loaded_dtype(model)
+    loaded = loaded_dtype(model)
     if mp_policy.param_dtype is not None and mp_policy.param_dtype == loaded:
         # A model loaded in the compute dtype gets its inputs in it already, except those it keeps in fp32 on
         # purpose (Ernie-4.5's rotary cos/sin): casting them would compute otherwise than one process does.
@@ -64,7 +64,7 @@ def apply_fsdp(
     for experts in experts_modules:
         shard(experts, meshes.ep_fsdp_mesh, mp_policy)
     kept = kept_parameters(model, mp_policy.param_dtype or loaded)
-    for module, keeps_dtype in kept_dtype_units(model, kept, experts_modules):
+    for module, keeps_dtype in kept_dtype_units(model, kept, experts_modules=experts_modules):
         # param_dtype=None: computed (and reduced) in the dtype transformers gave them, whatever the model's policy.
         shard(module, meshes.fsdp, KEEP_DTYPE_POLICY if keeps_dtype else mp_policy)
     for layer in find_decoder_layers(model):
@@ -79,13 +79,8 @@ KEEP_DTYPE_POLICY = MixedPrecisionPolicy()
 _KEPT, _OTHER = "kept", "other"
 
 
-def _loaded_dtype(model: nn.Module) -> torch.dtype:
-    pretrained = pretrained_model(model)
-    dtype = getattr(getattr(pretrained, "config", None), "dtype", None)
-    return getattr(torch, dtype) if isinstance(dtype, str) else dtype
-
-
-def kept_dtype_units(model: nn.Module, kept: set[int], experts_modules: list[nn.Module]) -> list[tuple[nn.Module, bool]]:
+def kept_dtype_units(model: nn.Module, kept: set[int], *,
+                     experts_modules: list[nn.Module] = ()) -> list[tuple[nn.Module, bool]]:
     """The extra ``fully_shard`` units that keep ``kept`` parameters apart from the others, bottom-up.
 
     FSDP2 needs one original dtype per unit, and a bf16 policy would cast a unit's fp32 router
@@ -102,17 +97,11 @@ def kept_dtype_units(model: nn.Module, kept: set[int], experts_modules: list[nn.
         own = {_KEPT if id(p) in kept else _OTHER for p in module._parameters.values() if p is not None}
         below = {child: visit(child, f"{name}.{key}".lstrip(".")) for key, child in module.named_children()}
         kinds = own.union(*below.values())
-        if id(module) in opaque and len(kinds) > 1:
-            raise ModelStructureError(_mixed_message(name, module, kept, "experts module"))
+        if len(kinds) > 1 and (id(module) in opaque or len(own) > 1):
+            raise ModelStructureError(_mixed_message(name, module, kept))
         if id(module) in opaque or len(kinds) < 2:
             return set() if id(module) in opaque else kinds
-        if len(own) > 1:
-            raise ModelStructureError(_mixed_message(name, module, kept, "module"))
-        for child, left in below.items():
-            if left == {_KEPT} and own != {_KEPT}:
-                units.append((child, True))
-            elif left == {_OTHER} and own == {_KEPT}:
-                units.append((child, False))
+        units.extend(_units_beside(own, below))
         if own == {_KEPT}:
             units.append((module, True))
             return set()
@@ -123,10 +112,17 @@ def kept_dtype_units(model: nn.Module, kept: set[int], experts_modules: list[nn.
     return units
 
 
-def _mixed_message(name: str, module: nn.Module, kept: set[int], what: str) -> str:
+def _units_beside(own: set[str], children: dict[nn.Module, set[str]]) -> list[tuple[nn.Module, bool]]:
+    """Of a module whose parameters mix both kinds: the children that must be units of their own."""
+    if own == {_KEPT}:  # the module will be a kept unit: every child holding others must be a unit first
+        return [(child, False) for child, left in children.items() if left == {_OTHER}]
+    return [(child, True) for child, left in children.items() if left == {_KEPT}]
+
+
+def _mixed_message(name: str, module: nn.Module, kept: set[int]) -> str:
     dtypes = {key: p.dtype for key, p in module.named_parameters() if p is not None}
     kept_names = [key for key, p in module.named_parameters() if id(p) in kept]
-    return (f"{what} '{name}' ({type(module).__name__}) holds parameters transformers keeps in their own dtype "
+    return (f"module '{name}' ({type(module).__name__}) holds parameters transformers keeps in their own dtype "
             f"({kept_names}) beside others ({dtypes}) in one module, and FSDP2 shards a module's parameters as one "
             "unit with one dtype. Load the model with dtype=torch.float32 and mixed_precision='no', or keep "
             "this module out of training")

@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twinkle_strategy.dtypes import FLOAT_DTYPES
+
 _LOWER_PRECISION = (torch.float16, torch.bfloat16)
 
 
@@ -31,6 +33,13 @@ def pretrained_model(model: nn.Module):
     from transformers import PreTrainedModel
 
     return next((m for m in model.modules() if isinstance(m, PreTrainedModel)), None)
+
+
+def loaded_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype the transformers model in ``model`` was asked for (``from_pretrained``/``from_config`` record it
+    in its config), or None."""
+    dtype = getattr(getattr(pretrained_model(model), "config", None), "dtype", None)
+    return FLOAT_DTYPES.get(str(dtype).removeprefix("torch.")) if dtype is not None else None
 
 
 def dtype_plan(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -84,17 +93,23 @@ def apply_kept_dtypes(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """Give each tensor of the meta ``model`` (built from its config in ``dtype``) the dtype ``from_pretrained``
     would give it; tied tensors stay one tensor."""
     kept = kept_dtypes(model, dtype)
-    converted: dict[int, torch.Tensor] = {}
-    for module_name, module in pretrained_model(model).named_modules(remove_duplicate=False) if kept else ():
+    converted: dict[int, torch.Tensor] = {}  # by identity, so that tied tensors stay tied
+    for name, slots, key in _tensor_slots(pretrained_model(model)) if kept else ():
+        tensor = slots[key]
+        if name in kept and tensor.dtype != kept[name]:
+            if id(tensor) not in converted:
+                converted[id(tensor)] = _meta_in(tensor, kept[name])
+            slots[key] = converted[id(tensor)]
+    return model
+
+
+def _tensor_slots(model: nn.Module):
+    """(full name, the dict holding it, its key) of every parameter and buffer, shared ones under each name."""
+    for module_name, module in model.named_modules(remove_duplicate=False):
         for slots in (module._parameters, module._buffers):
             for key, tensor in list(slots.items()):
-                name = f"{module_name}.{key}" if module_name else key
-                if tensor is None or name not in kept or tensor.dtype == kept[name]:
-                    continue
-                if id(tensor) not in converted:
-                    converted[id(tensor)] = _meta_in(tensor, kept[name])
-                slots[key] = converted[id(tensor)]
-    return model
+                if tensor is not None:
+                    yield (f"{module_name}.{key}" if module_name else key), slots, key
 
 
 def _meta_in(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -111,16 +126,14 @@ def kept_parameters(model: nn.Module, compute_dtype: torch.dtype) -> set[int]:
     transformers model that is not in the dtype the model was loaded in (a router created in fp32).
     Adapter parameters (PEFT keeps LoRA weights in fp32 in a bf16 model) follow the model's policy.
     """
-    pretrained = pretrained_model(model)
+    pretrained, loaded = pretrained_model(model), loaded_dtype(model)
     if pretrained is None:
         return set()
-    loaded = getattr(pretrained.config, "dtype", None)
-    loaded = getattr(torch, loaded) if isinstance(loaded, str) else loaded
     kept_names = set(kept_dtypes(model, compute_dtype))
     adapters = _adapter_parameters(model)
     ids = set()
     for name, param in pretrained.named_parameters():
-        other_dtype = isinstance(loaded, torch.dtype) and param.is_floating_point() and param.dtype != loaded
+        other_dtype = loaded is not None and param.is_floating_point() and param.dtype != loaded
         if id(param) not in adapters and (name in kept_names or other_dtype):
             ids.add(id(param))
     return ids

@@ -24,7 +24,7 @@ from torch import nn
 
 from twinkle_strategy.init.plan import Need, checkpoint_rows, region_of
 from twinkle_strategy.init.skeleton import CheckpointTensor
-from twinkle_strategy.kept_dtypes import kept_reasons, pretrained_model
+from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
 
 
 @dataclasses.dataclass
@@ -126,9 +126,8 @@ def capture_state(model: nn.Module) -> Capture:
 
 def _dtype_reasons(model: nn.Module) -> dict[str, str]:
     """Why each fp32-kept tensor has its dtype, by its name in ``model`` (a PEFT model renames them)."""
-    pretrained = pretrained_model(model)
-    dtype = getattr(getattr(pretrained, "config", None), "dtype", None)
-    if not isinstance(dtype, torch.dtype):
+    pretrained, dtype = pretrained_model(model), loaded_dtype(model)
+    if dtype is None:
         return {}
     by_name = kept_reasons(model, dtype)
     reasons = {id(t): by_name.get(n) for n, t in pretrained.state_dict(keep_vars=True).items()}
