@@ -3,7 +3,8 @@
 Families whose transformers class keeps tensors in fp32 under bf16 (DeepSeek-V3's router bias,
 DeepSeek-V4's norms, sinks and hyper-connections, Ernie-4.5's router weight, GLM-4.5-MoE's router
 bias), in the hub layout, sharded into several files, loaded with ``dtype=torch.bfloat16`` and
-``mixed_precision='bf16'``, against plain ``from_pretrained(dtype=torch.bfloat16)`` in one process:
+``mixed_precision='bf16'`` (LoRA: 'no', see the worker), against plain ``from_pretrained(dtype=torch.bfloat16)``
+in one process:
 with and without memory_efficient_init, LoRA and full, and with the in-memory path forced.
 One launch on 2 nodes x 2 (ep=2) runs the matrix, one on 2 nodes x 4 (ep=4) a row of it.
 
@@ -52,9 +53,11 @@ def save_checkpoint(family: str, path: str) -> None:
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.copy_(torch.randn_like(buffer) * 0.01)
-    model.save_pretrained(path, max_shard_size="40KB")
-    if family in SAVED_AS_RELEASED:
-        AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
+    if family not in SAVED_AS_RELEASED:
+        model.save_pretrained(path, max_shard_size="40KB")
+        return
+    model.save_pretrained(path + "-fp32", max_shard_size="40KB")
+    AutoModelForCausalLM.from_pretrained(path + "-fp32", dtype=torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
 
 
 @pytest.fixture(scope="module")

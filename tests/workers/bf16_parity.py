@@ -134,6 +134,7 @@ def routed_otherwise(mine: list[torch.Tensor], ref: list[torch.Tensor]) -> list[
 
 
 def run_case(path: str, family: str, mode: str, ep: int, world: int, rank: int) -> dict:
+    """One case on this rank: the strategy's model against one process's (see the module docstring)."""
     lora = mode.startswith("lora")
     ids = batch(AutoConfig.from_pretrained(path).get_text_config().vocab_size, world)
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
@@ -142,28 +143,28 @@ def run_case(path: str, family: str, mode: str, ep: int, world: int, rank: int) 
     model = with_adapter(strategy.from_pretrained(path, dtype=torch.bfloat16), family, lora)
     model, _ = strategy.wrap_model(model)
     got = strategy.full_state_dict(model)
-    params = dict(model.named_parameters())
-    probes = Probes(model, [k for k in ref["kept"] if k in params])
+    probes = Probes(model, [k for k in ref["kept"] if k in dict(model.named_parameters())])
     logits = routed_logits(model, mine, probes)
     loss, norm = loss_and_norm(model, mine, strategy)
-    want = ref["logits"]
-    otherwise = routed_otherwise(probes.choices(), ref["probes"].choices())
-    # Logits are compared where every layer routed the token as one process did; a token a later layer
-    # routed otherwise (a bf16 near-tie) is counted instead.
-    same = ~torch.stack(otherwise).any(dim=0).view(PER_RANK, SEQ) if otherwise else torch.ones(PER_RANK, SEQ, dtype=bool)
     return dict(
         family=family, mode=mode, ep=ep, kept=ref["kept"],
         state_mismatches=exact_mismatches(got, ref["state"]),
         dtype_mismatches=sorted(k for k in got if k in ref["state"] and got[k].dtype != ref["state"][k].dtype),
         compute_dtypes=probes.compute_dtypes, ref_compute_dtypes=ref["probes"].compute_dtypes,
         moe_layers=len(probes.choices()), ref_moe_layers=len(ref["probes"].choices()),
-        routing_differences=[float(t.float().mean()) for t in otherwise], same_routing_tokens=int(same.sum()),
-        tokens=same.numel(),
-        logit_diff=(logits.float() - want.float())[same].abs().max().item(),
-        logit_diff_all=(logits.float() - want.float()).abs().max().item(),
-        logit_scale=want.float().abs().max().item(),
         loss=loss, ref_loss=ref["loss"], norm=norm, ref_norm=ref["norm"],
+        **compared_logits(logits, ref["logits"], routed_otherwise(probes.choices(), ref["probes"].choices())),
     )
+
+
+def compared_logits(logits, want, otherwise: list[torch.Tensor]) -> dict:
+    """Logits are compared where every layer routed the token as one process did; a token a later layer
+    routed otherwise (a bf16 near-tie) is counted instead."""
+    same = ~torch.stack(otherwise).any(dim=0) if otherwise else torch.ones(PER_RANK * SEQ, dtype=torch.bool)
+    diff = (logits.float() - want.float()).abs()
+    return dict(routing_differences=[float(t.float().mean()) for t in otherwise], tokens=same.numel(),
+                same_routing_tokens=int(same.sum()), logit_diff=diff[same.view(PER_RANK, SEQ)].max().item(),
+                logit_diff_all=diff.max().item(), logit_scale=want.float().abs().max().item())
 
 
 def changed_on_sources_case(path: str) -> dict:
