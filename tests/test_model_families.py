@@ -3,7 +3,8 @@
 One launch runs the whole matrix: Llama-4 (pre-routed experts), Nemotron-H
 (non-gated experts), LongCat-Flash (zero-computation experts), each also with
 LoRA on attention and its experts, and a representative set of the routed
-families; then the models EP must refuse at wrap_model, on every rank.
+families; then the models EP must refuse at wrap_model, on every rank. The same launch runs a few
+families in bf16 against one process in bf16 (tests/test_bf16.py's checks).
 """
 
 import pytest
@@ -20,8 +21,9 @@ from twinkle_strategy.train.tiny_models import (
 FAMILIES = MATRIX_FAMILIES + VISION_LANGUAGE_FAMILIES
 # Also run in bf16, against one process in bf16 (the checks of tests/test_bf16.py): the families of the matrix
 # whose transformers class keeps tensors in fp32 (Nemotron-H's router bias, DeepSeek-V4's norms, sinks and
-# hyper-connections), and the two whose experts take another dispatch path (pre-routed, zero experts).
-BF16_FAMILIES = ("nemotron_h", "deepseek_v4", "llama4", "longcat_flash")
+# hyper-connections), Bailing-Hybrid (its attention uses its fp32-kept conv1d's weight without calling conv1d),
+# and the two whose experts take another dispatch path (pre-routed, zero experts).
+BF16_FAMILIES = ("nemotron_h", "deepseek_v4", "bailing_hybrid", "llama4", "longcat_flash")
 LORA_FAMILIES = ("llama4", "nemotron_h", "longcat_flash") + VISION_LANGUAGE_FAMILIES
 REFUSED = {
     "dbrx": "dbrx",
@@ -33,7 +35,7 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    for family in FAMILIES + REFUSED_FAMILIES:
+    for family in dict.fromkeys(FAMILIES + REFUSED_FAMILIES + BF16_FAMILIES):
         save_tiny_checkpoint(family, str(root / family), seed=0)
     return root
 
@@ -74,7 +76,7 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
                     assert adapter["base_class"] == c["model_class"] and adapter["lora_tensors"] > 0, adapter
                     assert adapter["logit_diff"] <= 1e-5, f"{case}: adapter logits differ by {adapter['logit_diff']}"
 
-        assert [c["kept"] != [] for c in data["bf16_cases"]] == [True, True, False, False]
+        assert [c["kept"] != [] for c in data["bf16_cases"]] == [True, True, True, False, False]
         errors = {r["name"]: r for r in data["refused"]}
         assert set(errors) == set(REFUSED)
         for name, r in errors.items():

@@ -64,14 +64,43 @@ def apply_fsdp(
     for experts in experts_modules:
         shard(experts, meshes.ep_fsdp_mesh, mp_policy)
     kept = kept_parameters(model, mp_policy.param_dtype or loaded)
+    kept_units = []
     for module, keeps_dtype in kept_dtype_units(model, kept, experts_modules=experts_modules):
-        # param_dtype=None: computed (and reduced) in the dtype transformers gave them, whatever the model's policy.
-        shard(module, meshes.fsdp, KEEP_DTYPE_POLICY if keeps_dtype else mp_policy)
+        if keeps_dtype:
+            # param_dtype=None: computed (and reduced) in the dtype transformers gave them, whatever the policy.
+            fully_shard(module, mesh=meshes.fsdp, mp_policy=KEEP_DTYPE_POLICY, reshard_after_forward=False)
+            kept_units.append(module)
+        else:
+            shard(module, meshes.fsdp, mp_policy)
     for layer in find_decoder_layers(model):
         if not isinstance(layer, FSDPModule):  # (a layer that itself holds kept parameters is a unit already)
             shard(layer, meshes.fsdp, mp_policy)
     shard(model, meshes.fsdp, mp_policy)
+    if kept_units:
+        unshard_while_computing(model, kept_units)
     return model
+
+
+def unshard_while_computing(model: nn.Module, units: list[nn.Module]) -> None:
+    """Gather ``units`` when ``model``'s forward starts and keep them gathered until backward is done.
+
+    FSDP2 gathers a unit when its module's forward runs, but models also use such small modules'
+    parameters without calling them (Bailing's attention hands ``conv1d.weight`` to a kernel). So these
+    units (``reshard_after_forward=False``) are gathered up front; FSDP's end-of-backward callback then
+    reduces their gradients and reshards them, whether or not their module ran. A forward without
+    gradients reshards them at its end, so between steps every parameter is a shard again.
+    """
+    def gather(module, args):
+        for unit in units:
+            unit.unshard()
+
+    def reshard_without_backward(module, args, output):
+        if not torch.is_grad_enabled():
+            for unit in units:
+                unit.reshard()
+
+    model.register_forward_pre_hook(gather)
+    model.register_forward_hook(reshard_without_backward)
 
 
 # Leaves each parameter in its own dtype, for compute and for the gradient reduction.
