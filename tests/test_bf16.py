@@ -57,7 +57,8 @@ def save_checkpoint(family: str, path: str) -> None:
         model.save_pretrained(path, max_shard_size="40KB")
         return
     model.save_pretrained(path + "-fp32", max_shard_size="40KB")
-    AutoModelForCausalLM.from_pretrained(path + "-fp32", dtype=torch.bfloat16).save_pretrained(path, max_shard_size="40KB")
+    released = AutoModelForCausalLM.from_pretrained(path + "-fp32", dtype=torch.bfloat16)
+    released.save_pretrained(path, max_shard_size="40KB")
 
 
 @pytest.fixture(scope="module")

@@ -72,7 +72,8 @@ def needs_of(model: nn.Module, ep_plan: ExpertParallelPlan | None) -> list[tuple
 
 
 def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None,
-               ep_plan: ExpertParallelPlan | None, source_rank: int, dtype_reason: str | None = None) -> str | None:
+               ep_plan: ExpertParallelPlan | None, source_rank: int, *,
+               dtype_reason: str | None = None) -> str | None:
     """Why the source cannot serve ``need`` from what it holds (``described``: pre-EP shape and dtype), or None.
 
     ``dtype_reason``: why transformers gave the source's tensor its dtype, if it is not the one requested.
@@ -90,10 +91,10 @@ def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None
     if dtype != need.dtype:
         why = f" ({dtype_reason})" if dtype_reason else ""
         return (f"tensor '{need.name}' is {dtype} on source rank {source_rank} but {need.dtype} in the "
-                f"receiving rank's model{why}. Every rank builds the model with the dtypes from_pretrained gives each tensor "
-                "(fp32-kept modules included), so they differ only where the model was changed on some ranks "
-                "before wrap_model (a .to(dtype), another dtype passed to from_pretrained): make the same "
-                "changes on every rank")
+                f"receiving rank's model{why}. Every rank builds the model with the dtypes from_pretrained gives "
+                "each tensor (fp32-kept modules included), so they differ only where the model was changed on "
+                "some ranks before wrap_model (a .to(dtype), another dtype passed to from_pretrained): make the "
+                "same changes on every rank")
     return None
 
 
