@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.messages import all_gather_objects
 
 
 class RanksFailedError(TwinkleError):
@@ -30,8 +31,8 @@ def raise_together(error: BaseException | str | None, what: str,
     """
     message = None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dist.get_rank(), message))
+        # Tensor collectives on the backend's device (HCCL has no object collectives).
+        gathered = all_gather_objects((dist.get_rank(), message))
     else:
         gathered = [(0, message)]
     failures = [(rank, msg) for rank, msg in gathered if msg is not None]

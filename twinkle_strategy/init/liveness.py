@@ -60,6 +60,16 @@ class StatusBoard:
     def failed(self, reason: str) -> None:
         self._set("failed", reason[:500])
 
+    def failures(self) -> list[tuple[int, str]]:
+        """(rank, reason) of every rank that recorded a failure on this board (empty if the store is gone)."""
+        if self.store is None:
+            return []
+        try:
+            return [(r, self.store.get(self._key("failed", r)).decode(errors="replace")) for r in range(self.world)
+                    if self.store.check([self._key("failed", r)])]
+        except Exception:  # noqa: BLE001 - the store itself may be gone with a dead node
+            return []
+
     def silent_ranks(self, phase: str, grace_s: float = 3.0) -> list[int] | None:
         """Ranks that neither finished ``phase`` nor reported a failure (None if the store is unreachable)."""
         if self.store is None:

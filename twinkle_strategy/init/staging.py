@@ -1,0 +1,131 @@
+"""The source's staging buffers: a small fixed pool, reused for every peer and every round.
+
+A source sends each of its node's ranks its stream, bucket by bucket. Staging
+one bucket per peer per round would make its memory grow with the ranks per
+node (8 GPUs, 16 NPUs); a pool of :data:`STAGING_BUFFERS` buffers, filled in
+turn by one read thread, keeps it constant. On an accelerator each slot is a
+pinned host buffer (what the read thread fills) plus a device buffer (what the
+backend sends): the copy between them is asynchronous, and an event says when
+the host side may be filled again.
+
+Every message is a bucket's bytes followed by one flag byte: :data:`ABORT`
+tells the receiver that the source failed and sends nothing more, so it stops
+at once and joins the fail-together step instead of waiting for bytes that
+will never come.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable, Iterator
+
+import torch
+
+# Buffers in the pool: one being filled by the read thread while the others are on the wire. With the
+# read thread's chunks (half a bucket at most, see below), a source holds at most 4 buckets beyond
+# its shards, host and device alike, whatever the ranks per node.
+STAGING_BUFFERS = 3
+# The read thread reads a stream in chunks of this fraction of a bucket (at least one row): with the
+# conversions of a hub checkpoint (per-expert pieces merged) a chunk costs up to about 4 chunks while read.
+READ_CHUNKS_PER_BUCKET = 8
+
+OK, ABORT = 0, 1
+FLAG_BYTES = 1
+
+
+class StagingSlot:
+    """One staging buffer: host bytes the read thread fills, device bytes the backend sends."""
+
+    def __init__(self, nbytes: int, device: torch.device):
+        on_accelerator = device.type != "cpu"
+        self.host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=on_accelerator)
+        self.device = torch.empty(nbytes, dtype=torch.uint8, device=device) if on_accelerator else self.host
+        self._copied: torch.Event | None = None  # the last host-to-device copy out of ``host``
+
+    def host_free(self) -> torch.Tensor:
+        """The host buffer, once the asynchronous copy out of it has finished."""
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        return self.host
+
+    def message(self, size: int, flag: int = OK) -> torch.Tensor:
+        """The first ``size`` bytes plus the flag byte, on the device (an asynchronous copy on accelerators)."""
+        self.host[size] = flag
+        if self.device is self.host:
+            return self.host[:size + FLAG_BYTES]
+        # The send is queued after this copy on the current stream; the read thread waits for the event
+        # before it overwrites the pinned bytes.
+        self.device[:size + FLAG_BYTES].copy_(self.host[:size + FLAG_BYTES], non_blocking=True)
+        self._copied = torch.Event()
+        self._copied.record()
+        return self.device[:size + FLAG_BYTES]
+
+
+class StagingPool:
+    """A fixed set of slots; the read thread takes free ones, the sender gives them back once sent."""
+
+    def __init__(self, count: int, bucket_bytes: int, device: torch.device):
+        self.slots = [StagingSlot(bucket_bytes + FLAG_BYTES, device) for _ in range(count)]
+        self._free: queue.Queue = queue.Queue()
+        for slot in self.slots:
+            self._free.put(slot)
+
+    def acquire(self, stop: threading.Event) -> StagingSlot | None:
+        while not stop.is_set():
+            try:
+                return self._free.get(timeout=0.1)
+            except queue.Empty:
+                continue
+        return None
+
+    def release(self, slot: StagingSlot) -> None:
+        self._free.put(slot)
+
+
+class ReadError(Exception):
+    """Wraps what the read thread raised, so the sender tells it from a failure of its own sends."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
+def filled_buckets(schedule: list[tuple[int, int]], fill: Callable[[torch.Tensor, int, int], None],
+                   pool: StagingPool, after_each: Callable[[int], None] | None = None
+                   ) -> Iterator[tuple[StagingSlot, int, int]]:
+    """``(slot, peer, size)`` for each ``(peer, size)`` of ``schedule``, filled in order by one read thread.
+
+    ``fill(host_bytes, peer, size)`` writes the bucket; ``after_each(size)`` runs in the read thread after
+    each bucket (the source copies about as many bytes of its own shards meanwhile). The consumer gives
+    each slot back to ``pool`` once sent. An error in the thread is raised here as :class:`ReadError`.
+    """
+    ready: queue.Queue = queue.Queue()
+    stop = threading.Event()
+    done = object()
+
+    def produce() -> None:
+        try:
+            for peer, size in schedule:
+                slot = pool.acquire(stop)
+                if slot is None:
+                    return
+                fill(slot.host_free()[:size], peer, size)
+                ready.put((slot, peer, size))
+                if after_each is not None:
+                    after_each(size)
+            ready.put(done)
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which fails together
+            ready.put(ReadError(exc))
+
+    thread = threading.Thread(target=produce, name="twinkle-init-read", daemon=True)
+    thread.start()
+    try:
+        while (item := ready.get()) is not done:
+            if isinstance(item, ReadError):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        thread.join()
