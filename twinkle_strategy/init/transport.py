@@ -108,9 +108,8 @@ def move_streams(
 
     * ``p2p``: the source posts one ``isend`` per bucket, one receiver after
       another, and each receiver one ``irecv`` per bucket, paired and in
-      order (``batch_isend_irecv``). Every rank
-      receives exactly its stream, however uneven the shards. No
-      sub-communicator per peer: HCCL-friendly.
+      order (``batch_isend_irecv``). Every rank receives exactly its stream,
+      however uneven the shards. No sub-communicator per peer: HCCL-friendly.
     * ``scatter``: one ``dist.scatter`` per round in the node group, each
       receiver's slice a share of one bucket. All ranks receive equal-sized
       slices, so a rank whose stream is shorter than its peers' receives padding.
@@ -164,10 +163,9 @@ def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, betwe
     sent = dict.fromkeys(plans, 0)  # buckets sent to each receiver
     in_flight: collections.deque = collections.deque()
     error = None
+    fill = _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)})
     try:
-        for slot, rank, size in staging.filled_buckets(schedule, _fill_from(readers, {r: i for i, r in
-                                                                                     enumerate(node_ranks)}),
-                                                       pool, between_rounds):
+        for slot, rank, size in staging.filled_buckets(schedule, fill, pool, between_rounds):
             in_flight.append((_send(slot.message(size), rank), slot))
             sent[rank] += 1
             stats.bytes_sent += size
@@ -250,7 +248,10 @@ def _move_scatter(readers, writer, topology, node_group, *, bucket_bytes, device
                 progress.update(size * receivers)
         work = dist.scatter(out, scatter_list=buckets, src=topology.source_rank, group=node_group, async_op=True)
         if is_source and between_rounds is not None and error is None:
-            between_rounds(size * receivers)
+            try:
+                between_rounds(size * receivers)
+            except Exception as exc:  # noqa: BLE001 - the next round is flagged; reported by the caller
+                error = exc
         work.wait()
         stats.collective_calls += 1
         if int(out[size].item()) == staging.ABORT:
@@ -259,7 +260,7 @@ def _move_scatter(readers, writer, topology, node_group, *, bucket_bytes, device
         if not is_source:
             writer.write(out[:size])
             stats.bytes_received += size
-    return Outcome()
+    return Outcome(error=error)  # the source's own copying may have failed after the last round
 
 
 def _stage_round(readers, slot, size, me, own_out, error):
