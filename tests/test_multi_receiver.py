@@ -5,6 +5,7 @@ import math
 import shutil
 
 from multinode import launch
+
 from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
 
 BUCKET = 13312  # small: each receiver gets 4 or 5 buckets (rank 3 keeps 3 rows of each embedding less)

@@ -17,9 +17,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
 import worker_common  # noqa: E402
 from alloc_tracker import LiveBytes  # noqa: E402
+
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.init import transport  # noqa: E402
 from twinkle_strategy.messages import device_type_for_backend  # noqa: E402

@@ -1,8 +1,10 @@
-"""The memory-efficient init, step by step (see DESIGN.md, "The memory_efficient_init contract").
+"""The memory-efficient init's transfer, step by step (README, "What the strategy does").
 
-:func:`load_on_sources` runs inside ``strategy.from_pretrained``; 
-:func:`distribute` runs inside ``strategy.wrap_model`` after EP and ``fully_shard``
-on meta and ``to_empty``. Between the two the user may add PEFT adapters.
+``strategy.from_pretrained`` builds the model (placeholders or meta, see :mod:`.skeleton`) and, on
+each node's source, the :class:`~.capture.Capture` of what it will send. :func:`distribute` runs inside
+``strategy.wrap_model`` after EP, ``fully_shard`` on meta and ``to_empty``: plan (who needs which
+rows), transfer (buckets inside each node), agree (fail together). Between the two the user may add
+PEFT adapters.
 """
 
 from __future__ import annotations
@@ -15,18 +17,20 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of
 from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
+from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
-from twinkle_strategy.runtime import NodeTopology, peak_rss_bytes
+from twinkle_strategy.runtime import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = int(DEFAULT_INIT_BUCKET_MB * 2**20)
 
 
 @dataclasses.dataclass
@@ -66,10 +70,9 @@ class InitReport:
 def distribute(
     model: nn.Module,
     capture: Capture | None,
+    *,
     ep_plan: ExpertParallelPlan | None,
-    topology: NodeTopology,
-    node_group,
-    device: torch.device,
+    node: NodeLink,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transport_kind: str = "p2p",
     verify: bool = False,
@@ -81,6 +84,7 @@ def distribute(
     that died or hung - ends as a :class:`DistributedInitError` on every rank,
     naming the rank(s) at fault.
     """
+    topology = node.topology
     board = StatusBoard("init")
     start = time.perf_counter()
     stats = transport.TransferStats()
@@ -95,16 +99,16 @@ def distribute(
 
     try:
         mine = needs_of(model, ep_plan)
-        all_needs = _plan(mine, capture, ep_plan, topology, node_group, stats)
+        all_needs = _plan(mine, capture, ep_plan=ep_plan, node=node, stats=stats)
         t = finish(phase, start)
         phase = "transfer"
-        outcome = _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes,
-                            transport_kind, stats, show_progress)
+        outcome = _transfer(mine, all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
+                            transport_kind=transport_kind, stats=stats, show_progress=show_progress)
         t = finish(phase, t)
         phase = "agree"
         mismatch = None
         if verify and not outcome.aborted:  # an aborted node's shards are incomplete: nothing to verify
-            mismatch = _verify(mine, all_needs, capture, ep_plan, topology, node_group,
+            mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node,
                                compare=outcome.error is None)
         # Nobody leaves the init until everyone has its shards (and, with verify, they check out);
         # a source whose reading failed reports it here, to every rank.
@@ -144,10 +148,11 @@ def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) ->
         failed + [(r, "did not report back") for r in (silent or [])])
 
 
-def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need]] | None:
+def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] | None:
     """The source learns what each of its ranks needs and checks it can serve it; fail together."""
+    topology = node.topology
     source, is_source = topology.source_rank, topology.is_source
-    all_needs = transport.gather_to_source([need for need, _ in mine], source, node_group, is_source)
+    all_needs = transport.gather_to_source([need for need, _ in mine], source, node.group, is_source)
     stats.collective_calls += 1
     error = None
     if is_source:
@@ -165,14 +170,14 @@ def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need
     return all_needs
 
 
-def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
-              stats, show_progress) -> transport.Outcome:
+def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes, transport_kind, stats,
+              show_progress) -> transport.Outcome:
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally.
 
     A failure to read on the source (file cut short or removed, bad tensor) does not leave its receivers
     waiting: it comes back in the outcome, for the fail-together step every rank reaches next.
     """
-    is_source = topology.is_source
+    is_source = node.topology.is_source
     chunk_bytes = max(bucket_bytes // READ_CHUNKS_PER_BUCKET, 1)
     writer = StreamWriter([local for _, local in mine])
     readers = [_reader(needs, capture, ep_plan, chunk_bytes) for needs in all_needs] if is_source else None
@@ -193,9 +198,8 @@ def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, b
             if done >= budget:
                 return
 
-    outcome = transport.move_streams(transport_kind, readers, writer, topology, node_group,
-                                     bucket_bytes=bucket_bytes, device=device, stats=stats, progress=progress,
-                                     between_rounds=copy_own)
+    outcome = transport.move_streams(transport_kind, readers, writer, node=node, bucket_bytes=bucket_bytes,
+                                     stats=stats, progress=progress, between_rounds=copy_own)
     if is_source and outcome.error is None:
         try:
             for _ in own:  # what is left of the source's own shards
@@ -205,7 +209,7 @@ def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, b
     if progress is not None:
         progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
         progress.close()
-    if device.type != "cpu":
+    if node.device.type != "cpu":
         torch.accelerator.synchronize()
     return outcome
 
@@ -235,13 +239,14 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, ep_plan, topology, node_group, *, compare: bool = True) -> str | None:
+def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool = True) -> str | None:
     """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again.
 
     Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
     """
+    topology = node.topology
     sums = [_checksum([local]) for _, local in mine]
-    gathered = transport.gather_to_source(sums, topology.source_rank, node_group, topology.is_source)
+    gathered = transport.gather_to_source(sums, topology.source_rank, node.group, topology.is_source)
     if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]

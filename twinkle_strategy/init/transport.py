@@ -19,14 +19,11 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy import fail_together, messages
-from twinkle_strategy.fail_together import RanksFailedError
+from twinkle_strategy.config import INIT_TRANSPORTS
+from twinkle_strategy.errors import DistributedInitError
 from twinkle_strategy.init import staging
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
 from twinkle_strategy.runtime import NodeTopology
-
-
-class DistributedInitError(RanksFailedError):
-    """memory_efficient_init (or loading) failed on some rank; raised on every rank."""
 
 
 def raise_together(error: BaseException | str | None, what: str) -> None:
@@ -64,11 +61,21 @@ class TransferStats:
     collective_calls: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeLink:
+    """What every transfer inside a node needs, together: who is where (the topology, hence the node's
+    source), the node's process group, and the device this rank's collectives use."""
+
+    topology: NodeTopology
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+
 def bucket_sizes(total: int, bucket_bytes: int) -> list[int]:
     return [min(bucket_bytes, total - k * bucket_bytes) for k in range(math.ceil(total / bucket_bytes))]
 
 
-TRANSPORTS = ("p2p", "scatter")
+TRANSPORTS = INIT_TRANSPORTS
 
 
 @dataclasses.dataclass
@@ -83,11 +90,9 @@ def move_streams(
     kind: str,
     readers: list[StreamReader] | None,
     writer: StreamWriter,
-    topology: NodeTopology,
-    node_group,
     *,
+    node: NodeLink,
     bucket_bytes: int,
-    device: torch.device,
     stats: TransferStats,
     progress=None,
     between_rounds: Callable[[int], None] | None = None,
@@ -114,13 +119,13 @@ def move_streams(
       receiver's slice a share of one bucket. All ranks receive equal-sized
       slices, so a rank whose stream is shorter than its peers' receives padding.
     """
-    if node_group is None or topology.local_world_size == 1:
+    if node.group is None or node.topology.local_world_size == 1:
         return Outcome()
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
     move = _move_p2p if kind == "p2p" else _move_scatter
-    return move(readers, writer, topology, node_group, bucket_bytes=bucket_bytes, device=device, stats=stats,
-                progress=progress, between_rounds=between_rounds)
+    return move(readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
+                between_rounds=between_rounds)
 
 
 def _fill_from(readers: list[StreamReader], peer_index: dict[int, int]):
@@ -140,8 +145,8 @@ def _wait(works) -> None:
         work.wait()
 
 
-def _move_p2p(readers, writer, topology, node_group, *, bucket_bytes, device, stats, progress,
-              between_rounds) -> Outcome:
+def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> Outcome:
+    topology, device = node.topology, node.device
     if topology.is_source:
         return _send_p2p(readers, topology, bucket_bytes=bucket_bytes, device=device, stats=stats,
                          progress=progress, between_rounds=between_rounds)
@@ -228,9 +233,9 @@ def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> bool:
     return True
 
 
-def _move_scatter(readers, writer, topology, node_group, *, bucket_bytes, device, stats, progress,
-                  between_rounds) -> Outcome:
+def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> Outcome:
     """One scatter per round; the receivers' slices together fill one bucket (bounded source memory)."""
+    topology, node_group, device = node.topology, node.group, node.device
     is_source, me = topology.is_source, topology.local_rank
     total = max_over_node(writer.total, node_group)
     stats.collective_calls += 1
