@@ -72,3 +72,17 @@ def test_a_read_error_reaches_the_sender():
             sent.append(peer)
             pool.release(slot)
     assert sent == [1, 1] and isinstance(info.value.error, OSError)
+
+
+def test_sending_order_serves_a_few_receivers_at_a_time_in_order():
+    from twinkle_strategy.init.transport import interleaved
+
+    plans = {1: [8, 8, 2], 2: [8], 3: [], 4: [8, 8], 5: [8, 1]}
+    order = interleaved(plans, window=2)
+    assert order == [(1, 8), (2, 8), (1, 8), (4, 8), (1, 2), (4, 8), (5, 8), (5, 1)]
+    for rank, sizes in plans.items():  # each receiver's buckets in its own order, none lost
+        assert [size for r, size in order if r == rank] == sizes
+    started = [order.index(next(o for o in order if o[0] == r)) for r in (1, 2, 4, 5)]
+    finished = [max(i for i, o in enumerate(order) if o[0] == r) for r in (1, 2, 4, 5)]
+    for i in range(len(order)):  # never more than 2 streams begun and not finished
+        assert sum(s <= i < f for s, f in zip(started, finished)) <= 2

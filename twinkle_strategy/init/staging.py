@@ -23,8 +23,9 @@ from typing import Callable, Iterator
 import torch
 
 # Buffers in the pool: one being filled by the read thread while the others are on the wire. With the
-# read thread's chunks (half a bucket at most, see below), a source holds at most 4 buckets beyond
-# its shards, host and device alike, whatever the ranks per node.
+# read thread's chunks (at most about half a bucket while one is read, plus the unsent rest of one chunk
+# per receiver served at a time: see transport.interleaved), a source holds at most 4 buckets beyond its
+# shards, host and device alike, whatever the ranks per node.
 STAGING_BUFFERS = 3
 # The read thread reads a stream in chunks of this fraction of a bucket (at least one row): with the
 # conversions of a hub checkpoint (per-expert pieces merged) a chunk costs up to about 4 chunks while read.

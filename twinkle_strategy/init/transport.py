@@ -111,9 +111,9 @@ def move_streams(
     the next message each receiver waits for as an abort and stops; the error
     comes back in the :class:`Outcome` for the caller's fail-together step.
 
-    * ``p2p``: the source posts one ``isend`` per bucket, one receiver after
-      another, and each receiver one ``irecv`` per bucket, paired and in
-      order (``batch_isend_irecv``). Every rank receives exactly its stream,
+    * ``p2p``: the source posts one ``isend`` per bucket, round-robin over a
+      few receivers at a time (:func:`interleaved`), and each receiver one
+      ``irecv`` per bucket, paired and in order (``batch_isend_irecv``). Every rank receives exactly its stream,
       however uneven the shards. No sub-communicator per peer: HCCL-friendly.
     * ``scatter``: one ``dist.scatter`` per round in the node group, each
       receiver's slice a share of one bucket. All ranks receive equal-sized
@@ -154,16 +154,11 @@ def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress,
 
 
 def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, between_rounds) -> Outcome:
-    """Each receiver's buckets, receiver after receiver, through the staging pool; a read error aborts.
-
-    One receiver at a time, not round-robin: only one stream is being read at any moment, so the chunk a
-    stream holds between two buckets exists once, not once per receiver. The wire is no slower for it:
-    the source's reading and staging, not a link to one peer, bounds the rate.
-    """
+    """Every receiver's buckets, through the staging pool, a few receivers at a time; a read error aborts."""
     node_ranks = topology.node_ranks[topology.node_index]
     plans = {rank: bucket_sizes(readers[i].total, bucket_bytes)
              for i, rank in enumerate(node_ranks) if rank != topology.source_rank}
-    schedule = [(rank, size) for rank, sizes in plans.items() for size in sizes]
+    schedule = interleaved(plans, window=staging.STAGING_BUFFERS)
     pool = staging.StagingPool(staging.STAGING_BUFFERS, bucket_bytes, device)
     sent = dict.fromkeys(plans, 0)  # buckets sent to each receiver
     in_flight: collections.deque = collections.deque()
@@ -173,11 +168,7 @@ def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, betwe
         for slot, rank, size in staging.filled_buckets(schedule, fill, pool, between_rounds):
             in_flight.append((_send(slot.message(size), rank), slot))
             sent[rank] += 1
-            stats.bytes_sent += size
-            stats.buckets += 1
-            stats.collective_calls += 1
-            if progress is not None:
-                progress.update(size)
+            _count_sent(size, stats, progress)
             # Keep one slot for the read thread to fill while the others are on the wire.
             while len(in_flight) >= len(pool.slots):
                 _release_oldest(in_flight, pool)
@@ -188,6 +179,34 @@ def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, betwe
     if error is not None:
         _send_aborts(plans, sent, pool.slots[0])
     return Outcome(aborted=error is not None, error=error)
+
+
+def _count_sent(size: int, stats: TransferStats, progress) -> None:
+    stats.bytes_sent += size
+    stats.buckets += 1
+    stats.collective_calls += 1
+    if progress is not None:
+        progress.update(size)
+
+
+def interleaved(plans: dict[int, list[int]], window: int) -> list[tuple[int, int]]:
+    """``(rank, bucket size)`` in sending order: round-robin over at most ``window`` receivers at a time.
+
+    Receivers unpack in parallel while the source serves the others, which keeps the transfer as fast
+    as serving all of them at once; only ``window`` streams are part-read at any moment, so the chunks
+    they hold between two buckets stay a few, whatever the ranks per node.
+    """
+    waiting = [(rank, list(sizes)) for rank, sizes in plans.items() if sizes]
+    active: list[tuple[int, list[int]]] = []
+    order = []
+    while waiting or active:
+        while waiting and len(active) < window:
+            active.append(waiting.pop(0))
+        for rank, sizes in list(active):
+            order.append((rank, sizes.pop(0)))
+            if not sizes:
+                active.remove((rank, sizes))
+    return order
 
 
 def _release_oldest(in_flight: collections.deque, pool: staging.StagingPool) -> None:
