@@ -48,6 +48,10 @@ class WeightsNotLoadedError(TwinkleError):
 class RanksFailedError(TwinkleError):
     """One or more ranks failed; raised on every rank with every failing rank's reason."""
 
+    def __init__(self, message: str, failures: list[tuple[int, str]]):
+        super().__init__(message)
+        self.failures = failures
+
 
 class DistributedInitError(RanksFailedError):
     """memory_efficient_init (or loading) failed on some rank; raised on every rank."""
