@@ -85,48 +85,45 @@ class StagingPool:
         self._free.put(slot)
 
 
-class ReadError(Exception):
-    """Wraps what the read thread raised, so the sender tells it from a failure of its own sends."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
-
-
-def filled_buckets(schedule: list[tuple[int, int]], fill: Callable[[torch.Tensor, int, int], None],
-                   pool: StagingPool, after_each: Callable[[int], None] | None = None
-                   ) -> Iterator[tuple[StagingSlot, int, int]]:
+class FilledBuckets:
     """``(slot, peer, size)`` for each ``(peer, size)`` of ``schedule``, filled in order by one read thread.
 
     ``fill(host_bytes, peer, size)`` writes the bucket; ``after_each(size)`` runs in the read thread after
     each bucket (the source copies about as many bytes of its own shards meanwhile). The consumer gives
-    each slot back to ``pool`` once sent. An error in the thread is raised here as :class:`ReadError`.
+    each slot back to ``pool`` once sent. If the thread raises, iteration stops early and ``error`` holds
+    the exception, for the sender to abort its receivers with, apart from failures of its own sends.
     """
-    ready: queue.Queue = queue.Queue()
-    stop = threading.Event()
-    done = object()
 
-    def produce() -> None:
+    def __init__(self, schedule: list[tuple[int, int]], fill: Callable[[torch.Tensor, int, int], None],
+                 pool: StagingPool, after_each: Callable[[int], None] | None = None):
+        self.schedule, self.fill, self.pool, self.after_each = schedule, fill, pool, after_each
+        self.error: BaseException | None = None
+        self._ready: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+
+    def _produce(self) -> None:
         try:
-            for peer, size in schedule:
-                slot = pool.acquire(stop)
+            for peer, size in self.schedule:
+                slot = self.pool.acquire(self._stop)
                 if slot is None:
                     return
-                fill(slot.host_free()[:size], peer, size)
-                ready.put((slot, peer, size))
-                if after_each is not None:
-                    after_each(size)
-            ready.put(done)
+                self.fill(slot.host_free()[:size], peer, size)
+                self._ready.put((slot, peer, size))
+                if self.after_each is not None:
+                    self.after_each(size)
+            self._ready.put(None)
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which fails together
-            ready.put(ReadError(exc))
+            self._ready.put(exc)
 
-    thread = threading.Thread(target=produce, name="twinkle-init-read", daemon=True)
-    thread.start()
-    try:
-        while (item := ready.get()) is not done:
-            if isinstance(item, ReadError):
-                raise item
-            yield item
-    finally:
-        stop.set()
-        thread.join()
+    def __iter__(self) -> Iterator[tuple[StagingSlot, int, int]]:
+        thread = threading.Thread(target=self._produce, name="twinkle-init-read", daemon=True)
+        thread.start()
+        try:
+            while (item := self._ready.get()) is not None:
+                if isinstance(item, BaseException):
+                    self.error = item
+                    return
+                yield item
+        finally:
+            self._stop.set()
+            thread.join()

@@ -162,18 +162,16 @@ def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, betwe
     pool = staging.StagingPool(staging.STAGING_BUFFERS, bucket_bytes, device)
     sent = dict.fromkeys(plans, 0)  # buckets sent to each receiver
     in_flight: collections.deque = collections.deque()
-    error = None
-    fill = _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)})
-    try:
-        for slot, rank, size in staging.filled_buckets(schedule, fill, pool, between_rounds):
-            in_flight.append((_send(slot.message(size), rank), slot))
-            sent[rank] += 1
-            _count_sent(size, stats, progress)
-            # Keep one slot for the read thread to fill while the others are on the wire.
-            while len(in_flight) >= len(pool.slots):
-                _release_oldest(in_flight, pool)
-    except staging.ReadError as exc:
-        error = exc.error
+    buckets = staging.FilledBuckets(schedule, _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)}),
+                                    pool, between_rounds)
+    for slot, rank, size in buckets:
+        in_flight.append((_send(slot.message(size), rank), slot))
+        sent[rank] += 1
+        _count_sent(size, stats, progress)
+        # Keep one slot for the read thread to fill while the others are on the wire.
+        while len(in_flight) >= len(pool.slots):
+            _release_oldest(in_flight, pool)
+    error = buckets.error
     while in_flight:
         _release_oldest(in_flight, pool)
     if error is not None:
