@@ -164,13 +164,17 @@ def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, betwe
     in_flight: collections.deque = collections.deque()
     buckets = staging.FilledBuckets(schedule, _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)}),
                                     pool, between_rounds)
-    for slot, rank, size in buckets:
-        in_flight.append((_send(slot.message(size), rank), slot))
-        sent[rank] += 1
-        _count_sent(size, stats, progress)
-        # Keep one slot for the read thread to fill while the others are on the wire.
-        while len(in_flight) >= len(pool.slots):
-            _release_oldest(in_flight, pool)
+    filled = iter(buckets)
+    try:
+        for slot, rank, size in filled:
+            in_flight.append((_send(slot.message(size), rank), slot))
+            sent[rank] += 1
+            _count_sent(size, stats, progress)
+            # Keep one slot for the read thread to fill while the others are on the wire.
+            while len(in_flight) >= len(pool.slots):
+                _release_oldest(in_flight, pool)
+    finally:
+        filled.close()  # a failed send stops the read thread now, not when the traceback is freed
     error = buckets.error
     while in_flight:
         _release_oldest(in_flight, pool)
