@@ -216,20 +216,20 @@ def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes
 
 def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
     """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
-    rows_done, current = 0, None
-    with torch.no_grad():
-        for need, local in mine:
-            for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
-                if local is not current:
-                    rows_done, current = 0, local
+    for need, local in mine:
+        rows_done = 0
+        for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
+            # no_grad per copy, not around the loop: grad mode is per thread, and this generator is
+            # resumed by the sender's read thread and then by the main thread.
+            with torch.no_grad():
                 target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
                 target.copy_(chunk.reshape(target.shape))
-                rows_done += len(chunk) if chunk.dim() else 0
-                copied = chunk.numel() * chunk.element_size()
-                del chunk, target  # not held while suspended: the sender's read thread reads meanwhile
-                if progress is not None:
-                    progress.update(copied)
-                yield copied
+            rows_done += len(chunk) if chunk.dim() else 0
+            copied = chunk.numel() * chunk.element_size()
+            del chunk, target  # not held while suspended: the sender's read thread reads meanwhile
+            if progress is not None:
+                progress.update(copied)
+            yield copied
 
 
 def _checksum(chunks) -> int:
