@@ -85,3 +85,18 @@ def test_sending_order_serves_a_few_receivers_at_a_time_in_order():
     finished = [max(i for i, o in enumerate(order) if o[0] == r) for r in (1, 2, 4, 5)]
     for i in range(len(order)):  # never more than 2 streams begun and not finished
         assert sum(s <= i < f for s, f in zip(started, finished)) <= 2
+
+
+def test_the_board_names_the_ranks_that_failed_and_why():
+    import torch.distributed as dist
+
+    from twinkle_strategy.init.liveness import StatusBoard
+
+    store, boards = dist.HashStore(), []
+    for rank in range(3):
+        StatusBoard._created["named"] = 0  # each rank is a process of its own, which numbers its own boards
+        boards.append(StatusBoard("named", store=store, rank=rank, world=3))
+    boards[0].finished("plan")
+    boards[2].failed("CheckpointError: checkpoint file model.safetensors ended while reading tensor 'w'")
+    assert boards[1].failures() == [(2, "CheckpointError: checkpoint file model.safetensors ended while reading "
+                                        "tensor 'w'")]

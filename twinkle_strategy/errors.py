@@ -92,3 +92,7 @@ class TrainingAbortedError(TwinkleError):
 
 class SwiftPluginError(TwinkleError):
     """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
+
+
+class OutputDirNotSharedError(TwinkleError):
+    """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""
