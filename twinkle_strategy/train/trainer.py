@@ -35,6 +35,7 @@ from twinkle_strategy.checkpoint import (
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.errors import TrainingAbortedError
 from twinkle_strategy.init.liveness import StatusBoard
+from twinkle_strategy.messages import broadcast_object
 from twinkle_strategy.runtime import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
@@ -86,9 +87,7 @@ def make_run_dir(output_dir: str, add_version: bool) -> str:
 def _broadcast(obj):
     if not dist.is_initialized():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(obj, src=0)  # byte tensors on the backend's device: HCCL has no object collectives
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
