@@ -219,8 +219,6 @@ def stream_blocker(path: str, config, kwargs: dict) -> str | None:
                     and not (isinstance(v, (dict, list, tuple, str)) and not v))
     if others:
         return f"from_pretrained was given {others}, which only a full load understands"
-    if getattr(config, "quantization_config", None):
-        return "the checkpoint is quantized (config.json has a quantization_config)"
     if getattr(config, "auto_map", None):
         return "the model has custom code (config.json has an auto_map)"
     if not checkpoint_files(path):
@@ -238,10 +236,16 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     """
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
     from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+    from twinkle_strategy.checkpoint.quantized import QuantizedIndex, drop_quantization_config, quant_format
     from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
 
+    fmt = quant_format(config)  # a format we do not serve is refused here, before any read
+    drop_quantization_config(config)
     model = build_meta_model(model_class or model_class_for(config), config, dtype, **init_kwargs)
-    layout = CheckpointLayout(SafetensorsIndex.from_directory(path), model, path)
+    index = SafetensorsIndex.from_directory(path)
+    if fmt is not None:  # a quantized release: read as the checkpoint of its dequantized values
+        index = QuantizedIndex(index, fmt, model)
+    layout = CheckpointLayout(index, model, path)
     install_placeholders(model, layout)
     model._weight_conversions = layout.rules  # as from_pretrained does: saving reverses the rules that matched
     keys = {t.key for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, CheckpointTensor)}
@@ -251,8 +255,10 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
 
 def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
     """The same model with meta placeholders: what ranks that never read the checkpoint build."""
+    from twinkle_strategy.checkpoint.quantized import drop_quantization_config
     from twinkle_strategy.init.skeleton import build_meta_model, install_placeholders
 
+    drop_quantization_config(config)  # the source dequantizes: every rank builds the plain model
     return install_placeholders(build_meta_model(model_class or model_class_for(config), config, dtype,
                                                  **init_kwargs))
 
