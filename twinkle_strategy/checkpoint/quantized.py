@@ -280,23 +280,38 @@ class QuantizedIndex:
     def close(self) -> None:
         self.stored.close()
 
-    def read_parts(self, key: str, rows: tuple[int, int] | None = None) -> tuple[Codec | None, list[torch.Tensor]]:
-        """What rows ``[a, b)`` of ``key`` are stored as: the read tensors and how to decode them (None: as is)."""
+    def codec(self, key: str, rows: tuple[int, int] | None = None) -> Codec | None:
+        """How rows ``[a, b)`` of ``key`` are stored (None: as they are), from the headers alone."""
         logical = self.tensors[key]
         if not logical.quantized:
+            return None
+        a, b = rows if rows is not None else (0, logical.shape[0])
+        data, scale = self.stored.tensors[logical.data_key], self.stored.tensors[logical.scale_key]
+        s0, s1 = _scale_rows(logical, a, b)
+        parts = ((data.dtype, (b - a,) + data.shape[1:]), (scale.dtype, (s1 - s0,) + scale.shape[1:]))
+        return Codec(logical.kind, parts, logical.block, a)
+
+    def read_parts(self, key: str, rows: tuple[int, int] | None = None) -> tuple[Codec | None, list[torch.Tensor]]:
+        """What rows ``[a, b)`` of ``key`` are stored as: the read tensors and how to decode them (None: as is)."""
+        codec = self.codec(key, rows)
+        if codec is None:
             return None, [self.stored.read(key, rows)]
+        logical = self.tensors[key]
         a, b = rows if rows is not None else (0, logical.shape[0])
         data = self.stored.read(logical.data_key, (a, b))
-        # MXFP4 rows are experts, one scale row each; FP8/FP4 rows share a scale row per block of B0 rows.
-        step = 1 if logical.kind == MXFP4 else logical.block[0]
-        scale = self.stored.read(logical.scale_key, (a // step, math.ceil(b / step)))
-        parts = ((data.dtype, tuple(data.shape)), (scale.dtype, tuple(scale.shape)))
-        return Codec(logical.kind, parts, logical.block, a), [data, scale]
+        scale = self.stored.read(logical.scale_key, _scale_rows(logical, a, b))
+        return codec, [data, scale]
 
     def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``[a, b)`` of ``key``'s values (float32 for a quantized weight, else as stored)."""
         codec, parts = self.read_parts(key, rows)
         return parts[0] if codec is None else codec.decode(parts)
+
+
+def _scale_rows(logical: LogicalTensor, a: int, b: int) -> tuple[int, int]:
+    """The scale rows that weight rows ``[a, b)`` need: ``a // B0 .. ceil(b / B0)`` (MXFP4: one per expert)."""
+    step = 1 if logical.kind == MXFP4 else logical.block[0]
+    return a // step, math.ceil(b / step)
 
 
 def _check_scale_shape(key, shape, scale_key, got, want, block) -> None:

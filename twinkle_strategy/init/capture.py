@@ -74,6 +74,23 @@ class Capture:
         for lo in range(0, shape[0], step):
             yield self.region(need, ep_plan, (lo, min(lo + step, shape[0])))
 
+    def wire_form(self, need: Need, ep_plan, chunk_bytes: int):
+        """How ``need``'s region travels as the checkpoint stores it (quantized bytes and scales, fewer than its
+        values), or None to send its values. See :mod:`twinkle_strategy.checkpoint.wire`."""
+        from twinkle_strategy.checkpoint.wire import plan_wire_form
+
+        placeholder = self.placeholders.get(need.name)
+        if need.name in self.tensors or placeholder is None or need.is_buffer:
+            return None
+        rows = checkpoint_rows(need, ep_plan, placeholder.shape)
+        return None if rows is None else plan_wire_form(placeholder.checkpoint, placeholder.key, rows, chunk_bytes)
+
+    def wire_chunks(self, need: Need, form) -> Iterator[torch.Tensor]:
+        """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
+        from twinkle_strategy.checkpoint.wire import read_chunks
+
+        return read_chunks(self.placeholders[need.name].checkpoint, form)
+
     def region(self, need: Need, ep_plan, part: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``part`` (all if None) of ``need``'s region: a view of a held tensor, or read from the checkpoint."""
         if need.name in self.tensors:

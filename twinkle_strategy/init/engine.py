@@ -15,6 +15,7 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy.checkpoint.wire import DecodingSink
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
@@ -49,6 +50,10 @@ class InitReport:
     bytes_read: int = 0  # tensor bytes this rank read from checkpoint files (sources streaming a checkpoint)
     read_seconds: float = 0.0  # time spent in those reads
     whole_tensors: list[str] = dataclasses.field(default_factory=list)  # read whole: no region-wise rule
+    # What bytes_sent / bytes_received stand for in the model's dtype: more than them where regions of a
+    # quantized release travel as stored (FP8 bytes and scales) and are dequantized by their receiver.
+    bytes_sent_decoded: int = 0
+    bytes_received_decoded: int = 0
 
     def log_line(self) -> str:
         mib = 1024 * 1024
@@ -59,9 +64,14 @@ class InitReport:
         return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
                 f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
                 f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, {read}"
-                f"received {self.bytes_received / mib:.1f} MiB, sent {self.bytes_sent / mib:.1f} MiB "
+                f"received {self.bytes_received / mib:.1f} MiB{_standing_for(self.bytes_received_decoded, self.bytes_received)}, "
+                f"sent {self.bytes_sent / mib:.1f} MiB{_standing_for(self.bytes_sent_decoded, self.bytes_sent)} "
                 f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
+
+
+def _standing_for(decoded: int, wire: int) -> str:
+    return f" (standing for {decoded / 2**20:.1f} MiB of values)" if decoded != wire else ""
 
 
 def distribute(
@@ -97,10 +107,13 @@ def distribute(
     try:
         mine = needs_of(model, ep_plan)
         all_needs = _plan(mine, capture, ep_plan, topology, node_group, stats)
+        forms, my_forms = _wire_forms(all_needs, capture, ep_plan, topology, node_group, bucket_bytes, stats)
         t = finish(phase, start)
         phase = "transfer"
-        _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
-                  stats, show_progress)
+        sinks = [local if form is None else DecodingSink(local, form, model.config)
+                 for (_, local), form in zip(mine, my_forms)]
+        _transfer(mine, sinks, all_needs, forms, capture, ep_plan, topology, node_group, device, bucket_bytes,
+                  transport_kind, stats, show_progress)
         t = finish(phase, t)
         phase = "agree"
         mismatch = _verify(mine, all_needs, capture, ep_plan, topology, node_group) if verify else None
@@ -128,8 +141,31 @@ def distribute(
         shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
-        phase_seconds=phase_seconds, **read,
+        phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
     )
+
+
+def _decoded_bytes(my_needs, all_needs, topology) -> dict:
+    """The model-dtype bytes this rank received or sent (its own shards move without the wire)."""
+    if topology.local_world_size == 1:
+        return {}
+    if not topology.is_source:
+        return dict(bytes_received_decoded=sum(n.nbytes for n in my_needs))
+    others = [needs for i, needs in enumerate(all_needs) if i != topology.local_rank]
+    return dict(bytes_sent_decoded=sum(n.nbytes for needs in others for n in needs))
+
+
+def _wire_forms(all_needs, capture, ep_plan, topology, node_group, bucket_bytes, stats):
+    """The source decides which regions travel as stored (quantized) and tells each rank (None: as values).
+
+    Returns every rank's forms (source; None elsewhere) and this rank's own.
+    """
+    forms = None
+    if topology.is_source:
+        forms = [[capture.wire_form(need, ep_plan, bucket_bytes) for need in needs] for needs in all_needs]
+    mine = transport.scatter_from_source(forms, topology.source_rank, node_group)
+    stats.collective_calls += 1
+    return forms, mine
 
 
 def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need]] | None:
@@ -153,12 +189,13 @@ def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need
     return all_needs
 
 
-def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
-              stats, show_progress) -> None:
+def _transfer(mine, sinks, all_needs, forms, capture, ep_plan, topology, node_group, device, bucket_bytes,
+              transport_kind, stats, show_progress) -> None:
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally."""
     is_source = topology.is_source
-    writer = StreamWriter([local for _, local in mine])
-    readers = [_reader(needs, capture, ep_plan, bucket_bytes) for needs in all_needs] if is_source else None
+    writer = StreamWriter(sinks)
+    readers = ([_reader(needs, rank_forms, capture, ep_plan, bucket_bytes) for needs, rank_forms in
+                zip(all_needs, forms)] if is_source else None)
     progress = None
     if show_progress and is_source:
         from tqdm.auto import tqdm
@@ -230,6 +267,9 @@ def _verify(mine, all_needs, capture, ep_plan, topology, node_group) -> str | No
     return None
 
 
-def _reader(needs: list[Need], capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
-    regions = [lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes) for need in needs]
-    return StreamReader(regions, [need.nbytes for need in needs], prefetch=READ_AHEAD)
+def _reader(needs: list[Need], forms: list, capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
+    """A rank's stream: each region's values, or as stored where its wire form says so."""
+    regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
+               else (lambda need=need, form=form: capture.wire_chunks(need, form)) for need, form in zip(needs, forms)]
+    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms)]
+    return StreamReader(regions, sizes, prefetch=READ_AHEAD)

@@ -1,0 +1,168 @@
+"""Quantized hub releases (FP8 blocks, DeepSeek-V4 FP8/FP4, MXFP4): the format math in one process, and the
+streamed init on 2 nodes x 2 ranks, ep=2, against plain from_pretrained and the formats' definitions."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from multinode import launch
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.quantized import (
+    QuantFormat,
+    QuantizedIndex,
+    apply_block_scales,
+    quant_format,
+    quantize_fp4_groups,
+    quantize_fp8_blocks,
+    unpack_e2m1,
+)
+from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.train.tiny_models import save_tiny_quantized_checkpoint
+
+BLOCK = (16, 16)
+# Qwen3-MoE with 6 heads (q_proj rows 96: each of 4 FSDP ranks gets 24, across 16-row blocks), a dense
+# first layer, bf16 scales as Qwen3 "-FP8" ships them.
+QWEN3 = dict(hidden_size=64, intermediate_size=32, num_attention_heads=6, mlp_only_layers=[0],
+             scale_dtype=torch.bfloat16)
+# DeepSeek-V3 with every projection a multiple of 16 (q_b_proj rows 80: 20 per rank, across blocks).
+DEEPSEEK = dict(hidden_size=64, intermediate_size=32, qk_rope_head_dim=16, qk_head_dim=20, head_dim=16)
+# DeepSeek-V3 as released in shape: kv_a_proj_with_mqa has 16 + 4 = 20 rows, a ragged last block
+# (DeepSeek-V3's own is [576, 7168] over 128-blocks: 4.5 blocks of rows).
+RAGGED = dict(hidden_size=64, intermediate_size=32)
+TRUNCATED_SCALE = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
+MISSING_SCALE = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
+
+
+def definition(weight, scale, block):
+    """w[i, j] * s[i // B0, j // B1], one value at a time."""
+    out = torch.empty(weight.shape)
+    for i in range(weight.shape[0]):
+        for j in range(weight.shape[1]):
+            out[i, j] = float(weight[i, j]) * float(scale[i // block[0], j // block[1]])
+    return out
+
+
+# ------------------------------------------------------------------------------------------ the math
+@pytest.mark.parametrize("shape,block", [((32, 48), (16, 16)), ((20, 40), (16, 16)), ((576 // 16, 7), (8, 4))])
+def test_fp8_block_dequantization_is_the_definition_for_any_rows(shape, block):
+    torch.manual_seed(0)
+    weight, scale = quantize_fp8_blocks(torch.randn(shape), block)
+    assert scale.shape == (math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1]))
+    want = definition(weight, scale, block)
+    assert torch.equal(apply_block_scales(weight, scale, block), want)
+    for a, b in [(3, 11), (block[0] - 1, shape[0]), (block[0], block[0] + 1)]:
+        rows = scale[a // block[0]:math.ceil(b / block[0])]  # only the scale rows those rows need
+        assert torch.equal(apply_block_scales(weight[a:b], rows, block, first_row=a), want[a:b]), (a, b)
+
+
+def test_fp8_quantization_round_trips_within_e4m3_precision():
+    torch.manual_seed(0)
+    weight = torch.randn(40, 24)
+    q, s = quantize_fp8_blocks(weight, (16, 16))
+    assert q.dtype == torch.float8_e4m3fn and s.dtype == torch.float32
+    assert torch.allclose(apply_block_scales(q, s, (16, 16)), weight, rtol=0.07, atol=1e-6)
+
+
+def test_e2m1_unpacks_low_nibble_first_and_ue8m0_is_a_power_of_two():
+    packed = torch.tensor([[0x71, 0xF8]], dtype=torch.uint8).view(torch.int8)  # nibbles 1, 7 | 8, 15
+    assert unpack_e2m1(packed).tolist() == [[0.5, 6.0, -0.0, -6.0]]
+    weight = torch.tensor([[0.5 * 2.0 ** -3, -1.5 * 2.0 ** -3] * 16, [3.0 * 2.0 ** 4, 6.0 * 2.0 ** 4] * 16])
+    data, scale = quantize_fp4_groups(weight)  # one power-of-two scale per row of 32 values
+    assert data.dtype == torch.int8 and data.shape == (2, 16) and scale.dtype == torch.float8_e8m0fnu
+    assert torch.equal(apply_block_scales(unpack_e2m1(data), scale, (1, 32)), weight)
+
+
+def test_served_formats_and_refused_ones_by_name():
+    config = type("C", (), {})()
+    assert quant_format(config) is None
+    config.quantization_config = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    assert quant_format(config) == QuantFormat("fp8", (128, 128))
+    config.quantization_config = {"quant_method": "mxfp4"}
+    assert quant_format(config) == QuantFormat("mxfp4", None)
+    config.quantization_config = {"quant_method": "awq", "bits": 4}
+    with pytest.raises(CheckpointError, match="quant_method 'awq'.*stream_checkpoint=False"):
+        quant_format(config)
+    config.quantization_config = {"quant_method": "fp8", "weight_block_size": None}
+    with pytest.raises(CheckpointError, match="weight_block_size None"):
+        quant_format(config)
+
+
+# ------------------------------------------------------------------------------------------ releases
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("releases")
+    paths = {
+        "qwen3_fp8": save_tiny_quantized_checkpoint("qwen3_moe", str(root / "qwen3_fp8"), BLOCK, **QWEN3),
+        "deepseek_fp8": save_tiny_quantized_checkpoint("deepseek_v3", str(root / "deepseek_fp8"), BLOCK, **DEEPSEEK),
+        "deepseek_ragged": save_tiny_quantized_checkpoint("deepseek_v3", str(root / "ragged"), BLOCK, **RAGGED),
+    }
+    paths["truncated_scale"] = _broken(paths["deepseek_fp8"], root / "truncated_scale", TRUNCATED_SCALE,
+                                       lambda t: t[:-1])
+    paths["missing_scale"] = _broken(paths["qwen3_fp8"], root / "missing_scale", MISSING_SCALE, None)
+    return paths
+
+
+def _broken(good: str, path, key: str, change) -> str:
+    """A copy of ``good`` whose scale ``key`` is changed (None: removed, from its file and the index)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(good, path)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    file = path / index["weight_map"][key]
+    tensors = load_file(str(file))
+    if change is None:
+        del tensors[key], index["weight_map"][key]
+        index_file.write_text(json.dumps(index))
+    else:
+        tensors[key] = change(tensors[key]).contiguous()
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    return str(path)
+
+
+def test_release_layout_is_as_shipped(releases):
+    """FP8 projections with per-block scales, a scale in another file than its weight; the ragged
+    DeepSeek projection has the 2-row grid that makes transformers infer a wrong block of 10 rows."""
+    index = SafetensorsIndex.from_directory(releases["deepseek_ragged"])
+    key = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"
+    assert index.tensors[key].dtype == torch.float8_e4m3fn and index.tensors[key].shape == (20, 64)
+    assert index.tensors[key + "_scale_inv"].shape == (2, 4)
+    assert index.tensors[key].file != index.tensors[key + "_scale_inv"].file
+    assert index.tensors["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert index.tensors["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16  # the router stays
+    logical = QuantizedIndex(index, QuantFormat("fp8", BLOCK))
+    assert key + "_scale_inv" not in logical and logical.tensors[key].dtype == torch.float32
+
+
+def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
+    """2 nodes x 2, ep=2: bit for bit equal to plain from_pretrained (or to the definition on ragged edges),
+    each source reading about its node's half of the files, each receiver getting the FP8 bytes and the
+    scale rows its shards need; a broken scale is named on every rank."""
+    cases = [f"{name}={releases[name]}:{oracle}" for name, oracle in [
+        ("qwen3_fp8", "transformers"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "definition"),
+        ("truncated_scale", "error"), ("missing_scale", "error")]]
+    result = launch("quantized.py", ["--cases", ",".join(cases), "--block", "16,16"], tmp_path,
+                    nnodes=2, nproc_per_node=2, timeout=400)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, data in ranks.items():
+        for name in ("qwen3_fp8", "deepseek_fp8", "deepseek_ragged"):
+            case = data["cases"][name]
+            assert case["mismatches"] == [], (rank, name, case["mismatches"])
+            assert not case["has_quantization_config"]
+            if case["is_source"]:
+                assert case["read_ratio"] <= 1.05, (rank, name, case["read_ratio"])
+                assert case["sent"] < 0.75 * case["sent_decoded"], (rank, name, case["log_line"])
+            else:
+                assert case["received"] <= case["stored_bound"], (rank, name, case["received"], case["stored_bound"])
+                assert case["received_decoded"] == case["shard_bytes"] + case["buffer_bytes"]
+                assert case["received"] < 0.75 * case["received_decoded"], (rank, name, case["log_line"])
+        for name, key in [("truncated_scale", TRUNCATED_SCALE), ("missing_scale", MISSING_SCALE)]:
+            case = data["cases"][name]
+            assert case["error_type"] == "DistributedInitError", (rank, name, case)
+            assert f"'{key}'" in case["error"], (rank, name, case["error"])
