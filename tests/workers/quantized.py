@@ -30,7 +30,8 @@ DTYPE = torch.bfloat16
 
 def transformers_state(path: str) -> dict:
     config = AutoConfig.from_pretrained(path)
-    return model_class_for(config).from_pretrained(path, dtype=DTYPE).state_dict()
+    model = model_class_for(config).from_pretrained(path, dtype=DTYPE)
+    return {**dict(model.named_buffers()), **model.state_dict()}  # RoPE inv_freq too
 
 
 def definition_dequant(weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
