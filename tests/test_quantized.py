@@ -143,9 +143,10 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     each source reading about its node's half of the files, each receiver getting the FP8 bytes and the
     scale rows its shards need; a broken scale is named on every rank."""
     cases = [f"{name}={releases[name]}:{oracle}" for name, oracle in [
-        ("qwen3_fp8", "transformers"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "definition"),
+        ("qwen3_fp8", "transformers+save"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "definition"),
         ("truncated_scale", "error"), ("missing_scale", "error")]]
-    result = launch("quantized.py", ["--cases", ",".join(cases), "--block", "16,16"], tmp_path,
+    result = launch("quantized.py", ["--cases", ",".join(cases), "--block", "16,16", "--save-root",
+                                     str(tmp_path / "saved")], tmp_path,
                     nnodes=2, nproc_per_node=2, timeout=400)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -162,6 +163,11 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
                 assert case["received"] <= case["stored_bound"], (rank, name, case["received"], case["stored_bound"])
                 assert case["received_decoded"] == case["shard_bytes"] + case["buffer_bytes"]
                 assert case["received"] < 0.75 * case["received_decoded"], (rank, name, case["log_line"])
+    # A full-parameter save from the FP8 start is a plain bf16 checkpoint that plain from_pretrained loads.
+    saved = ranks[0]["cases"]["qwen3_fp8"]
+    assert saved["saved_dtypes"] == ["torch.bfloat16"] and not saved["saved_has_quantization_config"]
+    assert saved["saved_mismatches"] == []
+    for rank, data in ranks.items():
         for name, key in [("truncated_scale", TRUNCATED_SCALE), ("missing_scale", MISSING_SCALE)]:
             case = data["cases"][name]
             assert case["error_type"] == "DistributedInitError", (rank, name, case)

@@ -5,7 +5,9 @@ Cases (``--cases name=path:oracle,...``), oracle one of:
 * ``transformers``: plain ``from_pretrained`` of the release (it dequantizes on CPU), bit for bit;
 * ``definition``: the same, but every renamed quantized weight dequantized here by the format's definition
   (``w[i, j] * s[i // B0, j // B1]``, edge blocks smaller), which transformers gets wrong on ragged edges;
-* ``error``: loading must fail on every rank, naming the key given by ``--error-keys name=key``.
+* ``error``: loading must fail on every rank (the test checks the key it names).
+``+save`` after the oracle: then save the model (full parameters) and load the result with plain
+``from_pretrained`` on one rank: a bf16 checkpoint without a quantization_config, equal to the oracle.
 """
 
 import argparse
@@ -95,7 +97,22 @@ def stored_bytes_bound(model, strategy, index: SafetensorsIndex, block) -> int:
     return total
 
 
-def good_case(path: str, oracle: str, block, nnodes: int) -> dict:
+def saved_checkpoint_check(strategy, model, directory: str, state: dict) -> dict:
+    import torch.distributed as dist
+
+    strategy.save_pretrained(model, directory)
+    if dist.get_rank() != 0:
+        return {}
+    with open(os.path.join(directory, "config.json")) as f:
+        saved_config = json.load(f)
+    index = SafetensorsIndex.from_directory(directory)
+    reloaded = transformers_state(directory)
+    return dict(saved_has_quantization_config="quantization_config" in saved_config,
+                saved_dtypes=sorted({str(t.dtype) for t in index.tensors.values()}),
+                saved_mismatches=sorted(k for k in state if not torch.equal(reloaded[k], state[k])))
+
+
+def good_case(path: str, oracle: str, block, nnodes: int, save_dir: str | None) -> dict:
     state = transformers_state(path) if oracle == "transformers" else definition_state(path, block)
     strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True)
     model = strategy.from_pretrained(path, dtype=DTYPE)
@@ -103,8 +120,9 @@ def good_case(path: str, oracle: str, block, nnodes: int) -> dict:
     report = strategy.init_report
     index = SafetensorsIndex.from_directory(path)
     node_share = sum(t.nbytes for t in index.tensors.values()) / nnodes
+    saved = saved_checkpoint_check(strategy, model, save_dir, state) if save_dir else {}
     return dict(
-        mismatches=shard_mismatches(model, strategy, state), is_source=report.is_source,
+        **saved, mismatches=shard_mismatches(model, strategy, state), is_source=report.is_source,
         read_ratio=report.bytes_read / node_share, received=report.bytes_received,
         received_decoded=report.bytes_received_decoded, sent=report.bytes_sent, sent_decoded=report.bytes_sent_decoded,
         stored_bound=stored_bytes_bound(model, strategy, index, block), shard_bytes=report.shard_bytes,
@@ -126,6 +144,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", required=True)
     p.add_argument("--block", default="16,16")
+    p.add_argument("--save-root", required=True)
     args = p.parse_args()
     block = tuple(int(x) for x in args.block.split(","))
     nnodes = int(os.environ["WORLD_SIZE"]) // int(os.environ["LOCAL_WORLD_SIZE"])
@@ -133,7 +152,9 @@ def main():
     for case in args.cases.split(","):
         name, spec = case.split("=", 1)
         path, oracle = spec.rsplit(":", 1)
-        results[name] = error_case(path) if oracle == "error" else good_case(path, oracle, block, nnodes)
+        oracle, _, save = oracle.partition("+")
+        save_dir = os.path.join(args.save_root, name) if save else None
+        results[name] = error_case(path) if oracle == "error" else good_case(path, oracle, block, nnodes, save_dir)
         worker_common.write_result({"cases": results})
     return {"cases": json.loads(json.dumps(results, default=str))}
 
