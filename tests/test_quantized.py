@@ -19,7 +19,11 @@ from twinkle_strategy.checkpoint.quantized import (
     unpack_e2m1,
 )
 from twinkle_strategy.errors import CheckpointError
-from twinkle_strategy.train.tiny_models import save_tiny_quantized_checkpoint
+from twinkle_strategy.train.tiny_models import (
+    save_tiny_deepseek_v4_release,
+    save_tiny_mxfp4_release,
+    save_tiny_quantized_checkpoint,
+)
 
 BLOCK = (16, 16)
 # Qwen3-MoE with 6 heads (q_proj rows 96: each of 4 FSDP ranks gets 24, across 16-row blocks), a dense
@@ -31,6 +35,9 @@ DEEPSEEK = dict(hidden_size=64, intermediate_size=32, qk_rope_head_dim=16, qk_he
 # DeepSeek-V3 as released in shape: kv_a_proj_with_mqa has 16 + 4 = 20 rows, a ragged last block
 # (DeepSeek-V3's own is [576, 7168] over 128-blocks: 4.5 blocks of rows).
 RAGGED = dict(hidden_size=64, intermediate_size=32)
+# DeepSeek-V4-Flash's layout (FP8 dense, FP4 experts) and gpt-oss MXFP4 need inputs that are multiples of 32.
+V4 = dict(hidden_size=64, intermediate_size=32)
+GPT_OSS = dict(hidden_size=64, intermediate_size=32)
 TRUNCATED_SCALE = "model.layers.0.self_attn.q_b_proj.weight_scale_inv"
 MISSING_SCALE = "model.layers.1.mlp.experts.2.up_proj.weight_scale_inv"
 
@@ -42,6 +49,101 @@ def definition(weight, scale, block):
         for j in range(weight.shape[1]):
             out[i, j] = float(weight[i, j]) * float(scale[i // block[0], j // block[1]])
     return out
+
+
+# ------------------------------------------------------- the formats' definitions, written independently
+def e2m1_by_bits(nibbles: torch.Tensor) -> torch.Tensor:
+    """An e2m1 value from its bits: sign, two exponent bits (bias 1), one mantissa bit; exponent 0 is subnormal."""
+    sign = torch.where((nibbles & 8) > 0, -1.0, 1.0).double()
+    exponent, mantissa = ((nibbles >> 1) & 3).double(), (nibbles & 1).double()
+    magnitude = torch.where(exponent == 0, mantissa * 0.5, torch.pow(2.0, exponent - 1) * (1 + mantissa / 2))
+    return sign * magnitude
+
+
+def nibbles_low_first(packed: torch.Tensor) -> torch.Tensor:
+    u8 = packed.view(torch.uint8).to(torch.int64)
+    return torch.stack([u8 % 16, u8 // 16], dim=-1).flatten(-2)
+
+
+def ue8m0(scale: torch.Tensor) -> torch.Tensor:
+    return torch.pow(2.0, scale.view(torch.uint8).double() - 127)
+
+
+def reference_fp4(packed, scale):
+    """DeepSeek-V4 FP4 expert: [out, in / 2] bytes, low nibble first, times 2 ** (e - 127) per 32 of a row."""
+    values = e2m1_by_bits(nibbles_low_first(packed))
+    return (values * ue8m0(scale).repeat_interleave(32, dim=1)).float()
+
+
+def reference_mxfp4(blocks, scales):
+    """gpt-oss MXFP4: [E, out, G, 16] bytes times 2 ** (scale - 127) per group of 32, laid out [E, in, out]."""
+    values = e2m1_by_bits(nibbles_low_first(blocks)) * torch.pow(2.0, scales.double() - 127).unsqueeze(-1)
+    return values.flatten(-2).transpose(1, 2).float().contiguous()
+
+
+def reference_fp8(weight, scale, block):
+    values = scale.view(torch.uint8) if scale.dtype == torch.float8_e8m0fnu else scale
+    return definition_blocks(weight, ue8m0(values) if scale.dtype == torch.float8_e8m0fnu else values, block)
+
+
+def definition_blocks(weight, scale, block):
+    """w[i, j] * s[i // B0, j // B1], block by block; edge blocks are what is left."""
+    out = torch.empty(weight.shape)
+    for bi in range(scale.shape[0]):
+        for bj in range(scale.shape[1]):
+            rows, cols = slice(bi * block[0], (bi + 1) * block[0]), slice(bj * block[1], (bj + 1) * block[1])
+            out[rows, cols] = (weight[rows, cols].double() * float(scale[bi, bj])).float()
+    return out
+
+
+def write_reference(release: str, block) -> str:
+    """``release`` dequantized by the definitions above, as a plain checkpoint beside it (``.reference``):
+    quantized weights as float32 values (so from_pretrained casts them as it casts any weight), the rest as is."""
+    import os
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    tensors = {}
+    for file in sorted(os.listdir(release)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(release, file), "pt") as f:
+                tensors.update({k: f.get_tensor(k) for k in f.keys()})
+    out = {}
+    for key, value in tensors.items():
+        stem = key.removesuffix("weight")
+        if key + "_scale_inv" in tensors:
+            out[key] = reference_fp8(value, tensors[key + "_scale_inv"], block)
+        elif key.endswith(".weight") and stem + "scale" in tensors:
+            scale = tensors[stem + "scale"]
+            out[key] = reference_fp4(value, scale) if value.dtype == torch.int8 else reference_fp8(value, scale, block)
+        elif key.endswith("_blocks"):
+            out[key.removesuffix("_blocks")] = reference_mxfp4(value, tensors[key.removesuffix("_blocks") + "_scales"])
+        elif not key.endswith(("_scale_inv", "_scales")) and not (key.endswith(".scale") and key[:-5] + "weight"
+                                                                    in tensors):
+            out[key] = value
+    path = release + ".reference"
+    os.makedirs(path)
+    save_file(out, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(open(os.path.join(release, "config.json")).read())
+    del config["quantization_config"]
+    open(os.path.join(path, "config.json"), "w").write(json.dumps(config))
+    return path
+
+
+def test_reference_definitions_agree_with_the_library():
+    """The test's definitions and the library's vectorised math agree, for FP4 and MXFP4 too."""
+    from twinkle_strategy.checkpoint.quantized import mxfp4_values, quantize_mxfp4
+
+    torch.manual_seed(0)
+    packed, scale = quantize_fp4_groups(torch.randn(4, 64))
+    assert torch.equal(reference_fp4(packed, scale), apply_block_scales(unpack_e2m1(packed), scale, (1, 32)))
+    blocks, scales = quantize_mxfp4(torch.randn(2, 64, 8))
+    assert blocks.shape == (2, 8, 2, 16) and scales.shape == (2, 8, 2)
+    assert torch.equal(reference_mxfp4(blocks, scales), mxfp4_values(blocks, scales))
+    assert e2m1_by_bits(torch.arange(16)).tolist() == [abs(v) if i < 8 else -abs(v) for i, v in
+                                                       enumerate([0, .5, 1, 1.5, 2, 3, 4, 6] * 2)]
 
 
 # ------------------------------------------------------------------------------------------ the math
@@ -97,7 +199,11 @@ def releases(tmp_path_factory):
         "qwen3_fp8": save_tiny_quantized_checkpoint("qwen3_moe", str(root / "qwen3_fp8"), BLOCK, **QWEN3),
         "deepseek_fp8": save_tiny_quantized_checkpoint("deepseek_v3", str(root / "deepseek_fp8"), BLOCK, **DEEPSEEK),
         "deepseek_ragged": save_tiny_quantized_checkpoint("deepseek_v3", str(root / "ragged"), BLOCK, **RAGGED),
+        "deepseek_v4": save_tiny_deepseek_v4_release(str(root / "deepseek_v4"), BLOCK, **V4),
+        "gpt_oss_mxfp4": save_tiny_mxfp4_release(str(root / "gpt_oss_mxfp4"), **GPT_OSS),
     }
+    for name in ("deepseek_ragged", "deepseek_v4", "gpt_oss_mxfp4"):
+        write_reference(paths[name], BLOCK)
     paths["truncated_scale"] = _broken(paths["deepseek_fp8"], root / "truncated_scale", TRUNCATED_SCALE,
                                        lambda t: t[:-1])
     paths["missing_scale"] = _broken(paths["qwen3_fp8"], root / "missing_scale", MISSING_SCALE, None)
@@ -143,7 +249,8 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     each source reading about its node's half of the files, each receiver getting the FP8 bytes and the
     scale rows its shards need; a broken scale is named on every rank."""
     cases = [f"{name}={releases[name]}:{oracle}" for name, oracle in [
-        ("qwen3_fp8", "transformers+save"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "definition"),
+        ("qwen3_fp8", "transformers+save"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "reference"),
+        ("deepseek_v4", "reference"), ("gpt_oss_mxfp4", "reference"),
         ("truncated_scale", "error"), ("missing_scale", "error")]]
     result = launch("quantized.py", ["--cases", ",".join(cases), "--block", "16,16", "--save-root",
                                      str(tmp_path / "saved")], tmp_path,
@@ -152,7 +259,7 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
     for rank, data in ranks.items():
-        for name in ("qwen3_fp8", "deepseek_fp8", "deepseek_ragged"):
+        for name in ("qwen3_fp8", "deepseek_fp8", "deepseek_ragged", "deepseek_v4", "gpt_oss_mxfp4"):
             case = data["cases"][name]
             assert case["mismatches"] == [], (rank, name, case["mismatches"])
             assert not case["has_quantization_config"]
@@ -160,7 +267,9 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
                 assert case["read_ratio"] <= 1.05, (rank, name, case["read_ratio"])
                 assert case["sent"] < 0.75 * case["sent_decoded"], (rank, name, case["log_line"])
             else:
-                assert case["received"] <= case["stored_bound"], (rank, name, case["received"], case["stored_bound"])
+                if case["stored_bound"] is not None:  # FP8 releases: exactly the stored rows and scale rows
+                    assert case["received"] <= case["stored_bound"], (rank, name, case["received"],
+                                                                      case["stored_bound"])
                 assert case["received_decoded"] == case["shard_bytes"] + case["buffer_bytes"]
                 assert case["received"] < 0.75 * case["received_decoded"], (rank, name, case["log_line"])
     # A full-parameter save from the FP8 start is a plain bf16 checkpoint that plain from_pretrained loads.

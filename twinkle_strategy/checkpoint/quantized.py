@@ -123,18 +123,22 @@ def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.flatten(-2).transpose(1, 2)
 
 
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int], ue8m0: bool = False
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 weight and float32 ``weight_scale_inv`` of a 2-D ``weight``, as the releases are made
-    (per block: scale = amax / 448). Edge blocks are smaller, as in DeepSeek-V3."""
+    (per block: scale = amax / 448; ``ue8m0``: the next power of two, as ``float8_e8m0fnu``, as DeepSeek-V4).
+    Edge blocks are smaller, as in DeepSeek-V3."""
     rows, cols = weight.shape
     grid = (math.ceil(rows / block[0]), math.ceil(cols / block[1]))
     padded = torch.zeros(grid[0] * block[0], grid[1] * block[1], dtype=torch.float32)
     padded[:rows, :cols] = weight.float()
     tiles = padded.reshape(grid[0], block[0], grid[1], block[1])
     scale = (tiles.abs().amax(dim=(1, 3)) / FP8_E4M3_MAX).clamp(min=1e-12)
+    if ue8m0:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     quantized = (tiles / scale[:, None, :, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     quantized = quantized.reshape(padded.shape)[:rows, :cols].to(torch.float8_e4m3fn)
-    return quantized.contiguous(), scale
+    return quantized.contiguous(), scale.to(torch.float8_e8m0fnu) if ue8m0 else scale
 
 
 def quantize_fp4_groups(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -434,3 +434,52 @@ def _write_release(path: str, config, tensors: dict, files: int) -> str:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config.save_pretrained(path)
     return path
+
+
+def save_tiny_deepseek_v4_release(path: str, block: tuple[int, int] = (16, 16), seed: int = 0, files: int = 4,
+                                  dtype: torch.dtype = torch.bfloat16, **config_kwargs) -> str:
+    """A tiny DeepSeek-V4 checkpoint laid out as DeepSeek-V4-Flash ships: keys without ``model.``, dense
+    projections FP8 with a ue8m0 ``.scale`` per block, routed experts FP4 (int8 bytes, two e2m1 values each,
+    low nibble first, ``[out, in / 2]``) with a ue8m0 ``.scale`` ``[out, in / 32]``."""
+    from twinkle_strategy.checkpoint.quantized import quantize_fp4_groups, quantize_fp8_blocks
+
+    config, tensors = _hub_tensors("deepseek_v4", seed, dtype, **config_kwargs)
+    out = {}
+    for key, value in tensors.items():
+        key = _v4_release_key(key)
+        if value.dim() == 2 and _QUANTIZED_KEY.search(key):
+            stem = key[:-len("weight")]
+            routed = ".experts." in key
+            out[key], out[stem + "scale"] = (quantize_fp4_groups(value) if routed
+                                             else quantize_fp8_blocks(value, block, ue8m0=True))
+        else:
+            out[key] = value
+    config.quantization_config = dict(quant_method="fp8", fmt="e4m3", activation_scheme="dynamic",
+                                      weight_block_size=list(block), scale_fmt="ue8m0")
+    config.expert_dtype = "fp4"
+    return _write_release(path, config, out, files)
+
+
+def _v4_release_key(key: str) -> str:
+    """DeepSeek-V4-Flash's own names: no ``model.`` prefix, ``embed`` and ``hc_head_*`` at the top."""
+    key = key.removeprefix("model.")
+    key = re.sub(r"^embed_tokens\.", "embed.", key)
+    return re.sub(r"^hc_head\.hc_", "hc_head_", key)
+
+
+def save_tiny_mxfp4_release(path: str, seed: int = 0, files: int = 4, dtype: torch.dtype = torch.bfloat16,
+                            **config_kwargs) -> str:
+    """A tiny gpt-oss checkpoint laid out as gpt-oss ships: experts MXFP4 (``*_blocks`` uint8
+    ``[E, out, in / 32, 16]`` and ``*_scales`` uint8 exponents ``[E, out, in / 32]``), the rest bf16."""
+    from twinkle_strategy.checkpoint.quantized import quantize_mxfp4
+
+    config, tensors = _hub_tensors("gpt_oss", seed, dtype, **config_kwargs)
+    out = {}
+    for key, value in tensors.items():
+        if key.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out[key + "_blocks"], out[key + "_scales"] = quantize_mxfp4(value)
+        else:
+            out[key] = value
+    config.quantization_config = dict(quant_method="mxfp4", modules_to_not_convert=[
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"])
+    return _write_release(path, config, out, files)
