@@ -15,7 +15,7 @@ Two ways to open a checkpoint:
   same way before any weight is read. ``wrap_model`` then reads each rank's rows.
 
 :func:`stream_blocker` says when the second is not possible (no safetensors
-files, a quantized or custom-code checkpoint, ``from_pretrained`` options that
+files, a custom-code checkpoint, ``from_pretrained`` options that
 only mean something to a full load); callers then use the first.
 """
 

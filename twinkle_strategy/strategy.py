@@ -72,9 +72,10 @@ class NativeFSDPStrategy:
             then sends every rank of the node exactly its final shards, in buckets.
         stream_checkpoint: with memory_efficient_init, ``from_pretrained`` on a source reads
             only the checkpoint's headers, and ``wrap_model`` reads from the files just the
-            rows its node keeps (no process ever holds the whole model). False, or a
-            checkpoint that cannot be streamed (no safetensors, quantized, custom code),
-            loads the whole model in the source's host memory first.
+            rows its node keeps (no process ever holds the whole model; FP8/FP4/MXFP4 releases
+            travel quantized and are dequantized by each receiver). False, or a checkpoint
+            that cannot be streamed (no safetensors, custom code), loads the whole model in
+            the source's host memory first.
         init_bucket_mb: bucket size (MiB) of that transfer.
         init_transport: 'p2p' (default: paired isend/irecv, every rank receives exactly
             its bytes) or 'scatter' (one collective per bucket; pads uneven shards).

@@ -101,7 +101,8 @@ def saved_checkpoint_check(strategy, model, directory: str, state: dict) -> dict
 
 def good_case(path: str, oracle: str, block, nnodes: int, save_dir: str | None) -> dict:
     state = transformers_state(path if oracle == "transformers" else path + ".reference")
-    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True)
+    # verify_init: every receiver's dequantized shards also match, by CRC32, what its source decodes itself.
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, verify_init=True)
     model = strategy.from_pretrained(path, dtype=DTYPE)
     model, _ = strategy.wrap_model(model)
     report = strategy.init_report
