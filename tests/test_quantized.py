@@ -250,7 +250,7 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     scale rows its shards need; a broken scale is named on every rank."""
     cases = [f"{name}={releases[name]}:{oracle}" for name, oracle in [
         ("qwen3_fp8", "transformers+save"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "reference"),
-        ("deepseek_v4", "reference"), ("gpt_oss_mxfp4", "reference"),
+        ("deepseek_v4", "reference+verify"), ("gpt_oss_mxfp4", "reference+verify"),
         ("truncated_scale", "error"), ("missing_scale", "error")]]
     result = launch("quantized.py", ["--cases", ",".join(cases), "--block", "16,16", "--save-root",
                                      str(tmp_path / "saved")], tmp_path,
@@ -264,7 +264,8 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
             assert case["mismatches"] == [], (rank, name, case["mismatches"])
             assert not case["has_quantization_config"]
             if case["is_source"]:
-                assert case["read_ratio"] <= 1.05, (rank, name, case["read_ratio"])
+                # (verify_init reads the node's rows a second time, for its checksums)
+                assert case["read_ratio"] <= (2.1 if case["verified"] else 1.05), (rank, name, case["read_ratio"])
                 assert case["sent"] < 0.75 * case["sent_decoded"], (rank, name, case["log_line"])
             else:
                 if case["stored_bound"] is not None:  # FP8 releases: exactly the stored rows and scale rows

@@ -6,7 +6,7 @@ Cases (``--cases name=path:oracle,...``), oracle one of:
 * ``reference``: plain ``from_pretrained`` of ``<path>.reference``, the release dequantized by the test's own
   implementation of the format's definition (transformers gets ragged FP8 edges wrong);
 * ``error``: loading must fail on every rank (the test checks the key it names).
-``+save`` after the oracle: then save the model (full parameters) and load the result with plain
+``+verify``: with verify_init. ``+save``: then save the model (full parameters) and load the result with plain
 ``from_pretrained`` on one rank: a bf16 checkpoint without a quantization_config, equal to the oracle.
 """
 
@@ -99,10 +99,11 @@ def saved_checkpoint_check(strategy, model, directory: str, state: dict) -> dict
                 saved_mismatches=sorted(k for k in state if not torch.equal(reloaded[k], state[k])))
 
 
-def good_case(path: str, oracle: str, block, nnodes: int, save_dir: str | None) -> dict:
+def good_case(path: str, oracle: str, block, nnodes: int, save_dir: str | None, verify: bool) -> dict:
     state = transformers_state(path if oracle == "transformers" else path + ".reference")
-    # verify_init: every receiver's dequantized shards also match, by CRC32, what its source decodes itself.
-    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, verify_init=True)
+    # verify_init: every receiver's dequantized shards also match, by CRC32, what its source decodes itself
+    # (the source reads its node's rows twice for that).
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, verify_init=verify)
     model = strategy.from_pretrained(path, dtype=DTYPE)
     model, _ = strategy.wrap_model(model)
     report = strategy.init_report
@@ -110,7 +111,7 @@ def good_case(path: str, oracle: str, block, nnodes: int, save_dir: str | None) 
     node_share = sum(t.nbytes for t in index.tensors.values()) / nnodes
     saved = saved_checkpoint_check(strategy, model, save_dir, state) if save_dir else {}
     return dict(
-        **saved, mismatches=shard_mismatches(model, strategy, state), is_source=report.is_source,
+        **saved, verified=verify, mismatches=shard_mismatches(model, strategy, state), is_source=report.is_source,
         read_ratio=report.bytes_read / node_share, received=report.bytes_received,
         received_decoded=report.bytes_received_decoded, sent=report.bytes_sent, sent_decoded=report.bytes_sent_decoded,
         stored_bound=stored_bytes_bound(model, strategy, index, block), shard_bytes=report.shard_bytes,
@@ -140,9 +141,10 @@ def main():
     for case in args.cases.split(","):
         name, spec = case.split("=", 1)
         path, oracle = spec.rsplit(":", 1)
-        oracle, _, save = oracle.partition("+")
-        save_dir = os.path.join(args.save_root, name) if save else None
-        results[name] = error_case(path) if oracle == "error" else good_case(path, oracle, block, nnodes, save_dir)
+        oracle, *flags = oracle.split("+")
+        save_dir = os.path.join(args.save_root, name) if "save" in flags else None
+        results[name] = error_case(path) if oracle == "error" else good_case(path, oracle, block, nnodes, save_dir,
+                                                                             "verify" in flags)
         worker_common.write_result({"cases": results})
     return {"cases": json.loads(json.dumps(results, default=str))}
 
