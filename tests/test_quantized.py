@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
-
 from multinode import launch
+
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.quantized import (
     QuantFormat,
@@ -100,7 +100,6 @@ def write_reference(release: str, block) -> str:
     """``release`` dequantized by the definitions above, as a plain checkpoint beside it (``.reference``):
     quantized weights as float32 values (so from_pretrained casts them as it casts any weight), the rest as is."""
     import os
-    import shutil
 
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -19,9 +19,9 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+import worker_common  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
-import worker_common  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.checkpoint.files import SafetensorsIndex  # noqa: E402
 from twinkle_strategy.init.plan import needs_of, region_of  # noqa: E402

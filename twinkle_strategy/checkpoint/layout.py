@@ -109,7 +109,7 @@ class _ShapeOnlyModel:
         return torch.empty(shape, dtype=dtype, device="meta")
 
 
-def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[str, torch.Tensor]]], config,
+def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[str, torch.Tensor]]], *, config,
                    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None
                    ) -> dict[str, torch.Tensor]:
     """Run a transformers rule (``transform``, a template: copied) on checkpoint ``pieces`` (source pattern ->
@@ -193,7 +193,8 @@ class CheckpointLayout:
                  ) -> dict[str, torch.Tensor]:
         """Run the rule on ``tensors`` (per source pattern, in order) exactly as from_pretrained does."""
         keyed = {p: list(zip(recipe.sources[p], pieces)) for p, pieces in tensors.items()}
-        return convert_pieces(recipe.transform, recipe.first_target, keyed, self.config, self.model_tensors, rows)
+        return convert_pieces(recipe.transform, recipe.first_target, keyed, config=self.config,
+                              shapes=self.model_tensors, rows=rows)
 
     def _plan(self, recipe: TensorRecipe) -> None:
         # 1. Pieces merged into one tensor must agree (a wrong-shaped expert is named here, by its key).

@@ -104,7 +104,7 @@ def scale_values(scale: torch.Tensor) -> torch.Tensor:
     return scale.to(torch.float32)
 
 
-def apply_block_scales(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+def apply_block_scales(values: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], *,
                        first_row: int = 0) -> torch.Tensor:
     """``values[i, j] * scale[i // B0, j // B1]`` in float32, ``values`` being rows ``first_row..`` of the weight
     and ``scale`` its scale rows from ``first_row // B0`` on. Edge blocks may be smaller than ``B``."""
@@ -123,7 +123,7 @@ def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return values.flatten(-2).transpose(1, 2)
 
 
-def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int], ue8m0: bool = False
+def quantize_fp8_blocks(weight: torch.Tensor, block: tuple[int, int], *, ue8m0: bool = False
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 e4m3 weight and float32 ``weight_scale_inv`` of a 2-D ``weight``, as the releases are made
     (per block: scale = amax / 448; ``ue8m0``: the next power of two, as ``float8_e8m0fnu``, as DeepSeek-V4).
@@ -198,7 +198,7 @@ class Codec:
         if self.kind == MXFP4:
             return mxfp4_values(data, scale)
         values = unpack_e2m1(data) if self.kind == FP4_BLOCK else data
-        return apply_block_scales(values, scale, self.block, self.first_row)
+        return apply_block_scales(values, scale, self.block, first_row=self.first_row)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -84,11 +84,12 @@ class WireForm:
             pieces.setdefault(piece.pattern, []).append((piece.key, values))
             at += piece.nbytes
         rows = chunk.rows[1] - chunk.rows[0]
-        out = convert_pieces(self.transform, self.first_target, pieces, config, self.shapes, rows)[self.name]
+        out = convert_pieces(self.transform, self.first_target, pieces, config=config, shapes=self.shapes,
+                             rows=rows)[self.name]
         return out.to(self.dtype)
 
 
-def plan_wire_form(layout, name: str, rows: tuple[int, int], chunk_bytes: int) -> WireForm | None:
+def plan_wire_form(layout, name: str, rows: tuple[int, int], *, chunk_bytes: int) -> WireForm | None:
     """Rows ``[a, b)`` of model tensor ``name`` as stored, if that is fewer bytes than its values; else None."""
     index = layout.index
     recipe = layout.recipes[name]

@@ -83,7 +83,7 @@ class Capture:
         if need.name in self.tensors or placeholder is None or need.is_buffer:
             return None
         rows = checkpoint_rows(need, ep_plan, placeholder.shape)
-        return None if rows is None else plan_wire_form(placeholder.checkpoint, placeholder.key, rows, chunk_bytes)
+        return None if rows is None else plan_wire_form(placeholder.checkpoint, placeholder.key, rows, chunk_bytes=chunk_bytes)
 
     def wire_chunks(self, need: Need, form) -> Iterator[torch.Tensor]:
         """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
