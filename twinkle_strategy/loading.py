@@ -236,12 +236,18 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     """
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
     from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
-    from twinkle_strategy.checkpoint.quantized import QuantizedIndex, drop_quantization_config, quant_format
+    from twinkle_strategy.checkpoint.quantized import (
+        QuantizedIndex,
+        drop_quantization_config,
+        mark_quantized_release,
+        quant_format,
+    )
     from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
 
     fmt = quant_format(config)  # a format we do not serve is refused here, before any read
     drop_quantization_config(config)
-    model = build_meta_model(model_class or model_class_for(config), config, dtype, **init_kwargs)
+    model = mark_quantized_release(build_meta_model(model_class or model_class_for(config), config, dtype,
+                                                    **init_kwargs), fmt is not None)
     index = SafetensorsIndex.from_directory(path)
     if fmt is not None:  # a quantized release: read as the checkpoint of its dequantized values
         index = QuantizedIndex(index, fmt, model)
@@ -258,21 +264,24 @@ def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
     from twinkle_strategy.checkpoint.quantized import drop_quantization_config
     from twinkle_strategy.init.skeleton import build_meta_model, install_placeholders
 
-    drop_quantization_config(config)  # the source dequantizes: every rank builds the plain model
+    drop_quantization_config(config)  # the weights arrive dequantized: every rank builds the plain model
     return install_placeholders(build_meta_model(model_class or model_class_for(config), config, dtype,
                                                  **init_kwargs))
 
 
 def share_weight_conversions(model, topology, node_group) -> None:
-    """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective).
+    """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective),
+    and whether it streams a quantized release (then the init agrees on what travels quantized).
 
     ``from_pretrained`` records the rules that matched in ``model._weight_conversions``, and saving
     reverses them (the checkpoint is written back in its own key layout). Ranks that built the model
     from the config alone learn them here, so that every rank plans the same files.
     """
+    from twinkle_strategy.checkpoint.quantized import is_quantized_release, mark_quantized_release
     from twinkle_strategy.init import transport
 
-    rules = transport.broadcast_from_source(getattr(model, "_weight_conversions", None) if topology.is_source
-                                            else None, topology.source_rank, node_group)
+    mine = (getattr(model, "_weight_conversions", None), is_quantized_release(model)) if topology.is_source else None
+    rules, quantized = transport.broadcast_from_source(mine, topology.source_rank, node_group)
     if rules is not None:
         model._weight_conversions = rules
+    mark_quantized_release(model, quantized)

@@ -81,11 +81,27 @@ def quant_format(config) -> QuantFormat | None:
     return QuantFormat(method, (int(block[0]), int(block[1])))
 
 
-def drop_quantization_config(config) -> None:
+RELEASE_ATTR = "_twinkle_quantized_release"  # set on a model built from a quantized release, on every rank
+
+
+def drop_quantization_config(config) -> bool:
     """The model built from a quantized release holds dequantized weights: its config says so (as
-    transformers' ``dequantize=True``), so a save writes a plain checkpoint."""
+    transformers' ``dequantize=True``), so a save writes a plain checkpoint. True if there was one."""
+    quantized = bool(getattr(config, "quantization_config", None))
     if hasattr(config, "quantization_config"):
         del config.quantization_config
+    return quantized
+
+
+def mark_quantized_release(model, quantized: bool):
+    """Remember on ``model`` that it streams from a quantized release (every rank knows it from the config):
+    only then does the init agree on which regions travel as stored, one collective more."""
+    setattr(model, RELEASE_ATTR, quantized)
+    return model
+
+
+def is_quantized_release(model) -> bool:
+    return bool(getattr(model, RELEASE_ATTR, False))
 
 
 # ---------------------------------------------------------------------------------------------- the math

@@ -17,6 +17,7 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy.checkpoint.quantized import is_quantized_release
 from twinkle_strategy.checkpoint.wire import DecodingSink
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
 from twinkle_strategy.init import transport
@@ -112,7 +113,7 @@ def distribute(
         mine = needs_of(model, ep_plan)
         all_needs = _plan(mine, capture, ep_plan=ep_plan, node=node, stats=stats)
         forms, my_forms = _wire_forms(all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
-                                      stats=stats)
+                                      stats=stats) if is_quantized_release(model) else _as_values(all_needs, mine)
         t = finish(phase, start)
         phase = "transfer"
         sinks = [local if form is None else DecodingSink(local, form, model.config)
@@ -158,6 +159,11 @@ def _decoded_bytes(my_needs, all_needs, topology) -> dict:
         return dict(bytes_received_decoded=sum(n.nbytes for n in my_needs))
     others = [needs for i, needs in enumerate(all_needs) if i != topology.local_rank]
     return dict(bytes_sent_decoded=sum(n.nbytes for needs in others for n in needs))
+
+
+def _as_values(all_needs, mine):
+    """No region travels as stored (not a quantized release): every rank's forms are None, agreed without a word."""
+    return [[None] * len(needs) for needs in all_needs or []], [None] * len(mine)
 
 
 def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: int, stats):
