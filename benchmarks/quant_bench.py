@@ -52,6 +52,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float) -> dict:
     dist.barrier()
     t0 = time.perf_counter()
     model = strategy.from_pretrained(path, dtype=BF16)
+    loaded = time.perf_counter()
     model, _ = strategy.wrap_model(model)
     seconds = time.perf_counter() - t0
     report = strategy.init_report
@@ -61,6 +62,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float) -> dict:
                             dtype=torch.float64)
     dist.all_reduce(checksum)
     return {"rank": strategy.rank, "is_source": strategy.topology.is_source, "seconds": seconds,
+            "wrap_s": seconds - (loaded - t0), "phases": report.phase_seconds if report else None,
             # hf_dequantize: every rank reads the whole checkpoint (mmap; /proc/self/io does not see it)
             "disk_read": report.bytes_read if report else files,
             "received": report.bytes_received if report else 0,
@@ -163,7 +165,8 @@ def summarize(run: dict, nproc: int, extra_s: float = 0.0, extra_disk: int = 0, 
             "wire_per_receiver": max(r["received"] for r in receivers),
             "wire_stands_for": max(r["received_decoded"] for r in receivers),
             "source_peak_rss": max(r["peak_rss"] for r in sources), "init_s": max(r["seconds"] for r in ranks) + extra_s,
-            "extra_disk": extra_disk, "checksum": ranks[0]["checksum"]}
+            "extra_disk": extra_disk, "checksum": ranks[0]["checksum"], "wrap_s": max(r["wrap_s"] for r in ranks),
+            "source_phases": sources[0]["phases"]}
 
 
 def markdown(rows: list[dict], shape: dict) -> str:
@@ -190,6 +193,7 @@ def main() -> None:
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--bucket-mb", type=float, default=32)
     p.add_argument("--timeout", type=float, default=900)
+    p.add_argument("--methods", default=None, help=f"comma-separated subset of {','.join(METHODS)}")
     p.add_argument("--out", default=os.path.join(HERE, "results"))
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
@@ -202,7 +206,7 @@ def main() -> None:
     shape = build_release(40 if args.quick else args.model_mb, release, args.shard_mb)
     print(f"release: {shape} (work dir {work})", flush=True)
     rows = []
-    for method in METHODS:
+    for method in (args.methods or ",".join(METHODS)).split(","):
         print(f"running {method}...", flush=True)
         if method == "convert_stream":
             converted = os.path.join(work, "bf16")

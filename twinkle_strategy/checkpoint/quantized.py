@@ -124,12 +124,23 @@ def apply_block_scales(values: torch.Tensor, scale: torch.Tensor, block: tuple[i
                        first_row: int = 0) -> torch.Tensor:
     """``values[i, j] * scale[i // B0, j // B1]`` in float32, ``values`` being rows ``first_row..`` of the weight
     and ``scale`` its scale rows from ``first_row // B0`` on. Edge blocks may be smaller than ``B``."""
-    rows, cols = values.shape[-2:]
-    offset = first_row - (first_row // block[0]) * block[0]
-    row_of = (torch.arange(rows, device=values.device) + offset) // block[0]
-    col_of = torch.arange(cols, device=values.device) // block[1]
-    per_value = scale_values(scale).index_select(-2, row_of).index_select(-1, col_of)
-    return values.to(torch.float32) * per_value
+    out = values.to(torch.float32) if values.dtype != torch.float32 else values.clone()
+    return _scale_in_place(out, scale, block, first_row)
+
+
+def _scale_in_place(out: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], first_row: int) -> torch.Tensor:
+    # One block row at a time, in place: no full-size tensor of scales (on CPU, allocating and touching
+    # fresh memory costs more than the multiplication). Each value is still one float32 product.
+    rows, cols = out.shape[-2:]
+    per_col = scale_values(scale).repeat_interleave(block[1], dim=-1)[..., :cols]  # [scale rows, cols]
+    if block[0] == 1:  # a scale per row (FP4 experts): one multiplication
+        return out.mul_(per_col)
+    start = 0
+    for index in range(per_col.shape[-2]):
+        stop = min(rows, (first_row // block[0] + index + 1) * block[0] - first_row)
+        out[..., start:stop, :].mul_(per_col[..., index:index + 1, :])
+        start = stop
+    return out
 
 
 def mxfp4_values(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -213,8 +224,8 @@ class Codec:
         data, scale = parts
         if self.kind == MXFP4:
             return mxfp4_values(data, scale)
-        values = unpack_e2m1(data) if self.kind == FP4_BLOCK else data
-        return apply_block_scales(values, scale, self.block, first_row=self.first_row)
+        values = unpack_e2m1(data) if self.kind == FP4_BLOCK else data.to(torch.float32)
+        return _scale_in_place(values, scale, self.block, self.first_row)
 
 
 @dataclasses.dataclass(frozen=True)
