@@ -346,6 +346,10 @@ class CheckpointLayout:
         """Checkpoint key -> shape and dtype, of every tensor a save writes."""
         return {key: (tuple(t.shape), t.dtype) for key, t in self.index.tensors.items()}
 
+    def row_readable(self, name: str) -> bool:
+        """Whether rows of model tensor ``name`` are read as rows (else the rule needs the whole tensor)."""
+        return self.recipes[name].mode != WHOLE
+
     def row_writable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` map to rows (or whole pieces) of checkpoint tensors."""
         recipe = self.recipes[name]

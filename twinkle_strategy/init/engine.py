@@ -112,6 +112,8 @@ def distribute(
     try:
         mine = needs_of(model, ep_plan)
         all_needs = _plan(mine, capture, ep_plan=ep_plan, node=node, stats=stats)
+        if capture is not None:
+            capture.expect(all_needs, ep_plan)
         forms, my_forms = _wire_forms(all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
                                       stats=stats) if is_quantized_release(model) else _as_values(all_needs, mine)
         t = finish(phase, start)
