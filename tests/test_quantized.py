@@ -243,6 +243,37 @@ def test_release_layout_is_as_shipped(releases):
     assert key + "_scale_inv" not in logical and logical.tensors[key].dtype == torch.float32
 
 
+@pytest.mark.parametrize("name,key,rows", [
+    ("deepseek_fp8", "model.layers.0.self_attn.q_b_proj.weight", (7, 75)),  # rows across five 16-row blocks
+    ("deepseek_ragged", "model.layers.1.self_attn.kv_a_proj_with_mqa.weight", (3, 20)),  # the ragged edge
+    ("qwen3_fp8", "model.layers.1.mlp.experts.gate_up_proj", (2, 7)),  # experts 2..6, gate and up each
+    ("deepseek_v4", "model.layers.1.mlp.experts.down_proj", (1, 8)),  # FP4 experts
+    ("gpt_oss_mxfp4", "model.layers.0.mlp.experts.gate_up_proj", (3, 5)),  # MXFP4, transposed
+])
+def test_a_region_sent_as_stored_decodes_to_the_values_read_here(releases, name, key, rows):
+    """Any rows, in chunks small enough to cut them several times: the receiver's decoding of the bytes the
+    source sends equals the source's own reading, and no scale row is sent twice."""
+    from twinkle_strategy.checkpoint.wire import plan_wire_form, read_chunks
+    from twinkle_strategy.init.skeleton import CheckpointTensor
+    from twinkle_strategy.init.streams import as_bytes
+    from twinkle_strategy.loading import load_config, open_streaming_model
+
+    model = open_streaming_model(releases[name], load_config(releases[name]), torch.bfloat16)
+    layout = next(t.checkpoint for t in model.parameters() if isinstance(t, CheckpointTensor))
+    form = plan_wire_form(layout, key, rows, chunk_bytes=600)
+    assert form is not None and len(form.chunks) > 1
+    data = torch.cat([as_bytes(chunk) for chunk in read_chunks(layout, form)])
+    assert data.numel() == form.nbytes
+    values, at = [], 0
+    for chunk in form.chunks:
+        values.append(form.decode(chunk, data[at:at + chunk.nbytes], model.config))
+        at += chunk.nbytes
+    assert torch.equal(torch.cat(values), layout.read_rows(key, rows))
+    scale_rows = [(piece.key, r) for chunk in form.chunks for piece in chunk.pieces if piece.codec and piece.rows
+                  for r in range(piece.rows[0] // piece.codec.block[0], math.ceil(piece.rows[1] / piece.codec.block[0]))]
+    assert len(scale_rows) == len(set(scale_rows))
+
+
 def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     """2 nodes x 2, ep=2: bit for bit equal to plain from_pretrained (or to the definition on ragged edges),
     each source reading about its node's half of the files, each receiver getting the FP8 bytes and the

@@ -127,20 +127,26 @@ def _piece(index: QuantizedIndex, pattern: str, key: str, rows) -> Piece:
 
 
 def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_bytes: int) -> list[tuple[int, int]]:
-    """Rows ``[a, b)`` cut into runs of about ``chunk_bytes`` as stored, at multiples of the scale block."""
-    a, b = rows
-    per_row = max(sum(_piece(index, p, k, (0, 1) if recipe.mode == ROWS else None).nbytes
-                      for p, keys in recipe.sources.items() for k in keys[:1 if recipe.mode == PER_EXPERT else None]),
-                  1)
-    align = max((index.tensors[k].block[0] for k in recipe.checkpoint_keys if index.tensors[k].quantized
-                 and recipe.mode == ROWS), default=1)
-    step = max(chunk_bytes // per_row // align, 1) * align
-    bounds, lo = [], a
-    while lo < b:
-        hi = min((lo // align + 1) * align + step - align, b)
-        bounds.append((lo, hi))
-        lo = hi
-    return bounds
+    """Rows ``[a, b)`` cut into runs of about ``chunk_bytes`` as stored. The cuts fall on multiples of the
+    scale block, so no scale row travels twice."""
+    align = _rows_per_scale_row(index, recipe)
+    step = max(chunk_bytes // _bytes_per_row(index, recipe) // align, 1) * align
+    first_cut = (rows[0] // align + 1) * align + step - align
+    edges = [rows[0], *range(first_cut, rows[1], step), rows[1]]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _rows_per_scale_row(index: QuantizedIndex, recipe) -> int:
+    if recipe.mode == PER_EXPERT:  # a row is an expert, whose tensors travel whole with all their scales
+        return 1
+    return max((index.tensors[k].block[0] for k in recipe.checkpoint_keys if index.tensors[k].quantized), default=1)
+
+
+def _bytes_per_row(index: QuantizedIndex, recipe) -> int:
+    """About what one row of the region is as stored (one expert's tensors; a row and a scale row)."""
+    if recipe.mode == PER_EXPERT:
+        return max(sum(_piece(index, p, keys[0], None).nbytes for p, keys in recipe.sources.items()), 1)
+    return max(sum(_piece(index, p, k, (0, 1)).nbytes for p, keys in recipe.sources.items() for k in keys), 1)
 
 
 def read_chunks(layout, form: WireForm) -> Iterator[torch.Tensor]:
