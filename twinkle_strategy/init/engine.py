@@ -17,6 +17,8 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy.checkpoint.quantized import is_quantized_release
+from twinkle_strategy.checkpoint.wire import DecodingSink
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
@@ -52,6 +54,10 @@ class InitReport:
     bytes_read: int = 0  # tensor bytes this rank read from checkpoint files (sources streaming a checkpoint)
     read_seconds: float = 0.0  # time spent in those reads
     whole_tensors: list[str] = dataclasses.field(default_factory=list)  # read whole: no region-wise rule
+    # What bytes_sent / bytes_received stand for in the model's dtype: more than them where regions of a
+    # quantized release travel as stored (FP8 bytes and scales) and are dequantized by their receiver.
+    bytes_sent_decoded: int = 0
+    bytes_received_decoded: int = 0
 
     def log_line(self) -> str:
         mib = 1024 * 1024
@@ -62,9 +68,14 @@ class InitReport:
         return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
                 f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
                 f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, {read}"
-                f"received {self.bytes_received / mib:.1f} MiB, sent {self.bytes_sent / mib:.1f} MiB "
+                f"received {self.bytes_received / mib:.1f} MiB{_standing_for(self.bytes_received_decoded, self.bytes_received)}, "
+                f"sent {self.bytes_sent / mib:.1f} MiB{_standing_for(self.bytes_sent_decoded, self.bytes_sent)} "
                 f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
+
+
+def _standing_for(decoded: int, wire: int) -> str:
+    return f" (standing for {decoded / 2**20:.1f} MiB of values)" if decoded != wire else ""
 
 
 def distribute(
@@ -100,10 +111,17 @@ def distribute(
     try:
         mine = needs_of(model, ep_plan)
         all_needs = _plan(mine, capture, ep_plan=ep_plan, node=node, stats=stats)
+        if capture is not None:
+            capture.expect(all_needs, ep_plan)
+        forms, my_forms = _wire_forms(all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
+                                      stats=stats) if is_quantized_release(model) else _as_values(all_needs, mine)
         t = finish(phase, start)
         phase = "transfer"
-        outcome = _transfer(mine, all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
-                            transport_kind=transport_kind, stats=stats, show_progress=show_progress)
+        sinks = [local if form is None else DecodingSink(local, form, model.config)
+                 for (_, local), form in zip(mine, my_forms)]
+        outcome = _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node,
+                            bucket_bytes=bucket_bytes, transport_kind=transport_kind, stats=stats,
+                            show_progress=show_progress)
         t = finish(phase, t)
         phase = "agree"
         mismatch = None
@@ -130,7 +148,7 @@ def distribute(
         shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
-        phase_seconds=phase_seconds, **read,
+        phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
     )
 
 
@@ -146,6 +164,34 @@ def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) ->
         f"memory_efficient_init failed on rank {rank} during '{phase}': {who}. "
         f"Underlying error: {type(exc).__name__}: {exc}",
         failed + [(r, "did not report back") for r in (silent or [])])
+
+
+def _decoded_bytes(my_needs, all_needs, topology) -> dict:
+    """The model-dtype bytes this rank received or sent (its own shards move without the wire)."""
+    if topology.local_world_size == 1:
+        return {}
+    if not topology.is_source:
+        return dict(bytes_received_decoded=sum(n.nbytes for n in my_needs))
+    others = [needs for i, needs in enumerate(all_needs) if i != topology.local_rank]
+    return dict(bytes_sent_decoded=sum(n.nbytes for needs in others for n in needs))
+
+
+def _as_values(all_needs, mine):
+    """No region travels as stored (not a quantized release): every rank's forms are None, agreed without a word."""
+    return [[None] * len(needs) for needs in all_needs or []], [None] * len(mine)
+
+
+def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: int, stats):
+    """The source decides which regions travel as stored (quantized) and tells each rank (None: as values).
+
+    Returns every rank's forms (source; None elsewhere) and this rank's own.
+    """
+    forms = None
+    if node.topology.is_source:
+        forms = [[capture.wire_form(need, ep_plan, bucket_bytes) for need in needs] for needs in all_needs]
+    mine = transport.scatter_from_source(forms, node.topology.source_rank, node.group)
+    stats.collective_calls += 1
+    return forms, mine
 
 
 def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] | None:
@@ -171,17 +217,19 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     return all_needs
 
 
-def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes, transport_kind, stats,
-              show_progress) -> transport.Outcome:
+def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink, bucket_bytes, transport_kind,
+              stats, show_progress) -> transport.Outcome:
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally.
 
+    ``sinks`` are this rank's shards, or decoders into them for regions that travel quantized.
     A failure to read on the source (file cut short or removed, bad tensor) does not leave its receivers
     waiting: it comes back in the outcome, for the fail-together step every rank reaches next.
     """
     is_source = node.topology.is_source
     chunk_bytes = max(bucket_bytes // READ_CHUNKS_PER_BUCKET, 1)
-    writer = StreamWriter([local for _, local in mine])
-    readers = [_reader(needs, capture, ep_plan, chunk_bytes) for needs in all_needs] if is_source else None
+    writer = StreamWriter(sinks)
+    readers = ([_reader(needs, rank_forms, capture=capture, ep_plan=ep_plan, chunk_bytes=chunk_bytes)
+                for needs, rank_forms in zip(all_needs, forms)] if is_source else None)
     progress = None
     if show_progress and is_source:
         from tqdm.auto import tqdm
@@ -263,7 +311,12 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool 
     return None
 
 
-def _reader(needs: list[Need], capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
-    regions = [lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes) for need in needs]
-    # No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
-    return StreamReader(regions, [need.nbytes for need in needs])
+def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
+    """A rank's stream: each region's values, or as stored where its wire form says so.
+
+    No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
+    """
+    regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
+               else (lambda need=need, form=form: capture.wire_chunks(need, form)) for need, form in zip(needs, forms)]
+    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms)]
+    return StreamReader(regions, sizes)

@@ -73,24 +73,38 @@ def _checked_chunks(regions, sizes) -> Iterator[torch.Tensor]:
 
 
 class StreamWriter:
-    """Writes consecutive stream bytes into ``targets`` (contiguous tensors), in order."""
+    """Writes consecutive stream bytes into ``targets`` in order: contiguous tensors (the bytes are theirs), or
+    sinks that rebuild a region from other bytes (``nbytes`` and ``write(uint8 tensor)``, e.g. a quantized
+    region dequantized on arrival, :class:`twinkle_strategy.checkpoint.wire.DecodingSink`)."""
 
-    def __init__(self, targets: list[torch.Tensor]):
-        self._targets = [as_bytes_view(t) for t in targets]
+    def __init__(self, targets: list):
+        self._sinks = [_TensorSink(t) if isinstance(t, torch.Tensor) else t for t in targets]
         self._index, self._offset = 0, 0
-        self.total = sum(t.numel() for t in self._targets)
+        self.total = sum(sink.nbytes for sink in self._sinks)
 
     def write(self, chunk: torch.Tensor) -> int:
         used = 0
-        while used < chunk.numel() and self._index < len(self._targets):
-            target = self._targets[self._index]
-            take = min(chunk.numel() - used, target.numel() - self._offset)
-            target[self._offset:self._offset + take].copy_(chunk[used:used + take])
+        while used < chunk.numel() and self._index < len(self._sinks):
+            sink = self._sinks[self._index]
+            take = min(chunk.numel() - used, sink.nbytes - self._offset)
+            sink.write(chunk[used:used + take])
             used += take
             self._offset += take
-            if self._offset == target.numel():
+            if self._offset == sink.nbytes:
                 self._index, self._offset = self._index + 1, 0
         return used
+
+
+class _TensorSink:
+    """Stream bytes that are a tensor's own bytes, written in place."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self._view = as_bytes_view(tensor)
+        self.nbytes, self._offset = self._view.numel(), 0
+
+    def write(self, data: torch.Tensor) -> None:
+        self._view[self._offset:self._offset + data.numel()].copy_(data)
+        self._offset += data.numel()
 
 
 def as_bytes_view(tensor: torch.Tensor) -> torch.Tensor:

@@ -45,6 +45,15 @@ def gather_to_source(obj, source: int, node_group, is_source: bool) -> list | No
     return messages.gather_objects(obj, source, node_group)
 
 
+def scatter_from_source(objs: list | None, source: int, node_group) -> object:
+    """Local rank i of the node gets ``objs[i]`` (given on the source only)."""
+    if node_group is None:
+        return objs[0]
+    box = [None]
+    dist.scatter_object_list(box, objs, src=source, group=node_group)
+    return box[0]
+
+
 def max_over_node(value: int, node_group) -> int:
     if node_group is None:
         return value
