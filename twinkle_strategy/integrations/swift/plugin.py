@@ -323,6 +323,8 @@ def _load(orig, self):
 def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     from torch.distributed.fsdp import FSDPModule
 
+    from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
+
     if isinstance(model, FSDPModule):
         return orig.__func__(cls, args, model, *pargs, **kwargs)
     strategy = get_strategy()
@@ -331,6 +333,9 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
     model, _ = strategy.wrap_model(model)
+    # swift's --gradient_checkpointing goes through transformers' gradient_checkpointing_enable: make its
+    # recomputation replay the EP dispatch (no second all-to-all, no re-routing), as twinkle-sft's does.
+    replay_in_transformers_checkpointing(model)
     # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
     model._is_accelerate_prepared = True  # (the strategy has logged its init report already)
     return model
