@@ -1,6 +1,6 @@
 # Set-up for the ms-swift integration tests and examples: a second virtualenv, .venv-swift,
 # with torch 2.14.1 + torchvision 0.29.1, ms-swift 4.6.0 (which needs transformers<5.20 and
-# peft<0.21, older than .venv's) and this package in editable mode. Idempotent: a second run
+# peft<0.21, older than .venv's), qwen-vl-utils and this package in editable mode. Idempotent: a second run
 # only checks.
 # torchvision: transformers' Qwen3-VL / Qwen3.5 processors need it for images, and PyPI's
 # torchvision does not import beside .venv's torch 2.13.0 CPU wheel; 2.14.1 + 0.29.1 is a pair
@@ -14,7 +14,8 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 PY=${PYTHON:-python3}
 SWIFT_VERSION=${TWINKLE_SWIFT_VERSION:-4.6.0}
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
-SWIFT_PINS=("ms-swift==$SWIFT_VERSION" 'transformers>=5,<5.20' 'peft>=0.17,<0.21')
+# qwen-vl-utils: swift's Qwen-VL loaders (Qwen3-VL, Qwen3.5) refuse to start without it (image resizing).
+SWIFT_PINS=("ms-swift==$SWIFT_VERSION" 'transformers>=5,<5.20' 'peft>=0.17,<0.21' qwen-vl-utils==0.0.14)
 if [ ! -x .venv-swift/bin/python ]; then
   "$PY" -m venv .venv-swift
 fi
@@ -34,6 +35,7 @@ import sys
 from importlib.metadata import version
 ok = version("ms-swift") == sys.argv[1] and version("twinkle_strategy")
 ok = ok and version("transformers").startswith("5.") and version("peft") < "0.21"
+ok = ok and version("qwen-vl-utils") == "0.0.14"
 sys.exit(0 if ok else 1)
 PYCHECK
   python -m pip install -q "${SWIFT_PINS[@]}" "${TORCH_PINS[@]}"
