@@ -341,6 +341,40 @@ def _load(orig, self):
     return result
 
 
+# swift wraps some experts classes' forward while loading (Qwen3-VL-MoE: a cast of the output to the
+# input's dtype) in a ``forward(hidden_states, *args, **kwargs)`` that passes everything through but
+# hides the signature expert parallelism reads its call contract from. Marking the original as
+# ``__wrapped__`` (what functools.wraps would have done) shows it again; swift's cast still runs.
+_SWIFT_EXPERTS_PATCHES = {
+    "patch_Qwen3VLMoeTextExperts_dtype": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+                                          "Qwen3VLMoeTextExperts"),
+}
+
+
+def _expose_wrapped_forward(orig, module_name: str, class_name: str):
+    import importlib
+
+    experts_class = getattr(importlib.import_module(module_name), class_name)
+    before = experts_class.forward
+    result = orig()
+    after = experts_class.forward
+    if after is not before and not hasattr(after, "__wrapped__"):
+        after.__wrapped__ = before
+    return result
+
+
+def _install_experts_patch_hooks() -> None:
+    from swift.model.models import qwen
+
+    for function_name, (module_name, class_name) in _SWIFT_EXPERTS_PATCHES.items():
+        original = getattr(qwen, function_name, None)
+        if original is None or getattr(original, "_twinkle_hook", False):
+            continue  # another swift version, or already hooked
+        hook = functools.partial(_expose_wrapped_forward, original, module_name, class_name)
+        hook._twinkle_hook = True
+        setattr(qwen, function_name, hook)
+
+
 # ------------------------------------------------------------------ 3. tuner, then EP + FSDP2
 def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     from torch.distributed.fsdp import FSDPModule
@@ -545,6 +579,7 @@ def install() -> None:
     _patch(ModelLoader, "load", _load)
     _patch(TunerMixin, "prepare_model", _prepare_model, kind="classmethod")
     _patch(TrainerFactory, "get_trainer_cls", _get_trainer_cls, kind="classmethod")
+    _install_experts_patch_hooks()
 
 
 def plugin_path() -> str:
