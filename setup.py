@@ -20,7 +20,7 @@ setup(
     ],
     entry_points={"console_scripts": ["twinkle-sft=twinkle_strategy.train.cli:main"]},
     extras_require={
-        "test": ["pytest"],
+        "test": ["pytest", "ruff"],
         # ms-swift's `swift sft --external_plugins` integration (docs/swift.md); tested with ms-swift 4.6.0
         "swift": ["ms-swift>=4.6,<5", "transformers>=5,<5.20", "peft>=0.17,<0.21", "qwen-vl-utils>=0.0.14"],
     },

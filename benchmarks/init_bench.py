@@ -196,7 +196,7 @@ def _shard(strategy, model, materialize: bool):
     from twinkle_strategy.moe.discovery import find_moe_blocks
     from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
 
-    strategy.ep_plan = apply_expert_parallel(model, strategy.dims, strategy.rank, strategy.meshes.ep_group)
+    strategy.ep_plan = apply_expert_parallel(model, strategy.dims, strategy.rank, ep_group=strategy.meshes.ep_group)
     apply_fsdp(model, strategy.meshes, [b.experts for b in find_moe_blocks(model)], mixed_precision_policy("no"))
     if materialize:
         model.to_empty(device=strategy.device)
@@ -211,7 +211,7 @@ def _rank0_state_dict(strategy, path, ep_sliced: bool):
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if ep_sliced:
-        apply_expert_parallel(model, strategy.dims, 0, strategy.meshes.ep_group)
+        apply_expert_parallel(model, strategy.dims, 0, ep_group=strategy.meshes.ep_group)
     return dict(model.state_dict())
 
 

@@ -81,8 +81,8 @@ def save_with(method: str, strategy, model, out: str, max_file_bytes: int) -> No
 
 def run_method(method: str, path: str, out: str, ep: int, bucket_mb: float, max_file_bytes: int) -> dict:
     import torch.distributed as dist
-
     from init_bench import Counter
+
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
 

@@ -8,8 +8,8 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import LAYOUT_CHECKPOINTS
+
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import PER_EXPERT, WHOLE
 from twinkle_strategy.errors import CheckpointError

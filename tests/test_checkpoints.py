@@ -11,7 +11,6 @@ import json
 
 import pytest
 import torch
-
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")

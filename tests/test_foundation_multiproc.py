@@ -1,8 +1,8 @@
 """Expert parallelism + FSDP2 across simulated nodes, checked against a single-process run."""
 
 import pytest
-
 from multinode import launch
+
 from twinkle_strategy.train.tiny_models import FAMILIES, save_tiny_checkpoint
 
 

@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")

@@ -10,9 +10,9 @@ import shutil
 
 import pytest
 import torch
-
 from conftest import LAYOUT_CHECKPOINTS
 from multinode import launch
+
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.train.tiny_models import FAMILIES
 

@@ -7,8 +7,8 @@ families; then the models EP must refuse at wrap_model, on every rank.
 """
 
 import pytest
-
 from multinode import launch
+
 from twinkle_strategy.train.tiny_models import (
     MATRIX_FAMILIES,
     REFUSED_FAMILIES,

@@ -4,7 +4,6 @@ import re
 import shutil
 
 import pytest
-
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")

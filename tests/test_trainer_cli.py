@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")

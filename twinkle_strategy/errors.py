@@ -1,13 +1,24 @@
-"""Exceptions raised by twinkle_strategy.
+"""Every exception twinkle_strategy raises on purpose, in one place.
 
-Each names what was expected, what was found, and how to fix it. They subclass
-ValueError because every one of them is caused by input (sizes, launch
-settings, checkpoints), not by a bug in this package.
+Each names what was expected, what was found, and how to fix it. They subclass ValueError
+(through TwinkleError) because every one of them is caused by input (sizes, launch settings,
+checkpoints, data, a dead peer), not by a bug in this package. The training application's
+errors (recipes, data, preflight) live here too, so one ``except TwinkleError`` catches them all.
 """
 
 
 class TwinkleError(ValueError):
     """Base class of every error this package raises on purpose."""
+
+
+# ------------------------------------------------------------------ the strategy library
+class StrategyConfigError(TwinkleError):
+    """A strategy option with a value that cannot work; ``key`` is the option's name."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(reason)
+        self.key = key
+        self.reason = reason
 
 
 class TopologyError(TwinkleError):
@@ -28,3 +39,52 @@ class CheckpointError(TwinkleError):
 
 class ResumeError(TwinkleError):
     """A checkpoint that cannot be resumed from (incomplete, or incompatible with this run)."""
+
+
+class WeightsNotLoadedError(TwinkleError):
+    """A placeholder tensor was used before ``wrap_model`` read its weights."""
+
+
+class RanksFailedError(TwinkleError):
+    """One or more ranks failed; raised on every rank with every failing rank's reason."""
+
+
+class DistributedInitError(RanksFailedError):
+    """memory_efficient_init (or loading) failed on some rank; raised on every rank."""
+
+
+class CheckpointSaveError(RanksFailedError):
+    """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
+
+
+# ------------------------------------------------------------------ the training application
+class RecipeError(TwinkleError):
+    """A recipe or command line that cannot run; ``key`` (when known) is the recipe key to fix."""
+
+    def __init__(self, message: str, *, key: str | None = None, reason: str | None = None):
+        super().__init__(message)
+        self.key = key
+        self.reason = reason if reason is not None else message
+
+
+class PreflightError(RecipeError):
+    """A recipe value that cannot work on this machine; ``key`` is the recipe key to fix."""
+
+    def __init__(self, key: str, reason: str):
+        super().__init__(f"{key}: {reason}", key=key, reason=reason)
+
+
+class DatasetError(TwinkleError):
+    """A dataset file or row that cannot be used; names the file and line."""
+
+
+class RowError(DatasetError):
+    """Why one row cannot become a training example (the caller adds where it is)."""
+
+
+class TrainingAbortedError(TwinkleError):
+    """A training step failed because a peer rank died, hung or failed."""
+
+
+class SwiftPluginError(TwinkleError):
+    """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""

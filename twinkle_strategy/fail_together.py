@@ -8,21 +8,18 @@ some ranks only (reading a checkpoint, writing one, checking shapes) ends with
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch.distributed as dist
 
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import RanksFailedError
+from twinkle_strategy.runtime import global_rank
 
-
-class RanksFailedError(TwinkleError):
-    """One or more ranks failed; raised on every rank with every failing rank's reason."""
-
-    def __init__(self, message: str, failures: list[tuple[int, str]]):
-        super().__init__(message)
-        self.failures = failures
+StepDone = Callable[[BaseException | None, str], None]
 
 
 def raise_together(error: BaseException | str | None, what: str,
-                   error_class: type[RanksFailedError] = RanksFailedError) -> None:
+                   error_class: type[RanksFailedError] = RanksFailedError, *, advice: str = "") -> None:
     """Collective: if any rank passes an error, every rank raises ``error_class`` naming all failing ranks.
 
     Each rank calls this at the same point; a rank that failed calls it with
@@ -38,7 +35,37 @@ def raise_together(error: BaseException | str | None, what: str,
     if failures:
         detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures[:8])
         more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
-        err = error_class(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{more}", failures)
+        advice = f"; {advice}" if advice else ""
+        err = error_class(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{more}{advice}", failures)
         if isinstance(error, BaseException):
             raise err from error
         raise err
+
+
+def on_rank0(action: Callable[[], object]) -> BaseException | None:
+    """Run ``action`` on global rank 0 only; return its exception (for :func:`raise_together`) instead of raising."""
+    if global_rank() != 0:
+        return None
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller's raise_together
+        return exc
+    return None
+
+
+def step_reporter(subject: str, *, error_class: type[RanksFailedError] = RanksFailedError, advice: str = "",
+                  cleanup: Callable[[], None] | None = None) -> StepDone:
+    """``step_done(error, what)``: the check that ends each step of a collective job such as a save.
+
+    Every rank calls it after each step with its own error or None; if any rank failed, rank 0 runs
+    ``cleanup`` (e.g. removes a half-written directory) and every rank raises ``error_class``.
+    """
+    def step_done(error: BaseException | None, what: str) -> None:
+        try:
+            raise_together(error, f"{subject} ({what})", error_class, advice=advice)
+        except RanksFailedError:
+            if cleanup is not None and global_rank() == 0:
+                cleanup()
+            raise
+
+    return step_done

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.parallel import Meshes
 
-_DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
 _NO_MIXED_PRECISION = {None, "no", "fp32", "float32"}
 
 
@@ -16,11 +16,11 @@ def mixed_precision_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
     """Compute in ``mixed_precision`` (bf16/fp16), reduce gradients in fp32; 'no'/'fp32' keeps parameters' dtype."""
     if mixed_precision in _NO_MIXED_PRECISION:
         return MixedPrecisionPolicy()
-    if mixed_precision not in _DTYPES:
+    if mixed_precision not in FLOAT_DTYPES:
         raise ValueError(
             f"mixed_precision={mixed_precision!r} is not supported; use 'bf16', 'fp16' or 'no'"
         )
-    return MixedPrecisionPolicy(param_dtype=_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=FLOAT_DTYPES[mixed_precision], reduce_dtype=torch.float32)
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:

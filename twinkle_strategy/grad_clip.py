@@ -15,9 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
+from twinkle_strategy.dtensor import local_tensor
 
 
 @torch.no_grad()
@@ -26,12 +24,12 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     distributed = dist.is_initialized() and dist.get_world_size() > 1
     world = dist.get_world_size() if distributed else 1
-    device = _local(grads[0]).device if grads else torch.device("cpu")
+    device = local_tensor(grads[0]).device if grads else torch.device("cpu")
     norm_type = float(norm_type)
     if math.isinf(norm_type):
         total = torch.zeros((), device=device, dtype=torch.float32)
         for g in grads:
-            local = _local(g)
+            local = local_tensor(g)
             if local.numel():
                 total = torch.maximum(total, local.detach().abs().max().float())
         if distributed:
@@ -39,7 +37,7 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
     else:
         total = torch.zeros((), device=device, dtype=torch.float32)
         for g in grads:
-            part = torch.linalg.vector_norm(_local(g).detach().float(), norm_type) ** norm_type
+            part = torch.linalg.vector_norm(local_tensor(g).detach().float(), norm_type) ** norm_type
             # A plain tensor gradient is replicated on every rank: count it once.
             total += part if isinstance(g, DTensor) else part / world
         if distributed:
@@ -47,5 +45,5 @@ def clip_grad_norm_(model: nn.Module, max_norm: float, norm_type: float = 2.0) -
         total = total ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        _local(g).mul_(coef.to(_local(g).dtype))
+        local_tensor(g).mul_(coef.to(local_tensor(g).dtype))
     return total

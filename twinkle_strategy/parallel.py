@@ -25,7 +25,6 @@ import datetime
 import logging
 
 import torch
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 

@@ -255,6 +255,11 @@ def init_distributed(
     return device_type, env
 
 
+def global_rank() -> int:
+    """This process's rank in the default process group; 0 in a job without one."""
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
 def current_device(device_type: str) -> torch.device:
     if device_type == "cpu":
         return torch.device("cpu")

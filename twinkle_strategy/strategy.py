@@ -28,12 +28,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import CheckpointSaveError
+from twinkle_strategy.fail_together import on_rank0, step_reporter
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
 from twinkle_strategy.gather import gather_full_state_dict
 from twinkle_strategy.grad_clip import clip_grad_norm_
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
-from twinkle_strategy.init.engine import DEFAULT_BUCKET_BYTES, InitReport, distribute
+from twinkle_strategy.init.engine import InitReport, distribute
+from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.loading import (
     config_from_text,
     init_kwargs,
@@ -60,86 +64,42 @@ logger = logging.getLogger(__name__)
 class NativeFSDPStrategy:
     """FSDP2 with expert parallelism.
 
-    Args:
-        ep_size: ranks that split each MoE layer's experts (1 = no EP). Must divide
-            the world size and the number of experts.
-        ep_fsdp_size: ranks that shard each expert slice; defaults to (and must
-            equal) world_size // ep_size.
-        mixed_precision: 'bf16' (default), 'fp16' or 'no'. Gradients are reduced in fp32.
-        fsdp_config: extra options: ``reshard_after_forward`` (default True).
-        memory_efficient_init: only each node's local rank 0 (its *source*) reads the
-            checkpoint; the others build the model on the meta device. ``wrap_model``
-            then sends every rank of the node exactly its final shards, in buckets.
-        stream_checkpoint: with memory_efficient_init, ``from_pretrained`` on a source reads
-            only the checkpoint's headers, and ``wrap_model`` reads from the files just the
-            rows its node keeps (no process ever holds the whole model). False, or a
-            checkpoint that cannot be streamed (no safetensors, quantized, custom code),
-            loads the whole model in the source's host memory first.
-        init_bucket_mb: bucket size (MiB) of that transfer.
-        init_transport: 'p2p' (default: paired isend/irecv, every rank receives exactly
-            its bytes) or 'scatter' (one collective per bucket; pads uneven shards).
-        verify_init: after memory_efficient_init, every rank checks a CRC32 of each region it
-            received against its source's; a mismatch names the tensor and rank.
-        timeout_s: bound on every collective (default 30 min). A rank whose peer died or
-            hangs raises a clear error after at most this long instead of waiting forever.
-        device_type / backend: override detection ('cuda'/'npu'/'cpu', 'nccl'/'hccl'/'gloo').
+    Takes a :class:`~twinkle_strategy.config.StrategyConfig` (every option, its default and its doc),
+    or the same options as keyword arguments::
+
+        NativeFSDPStrategy(StrategyConfig(ep_size=8, memory_efficient_init=True))
+        NativeFSDPStrategy(ep_size=8, memory_efficient_init=True)          # the same
     """
 
-    def __init__(
-        self,
-        ep_size: int = 1,
-        ep_fsdp_size: int | None = None,
-        mixed_precision: str | None = "bf16",
-        fsdp_config: dict[str, Any] | None = None,
-        memory_efficient_init: bool = False,
-        stream_checkpoint: bool = True,
-        init_bucket_mb: float = DEFAULT_BUCKET_BYTES / 2**20,
-        init_transport: str = "p2p",
-        verify_init: bool = False,
-        timeout_s: float = 1800.0,
-        device_type: str | None = None,
-        backend: str | None = None,
-    ) -> None:
-        self.ep_size = int(ep_size)
-        self.ep_fsdp_size = ep_fsdp_size
-        self.mixed_precision = mixed_precision
-        self.fsdp_config = dict(fsdp_config or {})
-        unknown = set(self.fsdp_config) - {"reshard_after_forward"}
-        if unknown:
-            raise ValueError(f"unknown fsdp_config key(s) {sorted(unknown)}; supported: ['reshard_after_forward']")
-        self.memory_efficient_init = bool(memory_efficient_init)
-        self.stream_checkpoint = bool(stream_checkpoint)
-        self.init_bucket_bytes = int(init_bucket_mb * 2**20)
-        if self.init_bucket_bytes <= 0:
-            raise ValueError(f"init_bucket_mb must be positive, got {init_bucket_mb}")
-        if init_transport not in transport.TRANSPORTS:
-            raise ValueError(f"init_transport={init_transport!r} is not supported; use one of {transport.TRANSPORTS}")
-        self.init_transport = init_transport
-        self.verify_init = bool(verify_init)
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
-        self.timeout_s = float(timeout_s)
+    def __init__(self, config: StrategyConfig | None = None, /, **options: Any) -> None:
+        if config is not None and options:
+            config = config.replace(**options)
+        self.config = config if config is not None else StrategyConfig(**options)
         self.init_report: InitReport | None = None
-        self._requested_device = device_type
-        self._requested_backend = backend
-        mixed_precision_policy(mixed_precision)  # validate now, not after loading a model
+        mixed_precision_policy(self.config.mixed_precision)  # validate now, not after loading a model
         self._ready = False
         self._resolved_paths: dict[str, str] = {}
         self.ep_plan: ExpertParallelPlan | None = None
+
+    # The options other code reads most, as attributes of the strategy.
+    ep_size = property(lambda self: self.config.ep_size)
+    memory_efficient_init = property(lambda self: self.config.memory_efficient_init)
+    timeout_s = property(lambda self: self.config.timeout_s)
+    init_bucket_bytes = property(lambda self: self.config.init_bucket_bytes)
 
     # ------------------------------------------------------------------ setup
     def setup(self) -> None:
         """Initialise the process group, agree on the topology, build the meshes. Idempotent."""
         if self._ready:
             return
-        self.device_type, self.env = init_distributed(self._requested_device, self._requested_backend,
+        self.device_type, self.env = init_distributed(self.config.device_type, self.config.backend,
                                                       timeout_s=self.timeout_s)
         self.device = current_device(self.device_type)
         self.topology: NodeTopology = discover_topology(self.env)
         self.dims = ParallelDims(
             world_size=self.env.world_size,
             ep_size=self.ep_size,
-            ep_fsdp_size=self.ep_fsdp_size,
+            ep_fsdp_size=self.config.ep_fsdp_size,
             local_world_size=self.topology.local_world_size,
         )
         self.meshes: Meshes = build_meshes(self.dims, self.device_type)
@@ -219,7 +179,7 @@ class NativeFSDPStrategy:
         return model
 
     def _open_on_source(self, path: str, config, dtype: torch.dtype, kwargs: dict) -> nn.Module:
-        blocker = stream_blocker(path, config, kwargs) if self.stream_checkpoint else "stream_checkpoint=False"
+        blocker = stream_blocker(path, config, kwargs) if self.config.stream_checkpoint else "stream_checkpoint=False"
         if blocker is None:
             logger.info("memory_efficient_init: node %d streams %s: wrap_model reads only the rows this node keeps",
                         self.topology.node_index, path)
@@ -271,14 +231,14 @@ class NativeFSDPStrategy:
                              "or set memory_efficient_init=True")
         experts_modules: list[nn.Module] = []
         if self.dims.ep_enabled:
-            self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, self.meshes.ep_group)
+            self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, ep_group=self.meshes.ep_group)
             experts_modules = [model.get_submodule(name) for name in self.ep_plan.experts_modules]
         apply_fsdp(
             model,
             self.meshes,
             experts_modules,
-            mixed_precision_policy(self.mixed_precision),
-            reshard_after_forward=self.fsdp_config.get("reshard_after_forward", True),
+            mixed_precision_policy(self.config.mixed_precision),
+            reshard_after_forward=self.config.reshard_after_forward,
         )
         if self.memory_efficient_init:
             self._materialize(model, capture)
@@ -292,9 +252,9 @@ class NativeFSDPStrategy:
         restore_buffer_aliases(aliases)
         try:
             self.init_report = distribute(
-                model, capture, self.ep_plan, self.topology, self.node_group, self.device,
-                bucket_bytes=self.init_bucket_bytes, transport_kind=self.init_transport,
-                verify=self.verify_init, show_progress=self.is_main_process,
+                model, capture, ep_plan=self.ep_plan, node=NodeLink(self.topology, self.node_group, self.device),
+                bucket_bytes=self.init_bucket_bytes, transport_kind=self.config.init_transport,
+                verify=self.config.verify_init, show_progress=self.is_main_process,
             )
         finally:
             if capture is not None:
@@ -332,7 +292,7 @@ class NativeFSDPStrategy:
     # ------------------------------------------------------------ state dicts
     def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None):
         """The unsharded state dict (plain transformers/PEFT keys and shapes, CPU tensors). Collective."""
-        return gather_full_state_dict(model, self.ep_plan, self.meshes.ep_group, rank0_only=rank0_only, keys=keys)
+        return gather_full_state_dict(model, self.ep_plan, rank0_only=rank0_only, keys=keys)
 
     def save_pretrained(self, model: nn.Module, directory: str, max_shard_size: int | str = "5GB",
                         tokenizer=None) -> None:
@@ -351,28 +311,18 @@ class NativeFSDPStrategy:
 
         self.setup()
 
-        def step_done(error, what):
-            transport.raise_together(error, f"saving {directory} ({what})")
-
-        def on_main(action):
-            if not self.is_main_process:
-                return None
-            try:
-                action()
-            except Exception as exc:  # noqa: BLE001 - reported on every rank
-                return exc
-            return None
-
-        step_done(on_main(lambda: os.makedirs(directory, exist_ok=True)), "creating the directory")
+        step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError)
+        step_done(on_rank0(lambda: os.makedirs(directory, exist_ok=True)), "creating the directory")
         if is_peft_model(model):
             state = self.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
-            step_done(on_main(lambda: model.save_pretrained(directory, state_dict=state)), "adapter")
+            step_done(on_rank0(lambda: model.save_pretrained(directory, state_dict=state)), "adapter")
         else:
-            save_model_files(directory, model, self.ep_plan, self.meshes.ep_group, IOStats(), step_done,
-                             convert_file_size_to_int(max_shard_size), self.init_bucket_bytes)
-            step_done(on_main(lambda: save_model_config(directory, model)), "config")
+            save_model_files(directory, model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
+                             max_file_bytes=convert_file_size_to_int(max_shard_size),
+                             chunk_bytes=self.init_bucket_bytes)
+            step_done(on_rank0(lambda: save_model_config(directory, model)), "config")
         if tokenizer is not None:
-            step_done(on_main(lambda: tokenizer.save_pretrained(directory)), "tokenizer")
+            step_done(on_rank0(lambda: tokenizer.save_pretrained(directory)), "tokenizer")
 
     def shutdown(self) -> None:
         if dist.is_initialized():

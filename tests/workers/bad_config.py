@@ -11,6 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import worker_common  # noqa: E402
+
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 
 

@@ -16,10 +16,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from transformers import AutoConfig  # noqa: E402
-
 import worker_common  # noqa: E402
 from mem_init import exact_mismatches, local_batch, own_experts_ok  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.errors import TwinkleError  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402

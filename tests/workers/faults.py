@@ -13,8 +13,8 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
-
 import worker_common  # noqa: E402
+
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))

@@ -8,11 +8,11 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
+import worker_common  # noqa: E402
+from alloc_tracker import AllocationTracker  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
-import worker_common  # noqa: E402
-from alloc_tracker import AllocationTracker  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.init.plan import fsdp_rows, needs_of  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402

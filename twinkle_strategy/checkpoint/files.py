@@ -26,21 +26,13 @@ import time
 
 import torch
 
+from twinkle_strategy.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
 from twinkle_strategy.errors import CheckpointError
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
-# safetensors dtype names (https://github.com/huggingface/safetensors, format spec).
-_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz, "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "C64": torch.complex64,
-}
-DTYPE_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+_DTYPES, DTYPE_NAMES = SAFETENSORS_DTYPES, SAFETENSORS_NAMES  # (dtypes.py holds them; these names are used here)
 
 
 @dataclasses.dataclass(frozen=True)

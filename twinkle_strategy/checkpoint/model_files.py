@@ -15,6 +15,7 @@ from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import CheckpointLayout
 from twinkle_strategy.checkpoint.sharded_io import IOStats, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.runtime import global_rank
 
 DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -37,25 +38,23 @@ def create_model_files(directory: str, plan: FilePlan) -> None:
     write_index(directory, plan)
 
 
-def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, regions, ep_plan, ep_group,
+def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, *, regions, ep_plan,
                       chunk_bytes: int, stats: IOStats) -> BaseException | None:
     """This rank's rows of every tensor, into the files :func:`create_model_files` made (collective)."""
     writer = ParallelFileWriter(directory, plan)
-    error = write_regions(regions, layout, writer, ep_plan, ep_group, chunk_bytes, stats)
+    error = write_regions(regions, layout, writer, ep_plan=ep_plan, chunk_bytes=chunk_bytes, stats=stats)
     finished = writer.finish()  # always: it closes the files
     return error or finished
 
 
-def save_model_files(directory: str, model: nn.Module, ep_plan, ep_group, stats: IOStats, step_done,
+def save_model_files(directory: str, model: nn.Module, *, ep_plan, stats: IOStats, step_done,
                      max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = 32 * 2**20) -> None:
     """The whole collective save of ``model``'s weights into ``directory`` (which must exist).
 
     ``step_done(error, what)`` is the caller's fail-together check, called on every rank after each
     step: the files are created (rank 0) before any rank writes into them.
     """
-    import torch.distributed as dist
-
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes)
     error = None
     if rank == 0:
@@ -64,7 +63,8 @@ def save_model_files(directory: str, model: nn.Module, ep_plan, ep_group, stats:
         except Exception as exc:  # noqa: BLE001 - reported on every rank by step_done
             error = exc
     step_done(error, "model weights")
-    step_done(write_model_files(directory, layout, plan, regions, ep_plan, ep_group, chunk_bytes, stats),
+    step_done(write_model_files(directory, layout, plan, regions=regions, ep_plan=ep_plan, chunk_bytes=chunk_bytes,
+                                stats=stats),
               "model weights")
 
 
@@ -87,7 +87,7 @@ def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) 
 
     raise_for_problems(directory, layout.problems([r.name for r in regions]))
     try:
-        read_regions(regions, layout.read_rows, ep_plan, stats)
+        read_regions(regions, layout.read_rows, ep_plan=ep_plan, stats=stats)
         stats.bytes_read += layout.bytes_read
     finally:
         layout.close()

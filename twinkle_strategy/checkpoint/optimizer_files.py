@@ -27,15 +27,12 @@ from torch.distributed.tensor import DTensor
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.dtensor import local_tensor
 from twinkle_strategy.errors import ResumeError
 
 OPTIMIZER_PREFIX = "optimizer"
 TRAINABLE_PREFIX = "trainable"
 SCALARS_FILE = "optimizer.json"
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class OptimizerFiles:
@@ -73,16 +70,22 @@ class OptimizerFiles:
         with open(os.path.join(directory, SCALARS_FILE), "w") as f:
             json.dump({"param_groups": groups, "scalars": self.scalars}, f, indent=1, default=str)
 
-    def write(self, directory: str, ep_group, chunk_bytes: int, stats: IOStats) -> BaseException | None:
-        """This rank's rows of every state tensor (collective)."""
+    def write(self, directory: str, *, chunk_bytes: int, stats: IOStats) -> BaseException | None:
+        """This rank's rows of every state tensor (collective).
+
+        Every region is written (its gathers are collective) even after an error here, so no peer is
+        left waiting in a gather this rank skipped; the first error is returned.
+        """
         writer = ParallelFileWriter(directory, self.plan)
         error = None
         for name, keys in sorted(self.tensor_keys.items()):
             for key in keys:
                 state = self._state(name, key)
-                error = error or write_regions(
-                    [self.regions[name]], SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats,
-                    key_of=lambda n, key=key: f"{n}:{key}", local_of=lambda r, state=state: (_local(state), state))
+                result = write_regions(
+                    [self.regions[name]], SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
+                    stats=stats, key_of=lambda n, key=key: f"{n}:{key}",
+                    local_of=lambda r, state=state: (local_tensor(state), state))
+                error = error or result
         finished = writer.finish()  # always: it closes the files
         return error or finished
 
@@ -113,9 +116,9 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, s
             param = params[name]
             state = {k: torch.tensor(v) for k, v in saved["scalars"].get(name, {}).items()}
             for key in tensor_keys.get(name, []):
-                local = torch.empty_like(_local(param))
-                read_regions([regions[name]], lambda n, rows, key=key: index.read(f"{n}:{key}", rows), ep_plan,
-                             stats, targets={name: local})
+                local = torch.empty_like(local_tensor(param))
+                read_regions([regions[name]], lambda n, rows, key=key: index.read(f"{n}:{key}", rows),
+                             ep_plan=ep_plan, stats=stats, targets={name: local})
                 state[key] = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
                                                 stride=param.stride()) if isinstance(param, DTensor) else local
             optimizer.state[param] = state
@@ -144,9 +147,10 @@ class TrainableFiles:
         ParallelFileWriter(directory, self.plan).create_files()
         write_index(directory, self.plan, prefix=TRAINABLE_PREFIX)
 
-    def write(self, directory: str, ep_group, chunk_bytes: int, stats: IOStats) -> BaseException | None:
+    def write(self, directory: str, *, chunk_bytes: int, stats: IOStats) -> BaseException | None:
         writer = ParallelFileWriter(directory, self.plan)
-        error = write_regions(self.regions, SameKeys(), writer, self.ep_plan, ep_group, chunk_bytes, stats)
+        error = write_regions(self.regions, SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
+                              stats=stats)
         finished = writer.finish()  # always: it closes the files
         return error or finished
 
@@ -161,7 +165,7 @@ def read_trainable_files(directory: str, model: nn.Module, ep_plan, stats: IOSta
         if missing:
             raise ResumeError(f"{directory} has no saved weights for trainable parameter '{missing[0]}' (nor "
                               f"{len(missing) - 1} others); resume with the adapter configuration it was saved with")
-        read_regions(regions_of(model, ep_plan, names=names), index.read, ep_plan, stats)
+        read_regions(regions_of(model, ep_plan, names=names), index.read, ep_plan=ep_plan, stats=stats)
         stats.bytes_read += index.bytes_read
     finally:
         index.close()

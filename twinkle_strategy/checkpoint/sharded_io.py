@@ -23,12 +23,12 @@ import time
 from typing import Callable, Iterator
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
 from twinkle_strategy.gather import gather_full_tensor
 from twinkle_strategy.init.plan import Need, checkpoint_rows, needs_of
+from twinkle_strategy.runtime import global_rank
 
 
 @dataclasses.dataclass
@@ -96,7 +96,7 @@ class SameKeys:
         return [(name, region, rows)]
 
 
-def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, ep_plan, ep_group, chunk_bytes: int,
+def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, ep_plan, chunk_bytes: int,
                   stats: IOStats, key_of: Callable[[str], str] = lambda name: name,
                   local_of: Callable[[Region], tuple[torch.Tensor, torch.Tensor]] | None = None
                   ) -> BaseException | None:
@@ -109,7 +109,7 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, ep_
     tensors with the region's layout (an optimizer state: its local rows, its DTensor).
     """
     start, written = time.perf_counter(), writer.bytes_written
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = global_rank()
     error: BaseException | None = None
 
     def write(name: str, tensor: torch.Tensor, rows) -> None:
@@ -134,7 +134,7 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, ep_
         if region.need.is_buffer:
             full = local
         else:
-            full = gather_full_tensor(region.name, value, ep_plan, ep_group)
+            full = gather_full_tensor(region.name, value, ep_plan)
             stats.bytes_received += full.numel() * full.element_size() - local.numel() * local.element_size()
             stats.gathered.append(name)
         if rank == 0:
@@ -144,7 +144,7 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, ep_
     return error
 
 
-def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], ep_plan,
+def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], *, ep_plan,
                  stats: IOStats, targets: dict[str, torch.Tensor] | None = None) -> None:
     """Fill every region's local rows (or ``targets[name]``) from ``read(name, rows)`` of the full tensor.
 

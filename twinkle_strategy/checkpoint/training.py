@@ -49,9 +49,9 @@ from twinkle_strategy.checkpoint.optimizer_files import (
     read_trainable_files,
 )
 from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.errors import ResumeError  # noqa: F401  (raised here, importable from here)
-from twinkle_strategy.fail_together import RanksFailedError, raise_together
-from twinkle_strategy.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
+from twinkle_strategy.errors import CheckpointSaveError, ResumeError
+from twinkle_strategy.fail_together import on_rank0, step_reporter
+from twinkle_strategy.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -70,14 +70,6 @@ def is_peft_model(model: nn.Module) -> bool:
 
 def trainable_names(model: nn.Module) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-class CheckpointSaveError(RanksFailedError):
-    """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
 
 
 @dataclasses.dataclass
@@ -101,7 +93,7 @@ class SaveReport:
                 f"(+{(self.peak_rss_bytes - self.rss_before_bytes) / mib:.0f} MiB during the save)")
 
 
-def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_state: dict, tokenizer=None,
+def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer_state: dict, tokenizer=None,
                     save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                     chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
     """Write ``path`` atomically (collective: every rank calls it); returns this rank's :class:`SaveReport`.
@@ -114,28 +106,15 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
     tmp = path + ".tmp"
     state_dir = os.path.join(tmp, STATE_DIR)
     step = os.path.basename(path)
-    rank = _rank()
+    rank = global_rank()
     reset_peak_rss()
     rss_before, start = rss_bytes(), time.perf_counter()
     stats = IOStats()
-    ep_plan, ep_group = strategy.ep_plan, strategy.meshes.ep_group
+    ep_plan = strategy.ep_plan
 
-    def step_done(error: BaseException | None, what: str) -> None:
-        try:
-            raise_together(error, f"saving {step} ({what})")
-        except RanksFailedError as exc:
-            if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
-            raise CheckpointSaveError(f"{exc}; previous checkpoints are untouched", exc.failures) from error
-
-    def on_rank0(action) -> BaseException | None:
-        if rank != 0:
-            return None
-        try:
-            action()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank by step_done
-            return exc
-        return None
+    step_done = step_reporter(f"saving {step}", error_class=CheckpointSaveError,
+                              advice="previous checkpoints are untouched",
+                              cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
 
     def make_directories():
         shutil.rmtree(tmp, ignore_errors=True)
@@ -150,7 +129,8 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
         step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
         del state
     else:
-        save_model_files(tmp, model, ep_plan, ep_group, stats, step_done, max_file_bytes, chunk_bytes)
+        save_model_files(tmp, model, ep_plan=ep_plan, stats=stats, step_done=step_done, max_file_bytes=max_file_bytes,
+                         chunk_bytes=chunk_bytes)
     # What resume needs, by full tensor so that any layout can read it back.
     parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if peft else []
     if optimizer is not None and save_optimizer:
@@ -158,7 +138,7 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
     step_done(on_rank0(lambda: [part.create(state_dir) for part in parts]), "trainer state")
     error = None
     for part in parts:
-        error = part.write(state_dir, ep_group, chunk_bytes, stats) or error
+        error = part.write(state_dir, chunk_bytes=chunk_bytes, stats=stats) or error
 
     def small_files():
         if not peft:
@@ -195,7 +175,7 @@ def save_checkpoint(path: str, model, strategy, optimizer, scheduler, trainer_st
     return report
 
 
-def load_checkpoint(path: str, model, strategy, optimizer, scheduler, expect: dict) -> dict:
+def load_checkpoint(path: str, model, strategy, *, optimizer, scheduler, expect: dict) -> dict:
     """Restore ``model``'s shards, the optimizer, scheduler and RNG from ``path``; return the trainer state.
 
     Works for any layout of nodes, ranks and ep_size: each rank reads the rows of its own shards.
@@ -224,7 +204,7 @@ def load_checkpoint(path: str, model, strategy, optimizer, scheduler, expect: di
         read_optimizer_files(state_dir, model, optimizer, strategy.ep_plan, stats)
     if scheduler is not None and os.path.isfile(os.path.join(state_dir, "scheduler.pt")):
         scheduler.load_state_dict(torch.load(os.path.join(state_dir, "scheduler.pt"), weights_only=False))
-    rng_file = os.path.join(state_dir, "rng", f"rank{_rank()}.pt")
+    rng_file = os.path.join(state_dir, "rng", f"rank{global_rank()}.pt")
     world = dist.get_world_size() if dist.is_initialized() else 1
     if os.path.isfile(rng_file):
         rng = torch.load(rng_file, weights_only=False)

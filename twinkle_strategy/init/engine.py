@@ -1,8 +1,10 @@
-"""The memory-efficient init, step by step (see DESIGN.md, "The memory_efficient_init contract").
+"""The memory-efficient init's transfer, step by step (README, "What the strategy does").
 
-:func:`load_on_sources` runs inside ``strategy.from_pretrained``; 
-:func:`distribute` runs inside ``strategy.wrap_model`` after EP and ``fully_shard``
-on meta and ``to_empty``. Between the two the user may add PEFT adapters.
+``strategy.from_pretrained`` builds the model (placeholders or meta, see :mod:`.skeleton`) and, on
+each node's source, the :class:`~.capture.Capture` of what it will send. :func:`distribute` runs inside
+``strategy.wrap_model`` after EP, ``fully_shard`` on meta and ``to_empty``: plan (who needs which
+rows), transfer (buckets inside each node), agree (fail together). Between the two the user may add
+PEFT adapters.
 """
 
 from __future__ import annotations
@@ -15,17 +17,19 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes, prefetched
+from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
-from twinkle_strategy.runtime import NodeTopology, peak_rss_bytes
+from twinkle_strategy.runtime import peak_rss_bytes
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_BUCKET_BYTES = 256 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = int(DEFAULT_INIT_BUCKET_MB * 2**20)
 # Chunks each of the source's streams reads ahead in a background thread (reads overlap sending).
 READ_AHEAD = 2
 
@@ -67,10 +71,9 @@ class InitReport:
 def distribute(
     model: nn.Module,
     capture: Capture | None,
+    *,
     ep_plan: ExpertParallelPlan | None,
-    topology: NodeTopology,
-    node_group,
-    device: torch.device,
+    node: NodeLink,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     transport_kind: str = "p2p",
     verify: bool = False,
@@ -82,6 +85,7 @@ def distribute(
     that died or hung - ends as a :class:`DistributedInitError` on every rank,
     naming the rank(s) at fault.
     """
+    topology = node.topology
     board = StatusBoard("init")
     start = time.perf_counter()
     stats = transport.TransferStats()
@@ -96,14 +100,14 @@ def distribute(
 
     try:
         mine = needs_of(model, ep_plan)
-        all_needs = _plan(mine, capture, ep_plan, topology, node_group, stats)
+        all_needs = _plan(mine, capture, ep_plan=ep_plan, node=node, stats=stats)
         t = finish(phase, start)
         phase = "transfer"
-        _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
-                  stats, show_progress)
+        _transfer(mine, all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
+                  transport_kind=transport_kind, stats=stats, show_progress=show_progress)
         t = finish(phase, t)
         phase = "agree"
-        mismatch = _verify(mine, all_needs, capture, ep_plan, topology, node_group) if verify else None
+        mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node) if verify else None
         # Nobody leaves the init until everyone has its shards (and, with verify, they check out).
         transport.raise_together(mismatch, "memory_efficient_init verification")
         stats.collective_calls += 1
@@ -132,10 +136,11 @@ def distribute(
     )
 
 
-def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need]] | None:
+def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] | None:
     """The source learns what each of its ranks needs and checks it can serve it; fail together."""
+    topology = node.topology
     source, is_source = topology.source_rank, topology.is_source
-    all_needs = transport.gather_to_source([need for need, _ in mine], source, node_group, is_source)
+    all_needs = transport.gather_to_source([need for need, _ in mine], source, node.group, is_source)
     stats.collective_calls += 1
     error = None
     if is_source:
@@ -153,10 +158,10 @@ def _plan(mine, capture, ep_plan, topology, node_group, stats) -> list[list[Need
     return all_needs
 
 
-def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, bucket_bytes, transport_kind,
-              stats, show_progress) -> None:
+def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes, transport_kind, stats,
+              show_progress) -> None:
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally."""
-    is_source = topology.is_source
+    is_source = node.topology.is_source
     writer = StreamWriter([local for _, local in mine])
     readers = [_reader(needs, capture, ep_plan, bucket_bytes) for needs in all_needs] if is_source else None
     progress = None
@@ -176,14 +181,14 @@ def _transfer(mine, all_needs, capture, ep_plan, topology, node_group, device, b
             if done >= budget:
                 return
 
-    transport.move_streams(transport_kind, readers, writer, topology, node_group, bucket_bytes, device, stats,
-                           progress, between_rounds=copy_own)
+    transport.move_streams(transport_kind, readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats,
+                           progress=progress, between_rounds=copy_own)
     for _ in own:  # what is left of the source's own shards
         pass
     if progress is not None:
         progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
         progress.close()
-    if device.type != "cpu":
+    if node.device.type != "cpu":
         torch.accelerator.synchronize()
 
 
@@ -211,10 +216,11 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, ep_plan, topology, node_group) -> str | None:
+def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink) -> str | None:
     """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again."""
+    topology = node.topology
     sums = [_checksum([local]) for _, local in mine]
-    gathered = transport.gather_to_source(sums, topology.source_rank, node_group, topology.is_source)
+    gathered = transport.gather_to_source(sums, topology.source_rank, node.group, topology.is_source)
     if not topology.is_source:
         return None
     node_ranks = topology.node_ranks[topology.node_index]

@@ -18,6 +18,8 @@ import time
 
 import torch.distributed as dist
 
+from twinkle_strategy.runtime import global_rank
+
 
 def _store():
     try:
@@ -40,7 +42,7 @@ class StatusBoard:
         StatusBoard._created[name] = StatusBoard._created.get(name, 0) + 1
         self.namespace = f"{name}{StatusBoard._created[name]}"
         self.store = _store()
-        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.rank = global_rank()
         self.world = dist.get_world_size() if dist.is_initialized() else 1
 
     def _key(self, what: str, rank: int) -> str:

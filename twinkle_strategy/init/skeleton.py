@@ -29,13 +29,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from twinkle_strategy.errors import CheckpointError, TwinkleError
+from twinkle_strategy.errors import CheckpointError, WeightsNotLoadedError
 
 aten = torch.ops.aten
-
-
-class WeightsNotLoadedError(TwinkleError):
-    """A placeholder tensor was used before ``wrap_model`` read its weights."""
 
 
 class CheckpointTensor(torch.Tensor):

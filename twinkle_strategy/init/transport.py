@@ -17,13 +17,10 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy import fail_together
-from twinkle_strategy.fail_together import RanksFailedError
+from twinkle_strategy.config import INIT_TRANSPORTS
+from twinkle_strategy.errors import DistributedInitError
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
 from twinkle_strategy.runtime import NodeTopology
-
-
-class DistributedInitError(RanksFailedError):
-    """memory_efficient_init (or loading) failed on some rank; raised on every rank."""
 
 
 def raise_together(error: BaseException | str | None, what: str) -> None:
@@ -65,21 +62,30 @@ class TransferStats:
     collective_calls: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class NodeLink:
+    """What every transfer inside a node needs, together: who is where (the topology, hence the node's
+    source), the node's process group, and the device this rank's collectives use."""
+
+    topology: NodeTopology
+    group: dist.ProcessGroup | None
+    device: torch.device
+
+
 def bucket_sizes(total: int, bucket_bytes: int) -> list[int]:
     return [min(bucket_bytes, total - k * bucket_bytes) for k in range(math.ceil(total / bucket_bytes))]
 
 
-TRANSPORTS = ("p2p", "scatter")
+TRANSPORTS = INIT_TRANSPORTS
 
 
 def move_streams(
     kind: str,
     readers: list[StreamReader] | None,
     writer: StreamWriter,
-    topology: NodeTopology,
-    node_group,
+    *,
+    node: NodeLink,
     bucket_bytes: int,
-    device: torch.device,
     stats: TransferStats,
     progress=None,
     between_rounds: Callable[[int], None] | None = None,
@@ -100,12 +106,12 @@ def move_streams(
       ranks must receive equal-sized buckets, so a rank whose stream is
       shorter than its peers' receives padding.
     """
-    if node_group is None or topology.local_world_size == 1:
+    if node.group is None or node.topology.local_world_size == 1:
         return
-    if kind == "p2p":
-        _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress, between_rounds)
-    elif kind == "scatter":
-        _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress, between_rounds)
+    moves = {"p2p": _move_p2p, "scatter": _move_scatter}
+    if kind in moves:
+        moves[kind](readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
+                    between_rounds=between_rounds)
     else:
         raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
 
@@ -116,8 +122,9 @@ def _stage(reader: StreamReader, size: int, device: torch.device) -> torch.Tenso
     return staged.to(device)
 
 
-def _move_p2p(readers, writer, topology, bucket_bytes, device, stats, progress, between_rounds) -> None:
+def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> None:
     """Double-buffered: round k+1 is read (and the source's own shards copied) while round k is on the wire."""
+    topology, device = node.topology, node.device
     source = topology.source_rank
     node_ranks = topology.node_ranks[topology.node_index]
     if topology.is_source:
@@ -166,7 +173,8 @@ def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> None:
     stats.collective_calls += 1
 
 
-def _move_scatter(readers, writer, topology, node_group, bucket_bytes, device, stats, progress, between_rounds) -> None:
+def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> None:
+    topology, node_group, device = node.topology, node.group, node.device
     source, is_source = topology.source_rank, topology.is_source
     total = max_over_node(writer.total, node_group)
     stats.collective_calls += 1

@@ -61,6 +61,7 @@ def run_on_owners(
     rows: torch.Tensor,
     row_expert: torch.Tensor,
     local_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
     num_local_experts: int,
     group: dist.ProcessGroup,
 ) -> torch.Tensor:
@@ -108,11 +109,12 @@ def dispatch_routed(
     top_k_index: torch.Tensor,
     top_k_weights: torch.Tensor,
     experts_forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    num_experts: int,
     num_local_experts: int,
-    num_routed_experts: int,
     group: dist.ProcessGroup,
-    min_top_k: int = 1,
     num_local_zero_experts: int = 0,
+    min_top_k: int = 1,
 ) -> torch.Tensor:
     """Routed expert output for ``hidden_states`` [T, H], computed by the owning EP ranks.
 
@@ -121,7 +123,7 @@ def dispatch_routed(
     We give it weight 1 per row and apply the router weights after the return
     trip, so it stays a pure per-row function of the token.
 
-    Indices ``>= num_routed_experts`` are zero-computation (identity) experts
+    ``num_experts`` counts the routed experts of every EP rank; indices ``>= num_experts`` are zero-computation (identity) experts
     (LongCat-Flash): their output is the token itself, computed here, so they
     never travel. The (token, expert) rows are combined in ascending expert
     order, as the model's own forward does, so each token's sum adds its terms
@@ -141,7 +143,7 @@ def dispatch_routed(
     token_of_row = torch.div(order, top_k, rounding_mode="floor")
     num_rows = order.numel()
     # (Counting needs a host sync: only models with identity experts pay for it.)
-    num_routed_rows = int((sorted_expert < num_routed_experts).sum()) if num_local_zero_experts else num_rows
+    num_routed_rows = int((sorted_expert < num_experts).sum()) if num_local_zero_experts else num_rows
 
     def local_forward(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
         index = local_expert.unsqueeze(-1)
@@ -154,7 +156,7 @@ def dispatch_routed(
 
     routed_rows = token_of_row[:num_routed_rows]
     per_row = run_on_owners(hidden_states[routed_rows], sorted_expert[:num_routed_rows], local_forward,
-                            num_local_experts, group)
+                            num_local_experts=num_local_experts, group=group)
     if num_routed_rows < num_rows:
         per_row = torch.cat([per_row, hidden_states[token_of_row[num_routed_rows:]].to(per_row.dtype)])
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -166,6 +168,7 @@ def dispatch_routed(
 def dispatch_pre_routed(
     routed_in: torch.Tensor,
     experts_forward: Callable[[torch.Tensor], torch.Tensor],
+    *,
     num_experts: int,
     num_local_experts: int,
     group: dist.ProcessGroup,
@@ -198,6 +201,7 @@ def dispatch_pre_routed(
         padded = rows.new_zeros((num_local_experts * width, hidden)).index_copy(0, slot, rows)
         return experts_forward(padded)[slot]
 
-    per_row = run_on_owners(per_expert[row_expert, row_token], row_expert, local_forward, num_local_experts, group)
+    per_row = run_on_owners(per_expert[row_expert, row_token], row_expert, local_forward,
+                            num_local_experts=num_local_experts, group=group)
     out = per_row.new_zeros((num_experts, per_expert.shape[1], per_row.shape[-1]))
     return out.index_put((row_expert, row_token), per_row).view(-1, per_row.shape[-1])

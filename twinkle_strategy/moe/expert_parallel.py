@@ -42,6 +42,9 @@ class ExpertParallelPlan:
     ep_rank: int
     axes: dict[str, ExpertAxis]
     experts_modules: list[str]
+    # The EP process group the expert slices live in (set by apply_expert_parallel): the plan and its
+    # group always travel together, so gathers and saves take one object.
+    group: dist.ProcessGroup | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def local_range(self, name: str, ep_rank: int | None = None) -> tuple[int, int]:
         axis = self.axes[name]
@@ -82,7 +85,7 @@ def plan_expert_parallel(model: nn.Module, dims: ParallelDims, rank: int) -> tup
 
 
 def apply_expert_parallel(
-    model: nn.Module, dims: ParallelDims, rank: int, ep_group: dist.ProcessGroup
+    model: nn.Module, dims: ParallelDims, rank: int, *, ep_group: dist.ProcessGroup | None
 ) -> ExpertParallelPlan:
     """Cut every MoE block's experts to this rank's share and dispatch tokens across ``ep_group``.
 
@@ -91,6 +94,7 @@ def apply_expert_parallel(
     relative to ``model``.
     """
     plan, blocks = plan_expert_parallel(model, dims, rank)
+    plan.group = ep_group
     for block in blocks:
         local = block.num_experts // dims.ep_size
         start = plan.ep_rank * local
@@ -129,11 +133,13 @@ def _install_dispatch(block: MoEBlock, num_local: int, group: dist.ProcessGroup)
     if contract.kind == PRE_ROUTED:
         @functools.wraps(local_forward)
         def expert_parallel_forward(routed_in):
-            return dispatch_pre_routed(routed_in, local_forward, contract.num_experts, num_local, group)
+            return dispatch_pre_routed(routed_in, local_forward, num_experts=contract.num_experts,
+                                       num_local_experts=num_local, group=group)
     else:
         @functools.wraps(local_forward)
         def expert_parallel_forward(hidden_states, top_k_index, top_k_weights):
-            return dispatch_routed(hidden_states, top_k_index, top_k_weights, local_forward, num_local,
-                                   contract.num_experts, group, contract.min_top_k, num_local_zero)
+            return dispatch_routed(hidden_states, top_k_index, top_k_weights, local_forward,
+                                   num_experts=contract.num_experts, num_local_experts=num_local,
+                                   num_local_zero_experts=num_local_zero, min_top_k=contract.min_top_k, group=group)
 
     experts.forward = expert_parallel_forward

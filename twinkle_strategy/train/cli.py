@@ -39,6 +39,7 @@ import dataclasses
 import os
 import sys
 
+from twinkle_strategy import config
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
 from twinkle_strategy.train.trainer import TrainingArguments
@@ -57,17 +58,13 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "lora_alpha": ("tuner.lora_alpha", "LoRA alpha"),
     "target_modules": ("tuner.target_modules", "LoRA target modules (e.g. all-linear, or q_proj v_proj)"),
     "target_parameters": ("tuner.target_parameters", "LoRA on parameters, e.g. mlp.experts.gate_up_proj"),
-    "expert_parallel_size": ("strategy.ep_size", "ranks that split each MoE layer's experts"),
-    "expert_fsdp_size": ("strategy.ep_fsdp_size", "ranks sharding each expert slice (default world/ep)"),
-    "memory_efficient_init": ("strategy.memory_efficient_init", "only each node's local rank 0 loads weights"),
-    "stream_checkpoint": ("strategy.stream_checkpoint",
-                          "with memory_efficient_init: read from the files only the rows each node keeps"),
-    "mixed_precision": ("strategy.mixed_precision", "bf16 | fp16 | no"),
-    "init_bucket_mb": ("strategy.init_bucket_mb", "memory_efficient_init transfer bucket size (MiB)"),
-    "init_transport": ("strategy.init_transport", "p2p | scatter"),
-    "verify_init": ("strategy.verify_init", "check a CRC32 of every region received at init"),
-    "ddp_timeout": ("strategy.timeout_s", "seconds any collective may wait for a peer before failing"),
 }
+# Every strategy option is a flag, named as swift names it where swift has one.
+SWIFT_NAMES_OF_STRATEGY_OPTIONS = {"ep_size": "expert_parallel_size", "ep_fsdp_size": "expert_fsdp_size",
+                                   "timeout_s": "ddp_timeout", "backend": "ddp_backend"}
+for _name in config.option_names():
+    _flag = SWIFT_NAMES_OF_STRATEGY_OPTIONS.get(_name, _name)
+    SWIFT_FLAGS[_flag] = (f"strategy.{_name}", f"{config.option_help(_name)} (default {config.option_default(_name)})")
 for _field in dataclasses.fields(TrainingArguments):
     SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", f"training argument (default {_field.default})"))
 

@@ -27,21 +27,15 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
+
+from twinkle_strategy.errors import DatasetError, RowError
+from twinkle_strategy.runtime import global_rank
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
 SHOWN_SKIPPED_ROWS = 5  # a warning names this many bad rows, then counts the rest
 STRICT_FIX = "fix the row, or set data.strict=false (--strict false) to skip bad rows with a warning"
-
-
-class DatasetError(ValueError):
-    """A dataset file or row that cannot be used; names the file and line."""
-
-
-class RowError(DatasetError):
-    """Why one row cannot become a training example (the caller adds where it is)."""
 
 
 Messages = list[dict[str, str]]
@@ -262,7 +256,7 @@ def skipped_rows_warning(skipped: list[SkippedRow], rows: int, examples: int) ->
 
 
 def _is_first_rank() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
+    return global_rank() == 0
 
 
 def pack(examples: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:

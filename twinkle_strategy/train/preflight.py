@@ -18,21 +18,13 @@ from __future__ import annotations
 import os
 import tempfile
 
-from twinkle_strategy.train.data import DatasetError, DatasetSpec, no_usable_row_error, read_rows
+from twinkle_strategy.errors import PreflightError
 from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path, checkpoint_files_problem
-from twinkle_strategy.train.recipe import Recipe, RecipeError
+from twinkle_strategy.train.data import DatasetError, DatasetSpec, no_usable_row_error, read_rows
+from twinkle_strategy.train.recipe import Recipe
 from twinkle_strategy.train.run import TINY_PREFIX
 
 ROWS_CHECKED = 100  # rows read per dataset file here; the run reads them all
-
-
-class PreflightError(RecipeError):
-    """A recipe value that cannot work on this machine; ``key`` is the recipe key to fix."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 def check_before_launch(recipe: Recipe) -> None:

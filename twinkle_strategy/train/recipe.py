@@ -11,17 +11,14 @@ import dataclasses
 import json
 import os
 
-import yaml
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from twinkle_strategy.errors import TwinkleError
+import yaml
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.train.trainer import TrainingArguments
-
-
-class RecipeError(TwinkleError):
-    """A recipe or command line that cannot run; names the key."""
 
 
 @dataclasses.dataclass
@@ -55,20 +52,6 @@ class TunerConfig:
 
 
 @dataclasses.dataclass
-class StrategyConfig:
-    ep_size: int = 1
-    ep_fsdp_size: int | None = None
-    mixed_precision: str = "bf16"
-    memory_efficient_init: bool = False
-    stream_checkpoint: bool = True  # with memory_efficient_init: read only each node's rows from the files
-    init_bucket_mb: float = 256.0
-    init_transport: str = "p2p"
-    verify_init: bool = False  # CRC32 of every received region checked against the source's
-    timeout_s: float = 1800.0  # bound on every collective: no rank waits longer for a dead or hung peer
-    device_type: str | None = None  # cuda | npu | cpu; detected when unset
-
-
-@dataclasses.dataclass
 class LaunchConfig:
     nnodes: int = 1
     nproc_per_node: int = 1
@@ -81,6 +64,7 @@ class Recipe:
     model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     tuner: TunerConfig = dataclasses.field(default_factory=TunerConfig)
+    # The library's own option set: every StrategyConfig field is a recipe key under strategy.
     strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
     train: TrainingArguments = dataclasses.field(default_factory=TrainingArguments)
     launch: LaunchConfig = dataclasses.field(default_factory=LaunchConfig)
@@ -119,6 +103,9 @@ def load_recipe(yaml_path: str | None = None, overrides: list[str] | None = None
         problem = " ".join(str(exc).split())
         raise RecipeError(f"invalid recipe: {problem}; check the YAML file and each key=value (quote odd values)") \
             from exc
+    except StrategyConfigError as exc:  # StrategyConfig.__post_init__: name the recipe key
+        raise RecipeError(f"strategy.{exc.key}: {exc.reason}", key=f"strategy.{exc.key}", reason=exc.reason) \
+            from exc
     except ValueError as exc:  # raised by dataclass __post_init__ checks (e.g. TrainingArguments)
         if isinstance(exc, TwinkleError):
             raise
@@ -152,13 +139,6 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
                     f"{option} cannot be used with tuner.target_parameters={list(tuner.target_parameters)} "
                     f"(LoRA on fused expert weights): {fix}, or set tuner.target_parameters=[] to train "
                     "attention/linear layers only")
-    strategy = recipe.strategy
-    if strategy.mixed_precision in ("False", "false"):  # YAML reads a bare `no` as false
-        strategy.mixed_precision = "no"
-    if strategy.mixed_precision not in ("bf16", "bfloat16", "fp16", "float16", "no", "fp32", "float32"):
-        raise RecipeError(f"strategy.mixed_precision={strategy.mixed_precision!r}; use bf16, fp16 or no")
-    if strategy.init_transport not in ("p2p", "scatter"):
-        raise RecipeError(f"strategy.init_transport={strategy.init_transport!r}; use p2p or scatter")
     if not recipe.data.dataset:
         raise RecipeError("data.dataset is empty; name one or more JSONL files")
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):

@@ -6,10 +6,10 @@ import os
 
 import torch
 
+from twinkle_strategy.dtypes import float_dtype
 from twinkle_strategy.train.recipe import Recipe
 
 TINY_PREFIX = "tiny://"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def prepare_model_path(path: str, datasets: list[str]) -> str:
@@ -47,17 +47,12 @@ def build_training(recipe: Recipe, run_dir: str | None = None):
     """
     from transformers import AutoTokenizer
 
-    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
     from twinkle_strategy.strategy import NativeFSDPStrategy
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
     from twinkle_strategy.train.trainer import Trainer
 
-    s = recipe.strategy
-    strategy = NativeFSDPStrategy(ep_size=s.ep_size, ep_fsdp_size=s.ep_fsdp_size, mixed_precision=s.mixed_precision,
-                                  memory_efficient_init=s.memory_efficient_init, stream_checkpoint=s.stream_checkpoint,
-                                  init_bucket_mb=s.init_bucket_mb,
-                                  init_transport=s.init_transport, verify_init=s.verify_init,
-                                  timeout_s=s.timeout_s, device_type=s.device_type)
-    model = strategy.from_pretrained(recipe.model.path, dtype=_DTYPES[recipe.model.dtype])
+    strategy = NativeFSDPStrategy(recipe.strategy)
+    model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype))
     tokenizer = strategy.node_local_object(
         lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path)))
     if recipe.tuner.type == "lora":

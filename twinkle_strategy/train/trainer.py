@@ -32,7 +32,7 @@ from twinkle_strategy.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import TrainingAbortedError
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.runtime import peak_rss_bytes
 
@@ -100,10 +100,6 @@ def _format_seconds(s: float) -> str:
     return str(datetime.timedelta(seconds=int(s)))
 
 
-class TrainingAbortedError(TwinkleError):
-    """A training step failed because a peer rank died, hung or failed."""
-
-
 class Trainer:
     def __init__(self, model, strategy, args: TrainingArguments, train_dataset, data_collator,
                  processing_class=None, run_dir: str | None = None):
@@ -158,8 +154,9 @@ class Trainer:
             path = args.resume_from_checkpoint
             if not os.path.basename(os.path.normpath(path)).startswith("checkpoint-"):
                 path = latest_checkpoint(path) or path
-            state = load_checkpoint(path, self.model, self.strategy, self.optimizer, self.scheduler,
-                                    {"global_batch": self._global_batch_size(), "peft": is_peft_model(self.model)})
+            state = load_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
+                                    expect={"global_batch": self._global_batch_size(),
+                                            "peft": is_peft_model(self.model)})
             self.start_step = state["global_step"]
             self.log_history = state.get("log_history", [])
             if strategy.is_main_process:
@@ -293,8 +290,8 @@ class Trainer:
         path = os.path.join(self.run_dir, f"checkpoint-{global_step}")
         state = {"global_step": global_step, "max_steps": self.max_steps, "log_history": self.log_history,
                  "peft": is_peft_model(self.model), **self._layout()}
-        self.save_report = save_checkpoint(path, self.model, self.strategy, self.optimizer, self.scheduler, state,
-                                           tokenizer=self.processing_class,
+        self.save_report = save_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer,
+                                           scheduler=self.scheduler, trainer_state=state, tokenizer=self.processing_class,
                                            save_optimizer=not self.args.save_only_model,
                                            max_file_bytes=convert_file_size_to_int(self.args.max_shard_size),
                                            chunk_bytes=self.strategy.init_bucket_bytes)

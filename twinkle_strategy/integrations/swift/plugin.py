@@ -55,6 +55,11 @@ from typing import Any
 
 import torch
 
+from twinkle_strategy import config
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.dtensor import local_tensor
+from twinkle_strategy.errors import SwiftPluginError
+
 _CANONICAL_NAME = "twinkle_strategy.integrations.swift.plugin"
 # swift imports this file by path, as `_swift_external_<hash>`, after putting its directory first on
 # sys.path. That folder holds only this plugin, so nothing in it can shadow another module.
@@ -62,59 +67,33 @@ _CANONICAL_NAME = "twinkle_strategy.integrations.swift.plugin"
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
 
 ENV_PREFIX = "TWINKLE_"
-# option -> parser; the default is NativeFSDPStrategy's unless listed in DEFAULTS.
-_BOOL_WORDS = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+# Every StrategyConfig field is an option: TWINKLE_<NAME> or the --fsdp JSON's "twinkle": {"<name>": ...}.
+# The plugin's own defaults where they differ from the strategy's (mixed_precision follows swift's --bf16).
+DEFAULTS = {"memory_efficient_init": True}
+_SWIFT_OWNED = {"backend": "--ddp_backend"}  # options swift already has a flag for
 
 
-def _parse_bool(value) -> bool:
-    if isinstance(value, bool):
-        return value
-    word = str(value).strip().lower()
-    if word not in _BOOL_WORDS:
-        raise ValueError(f"expected true/false, got {value!r}")
-    return _BOOL_WORDS[word]
+def option_names() -> list[str]:
+    return [name for name in config.option_names() if name not in _SWIFT_OWNED]
 
 
-def _parse_optional_int(value):
-    return None if value in (None, "", "none", "None") else int(value)
-
-
-OPTIONS = {
-    "ep_size": int,
-    "ep_fsdp_size": _parse_optional_int,
-    "memory_efficient_init": _parse_bool,
-    "stream_checkpoint": _parse_bool,
-    "init_bucket_mb": float,
-    "init_transport": str,
-    "verify_init": _parse_bool,
-    "mixed_precision": str,
-    "timeout_s": float,
-    "reshard_after_forward": _parse_bool,
-}
-DEFAULTS = {"ep_size": 1, "memory_efficient_init": True}
-
-
-class SwiftPluginError(ValueError):
-    """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
-
-
-# swift imports this file under a generated module name; tracebacks should name the package's.
-SwiftPluginError.__module__ = _CANONICAL_NAME
+def env_var(name: str) -> str:
+    return f"{ENV_PREFIX}{name.upper()}"
 
 
 def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str, Any]:
     """Strategy options from ``TWINKLE_*`` variables, overridden by the ``--fsdp`` JSON's ``"twinkle"`` object."""
     environ = os.environ if environ is None else environ
+    names = option_names()
     options: dict[str, Any] = dict(DEFAULTS)
-    sources = [(f"environment variable {ENV_PREFIX}{k.upper()}", k, environ[f"{ENV_PREFIX}{k.upper()}"])
-               for k in OPTIONS if f"{ENV_PREFIX}{k.upper()}" in environ]
-    unknown = sorted(set(fsdp_options or {}) - set(OPTIONS))
+    sources = [(f"environment variable {env_var(k)}", k, environ[env_var(k)]) for k in names if env_var(k) in environ]
+    unknown = sorted(set(fsdp_options or {}) - set(names))
     if unknown:
-        raise SwiftPluginError(f'--fsdp: unknown key(s) {unknown} in "twinkle"; supported: {sorted(OPTIONS)}')
+        raise SwiftPluginError(f'--fsdp: unknown key(s) {unknown} in "twinkle"; supported: {sorted(names)}')
     sources += [(f'--fsdp "twinkle": {{"{k}": ...}}', k, v) for k, v in (fsdp_options or {}).items()]
     for where, key, raw in sources:
         try:
-            options[key] = OPTIONS[key](raw)
+            options[key] = config.parse_option(key, raw)
         except (TypeError, ValueError) as exc:
             raise SwiftPluginError(f"{where}={raw!r}: {exc}") from exc
     return options
@@ -132,11 +111,7 @@ def get_strategy():
         args = _STATE["args"]
         options = resolve_options(_STATE["fsdp_options"])
         options.setdefault("mixed_precision", _STATE.get("swift_precision", "no"))
-        fsdp_config = {}
-        if "reshard_after_forward" in options:
-            fsdp_config["reshard_after_forward"] = options.pop("reshard_after_forward")
-        backend = getattr(args, "ddp_backend", None)
-        strategy = NativeFSDPStrategy(fsdp_config=fsdp_config, backend=backend, **options)
+        strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(args, "ddp_backend", None), **options))
         strategy.setup()
         _STATE["strategy"] = strategy
         if strategy.is_main_process:
@@ -200,7 +175,7 @@ def _init_fsdp(_orig, self) -> None:
         twinkle = dict(twinkle)
         if "reshard_after_forward" in fsdp_config:
             twinkle.setdefault("reshard_after_forward", fsdp_config["reshard_after_forward"])
-        if _parse_bool(fsdp_config.get("activation_checkpointing", False)) and not self.gradient_checkpointing:
+        if config.parse_bool(fsdp_config.get("activation_checkpointing", False)) and not self.gradient_checkpointing:
             logger.info("twinkle swift plugin: fsdp_config.activation_checkpointing -> --gradient_checkpointing")
             self.gradient_checkpointing = True
         _STATE["fsdp_options"] = twinkle
@@ -396,16 +371,10 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
 STATE_DIR = "twinkle_state"
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _optimizer_to_local(state_dict: dict) -> dict:
     """swift's resume state, per rank: DTensor states become their local shards (same layout to resume)."""
     return {
-        "state": {i: {k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+        "state": {i: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                   for i, s in state_dict["state"].items()},
         "param_groups": state_dict["param_groups"],
     }
@@ -421,7 +390,7 @@ def _optimizer_from_local(local: dict, optimizer) -> dict:
         state[i] = {}
         for k, v in s.items():
             if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.dim() > 0:
-                v = DTensor.from_local(v.to(_local(p).device), p.device_mesh, p.placements,
+                v = DTensor.from_local(v.to(local_tensor(p).device), p.device_mesh, p.placements,
                                        shape=p.shape, stride=p.stride())
             state[i][k] = v
     return {"state": state, "param_groups": local["param_groups"]}
@@ -479,7 +448,7 @@ class TwinkleTrainerMixin:
         os.makedirs(os.path.join(output_dir, STATE_DIR), exist_ok=True)
         local = {
             "layout": {"world_size": strategy.world_size, "ep_size": strategy.ep_size},
-            "params": {n: _local(p.detach()).clone() for n, p in self.model.named_parameters() if p.requires_grad},
+            "params": {n: local_tensor(p.detach()).clone() for n, p in self.model.named_parameters() if p.requires_grad},
             "optimizer": _optimizer_to_local(self.optimizer.state_dict()),
         }
         torch.save(local, os.path.join(output_dir, STATE_DIR, f"rank{strategy.rank}.pt"))
@@ -521,7 +490,7 @@ class TwinkleTrainerMixin:
         params = dict((model or self.model).named_parameters())
         with torch.no_grad():
             for name, tensor in local["params"].items():
-                _local(params[name]).copy_(tensor)
+                local_tensor(params[name]).copy_(tensor)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or self.args.resume_only_model:

@@ -1,0 +1,134 @@
+"""The package's structure, checked rather than hoped for.
+
+- The strategy library never imports the training application (``twinkle_strategy.train``).
+- Every strategy option is accepted, under the same name and type, by the Python API, the recipe,
+  ``twinkle-sft``'s flags and the ms-swift plugin: all of them are built from StrategyConfig.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from twinkle_strategy import NativeFSDPStrategy, config
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import StrategyConfigError
+
+PACKAGE = Path(__file__).resolve().parent.parent / "twinkle_strategy"
+APPLICATION = "twinkle_strategy.train"
+
+# A value other than the default for every option, by type (a new option needs no edit here).
+EXAMPLE_VALUES = {int: 2, float: 7.5, bool: True, str: None}
+EXAMPLE_STRINGS = {"mixed_precision": "fp16", "init_transport": "scatter", "device_type": "cpu", "backend": "gloo"}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Every module ``path`` imports, at the top or inside functions, as absolute names."""
+    package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            found.update([base] + [f"{base}.{alias.name}" for alias in node.names])
+    return found
+
+
+def _library_files() -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if "train" not in p.relative_to(PACKAGE).parts]
+
+
+def test_library_never_imports_the_application():
+    offenders = {str(p.relative_to(PACKAGE.parent)): sorted(m for m in _imported_modules(p) if m.startswith(APPLICATION))
+                 for p in _library_files()}
+    offenders = {path: modules for path, modules in offenders.items() if modules}
+    assert not offenders, f"library modules import the application package: {offenders}"
+    assert len(_library_files()) > 20  # the walk really saw the library
+
+
+def test_the_check_sees_imports_inside_functions(tmp_path):
+    # The direction check must catch a lazy import too, or it would pass while the rule is broken.
+    path = PACKAGE / "_probe_for_structure_test.py"
+    path.write_text("def f():\n    from twinkle_strategy.train.trainer import Trainer\n")
+    try:
+        assert "twinkle_strategy.train.trainer" in _imported_modules(path)
+    finally:
+        path.unlink()
+
+
+def _example(name: str):
+    if name in EXAMPLE_STRINGS:
+        return EXAMPLE_STRINGS[name]
+    kind = config._value_type(name)
+    value = (not config.option_default(name)) if kind is bool else EXAMPLE_VALUES[kind]
+    assert value != config.option_default(name), f"pick another example value for {name}"
+    return value
+
+
+def test_every_surface_accepts_exactly_the_strategy_options(monkeypatch):
+    monkeypatch.setenv("NPROC_PER_NODE", "4")  # the recipe checks ep_size=2 x ep_fsdp_size=2 against the world
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from twinkle_strategy.integrations.swift import plugin
+    from twinkle_strategy.train import cli
+    from twinkle_strategy.train.recipe import Recipe, load_recipe
+
+    names = set(config.option_names())
+    assert names == {f.name for f in dataclasses.fields(StrategyConfig)}
+    # The recipe's strategy section is StrategyConfig itself.
+    recipe_fields = {f.name: f.type for f in dataclasses.fields(Recipe)}
+    assert recipe_fields["strategy"] in (StrategyConfig, "StrategyConfig")
+    # twinkle-sft: one flag per option, each setting strategy.<option>.
+    cli_options = {key.split(".", 1)[1] for key, _ in cli.SWIFT_FLAGS.values() if key.startswith("strategy.")}
+    assert cli_options == names
+    # swift plugin: every option except the one swift owns a flag for (--ddp_backend -> backend).
+    assert set(plugin.option_names()) | set(plugin._SWIFT_OWNED) == names
+
+    for name in sorted(names):
+        value = _example(name)
+        if value is None:
+            continue
+        flag = next(f for f, (key, _) in cli.SWIFT_FLAGS.items() if key == f"strategy.{name}")
+        base = ["--model", "m", "--dataset", "d.jsonl", "--expert_parallel_size", "2"]  # 2 x 2 = the world
+        recipe = cli.parse(base + [f"--{flag}", str(value)])
+        assert getattr(recipe.strategy, name) == value, (name, flag)
+        assert getattr(load_recipe(None, ["model.path=m", "data.dataset=[d]", "strategy.ep_size=2",
+                                               f"strategy.{name}={value}"]).strategy,
+                       name) == value
+        assert getattr(NativeFSDPStrategy(**{name: value}).config, name) == value
+        if name in plugin.option_names():
+            assert plugin.resolve_options(None, {plugin.env_var(name): str(value)})[name] == value
+            assert plugin.resolve_options({name: value}, {})[name] == value
+
+
+def test_a_bad_option_is_named_on_every_surface():
+    from twinkle_strategy.errors import RecipeError, SwiftPluginError
+    from twinkle_strategy.integrations.swift import plugin
+    from twinkle_strategy.train.recipe import load_recipe
+
+    with pytest.raises(StrategyConfigError, match="init_transport='smoke' is not valid"):
+        NativeFSDPStrategy(init_transport="smoke")
+    with pytest.raises(TypeError):
+        NativeFSDPStrategy(ep_sise=2)  # a typo is not silently ignored
+    with pytest.raises(RecipeError, match="strategy.mixed_precision: mixed_precision='int4' is not valid") as info:
+        load_recipe(None, ["model.path=m", "data.dataset=[d]", "strategy.mixed_precision=int4"])
+    assert info.value.key == "strategy.mixed_precision"
+    with pytest.raises(SwiftPluginError, match="unknown key"):
+        plugin.resolve_options({"ep_sise": 2}, {})
+    with pytest.raises(SwiftPluginError, match="TWINKLE_VERIFY_INIT"):
+        plugin.resolve_options(None, {"TWINKLE_VERIFY_INIT": "maybe"})
+
+
+def test_config_is_frozen_and_normalises_spellings():
+    cfg = StrategyConfig(mixed_precision="bfloat16")
+    assert cfg.mixed_precision == "bf16"
+    assert StrategyConfig(mixed_precision=False).mixed_precision == "no"  # YAML's bare `no`
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.ep_size = 4
+    strategy = NativeFSDPStrategy(cfg, ep_size=4)
+    assert strategy.config == cfg.replace(ep_size=4) and strategy.ep_size == 4
