@@ -268,7 +268,7 @@ def _strategy_from_pretrained(strategy):
         if not strategy.topology.is_source:
             return meta_skeleton(config, dtype, model_class=cls, **init_kwargs(kwargs)).eval()
         # swift asks for ignore_mismatched_sizes where it replaces a head on purpose (reward models): a full load.
-        if not strategy.stream_checkpoint:
+        if not strategy.config.stream_checkpoint:
             blocker = "stream_checkpoint=False"
         elif args:
             blocker = "from_pretrained was given positional arguments"
