@@ -165,11 +165,11 @@ def _init_fsdp(_orig, self) -> None:
     # zero-filled copies on other ranks, shard again, or save with a state dict that ignores EP.
     # ``--fsdp`` is read here only for its options, and then cleared.
     if self.fsdp:
-        config = _read_fsdp_json(self.fsdp)
-        fsdp_config = config.get("fsdp_config") or {}
+        fsdp_json = _read_fsdp_json(self.fsdp)  # (not `config`: that name is the options module)
+        fsdp_config = fsdp_json.get("fsdp_config") or {}
         if int(fsdp_config.get("fsdp_version", 2)) != 2:
             raise SwiftPluginError("--fsdp: the twinkle plugin is FSDP2; drop fsdp_version or set it to 2")
-        twinkle = config.get("twinkle", fsdp_config.get("twinkle")) or {}
+        twinkle = fsdp_json.get("twinkle", fsdp_config.get("twinkle")) or {}
         if not isinstance(twinkle, dict):
             raise SwiftPluginError(f'--fsdp: "twinkle" must be a JSON object, got {twinkle!r}')
         twinkle = dict(twinkle)
