@@ -439,7 +439,7 @@ def test_plugin_options_from_environment_and_fsdp_json():
     assert resolve_options(None, env) == {"ep_size": 4, "memory_efficient_init": False, "init_bucket_mb": 64.0}
     # the --fsdp JSON wins over the environment
     assert resolve_options({"ep_size": 8, "verify_init": True}, env)["ep_size"] == 8
-    assert resolve_options({}, {}) == {"ep_size": 1, "memory_efficient_init": True}
+    assert resolve_options({}, {}) == {"memory_efficient_init": True}  # the rest: StrategyConfig's defaults
     with pytest.raises(SwiftPluginError, match="TWINKLE_EP_SIZE='two'"):
         resolve_options(None, {"TWINKLE_EP_SIZE": "two"})
     with pytest.raises(SwiftPluginError, match=r"unknown key\(s\) \['ep'\]"):
