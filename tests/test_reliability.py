@@ -1,9 +1,11 @@
 """Bad input and real faults end in clear errors on every rank, never a hang, never lost data."""
 
+import json
 import re
 import shutil
 
 import pytest
+from header_edit import EDITS, corrupt_copy
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
@@ -25,6 +27,13 @@ def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
     save_file(weights, str(paths["missing_key"] / "model.safetensors"), metadata={"format": "pt"})
     data = (good / "model.safetensors").read_bytes()
     (paths["corrupt"] / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated file
+    for edit in EDITS:  # headers safetensors itself rejects
+        paths[edit] = root / edit
+        shutil.copytree(good, paths[edit])
+        corrupt_copy(good / "model.safetensors", paths[edit] / "model.safetensors", edit)
+    paths["invalid_config_json"] = root / "invalid_config_json"
+    shutil.copytree(good, paths["invalid_config_json"])
+    (paths["invalid_config_json"] / "config.json").write_text('{"model_type": "qwen3_moe",, }')
     return {k: str(v) for k, v in paths.items()} | {"good": str(good)}
 
 
@@ -36,11 +45,17 @@ def demo_model(tmp_path_factory):
 
 
 def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_checkpoint, tmp_path):
-    cases = "missing_key,wrong_shape,corrupt_file,missing_path,dtype_differs_on_node1"
+    headers = {case: broken_checkpoints[case] for case in [*EDITS, "invalid_config_json"]}
+    cases = ",".join(["missing_key", "wrong_shape", "corrupt_file", "missing_path", "dtype_differs_on_node1",
+                      *headers, "output_dir_not_shared"])
+    # Each simulated node gets its own output directory, as nodes with only local disks would.
+    node_dirs = [tmp_path / f"node{n}_disk" / "output" for n in range(2)]
     result = launch("bad_config.py", ["--cases", cases, "--missing-key", broken_checkpoints["missing_key"],
                                       "--wrong-shape", str(wrong_shape_checkpoint),
-                                      "--corrupt", broken_checkpoints["corrupt"], "--good", broken_checkpoints["good"]],
-                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT)
+                                      "--corrupt", broken_checkpoints["corrupt"], "--good", broken_checkpoints["good"],
+                                      "--checkpoints", json.dumps(headers)],
+                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT,
+                    node_env=[{"TWINKLE_TEST_NODE_DIR": str(d)} for d in node_dirs])
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
@@ -50,13 +65,30 @@ def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_chec
                        "expects (8, 32)",
         "corrupt_file": "is truncated: it has",
         "missing_path": "model path '/nonexistent/model/dir' does not exist or is not a directory",
-        "dtype_differs_on_node1": "has dtype torch.bfloat16 on source rank 2 but the model expects torch.float32",
+        "dtype_differs_on_node1": "is torch.bfloat16 on source rank 2 but torch.float32 in the receiving rank's model",
+        # Each names the file, as safetensors' own checks would reject it.
+        "overlapping_offsets": f"{headers['overlapping_offsets']}/model.safetensors is corrupt: tensor ",
+        "reversed_offsets": f"{headers['reversed_offsets']}/model.safetensors is corrupt: tensor ",
+        "unknown_dtype": f"{headers['unknown_dtype']}/model.safetensors is corrupt: tensor ",
+        "shape_not_matching_bytes": f"{headers['shape_not_matching_bytes']}/model.safetensors is corrupt: tensor ",
+        "invalid_config_json": f"{headers['invalid_config_json']}/config.json is not valid JSON (Expecting",
     }
+    details = {"overlapping_offsets": "overlaps tensor", "reversed_offsets": "its end is before its begin",
+               "unknown_dtype": "has dtype 'F33', which is not a safetensors dtype",
+               "shape_not_matching_bytes": "which needs"}
     for rank, data in ranks.items():
+        err = data["errors"]["output_dir_not_shared"]  # before training, the same error on every rank
+        assert err["type"] == "OutputDirNotSharedError", (rank, err)
+        node_dir = node_dirs[rank // 2]
+        assert err["message"].startswith(f"output_dir {node_dir} is not shared by all ranks (rank(s) [0, 1] see only "
+                                         "the files of rank(s) [0, 1]; rank(s) [2, 3] see only the files of rank(s) "
+                                         "[2, 3]): on another node it is another disk"), err["message"]
+        assert "need a shared filesystem" in err["message"] and "set output_dir to a directory on it" in err["message"]
         for case, text in expected.items():
             err = data["errors"][case]
             assert err is not None and err["type"] == "DistributedInitError", (rank, case, err)
             assert text in err["message"], (rank, case, err["message"])
+            assert details.get(case, "") in err["message"], (rank, case, err["message"])
     # Loading problems name both sources (ranks 0 and 2); the dtype problem only node 1's source.
     assert "rank(s) [0, 2]" in ranks[1]["errors"]["missing_key"]["message"]
     assert "rank(s) [2]" in ranks[0]["errors"]["dtype_differs_on_node1"]["message"]
@@ -128,6 +160,32 @@ def test_killed_mid_save_keeps_previous_checkpoint_and_resume_uses_it(demo_model
     assert not list(out.glob("*.tmp"))
 
 
+def test_save_pretrained_exists_under_its_name_only_when_complete(demo_model, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_strategy.checkpoint.durable import INCOMPLETE_MARKER
+    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.errors import CheckpointError
+    from twinkle_strategy.loading import checkpoint_files_problem, resolve_model_path
+
+    out = tmp_path / "out"
+    result = launch("faults.py", ["--scenario", "kill_during_save_pretrained", "--model", demo_model,
+                                  "--output-dir", str(out)], tmp_path / "l", nnodes=1, timeout=LIMIT)
+    _assert_everyone_stopped(result)
+    # Saved again into a directory holding a file of the user's: same files, the user's kept, nothing stale.
+    saves = result.rank_results()[0]
+    assert saves["second_save"] == {**saves["first_save"], "notes.txt": saves["second_save"]["notes.txt"]}
+    assert AutoModelForCausalLM.from_pretrained(out / "model") is not None
+    # Killed mid-save: nothing under the final name; the staging directory is refused by every loader.
+    assert not (out / "fresh").exists()
+    staging = out / "fresh.tmp"
+    assert (staging / INCOMPLETE_MARKER).is_file()
+    for load in (resolve_model_path, SafetensorsIndex.from_directory):
+        with pytest.raises(CheckpointError, match=f"{re.escape(str(staging))} is an incomplete save"):
+            load(str(staging))
+    assert "is an incomplete save" in checkpoint_files_problem(str(staging))
+
+
 @pytest.mark.parametrize("tuner", ["lora", "full"])
 def test_disk_full_while_saving(demo_model, tmp_path, tuner):
     from safetensors.torch import load_file
@@ -148,6 +206,27 @@ def test_disk_full_while_saving(demo_model, tmp_path, tuner):
     if tuner == "lora":
         assert load_file(out / "checkpoint-2" / "trainer_state" / "trainable.safetensors")
     assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4.tmp").exists()
+
+
+def test_a_rank_failing_to_write_trainer_state_stops_every_rank_together(demo_model, tmp_path):
+    # Rank 1 fails while writing the optimizer state, then the trainable weights (expert LoRA, ep=2: some of
+    # both are gathered to be written). Every rank must get CheckpointSaveError at once, not wait in a gather
+    # for the 60 s collective timeout the worker sets.
+    out = tmp_path / "out"
+    result = launch("faults.py", ["--scenario", "fail_trainer_state_writes", "--model", demo_model,
+                                  "--dataset", DATASET, "--output-dir", str(out)], tmp_path / "l", timeout=LIMIT)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3], result.describe()
+    for rank, data in ranks.items():
+        for part in ("optimizer", "trainable"):
+            save = data["saves"][part]
+            assert save["error_type"] == "CheckpointSaveError", (rank, part, save)
+            assert "failed on rank(s) [1]: rank 1: OSError: [Errno 5] injected I/O error" in save["error"], save
+            assert save["seconds"] < 30, (rank, part, save)
+    assert (out / "checkpoint-1" / "trainer_state.json").is_file()
+    assert not (out / "checkpoint-2").exists() and not (out / "checkpoint-3").exists()
+    assert not list(out.glob("*.tmp"))
 
 
 @pytest.mark.parametrize("override,message", [

@@ -132,3 +132,17 @@ def test_config_is_frozen_and_normalises_spellings():
         cfg.ep_size = 4
     strategy = NativeFSDPStrategy(cfg, ep_size=4)
     assert strategy.config == cfg.replace(ep_size=4) and strategy.ep_size == 4
+
+
+def test_every_exception_lives_in_errors_and_is_a_twinkle_error():
+    from twinkle_strategy import errors
+    from twinkle_strategy.errors import CheckpointSaveError, TwinkleError
+
+    defined_elsewhere = {str(p.relative_to(PACKAGE.parent)): [n.name for n in ast.walk(ast.parse(p.read_text()))
+                                                            if isinstance(n, ast.ClassDef) and n.name.endswith("Error")]
+                         for p in PACKAGE.rglob("*.py") if p.name != "errors.py"}
+    assert not {k: v for k, v in defined_elsewhere.items() if v}, "exception classes outside errors.py"
+    classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
+    assert len(classes) > 10 and all(issubclass(c, TwinkleError) for c in classes)
+    error = CheckpointSaveError("saving x failed on rank(s) [1]", [(1, "disk full")])
+    assert str(error) == "saving x failed on rank(s) [1]" and error.failures == [(1, "disk full")]

@@ -48,6 +48,10 @@ class WeightsNotLoadedError(TwinkleError):
 class RanksFailedError(TwinkleError):
     """One or more ranks failed; raised on every rank with every failing rank's reason."""
 
+    def __init__(self, message: str, failures: list[tuple[int, str]]):
+        super().__init__(message)
+        self.failures = failures
+
 
 class DistributedInitError(RanksFailedError):
     """memory_efficient_init (or loading) failed on some rank; raised on every rank."""
@@ -88,3 +92,7 @@ class TrainingAbortedError(TwinkleError):
 
 class SwiftPluginError(TwinkleError):
     """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
+
+
+class OutputDirNotSharedError(TwinkleError):
+    """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""

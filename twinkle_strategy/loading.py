@@ -25,6 +25,7 @@ import os
 
 import torch
 
+from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
 from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
@@ -52,6 +53,7 @@ def resolve_model_path(path_or_id: str) -> str:
             f"model path {path_or_id!r} does not exist or is not a directory; pass a local checkpoint directory, "
             "'ms://org/name' for ModelScope or 'hf://org/name' for the Hugging Face Hub"
         )
+    raise_if_incomplete(path_or_id)
     return path_or_id
 
 
@@ -81,6 +83,8 @@ def checkpoint_files_problem(path: str) -> str | None:
 
     if not os.path.isdir(path):
         return f"{path!r} does not exist or is not a directory"
+    if is_incomplete(path):
+        return f"{path!r} is an incomplete save (a process stopped while writing it); load a complete checkpoint"
     if not os.path.isfile(os.path.join(path, "config.json")):
         return f"{path!r} has no config.json, so it is not a transformers checkpoint directory"
     try:
@@ -117,6 +121,9 @@ def model_class_for(config):
 def load_config(path: str, **kwargs):
     from transformers import AutoConfig
 
+    if os.path.isfile(os.path.join(path, "config.json")):
+        with open(os.path.join(path, "config.json")) as f:
+            parse_config_json(f.read(), os.path.join(path, "config.json"))
     try:
         return AutoConfig.from_pretrained(path, **kwargs)
     except Exception as exc:  # noqa: BLE001 - OS, JSON and transformers errors alike
@@ -126,36 +133,57 @@ def load_config(path: str, **kwargs):
 
 def read_config_text(path: str) -> str:
     """The text of ``path``'s config.json: what a source sends its node (no transformers import needed to read it)."""
+    file = os.path.join(path, "config.json")
     try:
-        with open(os.path.join(path, "config.json")) as f:
-            return f.read()
+        with open(file) as f:
+            text = f.read()
     except OSError as exc:
         raise CheckpointError(f"could not read the config of {path}: {exc}. Is it a transformers checkpoint "
                               "directory with a config.json?") from exc
+    parse_config_json(text, file)
+    return text
 
 
-def config_from_text(text: str):
+def parse_config_json(text: str, file: str) -> dict:
+    """config.json's content, or a :class:`CheckpointError` naming the file and where its JSON breaks."""
+    import json
+
+    try:
+        config = json.loads(text)
+    except ValueError as exc:
+        raise CheckpointError(f"{file} is not valid JSON ({exc}); fix it or download the checkpoint again") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file} holds a JSON {type(config).__name__}, not an object of config fields; "
+                              "fix it or download the checkpoint again")
+    return config
+
+
+def config_from_text(text: str, file: str = "config.json"):
     """A transformers config from config.json's text, exactly as ``AutoConfig.from_pretrained`` builds it.
 
     Every rank of a node builds its config from the text its source sends, at the same time: importing
     the model's config and model classes (seconds) then happens in parallel, not one rank after another.
+    ``file`` is where the text came from, for error messages.
     """
-    import json
     import tempfile
 
-    if "AutoConfig" in (json.loads(text).get("auto_map") or {}):
+    if "AutoConfig" in (parse_config_json(text, file).get("auto_map") or {}):
         raise CheckpointError("the checkpoint's config has custom code (auto_map), which memory_efficient_init "
                               "cannot build on ranks that do not read the checkpoint; use memory_efficient_init=False")
     with tempfile.TemporaryDirectory(prefix="twinkle-config-") as directory:
         with open(os.path.join(directory, "config.json"), "w") as f:
             f.write(text)
-        return load_config(directory)
+        try:
+            return load_config(directory)
+        except CheckpointError as exc:  # name the user's file, not our temporary copy
+            raise CheckpointError(str(exc).replace(directory, file)) from exc.__cause__
 
 
 def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
     """``from_pretrained`` (of :func:`model_class_for`'s class) on CPU that refuses missing, unexpected or
     mismatched tensors."""
     kwargs.setdefault("ignore_mismatched_sizes", True)  # report them ourselves, by name
+    raise_if_incomplete(path)
     try:
         model_class = model_class_for(load_config(path, trust_remote_code=kwargs.get("trust_remote_code", False)))
         model, info = model_class.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)

@@ -50,6 +50,11 @@ class ParallelDims:
             raise ParallelConfigError(f"world_size must be >= 1, got {w}")
         if ep < 1:
             raise ParallelConfigError(f"ep_size must be >= 1, got {ep}")
+        if w < ep:
+            raise ParallelConfigError(
+                f"ep_size {ep} needs {ep} processes (or a multiple), this job has {w}: launch them, e.g. "
+                f"NPROC_PER_NODE={ep} twinkle-sft ... or torchrun --nproc_per_node {ep} your_script.py"
+            )
         if w % ep != 0:
             divisors = [d for d in range(1, w + 1) if w % d == 0]
             raise ParallelConfigError(

@@ -245,12 +245,16 @@ def init_distributed(
         torch.cuda.set_device(env.local_rank)
     elif device_type == "npu":
         torch.npu.set_device(env.local_rank)
-    if env.world_size > 1 and not dist.is_initialized():
+    if not dist.is_initialized():
         kwargs = {}
         if timeout_s is not None:
             kwargs["timeout"] = datetime.timedelta(seconds=timeout_s)
         backend = backend_for(device_type, backend)
         apply_backend_env_defaults(backend)
+        if env.world_size == 1:
+            # One process without torchrun (as `swift sft` runs on one device): a group of one, its store in
+            # this process, so that device meshes and FSDP2 work as in a launched job.
+            kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend=backend, **kwargs)
     return device_type, env
 

@@ -163,11 +163,11 @@ class NativeFSDPStrategy:
             except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
                 error = exc
         # The config first, as text: every rank builds it and its meta model while the source checks the checkpoint.
-        text = transport.broadcast_from_source(text, self.topology.source_rank, self.node_group)
+        text, path = transport.broadcast_from_source((text, path), self.topology.source_rank, self.node_group)
         transport.raise_together(error, f"loading {path_or_id}")
         model, config, error = None, None, None
         try:
-            config = config_from_text(text)
+            config = config_from_text(text, os.path.join(path, "config.json"))
             if is_source:
                 model = self._open_on_source(path, config, dtype, kwargs)
             else:
@@ -302,27 +302,39 @@ class NativeFSDPStrategy:
         layout of the checkpoint the model was loaded from (per-expert hub keys, renames): plain
         ``from_pretrained`` reads the result. A PEFT model saves its adapter (all experts), as
         ``save_pretrained`` of PEFT does. Any rank's error (disk full...) is raised on every rank.
+
+        Crash-safe: the files are written into ``directory + ".tmp"``, fsynced, and renamed to
+        ``directory`` once complete (:mod:`twinkle_strategy.checkpoint.durable`); a directory that
+        already holds other files gets the new ones moved in, under a marker loaders refuse until the end.
         """
         from transformers.utils.hub import convert_file_size_to_int
 
         from twinkle_strategy.checkpoint import is_peft_model, trainable_names
+        from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
         from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
         from twinkle_strategy.checkpoint.sharded_io import IOStats
+        from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 
         self.setup()
+        directory = os.path.normpath(directory)
+        check_shared_directory(os.path.dirname(os.path.abspath(directory)),
+                               what="the directory given to save_pretrained")
 
-        step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError)
-        step_done(on_rank0(lambda: os.makedirs(directory, exist_ok=True)), "creating the directory")
+        step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError,
+                                  cleanup=lambda: abandon_staging(directory))  # the final name was never touched
+        step_done(on_rank0(lambda: start_staging(directory)), "creating the directory")
+        staging = staging_path(directory)
         if is_peft_model(model):
             state = self.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
-            step_done(on_rank0(lambda: model.save_pretrained(directory, state_dict=state)), "adapter")
+            step_done(on_rank0(lambda: model.save_pretrained(staging, state_dict=state)), "adapter")
         else:
-            save_model_files(directory, model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
+            save_model_files(staging, model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
                              max_file_bytes=convert_file_size_to_int(max_shard_size),
                              chunk_bytes=self.init_bucket_bytes)
-            step_done(on_rank0(lambda: save_model_config(directory, model)), "config")
+            step_done(on_rank0(lambda: save_model_config(staging, model)), "config")
         if tokenizer is not None:
-            step_done(on_rank0(lambda: tokenizer.save_pretrained(directory)), "tokenizer")
+            step_done(on_rank0(lambda: tokenizer.save_pretrained(staging)), "tokenizer")
+        step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -5,6 +5,7 @@ left uncaught, so the test also sees every process exit non-zero.
 """
 
 import argparse
+import json
 import os
 import sys
 
@@ -75,6 +76,16 @@ def case_hub_truncated(args):
     _mem_init(args.hub_truncated)
 
 
+def case_output_dir_not_shared(args):
+    from twinkle_strategy.train.trainer import Trainer, TrainingArguments
+
+    # The test gives each simulated node its own directory, as nodes with local disks would have.
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", timeout_s=60)
+    model = strategy.from_pretrained(args.good)
+    Trainer(model=model, strategy=strategy, args=TrainingArguments(output_dir=os.environ["TWINKLE_TEST_NODE_DIR"]),
+            train_dataset=[], data_collator=None).train()
+
+
 def case_plain_setup(args):
     NativeFSDPStrategy(ep_size=1, mixed_precision="no").setup()
 
@@ -86,16 +97,19 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", required=True)
     p.add_argument("--fatal", default=None)
+    p.add_argument("--checkpoints", default="{}", help="JSON: case -> a broken checkpoint that memory_efficient_init "
+                   "loads")
     p.add_argument("--six-experts")
     p.add_argument("--dense")
     for name in ("missing-key", "wrong-shape", "corrupt", "good", "hub-wrong-shape", "hub-missing-key",
                  "hub-truncated"):
         p.add_argument(f"--{name}")
     args = p.parse_args()
+    checkpoints = json.loads(args.checkpoints)
     errors = {}
     for name in args.cases.split(","):
         try:
-            CASES[name](args)
+            _mem_init(checkpoints[name]) if name in checkpoints else CASES[name](args)
             errors[name] = None
         except Exception as exc:  # noqa: BLE001
             errors[name] = {"type": type(exc).__name__, "message": str(exc)}

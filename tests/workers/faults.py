@@ -118,6 +118,41 @@ def kill_during_save(args):
     _trainer(args, 6, 2, args.output_dir).train()
 
 
+def kill_during_save_pretrained(args):
+    """save_pretrained into a new directory, again into it (now holding a file of the user's too),
+    then into another new directory, during which rank 1 dies."""
+    import hashlib
+
+    from twinkle_strategy.checkpoint import writer
+
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
+                                  timeout_s=args.timeout)
+    model, _ = strategy.wrap_model(strategy.from_pretrained(args.model))
+    target = os.path.join(args.output_dir, "model")
+
+    def digests():
+        return {name: hashlib.sha256(open(os.path.join(target, name), "rb").read()).hexdigest()
+                for name in sorted(os.listdir(target))}
+
+    strategy.save_pretrained(model, target)
+    if RANK == 0:
+        first = digests()
+        with open(os.path.join(target, "notes.txt"), "w") as f:
+            f.write("the user's own file")
+    strategy.save_pretrained(model, target)
+    if RANK == 0:
+        worker_common.write_result({"first_save": first, "second_save": digests()})
+    original_write = writer.ParallelFileWriter.write
+
+    def write_then_die(self, key, tensor, rows=None):
+        if RANK == 1 and self.bytes_written > 0:  # in the middle of its rows
+            die()
+        return original_write(self, key, tensor, rows)
+
+    writer.ParallelFileWriter.write = write_then_die
+    strategy.save_pretrained(model, os.path.join(args.output_dir, "fresh"))
+
+
 def disk_full_during_save(args):
     from twinkle_strategy.train.trainer import Trainer
 
@@ -135,6 +170,40 @@ def disk_full_during_save(args):
     _trainer(args, 6, 2, args.output_dir).train()
 
 
+def fail_trainer_state_writes(args):
+    """Rank 1 cannot write its rows of the optimizer state (first save), then of the trainable weights (second).
+
+    Expert LoRA with ep=2: ``lora_B`` of the experts is gathered to be written, so a rank that stopped
+    calling the collective writes after its failure would leave its peers in that gather."""
+    import errno
+    import time
+
+    from twinkle_strategy.checkpoint import writer
+
+    original = writer.ParallelFileWriter.write
+    failing = {"prefix": None}
+
+    def write_or_fail(self, key, tensor, rows=None):
+        if RANK == 1 and self.plan.tensors[key].file.startswith(failing["prefix"] or "-"):
+            raise OSError(errno.EIO, f"injected I/O error writing '{key}'")
+        return original(self, key, tensor, rows)
+
+    writer.ParallelFileWriter.write = write_or_fail
+    trainer = _trainer(args, 1, 0, args.output_dir)
+    trainer.train()  # one step, then a good save: the optimizer has state
+    saves = {}
+    for step, prefix in ((2, "optimizer"), (3, "trainable")):
+        failing["prefix"] = prefix
+        start = time.monotonic()
+        try:
+            trainer.save(step)
+            saves[prefix] = {"error_type": None}
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            saves[prefix] = {"error_type": type(exc).__name__, "error": str(exc)}
+        saves[prefix]["seconds"] = time.monotonic() - start
+    return {"saves": saves}
+
+
 def resume(args):
     trainer = _trainer(args, 6, 2, args.output_dir, resume=args.output_dir)
     history = trainer.train()
@@ -142,7 +211,9 @@ def resume(args):
 
 
 SCENARIOS = {f.__name__: f for f in (kill_source_mid_transfer, corrupt_in_transit, kill_rank_in_training_step,
-                                     kill_during_save, disk_full_during_save, resume)}
+                                     kill_during_save, kill_during_save_pretrained, disk_full_during_save,
+                                     fail_trainer_state_writes,
+                                     resume)}
 
 
 def main():

@@ -8,6 +8,7 @@ layout.py           how a model's tensors are made from a hub checkpoint's tenso
 sharded_io.py       each rank's rows of each tensor: written into the files, read back
 model_files.py      the model as a Hugging Face checkpoint, written in parallel
 optimizer_files.py  optimizer state and adapter weights by full tensor, for resuming on another layout
+durable.py          directories that exist under their final name only when complete (staged, fsynced, renamed)
 """
 
 from twinkle_strategy.checkpoint.training import (  # noqa: F401

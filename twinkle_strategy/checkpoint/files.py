@@ -33,6 +33,8 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 _DTYPES, DTYPE_NAMES = SAFETENSORS_DTYPES, SAFETENSORS_NAMES  # (dtypes.py holds them; these names are used here)
+# Every dtype the safetensors format defines (0.8): a name outside it means a corrupt header, not a new format.
+_SPEC_DTYPES = set(_DTYPES) | {"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +94,62 @@ def _read_header(file: str) -> tuple[dict, int]:
     return header, 8 + length
 
 
+def _corrupt(file: str, problem: str) -> CheckpointError:
+    return CheckpointError(f"checkpoint file {file} is corrupt: {problem}. Re-download or re-export it")
+
+
+def _tensor_items(file: str, header) -> list[tuple[str, dict]]:
+    if not isinstance(header, dict):
+        raise _corrupt(file, f"its safetensors header is a JSON {type(header).__name__}, not an object")
+    return [(key, info) for key, info in header.items() if key != "__metadata__"]
+
+
+def _entry(file: str, key: str, info) -> tuple[str, torch.dtype, tuple[int, ...], int, int]:
+    """One header entry as (key, dtype, shape, begin, end), offsets relative to the data section, checked as
+    strictly as safetensors checks them."""
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= set(info):
+        raise _corrupt(file, f"the header entry of tensor '{key}' is {info!r}, not {{dtype, shape, data_offsets}}")
+    name, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if name not in _SPEC_DTYPES:
+        raise _corrupt(file, f"tensor '{key}' has dtype {name!r}, which is not a safetensors dtype "
+                             f"({', '.join(sorted(_SPEC_DTYPES))})")
+    if name not in _DTYPES:
+        raise CheckpointError(f"tensor '{key}' in {file} has dtype {name}, which this reader does not know; "
+                              "load the model in memory (stream_checkpoint=False)")
+    if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+        raise _corrupt(file, f"tensor '{key}' has shape {shape!r}, not a list of non-negative integers")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(isinstance(o, int) and o >= 0 for o in offsets)):
+        raise _corrupt(file, f"tensor '{key}' has data_offsets {offsets!r}, not [begin, end]")
+    begin, end = offsets
+    if begin > end:
+        raise _corrupt(file, f"tensor '{key}' has data_offsets [{begin}, {end}]: its end is before its begin")
+    dtype = _DTYPES[name]
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise _corrupt(file, f"tensor '{key}' has {end - begin} bytes (data_offsets [{begin}, {end}]) for shape "
+                             f"{tuple(shape)} of {dtype}, which needs {math.prod(shape) * dtype.itemsize}")
+    return key, dtype, tuple(shape), begin, end
+
+
+def _check_layout(file: str, entries: list, *, data_start: int, size: int) -> None:
+    """Tensors tile the data section exactly, in offset order, as safetensors requires: no overlap, no gap."""
+    position, previous = 0, None
+    for key, _, _, begin, end in sorted(entries, key=lambda e: (e[3], e[4])):
+        if begin < position:
+            raise _corrupt(file, f"tensor '{key}' (data_offsets [{begin}, {end}]) overlaps tensor '{previous}', "
+                                 f"which ends at {position}")
+        if begin > position:
+            raise _corrupt(file, f"bytes [{position}, {begin}) before tensor '{key}' belong to no tensor")
+        position, previous = end, key
+    data_size = size - data_start
+    if position > data_size:
+        past = sorted((e for e in entries if e[4] > data_size), key=lambda e: e[3])  # the first one cut first
+        shown = ", ".join(f"'{e[0]}'" for e in past[:3]) + (f" and {len(past) - 3} more" if len(past) > 3 else "")
+        raise CheckpointError(f"checkpoint file {file} is truncated: it has {size} bytes but its tensors need "
+                              f"{data_start + position}; tensor(s) {shown} lie past the end. Re-download or re-export it")
+    if position < data_size:
+        raise _corrupt(file, f"it has {data_size - position} bytes after its last tensor")
+
+
 class SafetensorsIndex:
     """Every tensor of a safetensors checkpoint, known from the headers; reads byte ranges on demand.
 
@@ -113,6 +171,9 @@ class SafetensorsIndex:
 
     @classmethod
     def from_directory(cls, path: str) -> "SafetensorsIndex":
+        from twinkle_strategy.checkpoint.durable import raise_if_incomplete
+
+        raise_if_incomplete(path)
         files = checkpoint_files(path)
         if not files:
             raise CheckpointError(f"{path} has no {SINGLE_FILE} or {INDEX_FILE}; memory_efficient_init streams "
@@ -121,31 +182,12 @@ class SafetensorsIndex:
 
     def _add_file(self, file: str, header: dict, data_start: int) -> None:
         size = os.path.getsize(file)
-        past_end = []
-        for key, info in header.items():
-            if key == "__metadata__":
-                continue
-            if info["dtype"] not in _DTYPES:
-                raise CheckpointError(f"tensor '{key}' in {file} has dtype {info['dtype']}, which this reader "
-                                      "does not know; load the model in memory (stream_checkpoint=False)")
-            dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (data_start + int(o) for o in info["data_offsets"])
-            if end - begin != math.prod(shape) * dtype.itemsize or begin > end:
-                raise CheckpointError(f"tensor '{key}' in {file} has {end - begin} bytes for shape {shape} of "
-                                      f"{dtype}; the file is corrupt: re-download or re-export it")
-            if end > size:
-                past_end.append(key)
+        entries = [_entry(file, key, info) for key, info in _tensor_items(file, header)]
+        _check_layout(file, entries, data_start=data_start, size=size)
+        for key, dtype, shape, begin, end in entries:
             if key in self.tensors:
                 raise CheckpointError(f"tensor '{key}' is stored twice, in {self.tensors[key].file} and {file}")
-            self.tensors[key] = StoredTensor(key, file, dtype, shape, begin, end)
-        if past_end:
-            needed = max(self.tensors[k].end for k in past_end)
-            past_end.sort(key=lambda k: self.tensors[k].begin)  # the first one cut first
-            shown = ", ".join(f"'{k}'" for k in past_end[:3])
-            more = f" and {len(past_end) - 3} more" if len(past_end) > 3 else ""
-            raise CheckpointError(f"checkpoint file {file} is truncated: it has {size} bytes but its tensors need "
-                                  f"{needed}; tensor(s) {shown}{more} lie past the end. Re-download or re-export it")
+            self.tensors[key] = StoredTensor(key, file, dtype, shape, data_start + begin, data_start + end)
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors

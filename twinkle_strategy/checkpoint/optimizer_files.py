@@ -81,6 +81,8 @@ class OptimizerFiles:
         for name, keys in sorted(self.tensor_keys.items()):
             for key in keys:
                 state = self._state(name, key)
+                # Called on every rank even after this rank failed: some regions are gathered (expert
+                # LoRA's lora_B), and a rank that skipped a gather would leave its peers waiting in it.
                 result = write_regions(
                     [self.regions[name]], SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
                     stats=stats, key_of=lambda n, key=key: f"{n}:{key}",

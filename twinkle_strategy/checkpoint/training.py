@@ -15,9 +15,10 @@ Layout (like ms-swift / transformers):
   (``rng/rank{R}.pt``): everything resume needs, readable by any layout.
 * ``trainer_state.json``, written last.
 
-Every checkpoint is written to ``checkpoint-{step}.tmp`` and renamed once all
-ranks have finished, so a crash mid-save never leaves a directory that resume
-would take for a checkpoint.
+Every checkpoint is written to ``checkpoint-{step}.tmp``, fsynced and renamed
+once all ranks have finished (:mod:`twinkle_strategy.checkpoint.durable`), so a
+crash mid-save never leaves a directory that resume would take for a checkpoint;
+older checkpoints are rotated away only after that rename is durable.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinkle_strategy.checkpoint.durable import (
+    abandon_staging,
+    fsync_path,
+    is_incomplete,
+    publish,
+    raise_if_incomplete,
+    staging_path,
+    start_staging,
+)
 from twinkle_strategy.checkpoint.model_files import (
     DEFAULT_MAX_FILE_BYTES,
     read_model_files,
@@ -103,7 +113,7 @@ def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer
     error and the half-written ``.tmp`` directory is removed. A process killed
     mid-save leaves only ``.tmp``, which resume ignores.
     """
-    tmp = path + ".tmp"
+    tmp = staging_path(path)
     state_dir = os.path.join(tmp, STATE_DIR)
     step = os.path.basename(path)
     rank = global_rank()
@@ -114,10 +124,10 @@ def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer
 
     step_done = step_reporter(f"saving {step}", error_class=CheckpointSaveError,
                               advice="previous checkpoints are untouched",
-                              cleanup=lambda: shutil.rmtree(tmp, ignore_errors=True))
+                              cleanup=lambda: abandon_staging(path))
 
     def make_directories():
-        shutil.rmtree(tmp, ignore_errors=True)
+        start_staging(path)
         os.makedirs(os.path.join(state_dir, "rng"))
 
     step_done(on_rank0(make_directories), "creating the directory")
@@ -150,9 +160,10 @@ def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer
 
     error = error or on_rank0(small_files)
     try:
+        rng_file = os.path.join(state_dir, "rng", f"rank{rank}.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1},
-                   os.path.join(state_dir, "rng", f"rank{rank}.pt"))
+                    "world_size": dist.get_world_size() if dist.is_initialized() else 1}, rng_file)
+        fsync_path(rng_file)  # by its writer: on a shared filesystem another node's fsync may not cover it
     except Exception as exc:  # noqa: BLE001 - reported on every rank
         error = error or exc
     step_done(error, "trainer state")
@@ -161,8 +172,7 @@ def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer
         with open(os.path.join(tmp, STATE_FILE), "w") as f:
             json.dump(trainer_state, f, indent=2)
         # The rename is the commit point: before it, resume never sees this checkpoint.
-        shutil.rmtree(path, ignore_errors=True)
-        os.rename(tmp, path)
+        publish(tmp, path)
 
     step_done(on_rank0(commit), "finalising")
     shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
@@ -181,6 +191,7 @@ def load_checkpoint(path: str, model, strategy, *, optimizer, scheduler, expect:
     Works for any layout of nodes, ranks and ep_size: each rank reads the rows of its own shards.
     ``expect`` lists what must match (e.g. the global batch, so each step sees the same samples).
     """
+    raise_if_incomplete(path, ResumeError)
     state_path = os.path.join(path, STATE_FILE)
     if not os.path.isfile(state_path):
         raise ResumeError(f"{path} is not a complete checkpoint (no {STATE_FILE}); pick another checkpoint-* "
@@ -227,18 +238,26 @@ def latest_checkpoint(run_dir: str) -> str | None:
     found = []
     for path in glob.glob(os.path.join(run_dir, "checkpoint-*")):
         m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
-        if m and os.path.isfile(os.path.join(path, STATE_FILE)):
+        if m and os.path.isfile(os.path.join(path, STATE_FILE)) and not is_incomplete(path):
             found.append((int(m.group(1)), path))
     return max(found)[1] if found else None
 
 
 def rotate_checkpoints(run_dir: str, keep: int | None) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints; call it after a save returned (it is durable)."""
     if not keep:
         return
     complete = []
     for path in glob.glob(os.path.join(run_dir, "checkpoint-*")):
         m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
-        if m:
+        if m and os.path.isfile(os.path.join(path, STATE_FILE)) and not is_incomplete(path):
             complete.append((int(m.group(1)), path))
     for _, path in sorted(complete)[:-keep]:
-        shutil.rmtree(path, ignore_errors=True)
+        # Renamed first: a kill during the removal must not leave a half-deleted checkpoint-N behind.
+        # Only rank 0 rotates, so a failure here must not raise (the others would wait for it): it is logged.
+        try:
+            shutil.rmtree(path + ".old", ignore_errors=True)
+            os.rename(path, path + ".old")
+            shutil.rmtree(path + ".old", ignore_errors=True)
+        except OSError as exc:
+            logger.warning("could not remove the old checkpoint %s: %s", path, exc)

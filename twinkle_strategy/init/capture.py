@@ -24,12 +24,15 @@ from torch import nn
 
 from twinkle_strategy.init.plan import Need, checkpoint_rows, region_of
 from twinkle_strategy.init.skeleton import CheckpointTensor
+from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
 
 
 @dataclasses.dataclass
 class Capture:
     tensors: dict[str, torch.Tensor]  # held in host memory, by reference
     placeholders: dict[str, CheckpointTensor]  # read from a checkpoint
+    # Why transformers gave a tensor another dtype than the one requested (fp32-kept modules), by name.
+    dtype_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     _whole: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # checkpoint tensors read whole
     _cut_after_reading: set[str] = dataclasses.field(default_factory=set)  # parameters among them
     # The source's streams read in threads of their own (one per receiver, one for its own shards).
@@ -118,7 +121,18 @@ def capture_state(model: nn.Module) -> Capture:
             placeholders[name] = tensor
         elif not tensor.is_meta and not isinstance(tensor, CheckpointTensor):
             tensors[name] = tensor.detach()
-    return Capture(tensors, placeholders)
+    return Capture(tensors, placeholders, dtype_reasons=_dtype_reasons(model))
+
+
+def _dtype_reasons(model: nn.Module) -> dict[str, str]:
+    """Why each fp32-kept tensor has its dtype, by its name in ``model`` (a PEFT model renames them)."""
+    pretrained, dtype = pretrained_model(model), loaded_dtype(model)
+    if dtype is None:
+        return {}
+    by_name = kept_reasons(model, dtype)
+    reasons = {id(t): by_name.get(n) for n, t in pretrained.state_dict(keep_vars=True).items()}
+    return {name: reasons[id(t)] for name, t in list(model.named_parameters()) + list(model.named_buffers())
+            if reasons.get(id(t))}
 
 
 def move_to_meta(model: nn.Module) -> None:

@@ -146,7 +146,8 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     if is_source:
         for local_rank, needs in enumerate(all_needs):
             for need in needs:
-                problem = check_need(need, capture.describe(need.name), ep_plan, source)
+                problem = check_need(need, capture.describe(need.name), ep_plan, source,
+                                     dtype_reason=capture.dtype_reasons.get(need.name))
                 if problem:
                     error = f"for local rank {local_rank} of node {topology.node_index}: {problem}"
                     break

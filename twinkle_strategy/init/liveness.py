@@ -2,9 +2,15 @@
 
 When a collective fails because a peer died (connection closed) or hung
 (timeout), the surviving ranks only see "peer gone". Each rank therefore
-records in the store when it finishes a phase of the init, or why it failed;
-a rank that hits a failure waits a moment for the others' records and names
-the ranks that left none: those processes died or hung.
+records in the store how far it got (the number of phases it finished), or why
+it failed; a rank that hits a failure waits a moment for the others' records
+and names the ranks that did not get as far: those processes died or hung.
+
+Bounded, whatever the length of the run: one key per rank, overwritten at
+every phase (a training run finishes a phase per step), and a probe reads all
+of them with one ``check`` and one ``multi_get``. Rank 0 creates every key when
+the board is made, so that read does not wait for the key of a rank that died
+before its first record; the store's timeout is never touched.
 
 The store is torch.distributed's default store (torchrun's, which lives in the
 agent process and survives the workers). There is no public accessor for it,
@@ -13,12 +19,13 @@ so this is the one place that reaches for the private one.
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import torch.distributed as dist
 
 from twinkle_strategy.runtime import global_rank
+
+NOT_STARTED = "0"
 
 
 def _store():
@@ -33,48 +40,71 @@ class StatusBoard:
 
     Every rank creates its boards in the same order, so the n-th board named
     ``name`` gets the same key namespace on every rank and never sees the
-    records of an earlier one.
+    records of an earlier one. A record is ``"{phases finished}"`` or
+    ``"{phases finished} failed: {reason}"``.
     """
 
     _created: dict[str, int] = {}
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, *, store=None, rank: int | None = None, world: int | None = None):
         StatusBoard._created[name] = StatusBoard._created.get(name, 0) + 1
         self.namespace = f"{name}{StatusBoard._created[name]}"
-        self.store = _store()
-        self.rank = global_rank()
-        self.world = dist.get_world_size() if dist.is_initialized() else 1
+        self.store = _store() if store is None else store
+        self.rank = global_rank() if rank is None else rank
+        self.world = (dist.get_world_size() if dist.is_initialized() else 1) if world is None else world
+        self.finished_phases = 0
+        self._try(self._create_keys)
 
-    def _key(self, what: str, rank: int) -> str:
-        return f"twinkle/{self.namespace}/{what}/{rank}"
+    def _key(self, rank: int) -> str:
+        return f"twinkle/{self.namespace}/{rank}"
 
-    def _set(self, what: str, value: str) -> None:
+    @property
+    def keys(self) -> list[str]:
+        return [self._key(r) for r in range(self.world)]
+
+    def _create_keys(self) -> None:
+        # compare_set creates a missing key and never overwrites a record a fast rank already made.
+        for key in self.keys if self.rank == 0 else [self._key(self.rank)]:
+            self.store.compare_set(key, "", NOT_STARTED)
+
+    def _try(self, action):
         if self.store is None:
-            return
+            return None
         try:
-            self.store.set(self._key(what, self.rank), value)
+            return action()
         except Exception:  # noqa: BLE001 - the store itself may be gone with a dead node
-            pass
+            return None
 
     def finished(self, phase: str) -> None:
-        self._set(f"finished-{phase}", "1")
+        self.finished_phases += 1
+        self._try(lambda: self.store.set(self._key(self.rank), str(self.finished_phases)))
 
     def failed(self, reason: str) -> None:
-        self._set("failed", reason[:500])
+        self._try(lambda: self.store.set(self._key(self.rank), f"{self.finished_phases} failed: {reason[:500]}"))
 
     def silent_ranks(self, phase: str, grace_s: float = 3.0) -> list[int] | None:
-        """Ranks that neither finished ``phase`` nor reported a failure (None if the store is unreachable)."""
+        """Ranks that neither finished ``phase`` (the one this rank is in) nor reported a failure (None if the
+        store is unreachable). Polls for ``grace_s`` seconds: the others may be about to report."""
         if self.store is None:
             return None
         deadline = time.monotonic() + grace_s
-        try:
-            self.store.set_timeout(datetime.timedelta(seconds=1))
-            while True:
-                silent = [r for r in range(self.world)
-                          if not self.store.check([self._key(f"finished-{phase}", r)])
-                          and not self.store.check([self._key("failed", r)])]
-                if not silent or time.monotonic() > deadline:
-                    return silent
-                time.sleep(0.2)
-        except Exception:  # noqa: BLE001
-            return None
+        while True:
+            records = self._try(self._records)
+            if records is None:
+                return None
+            silent = [r for r, record in enumerate(records) if record is None or not self._reported(record)]
+            if not silent or time.monotonic() > deadline:
+                return silent
+            time.sleep(0.2)
+
+    def _records(self) -> list[str | None]:
+        """Every rank's record (None: none yet), without waiting for a key."""
+        keys = self.keys
+        if self.store.check(keys):  # the usual case: one check, one read
+            return [value.decode() for value in self.store.multi_get(keys)]
+        # A rank died before its first record while rank 0 could not create the keys: find which, key by key.
+        return [self.store.get(key).decode() if self.store.check([key]) else None for key in keys]
+
+    def _reported(self, record: str) -> bool:
+        finished, _, failure = record.partition(" failed: ")
+        return bool(failure) or int(finished) > self.finished_phases

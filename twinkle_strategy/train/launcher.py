@@ -57,18 +57,22 @@ def run_simulated_nodes(
     env: dict[str, str] | None = None,
     log_dir: Path | None = None,
     cwd: str | None = None,
+    node_env: list[dict[str, str]] | None = None,
 ) -> AgentsResult:
     """Run ``script_and_args`` under ``nnodes`` torchrun agents and wait for all of them.
 
     With ``log_dir`` each agent's output goes to ``node{i}.log``; otherwise to
     this process's stdout. Past ``timeout`` seconds every agent and worker is killed.
+    ``node_env[i]`` adds to node i's environment what differs between real nodes (e.g. a local disk).
     """
     per_node = nproc_per_node if isinstance(nproc_per_node, list) else [nproc_per_node] * nnodes
     port = free_port()
     commands = [torchrun_command(script_and_args, nnodes, node, per_node[node], port) for node in range(nnodes)]
     log_paths = [None if log_dir is None else Path(log_dir) / f"node{node}.log" for node in range(nnodes)]
     start = time.monotonic()
-    returncodes, timed_out = run_agents(commands, {**os.environ, **(env or {})}, log_paths, timeout=timeout, cwd=cwd)
+    env = {**os.environ, **(env or {})}
+    envs = [{**env, **(node_env[node] if node_env else {})} for node in range(nnodes)]
+    returncodes, timed_out = run_agents(commands, envs, log_paths, timeout=timeout, cwd=cwd)
     return AgentsResult(returncodes, timed_out, log_paths, time.monotonic() - start)
 
 
@@ -91,19 +95,19 @@ def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_r
     return False
 
 
-def run_agents(commands: list[list[str]], env: dict[str, str], log_paths: list[Path | None],
+def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, str]], log_paths: list[Path | None],
                timeout: float | None = None, cwd: str | None = None,
                while_waiting: Callable[[], None] | None = None, poll_s: float = 0.2) -> tuple[list[int | None], bool]:
     """Start one process per command and wait for all: (return codes, timed out).
 
-    An agent's output goes to its log path, or to this process's stdout where that is
+    ``env`` is every command's environment, or one per command. An agent's output goes to its log path, or
+    to this process's stdout where that is
     None. ``while_waiting`` is called every ``poll_s`` seconds. Past ``timeout``, or if
     this process is interrupted, every agent is killed with all its workers.
     """
-    env = {**env}
-    env.setdefault("OMP_NUM_THREADS", "1")
+    envs = [{"OMP_NUM_THREADS": "1", **e} for e in (env if isinstance(env, list) else [env] * len(commands))]
     procs = []
-    for cmd, path in zip(commands, log_paths):
+    for cmd, path, env in zip(commands, log_paths, envs):
         out = None if path is None else open(path, "w")
         # A session of its own per agent, so it can be killed with all its workers.
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,

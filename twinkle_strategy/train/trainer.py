@@ -32,6 +32,7 @@ from twinkle_strategy.checkpoint import (
     rotate_checkpoints,
     save_checkpoint,
 )
+from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.errors import TrainingAbortedError
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.runtime import peak_rss_bytes
@@ -116,6 +117,8 @@ class Trainer:
     def _setup(self):
         strategy, args = self.strategy, self.args
         strategy.setup()
+        # Before anything expensive: a save hours from now needs every rank to see the same output_dir.
+        check_shared_directory(args.output_dir, what="output_dir")
         if not isinstance(self.model, FSDPModule):
             self.model, _ = strategy.wrap_model(self.model)
         trainable = [p for p in self.model.parameters() if p.requires_grad]

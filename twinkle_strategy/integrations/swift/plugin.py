@@ -231,8 +231,11 @@ def _dtype(config, kwargs):
 
 
 def _checked_load(from_pretrained, cls, path, *args, **kwargs):
+    from twinkle_strategy.checkpoint.durable import raise_if_incomplete
     from twinkle_strategy.loading import raise_for_loading_info
 
+    if os.path.isdir(str(path)):
+        raise_if_incomplete(str(path))
     kwargs["device_map"] = None  # CPU: shards go to the devices in wrap_model; no rank holds a whole model there
     want_info = kwargs.pop("output_loading_info", False)
     # swift asks for ignore_mismatched_sizes only where it replaces a head on purpose (reward models); otherwise

@@ -1,0 +1,77 @@
+"""The status board that names dead ranks stays bounded: one key per rank, one batched read per probe, and the
+store's timeout untouched. Four ranks' boards share a real TCPStore, as torchrun's workers share the agent's."""
+
+import datetime
+import time
+
+import pytest
+import torch.distributed as dist
+
+from twinkle_strategy.init.liveness import StatusBoard
+
+WORLD = 4
+
+
+@pytest.fixture
+def store():
+    return dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=7))
+
+
+class CountingStore:
+    """The real store, counting the calls a probe makes (the methods are TCPStore's own)."""
+
+    def __init__(self, store):
+        self.store, self.calls = store, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.store, name)
+
+
+def boards(store, name):
+    made = []
+    for rank in range(WORLD):
+        StatusBoard._created[name] = 0  # each rank is a process of its own, which numbers its own boards
+        made.append(StatusBoard(name, store=store, rank=rank, world=WORLD))
+    return made
+
+
+def test_keys_do_not_grow_with_steps(store):
+    ranks = boards(store, "steps")
+    counts = {}
+    for step in range(1, 201):
+        for board in ranks:
+            board.finished(f"step{step}")
+        if step in (1, 10, 200):
+            counts[step] = store.num_keys()
+    assert counts[1] == counts[10] == counts[200], counts
+    assert all(store.get(key) == b"200" for key in ranks[0].keys)
+
+
+def test_a_probe_names_the_silent_rank_with_one_batched_read_and_keeps_the_timeout(store):
+    ranks = boards(store, "probe")
+    for step in range(1, 6):
+        for board in ranks[:3] if step == 5 else ranks:  # rank 3 dies during step 5
+            board.finished(f"step{step}")
+    ranks[1].failed("RuntimeError in step6")
+    ranks[0].failed("RuntimeError in step6")  # a rank records its own failure, then probes
+    counting = CountingStore(store)
+    ranks[0].store = counting
+    start = time.monotonic()
+    # Rank 0 is in step 6: rank 2 finished step 5 but not 6, rank 1 failed, rank 3 never finished step 5.
+    assert ranks[0].silent_ranks("step6", grace_s=0.5) == [2, 3]
+    assert time.monotonic() - start < 3
+    polls = counting.calls.count("multi_get")
+    assert polls >= 1 and counting.calls.count("check") == polls and set(counting.calls) == {"check", "multi_get"}
+    assert store.timeout == datetime.timedelta(seconds=7)
+    # Had rank 3 failed in step 5 instead, it would see the others as having got at least as far.
+    ranks[3].failed("RuntimeError in step5")
+    assert ranks[3].silent_ranks("step5", grace_s=0) == []
+
+
+def test_a_rank_that_never_reported_is_named_without_waiting_for_its_key(store):
+    board = StatusBoard("early", store=store, rank=1, world=WORLD)  # rank 0, which creates every key, died
+    board.failed("RuntimeError during plan")
+    start = time.monotonic()
+    assert board.silent_ranks("plan", grace_s=0.3) == [0, 2, 3]
+    assert time.monotonic() - start < 3  # not the store's 7 s timeout
