@@ -10,7 +10,10 @@ whose modeling code has an ``experts`` module. For each one:
    contract and the expert tensors, or why it refuses the model;
 3. the family-matrix worker of the test suite (``tests/workers/family_matrix.py``)
    on 2 simulated nodes x 2 ranks, ep=2, memory_efficient_init, against a
-   single process: weights bit for bit after init, logits, loss and gradient norm.
+   single process: weights bit for bit after init, logits, loss and gradient norm;
+4. in the same launch, for the families whose class keeps tensors in fp32 under bf16,
+   the same in bf16 against one process in bf16 (``tests/test_bf16.py``'s checks:
+   weights and dtypes bit for bit, first-layer routing, bf16 tolerances).
 
 Usage::
 
@@ -128,35 +131,66 @@ def inspect_family(model_type: str, class_name: str, root: Path) -> dict:
     shapes = {n.rsplit(".", 1)[-1]: tuple(model.get_parameter(n).shape) for n in names}
     row.update(contract=blocks[0].contract.kind, zero_experts=blocks[0].contract.zero_experts,
                tensors=shapes, needed=_needed(blocks[0].contract, names))
+    row["fp32_kept"] = _fp32_kept(config, model_class)
     path = root / model_type
     model.save_pretrained(str(path), safe_serialization=True)
     row["checkpoint"] = str(path)
     return row
 
 
-def run_matrix(families: list[str], root: Path, work: Path) -> dict[str, dict[int, dict]]:
-    """The worker's case results by family and rank; relaunched after a family that stops a launch."""
+def _fp32_kept(config, model_class) -> bool:
+    """Whether ``from_pretrained(dtype=torch.bfloat16)`` keeps some tensor of the family in fp32."""
+    import torch
+
+    from twinkle_strategy.loading import meta_skeleton
+
+    tensors = meta_skeleton(config, torch.bfloat16, model_class=model_class).state_dict(keep_vars=True).values()
+    return any(t.dtype == torch.float32 for t in tensors)
+
+
+def run_matrix(families: list[str], bf16: list[str], root: Path, work: Path):
+    """The worker's case results by family and rank, fp32 and bf16; relaunched after a family that stops a launch."""
     from multinode import launch
 
     results: dict[str, dict[int, dict]] = {}
-    pending = list(families)
+    bf16_results: dict[str, dict[int, dict]] = {}
+    pending, pending_bf16 = list(families), list(bf16)
     attempt = 0
-    while pending:
+    while pending or pending_bf16:
         attempt += 1
         out = work / f"launch{attempt}"
-        run = launch("family_matrix.py", ["--ckpt-root", str(root), "--families", ",".join(pending), "--keep-going"],
+        run = launch("family_matrix.py", ["--ckpt-root", str(root), "--families", ",".join(pending),
+                                          "--bf16", ",".join(pending_bf16), "--keep-going"],
                      out, nnodes=2, nproc_per_node=2, timeout=1800)
         for rank, data in run.rank_results().items():
-            for case in data.get("cases", []):
-                results.setdefault(case["family"], {})[rank] = case
-        done = [f for f in pending if f in results]
+            for key, recorded in (("cases", results), ("bf16_cases", bf16_results)):
+                for case in data.get(key, []):
+                    recorded.setdefault(case["family"], {})[rank] = case
+        done = [f for f in pending if f in results] + [f for f in pending_bf16 if f in bf16_results]
         if not done:  # nothing recorded: blame the first family and go on without it
-            results[pending[0]] = {-1: dict(family=pending[0], error_type="launch failed",
-                                            error=run.describe()[-2000:])}
+            first, recorded = (pending[0], results) if pending else (pending_bf16[0], bf16_results)
+            recorded[first] = {-1: dict(family=first, error_type="launch failed", error=run.describe()[-2000:])}
         pending = [f for f in pending if f not in results]
-        print(f"launch {attempt}: {len(done)} families recorded, {len(pending)} to go ({run.seconds:.0f} s)",
-              flush=True)
-    return results
+        pending_bf16 = [f for f in pending_bf16 if f not in bf16_results]
+        print(f"launch {attempt}: {len(done)} runs recorded, {len(pending) + len(pending_bf16)} to go "
+              f"({run.seconds:.0f} s)", flush=True)
+    return results, bf16_results
+
+
+def bf16_verdict(row: dict, by_rank: dict[int, dict]) -> None:
+    """The row's bf16 result, by tests/test_bf16.py's own checks."""
+    from test_bf16 import check_cases
+
+    errors = [c for c in by_rank.values() if "error" in c]
+    if errors:
+        row["bf16"] = f"{errors[0]['error_type']}: {errors[0]['error']}"
+        return
+    try:
+        check_cases({rank: {"cases": [case]} for rank, case in by_rank.items()}, [f"{row['model_type']}:full"])
+    except AssertionError as exc:
+        row["bf16"] = f"differs: {str(exc).splitlines()[0]}"
+        return
+    row["bf16"] = "matches" if len(by_rank) == 4 else f"only {len(by_rank)} ranks reported"
 
 
 def verdict(row: dict, by_rank: dict[int, dict]) -> None:
@@ -208,9 +242,16 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
         "the module; *pre-routed* is Llama-4's `experts(routed_in)`. Anything else is refused at `wrap_model` "
         "with `ModelStructureError` on every rank (use `ep_size=1`, FSDP only, for those).",
         "",
+        f"Families whose class keeps tensors in fp32 under bf16 ({len([r for r in rows if r.get('fp32_kept')])}; "
+        "`_keep_in_fp32_modules_strict` or a parameter built in fp32) also run in bf16 in the same launch, "
+        "loaded with `dtype=torch.bfloat16` and `mixed_precision='bf16'` against one process in bf16 (the "
+        "checks of `tests/test_bf16.py`: weights and dtypes bit for bit, fp32-kept parameters computing in fp32, "
+        f"the first MoE layer's routing token for token, logits, loss and gradient norm within bf16 tolerances): "
+        f"**{len([r for r in rows if r.get('bf16') == 'matches'])} match** (column bf16).",
+        "",
         "| model_type | class | experts module | contract | expert tensors (tiny) | what it needed | result | "
-        "max logit diff | grad norm rel. diff |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "max logit diff | grad norm rel. diff | bf16 (fp32-kept tensors) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         tensors = ", ".join(f"`{k}` {list(v)}" for k, v in r.get("tensors", {}).items())
@@ -224,7 +265,7 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
         norm = f"{r['norm_rel_diff']:.1e}" if "norm_rel_diff" in r else ""
         lines.append("| " + " | ".join(_cell(x) for x in (
             r["model_type"], r["model_class"], ", ".join(r.get("experts_classes", [])), contract, tensors,
-            r.get("needed", ""), result, logit, norm)) + " |")
+            r.get("needed", ""), result, logit, norm, r.get("bf16", ""))) + " |")
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -243,10 +284,13 @@ def main():
         rows = [inspect_family(model_type, class_name, root) for model_type, class_name in families]
         runnable = [r["model_type"] for r in rows if "checkpoint" in r]
         print(f"{len(rows)} MoE families, {len(runnable)} to run", flush=True)
-        results = run_matrix(runnable, root, work) if runnable else {}
+        bf16 = [r["model_type"] for r in rows if r.get("fp32_kept")]
+        results, bf16_results = run_matrix(runnable, bf16, root, work) if runnable else ({}, {})
     for r in rows:
         if r["model_type"] in results:
             verdict(r, results[r["model_type"]])
+        if r["model_type"] in bf16_results:
+            bf16_verdict(r, bf16_results[r["model_type"]])
         r.pop("checkpoint", None)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -141,3 +141,24 @@ def test_unexpected_checkpoint_tensors_are_reported(tiny_checkpoints, tmp_path):
     save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="'model.layers.0.mlp.surprise.weight' belong to no tensor of the model"):
         open_streaming_model(str(path), load_config(str(path)), torch.float32)
+
+
+def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_region(tiny_checkpoints):
+    """A buffer every rank needs whole (DeepSeek's correction bias): the source reads it once for its node's
+    three ranks, holds it while their regions are served, and drops it after the last one."""
+    from twinkle_strategy.init.capture import capture_state
+    from twinkle_strategy.init.plan import NOT_EXPERT, Need
+
+    path = tiny_checkpoints / "deepseek_v3"
+    model = open_streaming_model(str(path), load_config(str(path)), torch.float32)
+    capture = capture_state(model)
+    name, buffer = next((n, b) for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    need = Need(name, NOT_EXPERT, None, tuple(buffer.shape), buffer.dtype, is_buffer=True)
+    capture.expect([[need], [need], [need]], None)
+    want = reference_state(path)[name]
+    for served in range(3):
+        assert (name in capture._whole) == (served > 0)  # held from the first region to the last
+        (chunk,) = capture.region_chunks(need, None, 2**20)
+        assert torch.equal(chunk, want)
+    assert name not in capture._whole
+    assert capture.bytes_read == want.numel() * want.element_size()

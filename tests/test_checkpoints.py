@@ -4,7 +4,8 @@ One run (2 simulated nodes x 2 ranks, ep=2, memory_efficient_init, fp32) trains 
 at step 3 and 5. The checkpoint must be a plain Hugging Face checkpoint in the source checkpoint's
 key layout, equal to the trained model, written with no rank receiving more than its shard. Runs
 resumed from step 3 on 1 node x 2 ranks (per-device batch doubled: the same global batch) and on
-2 nodes x 2 with ep=4 must log the uninterrupted run's losses for steps 4 and 5.
+2 nodes x 4 with ep=4 (per-device batch halved) must log the uninterrupted run's losses for steps 4
+and 5, and save a checkpoint of what they trained.
 """
 
 import json
@@ -81,22 +82,33 @@ def test_save_holds_no_more_than_its_shard(uninterrupted):
                 f"{report['shard_bytes']}"
 
 
-@pytest.mark.parametrize("layout", ["1x2_ep2", "2x2_ep4"])
+@pytest.mark.parametrize("layout", ["1x2_ep2", "2x4_ep4"])
 def test_resume_on_another_layout_continues_with_the_same_losses(model_dir, uninterrupted, layout, tmp_path):
+    """Init (memory_efficient_init), resume, train and save on another layout; 2 nodes x 4 ranks with ep=4 has
+    sources with three receivers each and EP inside a node across four ranks."""
+    from transformers import AutoModelForCausalLM
+
     out, ranks = uninterrupted
-    nnodes, per_device, ep = {"1x2_ep2": (1, 4, 2), "2x2_ep4": (2, 2, 4)}[layout]
+    nnodes, per_node, per_device, ep = {"1x2_ep2": (1, 2, 4, 2), "2x4_ep4": (2, 4, 1, 4)}[layout]
     resumed_out = tmp_path / "resumed"
     result = launch("save_resume.py", ["--model", model_dir, "--dataset", DATASET, "--output-dir", str(resumed_out),
                                        "--per-device", str(per_device), "--ep", str(ep), "--max-steps", "5",
                                        "--resume", str(out / "checkpoint-3"), "--bucket-bytes", str(BUCKET)],
-                    tmp_path / "logs", nnodes=nnodes, nproc_per_node=2, timeout=LIMIT)
+                    tmp_path / "logs", nnodes=nnodes, nproc_per_node=per_node, timeout=LIMIT)
     assert result.ok(), result.describe()
-    resumed = result.rank_results()[0]
-    assert resumed["start_step"] == 3 and resumed["nodes"] == nnodes
+    resumed = result.rank_results()
+    assert sorted(resumed) == list(range(nnodes * per_node))
+    assert resumed[0]["start_step"] == 3 and resumed[0]["nodes"] == nnodes
     before = ranks[0]["losses"]
-    assert sorted(resumed["losses"]) == ["4", "5"]
+    assert sorted(resumed[0]["losses"]) == ["4", "5"]
     for step in ("4", "5"):
-        assert abs(resumed["losses"][step] - before[step]) <= 1e-5, (layout, step, resumed["losses"], before)
+        assert abs(resumed[0]["losses"][step] - before[step]) <= 1e-5, (layout, step, resumed[0]["losses"], before)
+    # The checkpoint this layout saved at the end is the model it trained, as plain transformers loads it.
+    model, info = AutoModelForCausalLM.from_pretrained(str(resumed_out / "checkpoint-5"), dtype=torch.float32,
+                                                        output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    gathered = torch.load(resumed_out / "gathered-5.pt", weights_only=True)
+    assert [k for k, v in model.state_dict().items() if not torch.equal(v, gathered[k])] == []
 
 
 def test_resume_refuses_another_global_batch(model_dir, uninterrupted, tmp_path):

@@ -3,11 +3,13 @@
 One launch runs the whole matrix: Llama-4 (pre-routed experts), Nemotron-H
 (non-gated experts), LongCat-Flash (zero-computation experts), each also with
 LoRA on attention and its experts, and a representative set of the routed
-families; then the models EP must refuse at wrap_model, on every rank.
+families; then the models EP must refuse at wrap_model, on every rank. The same launch runs a few
+families in bf16 against one process in bf16 (tests/test_bf16.py's checks).
 """
 
 import pytest
 from multinode import launch
+from test_bf16 import check_cases as check_bf16_cases
 
 from twinkle_strategy.train.tiny_models import (
     MATRIX_FAMILIES,
@@ -17,6 +19,11 @@ from twinkle_strategy.train.tiny_models import (
 )
 
 FAMILIES = MATRIX_FAMILIES + VISION_LANGUAGE_FAMILIES
+# Also run in bf16, against one process in bf16 (the checks of tests/test_bf16.py): the families of the matrix
+# whose transformers class keeps tensors in fp32 (Nemotron-H's router bias, DeepSeek-V4's norms, sinks and
+# hyper-connections), Bailing-Hybrid (its attention uses its fp32-kept conv1d's weight without calling conv1d),
+# and the two whose experts take another dispatch path (pre-routed, zero experts).
+BF16_FAMILIES = ("nemotron_h", "deepseek_v4", "bailing_hybrid", "llama4", "longcat_flash")
 LORA_FAMILIES = ("llama4", "nemotron_h", "longcat_flash") + VISION_LANGUAGE_FAMILIES
 REFUSED = {
     "dbrx": "dbrx",
@@ -28,7 +35,7 @@ REFUSED = {
 @pytest.fixture(scope="module")
 def family_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
-    for family in FAMILIES + REFUSED_FAMILIES:
+    for family in dict.fromkeys(FAMILIES + REFUSED_FAMILIES + BF16_FAMILIES):
         save_tiny_checkpoint(family, str(root / family), seed=0)
     return root
 
@@ -36,7 +43,8 @@ def family_checkpoints(tmp_path_factory):
 def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_path):
     refused = ",".join(f"{name}={directory}" for name, directory in REFUSED.items())
     result = launch("family_matrix.py", ["--ckpt-root", str(family_checkpoints), "--families", ",".join(FAMILIES),
-                                         "--lora", ",".join(LORA_FAMILIES), "--refused", refused],
+                                         "--lora", ",".join(LORA_FAMILIES), "--refused", refused,
+                                         "--bf16", ",".join(BF16_FAMILIES)],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -68,6 +76,7 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
                     assert adapter["base_class"] == c["model_class"] and adapter["lora_tensors"] > 0, adapter
                     assert adapter["logit_diff"] <= 1e-5, f"{case}: adapter logits differ by {adapter['logit_diff']}"
 
+        assert [c["kept"] != [] for c in data["bf16_cases"]] == [True, True, True, False, False]
         errors = {r["name"]: r for r in data["refused"]}
         assert set(errors) == set(REFUSED)
         for name, r in errors.items():
@@ -80,6 +89,8 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
         assert "SelfRoutingExperts" in errors["unknown_forward"]["error"]
         assert "has forward(hidden_states, router_logits), which is no experts call we have a dispatch for" \
             in errors["unknown_forward"]["error"]
+    check_bf16_cases({rank: {"cases": data["bf16_cases"]} for rank, data in ranks.items()},
+                     [f"{family}:full" for family in BF16_FAMILIES])
     # Every rank raised the same error (the model structure is the same everywhere).
     for name in REFUSED:
         assert len({next(r["error"] for r in d["refused"] if r["name"] == name) for d in ranks.values()}) == 1

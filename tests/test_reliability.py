@@ -65,7 +65,7 @@ def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_chec
                        "expects (8, 32)",
         "corrupt_file": "is truncated: it has",
         "missing_path": "model path '/nonexistent/model/dir' does not exist or is not a directory",
-        "dtype_differs_on_node1": "has dtype torch.bfloat16 on source rank 2 but the model expects torch.float32",
+        "dtype_differs_on_node1": "is torch.bfloat16 on source rank 2 but torch.float32 in the receiving rank's model",
         # Each names the file, as safetensors' own checks would reject it.
         "overlapping_offsets": f"{headers['overlapping_offsets']}/model.safetensors is corrupt: tensor ",
         "reversed_offsets": f"{headers['reversed_offsets']}/model.safetensors is corrupt: tensor ",

@@ -235,5 +235,9 @@ def test_check_need_names_the_tensor():
         Need("x", NOT_EXPERT, None, (1,), torch.float32), None, None, 2)
     assert "tensor 'w' has shape (4, 3) on source rank 0 (after the EP cut) but the model expects (4, 4)" in \
         check_need(Need("w", NOT_EXPERT, (0, 2), (4, 4), torch.float32), w, None, 0)
-    assert "tensor 'b' has dtype torch.bfloat16 on source rank 0 but the model expects torch.float32" in \
+    assert "tensor 'b' is torch.bfloat16 on source rank 0 but torch.float32 in the receiving rank's model. " in \
         check_need(Need("b", NOT_EXPERT, None, (4,), torch.float32), b, None, 0)
+    # Where transformers chose the dtype (an fp32-kept module), the message says so.
+    why = "from_pretrained(dtype=torch.bfloat16) keeps it in torch.float32: X._keep_in_fp32_modules_strict has 'b'"
+    assert f"but torch.float32 in the receiving rank's model ({why})" in \
+        check_need(Need("b", NOT_EXPERT, None, (4,), torch.float32), b, None, 0, dtype_reason=why)

@@ -15,7 +15,7 @@ Two ways to open a checkpoint:
   same way before any weight is read. ``wrap_model`` then reads each rank's rows.
 
 :func:`stream_blocker` says when the second is not possible (no safetensors
-files, a quantized or custom-code checkpoint, ``from_pretrained`` options that
+files, a custom-code checkpoint, ``from_pretrained`` options that
 only mean something to a full load); callers then use the first.
 """
 
@@ -247,8 +247,6 @@ def stream_blocker(path: str, config, kwargs: dict) -> str | None:
                     and not (isinstance(v, (dict, list, tuple, str)) and not v))
     if others:
         return f"from_pretrained was given {others}, which only a full load understands"
-    if getattr(config, "quantization_config", None):
-        return "the checkpoint is quantized (config.json has a quantization_config)"
     if getattr(config, "auto_map", None):
         return "the model has custom code (config.json has an auto_map)"
     if not checkpoint_files(path):
@@ -266,10 +264,22 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     """
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
     from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+    from twinkle_strategy.checkpoint.quantized import (
+        QuantizedIndex,
+        drop_quantization_config,
+        mark_quantized_release,
+        quant_format,
+    )
     from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
 
-    model = build_meta_model(model_class or model_class_for(config), config, dtype, **init_kwargs)
-    layout = CheckpointLayout(SafetensorsIndex.from_directory(path), model, path)
+    fmt = quant_format(config)  # a format we do not serve is refused here, before any read
+    drop_quantization_config(config)
+    model = mark_quantized_release(build_meta_model(model_class or model_class_for(config), config, dtype,
+                                                    **init_kwargs), fmt is not None)
+    index = SafetensorsIndex.from_directory(path)
+    if fmt is not None:  # a quantized release: read as the checkpoint of its dequantized values
+        index = QuantizedIndex(index, fmt, model)
+    layout = CheckpointLayout(index, model, path)
     install_placeholders(model, layout)
     model._weight_conversions = layout.rules  # as from_pretrained does: saving reverses the rules that matched
     keys = {t.key for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, CheckpointTensor)}
@@ -279,22 +289,27 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
 
 def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
     """The same model with meta placeholders: what ranks that never read the checkpoint build."""
+    from twinkle_strategy.checkpoint.quantized import drop_quantization_config
     from twinkle_strategy.init.skeleton import build_meta_model, install_placeholders
 
+    drop_quantization_config(config)  # the weights arrive dequantized: every rank builds the plain model
     return install_placeholders(build_meta_model(model_class or model_class_for(config), config, dtype,
                                                  **init_kwargs))
 
 
 def share_weight_conversions(model, topology, node_group) -> None:
-    """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective).
+    """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective),
+    and whether it streams a quantized release (then the init agrees on what travels quantized).
 
     ``from_pretrained`` records the rules that matched in ``model._weight_conversions``, and saving
     reverses them (the checkpoint is written back in its own key layout). Ranks that built the model
     from the config alone learn them here, so that every rank plans the same files.
     """
+    from twinkle_strategy.checkpoint.quantized import is_quantized_release, mark_quantized_release
     from twinkle_strategy.init import transport
 
-    rules = transport.broadcast_from_source(getattr(model, "_weight_conversions", None) if topology.is_source
-                                            else None, topology.source_rank, node_group)
+    mine = (getattr(model, "_weight_conversions", None), is_quantized_release(model)) if topology.is_source else None
+    rules, quantized = transport.broadcast_from_source(mine, topology.source_rank, node_group)
     if rules is not None:
         model._weight_conversions = rules
+    mark_quantized_release(model, quantized)

@@ -17,6 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_common  # noqa: E402
+from bf16_parity import run_case as bf16_case  # noqa: E402
 from mem_init import exact_mismatches, local_batch, own_experts_ok  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
@@ -185,29 +186,42 @@ def main():
     p.add_argument("--families", required=True)
     p.add_argument("--lora", default="", help="families also run with LoRA on attention and experts")
     p.add_argument("--refused", default="", help="checkpoints wrap_model must refuse: name=directory,...")
+    p.add_argument("--bf16", default="", help="families also run in bf16 against one process in bf16 "
+                                               "(tests/workers/bf16_parity.py's full-parameter case)")
     p.add_argument("--keep-going", action="store_true",
                    help="record a family's error as its result (scripts/models_table.py)")
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    cases = []
-    runs = [(f, False) for f in args.families.split(",")] + [(f, True) for f in args.lora.split(",") if f]
+    cases, bf16_cases = [], []
+    runs = [(f, False) for f in args.families.split(",") if f] + [(f, True) for f in args.lora.split(",") if f]
     for family, lora in runs:
-        try:
-            cases.append(served_case(os.path.join(args.ckpt_root, family), family, lora, world, rank))
-        except Exception as exc:  # noqa: BLE001 - recorded as this family's result
-            if not args.keep_going:
-                raise
-            cases.append(dict(family=family, lora=lora, error_type=type(exc).__name__, error=str(exc)))
-            worker_common.write_result({"cases": cases})
-            # Our own errors are raised by every rank at the same point; any other error may leave
-            # the ranks in different collectives, so this launch ends here.
-            if not isinstance(exc, TwinkleError):
-                raise
+        run_recorded(lambda: served_case(os.path.join(args.ckpt_root, family), family, lora, world, rank),
+                     cases, dict(family=family, lora=lora), args.keep_going, "cases")
+    # bf16: one process in bf16 is the oracle (dtypes and bits after init, first-layer routing, bf16 tolerances).
+    for family in filter(None, args.bf16.split(",")):
+        run_recorded(lambda: bf16_case(os.path.join(args.ckpt_root, family), family, "full", 2, world, rank),
+                     bf16_cases, dict(family=family, mode="full"), args.keep_going, "bf16_cases")
     refused = []
     for item in filter(None, args.refused.split(",")):
         name, directory = item.split("=")
         refused.append(refused_case(os.path.join(args.ckpt_root, directory), name))
-    return {"cases": cases, "refused": refused}
+    return {"cases": cases, "bf16_cases": bf16_cases, "refused": refused}
+
+
+def run_recorded(case, cases: list, names: dict, keep_going: bool, key: str) -> None:
+    """Append ``case()``'s result to ``cases`` (the result file's ``key``); with ``keep_going``, an error is
+    recorded as the case's result."""
+    try:
+        cases.append(case())
+    except Exception as exc:  # noqa: BLE001 - recorded as this family's result
+        if not keep_going:
+            raise
+        cases.append(dict(names, error_type=type(exc).__name__, error=str(exc)))
+        worker_common.write_result({key: cases})
+        # Our own errors are raised by every rank at the same point; any other error may leave
+        # the ranks in different collectives, so this launch ends here.
+        if not isinstance(exc, TwinkleError):
+            raise
 
 
 if __name__ == "__main__":

@@ -109,6 +109,28 @@ class _ShapeOnlyModel:
         return torch.empty(shape, dtype=dtype, device="meta")
 
 
+def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[str, torch.Tensor]]], *, config,
+                   shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None
+                   ) -> dict[str, torch.Tensor]:
+    """Run a transformers rule (``transform``, a template: copied) on checkpoint ``pieces`` (source pattern ->
+    ``(key, tensor)`` in order) exactly as from_pretrained does; ``shapes`` answers the rule's shape lookups.
+
+    Needs no file: a rank that received the pieces (not the checkpoint) runs it too.
+    """
+    from transformers.core_model_loading import WeightRenaming
+
+    if isinstance(transform, WeightRenaming):
+        ((_, tensor),) = [item for items in pieces.values() for item in items]
+        return {first_target: tensor}
+    transform = copy.deepcopy(transform)
+    for pattern, items in pieces.items():
+        for key, tensor in items:
+            transform.add_tensor(first_target, key, pattern, tensor)
+    shim = _ShapeOnlyModel(config, shapes, rows)
+    out = transform.convert(first_target, model=shim, config=config)
+    return {name: (value[0] if isinstance(value, list) else value) for name, value in out.items()}
+
+
 class CheckpointLayout:
     """The model tensors a safetensors checkpoint provides, by transformers' rules for ``model``'s class.
 
@@ -170,18 +192,9 @@ class CheckpointLayout:
     def _convert(self, recipe: TensorRecipe, tensors: dict[str, list[torch.Tensor]], rows: int | None = None
                  ) -> dict[str, torch.Tensor]:
         """Run the rule on ``tensors`` (per source pattern, in order) exactly as from_pretrained does."""
-        from transformers.core_model_loading import WeightRenaming
-
-        if isinstance(recipe.transform, WeightRenaming):
-            (pieces,) = tensors.values()
-            return {recipe.first_target: pieces[0]}
-        transform = copy.deepcopy(recipe.transform)
-        for pattern, pieces in tensors.items():
-            for key, piece in zip(recipe.sources[pattern], pieces):
-                transform.add_tensor(recipe.first_target, key, pattern, piece)
-        shim = _ShapeOnlyModel(self.config, self.model_tensors, rows)
-        out = transform.convert(recipe.first_target, model=shim, config=self.config)
-        return {name: (value[0] if isinstance(value, list) else value) for name, value in out.items()}
+        keyed = {p: list(zip(recipe.sources[p], pieces)) for p, pieces in tensors.items()}
+        return convert_pieces(recipe.transform, recipe.first_target, keyed, config=self.config,
+                              shapes=self.model_tensors, rows=rows)
 
     def _plan(self, recipe: TensorRecipe) -> None:
         # 1. Pieces merged into one tensor must agree (a wrong-shaped expert is named here, by its key).
@@ -332,6 +345,10 @@ class CheckpointLayout:
     def saved_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
         """Checkpoint key -> shape and dtype, of every tensor a save writes."""
         return {key: (tuple(t.shape), t.dtype) for key, t in self.index.tensors.items()}
+
+    def row_readable(self, name: str) -> bool:
+        """Whether rows of model tensor ``name`` are read as rows (else the rule needs the whole tensor)."""
+        return self.recipes[name].mode != WHOLE
 
     def row_writable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` map to rows (or whole pieces) of checkpoint tensors."""

@@ -24,14 +24,18 @@ from torch import nn
 
 from twinkle_strategy.init.plan import Need, checkpoint_rows, region_of
 from twinkle_strategy.init.skeleton import CheckpointTensor
+from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
 
 
 @dataclasses.dataclass
 class Capture:
     tensors: dict[str, torch.Tensor]  # held in host memory, by reference
     placeholders: dict[str, CheckpointTensor]  # read from a checkpoint
+    # Why transformers gave a tensor another dtype than the one requested (fp32-kept modules), by name.
+    dtype_reasons: dict[str, str] = dataclasses.field(default_factory=dict)
     _whole: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # checkpoint tensors read whole
     _cut_after_reading: set[str] = dataclasses.field(default_factory=set)  # parameters among them
+    _uses: dict[str, int] = dataclasses.field(default_factory=dict)  # regions left to serve from a whole tensor
     # The source's streams read in threads of their own (one per receiver, one for its own shards).
     _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
@@ -68,11 +72,52 @@ class Capture:
         shape = need.region_shape
         if not shape or shape[0] == 0:
             yield self.region(need, ep_plan, None)
-            return
-        row_bytes = max(need.nbytes // shape[0], 1)
-        step = max(chunk_bytes // row_bytes, 1)
-        for lo in range(0, shape[0], step):
-            yield self.region(need, ep_plan, (lo, min(lo + step, shape[0])))
+        else:
+            row_bytes = max(need.nbytes // shape[0], 1)
+            step = max(chunk_bytes // row_bytes, 1)
+            for lo in range(0, shape[0], step):
+                yield self.region(need, ep_plan, (lo, min(lo + step, shape[0])))
+        self._served(need.name)
+
+    def expect(self, all_needs: list[list[Need]], ep_plan) -> None:
+        """Count the regions the node's ranks need from each tensor that is read whole (buffers, rules that
+        need the whole tensor): it is read once, held while they are served, and released after the last."""
+        for needs in all_needs:
+            for need in needs:
+                if self._read_whole(need, ep_plan):
+                    self._uses[need.name] = self._uses.get(need.name, 0) + 1
+
+    def _read_whole(self, need: Need, ep_plan) -> bool:
+        placeholder = self.placeholders.get(need.name)
+        if need.name in self.tensors or placeholder is None:
+            return False
+        rows = None if need.is_buffer else checkpoint_rows(need, ep_plan, placeholder.shape)
+        return rows is None or not placeholder.checkpoint.row_readable(placeholder.key)
+
+    def _served(self, name: str) -> None:
+        with self._lock:
+            if name in self._uses:
+                self._uses[name] -= 1
+                if not self._uses[name]:
+                    del self._uses[name]
+                    self._whole.pop(name, None)
+
+    def wire_form(self, need: Need, ep_plan, chunk_bytes: int):
+        """How ``need``'s region travels as the checkpoint stores it (quantized bytes and scales, fewer than its
+        values), or None to send its values. See :mod:`twinkle_strategy.checkpoint.wire`."""
+        from twinkle_strategy.checkpoint.wire import plan_wire_form
+
+        placeholder = self.placeholders.get(need.name)
+        if need.name in self.tensors or placeholder is None or need.is_buffer:
+            return None
+        rows = checkpoint_rows(need, ep_plan, placeholder.shape)
+        return None if rows is None else plan_wire_form(placeholder.checkpoint, placeholder.key, rows, chunk_bytes=chunk_bytes)
+
+    def wire_chunks(self, need: Need, form) -> Iterator[torch.Tensor]:
+        """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
+        from twinkle_strategy.checkpoint.wire import read_chunks
+
+        return read_chunks(self.placeholders[need.name].checkpoint, form)
 
     def region(self, need: Need, ep_plan, part: tuple[int, int] | None = None) -> torch.Tensor:
         """Rows ``part`` (all if None) of ``need``'s region: a view of a held tensor, or read from the checkpoint."""
@@ -81,12 +126,13 @@ class Capture:
             return region if part is None else region[part[0]:part[1]]
         placeholder = self.placeholders[need.name]
         rows = None if need.is_buffer else checkpoint_rows(need, ep_plan, placeholder.shape)
-        if rows is not None:
+        if rows is not None and placeholder.checkpoint.row_readable(placeholder.key):
             a = rows[0] + (part[0] if part else 0)
             b = rows[0] + part[1] if part else rows[1]
             return placeholder.checkpoint.read_rows(placeholder.key, (a, b) if placeholder.dim() else None)
-        # A buffer (every rank needs it whole: read once per node, not once per rank), or a region that is
-        # not a run of rows of the checkpoint tensor (experts on another dim): read whole, once.
+        # A buffer (every rank needs it whole: read once per node, not once per rank), a region that is not a
+        # run of rows of the checkpoint tensor (experts on another dim) or a rule that needs the whole tensor:
+        # read whole, once per node, held until the last region it serves is out (see expect).
         with self._lock:
             if need.name not in self._whole:
                 self._whole[need.name] = placeholder.checkpoint.read_rows(placeholder.key)
@@ -118,7 +164,18 @@ def capture_state(model: nn.Module) -> Capture:
             placeholders[name] = tensor
         elif not tensor.is_meta and not isinstance(tensor, CheckpointTensor):
             tensors[name] = tensor.detach()
-    return Capture(tensors, placeholders)
+    return Capture(tensors, placeholders, dtype_reasons=_dtype_reasons(model))
+
+
+def _dtype_reasons(model: nn.Module) -> dict[str, str]:
+    """Why each fp32-kept tensor has its dtype, by its name in ``model`` (a PEFT model renames them)."""
+    pretrained, dtype = pretrained_model(model), loaded_dtype(model)
+    if dtype is None:
+        return {}
+    by_name = kept_reasons(model, dtype)
+    reasons = {id(t): by_name.get(n) for n, t in pretrained.state_dict(keep_vars=True).items()}
+    return {name: reasons[id(t)] for name, t in list(model.named_parameters()) + list(model.named_buffers())
+            if reasons.get(id(t))}
 
 
 def move_to_meta(model: nn.Module) -> None:

@@ -17,12 +17,15 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy.checkpoint.quantized import is_quantized_release
+from twinkle_strategy.checkpoint.wire import DecodingSink
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of
-from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes, prefetched
+from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
+from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.runtime import peak_rss_bytes
@@ -30,8 +33,6 @@ from twinkle_strategy.runtime import peak_rss_bytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_INIT_BUCKET_MB * 2**20)
-# Chunks each of the source's streams reads ahead in a background thread (reads overlap sending).
-READ_AHEAD = 2
 
 
 @dataclasses.dataclass
@@ -53,6 +54,10 @@ class InitReport:
     bytes_read: int = 0  # tensor bytes this rank read from checkpoint files (sources streaming a checkpoint)
     read_seconds: float = 0.0  # time spent in those reads
     whole_tensors: list[str] = dataclasses.field(default_factory=list)  # read whole: no region-wise rule
+    # What bytes_sent / bytes_received stand for in the model's dtype: more than them where regions of a
+    # quantized release travel as stored (FP8 bytes and scales) and are dequantized by their receiver.
+    bytes_sent_decoded: int = 0
+    bytes_received_decoded: int = 0
 
     def log_line(self) -> str:
         mib = 1024 * 1024
@@ -63,9 +68,14 @@ class InitReport:
         return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
                 f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
                 f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, {read}"
-                f"received {self.bytes_received / mib:.1f} MiB, sent {self.bytes_sent / mib:.1f} MiB "
+                f"received {self.bytes_received / mib:.1f} MiB{_standing_for(self.bytes_received_decoded, self.bytes_received)}, "
+                f"sent {self.bytes_sent / mib:.1f} MiB{_standing_for(self.bytes_sent_decoded, self.bytes_sent)} "
                 f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
+
+
+def _standing_for(decoded: int, wire: int) -> str:
+    return f" (standing for {decoded / 2**20:.1f} MiB of values)" if decoded != wire else ""
 
 
 def distribute(
@@ -101,28 +111,34 @@ def distribute(
     try:
         mine = needs_of(model, ep_plan)
         all_needs = _plan(mine, capture, ep_plan=ep_plan, node=node, stats=stats)
+        if capture is not None:
+            capture.expect(all_needs, ep_plan)
+        forms, my_forms = _wire_forms(all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
+                                      stats=stats) if is_quantized_release(model) else _as_values(all_needs, mine)
         t = finish(phase, start)
         phase = "transfer"
-        _transfer(mine, all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
-                  transport_kind=transport_kind, stats=stats, show_progress=show_progress)
+        sinks = [local if form is None else DecodingSink(local, form, model.config)
+                 for (_, local), form in zip(mine, my_forms)]
+        outcome = _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node,
+                            bucket_bytes=bucket_bytes, transport_kind=transport_kind, stats=stats,
+                            show_progress=show_progress)
         t = finish(phase, t)
         phase = "agree"
-        mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node) if verify else None
-        # Nobody leaves the init until everyone has its shards (and, with verify, they check out).
-        transport.raise_together(mismatch, "memory_efficient_init verification")
+        mismatch = None
+        if verify and not outcome.aborted:  # an aborted node's shards are incomplete: nothing to verify
+            mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node,
+                               compare=outcome.error is None)
+        # Nobody leaves the init until everyone has its shards (and, with verify, they check out);
+        # a source whose reading failed reports it here, to every rank.
+        transport.raise_together(outcome.error or mismatch, "memory_efficient_init")
         stats.collective_calls += 1
         finish(phase, t)
     except transport.DistributedInitError as exc:
         board.failed(str(exc))
         raise
-    except RuntimeError as exc:  # a collective failed: a peer died, hung or closed its connection
-        board.failed(f"{type(exc).__name__} during {phase}")
-        silent = board.silent_ranks(phase)
-        who = (f"rank(s) {silent} did not report back (one of them died or hung; see their logs)" if silent
-               else "a peer stopped responding")
-        raise transport.DistributedInitError(
-            f"memory_efficient_init failed on rank {topology.rank} during '{phase}': {who}. "
-            f"Underlying error: {exc}", [(r, "did not report back") for r in (silent or [])]) from exc
+    except Exception as exc:  # noqa: BLE001 - a peer died or hung, or anything else: named from the board
+        board.failed(f"{type(exc).__name__} during {phase}: {exc}")
+        raise _named_failure(board, phase, topology.rank, exc) from exc
     my_needs = [need for need, _ in mine]
     read = dict(bytes_read=capture.bytes_read, read_seconds=capture.read_seconds,
                 whole_tensors=capture.whole_tensors) if capture is not None else {}
@@ -132,8 +148,50 @@ def distribute(
         shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
-        phase_seconds=phase_seconds, **read,
+        phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
     )
+
+
+def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> transport.DistributedInitError:
+    """The error this rank raises when a collective failed under it: which ranks failed (and why) or fell silent."""
+    failed = [(r, why) for r, why in board.failures() if r != rank]
+    silent = board.silent_ranks(phase)
+    parts = [f"rank {r} failed: {why}" for r, why in failed[:8]]
+    if silent:
+        parts.append(f"rank(s) {silent} did not report back (one of them died or hung; see their logs)")
+    who = "; ".join(parts) or "a peer stopped responding"
+    return transport.DistributedInitError(
+        f"memory_efficient_init failed on rank {rank} during '{phase}': {who}. "
+        f"Underlying error: {type(exc).__name__}: {exc}",
+        failed + [(r, "did not report back") for r in (silent or [])])
+
+
+def _decoded_bytes(my_needs, all_needs, topology) -> dict:
+    """The model-dtype bytes this rank received or sent (its own shards move without the wire)."""
+    if topology.local_world_size == 1:
+        return {}
+    if not topology.is_source:
+        return dict(bytes_received_decoded=sum(n.nbytes for n in my_needs))
+    others = [needs for i, needs in enumerate(all_needs) if i != topology.local_rank]
+    return dict(bytes_sent_decoded=sum(n.nbytes for needs in others for n in needs))
+
+
+def _as_values(all_needs, mine):
+    """No region travels as stored (not a quantized release): every rank's forms are None, agreed without a word."""
+    return [[None] * len(needs) for needs in all_needs or []], [None] * len(mine)
+
+
+def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: int, stats):
+    """The source decides which regions travel as stored (quantized) and tells each rank (None: as values).
+
+    Returns every rank's forms (source; None elsewhere) and this rank's own.
+    """
+    forms = None
+    if node.topology.is_source:
+        forms = [[capture.wire_form(need, ep_plan, bucket_bytes) for need in needs] for needs in all_needs]
+    mine = transport.scatter_from_source(forms, node.topology.source_rank, node.group)
+    stats.collective_calls += 1
+    return forms, mine
 
 
 def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] | None:
@@ -146,7 +204,8 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     if is_source:
         for local_rank, needs in enumerate(all_needs):
             for need in needs:
-                problem = check_need(need, capture.describe(need.name), ep_plan, source)
+                problem = check_need(need, capture.describe(need.name), ep_plan, source,
+                                     dtype_reason=capture.dtype_reasons.get(need.name))
                 if problem:
                     error = f"for local rank {local_rank} of node {topology.node_index}: {problem}"
                     break
@@ -158,12 +217,19 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     return all_needs
 
 
-def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes, transport_kind, stats,
-              show_progress) -> None:
-    """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally."""
+def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink, bucket_bytes, transport_kind,
+              stats, show_progress) -> transport.Outcome:
+    """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally.
+
+    ``sinks`` are this rank's shards, or decoders into them for regions that travel quantized.
+    A failure to read on the source (file cut short or removed, bad tensor) does not leave its receivers
+    waiting: it comes back in the outcome, for the fail-together step every rank reaches next.
+    """
     is_source = node.topology.is_source
-    writer = StreamWriter([local for _, local in mine])
-    readers = [_reader(needs, capture, ep_plan, bucket_bytes) for needs in all_needs] if is_source else None
+    chunk_bytes = max(bucket_bytes // READ_CHUNKS_PER_BUCKET, 1)
+    writer = StreamWriter(sinks)
+    readers = ([_reader(needs, rank_forms, capture=capture, ep_plan=ep_plan, chunk_bytes=chunk_bytes)
+                for needs, rank_forms in zip(all_needs, forms)] if is_source else None)
     progress = None
     if show_progress and is_source:
         from tqdm.auto import tqdm
@@ -171,7 +237,7 @@ def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes
         # Every byte of the node's shards: read (or viewed) on the source, then sent or kept.
         progress = tqdm(total=sum(r.total for r in readers), unit="B", unit_scale=True,
                         desc="memory_efficient_init: reading and sending shards")
-    own = _copy_own_shards(mine, capture, ep_plan, bucket_bytes, progress) if is_source else iter(())
+    own = _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress) if is_source else iter(())
 
     def copy_own(budget: int) -> None:
         # The source copies its own shards while the receivers' buckets are on the wire.
@@ -181,29 +247,35 @@ def _transfer(mine, all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes
             if done >= budget:
                 return
 
-    transport.move_streams(transport_kind, readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats,
-                           progress=progress, between_rounds=copy_own)
-    for _ in own:  # what is left of the source's own shards
-        pass
+    outcome = transport.move_streams(transport_kind, readers, writer, node=node, bucket_bytes=bucket_bytes,
+                                     stats=stats, progress=progress, between_rounds=copy_own)
+    if is_source and outcome.error is None:
+        try:
+            for _ in own:  # what is left of the source's own shards
+                pass
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            outcome.error = exc
     if progress is not None:
         progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
         progress.close()
     if node.device.type != "cpu":
         torch.accelerator.synchronize()
+    return outcome
 
 
 def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
     """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
-    pieces = ((local, chunk) for need, local in mine for chunk in capture.region_chunks(need, ep_plan, chunk_bytes))
-    rows_done, current = 0, None
-    with torch.no_grad():
-        for local, chunk in prefetched(pieces, READ_AHEAD):
-            if local is not current:
-                rows_done, current = 0, local
-            target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
-            target.copy_(chunk.reshape(target.shape))
+    for need, local in mine:
+        rows_done = 0
+        for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
+            # no_grad per copy, not around the loop: grad mode is per thread, and this generator is
+            # resumed by the sender's read thread and then by the main thread.
+            with torch.no_grad():
+                target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
+                target.copy_(chunk.reshape(target.shape))
             rows_done += len(chunk) if chunk.dim() else 0
             copied = chunk.numel() * chunk.element_size()
+            del chunk, target  # not held while suspended: the sender's read thread reads meanwhile
             if progress is not None:
                 progress.update(copied)
             yield copied
@@ -216,12 +288,15 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink) -> str | None:
-    """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again."""
+def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool = True) -> str | None:
+    """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again.
+
+    Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
+    """
     topology = node.topology
     sums = [_checksum([local]) for _, local in mine]
     gathered = transport.gather_to_source(sums, topology.source_rank, node.group, topology.is_source)
-    if not topology.is_source:
+    if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]
     for rank, needs, got in zip(node_ranks, all_needs, gathered):
@@ -236,6 +311,12 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink) -> str | None:
     return None
 
 
-def _reader(needs: list[Need], capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
-    regions = [lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes) for need in needs]
-    return StreamReader(regions, [need.nbytes for need in needs], prefetch=READ_AHEAD)
+def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
+    """A rank's stream: each region's values, or as stored where its wire form says so.
+
+    No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
+    """
+    regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
+               else (lambda need=need, form=form: capture.wire_chunks(need, form)) for need, form in zip(needs, forms)]
+    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms)]
+    return StreamReader(regions, sizes)

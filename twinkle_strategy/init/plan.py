@@ -72,8 +72,12 @@ def needs_of(model: nn.Module, ep_plan: ExpertParallelPlan | None) -> list[tuple
 
 
 def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None,
-               ep_plan: ExpertParallelPlan | None, source_rank: int) -> str | None:
-    """Why the source cannot serve ``need`` from what it holds (``described``: pre-EP shape and dtype), or None."""
+               ep_plan: ExpertParallelPlan | None, source_rank: int, *,
+               dtype_reason: str | None = None) -> str | None:
+    """Why the source cannot serve ``need`` from what it holds (``described``: pre-EP shape and dtype), or None.
+
+    ``dtype_reason``: why transformers gave the source's tensor its dtype, if it is not the one requested.
+    """
     if described is None:
         return (f"tensor '{need.name}' is not in the model on source rank {source_rank}; every rank must build "
                 "the same model (same config, same PEFT adapters) before wrap_model")
@@ -85,8 +89,12 @@ def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None
         return (f"tensor '{need.name}' has shape {shape} on source rank {source_rank} (after the EP cut) "
                 f"but the model expects {need.shape}; the checkpoint does not match the config")
     if dtype != need.dtype:
-        return (f"tensor '{need.name}' has dtype {dtype} on source rank {source_rank} but the model "
-                f"expects {need.dtype}; load with the same dtype on every rank")
+        why = f" ({dtype_reason})" if dtype_reason else ""
+        return (f"tensor '{need.name}' is {dtype} on source rank {source_rank} but {need.dtype} in the "
+                f"receiving rank's model{why}. Every rank builds the model with the dtypes from_pretrained gives "
+                "each tensor (fp32-kept modules included), so they differ only where the model was changed on "
+                "some ranks before wrap_model (a .to(dtype), another dtype passed to from_pretrained): make the "
+                "same changes on every rank")
     return None
 
 

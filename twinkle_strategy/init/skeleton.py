@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from twinkle_strategy.errors import CheckpointError, WeightsNotLoadedError
+from twinkle_strategy.kept_dtypes import apply_kept_dtypes
 
 aten = torch.ops.aten
 
@@ -65,11 +66,16 @@ class CheckpointTensor(torch.Tensor):
 
 
 def build_meta_model(model_class, config, dtype: torch.dtype, **init_kwargs) -> nn.Module:
-    """``model_class`` built from ``config`` on the meta device: every name and shape, no memory."""
+    """``model_class`` built from ``config`` on the meta device: every name, shape and dtype, no memory.
+
+    Each tensor gets the dtype ``from_pretrained(dtype=dtype)`` gives it: ``from_config`` ignores the
+    model's fp32-kept modules (DeepSeek's router bias, Ernie-4.5's router), so they are applied here.
+    """
     # Auto classes build with from_config, concrete classes (as ms-swift passes them) with _from_config.
     build = getattr(model_class, "from_config", None) or model_class._from_config
     with torch.device("meta"):
-        return build(config, dtype=dtype, **init_kwargs)
+        model = build(config, dtype=dtype, **init_kwargs)
+    return apply_kept_dtypes(model, dtype)
 
 
 def install_placeholders(model: nn.Module, layout=None) -> nn.Module:

@@ -36,6 +36,7 @@ from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.init.liveness import StatusBoard
+from twinkle_strategy.messages import broadcast_object
 from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.load import ExpertLoad
@@ -104,9 +105,7 @@ def make_run_dir(output_dir: str, add_version: bool) -> str:
 def _broadcast(obj):
     if not dist.is_initialized():
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+    return broadcast_object(obj, src=0)  # byte tensors on the backend's device: HCCL has no object collectives
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:

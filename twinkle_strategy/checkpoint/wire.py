@@ -1,0 +1,190 @@
+"""Regions of a quantized release sent as stored (quantized bytes and scales), rebuilt on the receiving rank.
+
+A rank's region of a model tensor made from FP8 weights is about half its
+bf16 bytes as stored (FP4: a quarter): so the source sends what it read, and
+the receiving rank dequantizes on its own device and applies transformers'
+conversion rule (merging experts, concatenating gate and up ...) itself.
+
+A :class:`WireForm` is the whole agreement between the two sides: which
+checkpoint pieces (key, rows, :class:`~twinkle_strategy.checkpoint.quantized.Codec`)
+make each chunk of rows of the region, and the rule that combines them. It is
+planned on the source from the headers (no read) and sent to the receiver
+before any weight moves. Chunks are cut at scale-block boundaries, so no scale
+row travels twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Iterator
+
+import torch
+
+from twinkle_strategy.checkpoint.layout import PER_EXPERT, ROWS, convert_pieces
+from twinkle_strategy.checkpoint.quantized import Codec, QuantizedIndex
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor's rows as sent: quantized parts (``codec``) or plain values (``plain``)."""
+
+    pattern: str  # the rule's source pattern it is collected under
+    key: str
+    rows: tuple[int, int] | None  # rows of the checkpoint tensor; None: all of it (a whole expert)
+    codec: Codec | None
+    plain: tuple[torch.dtype, tuple[int, ...]] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        if self.codec is not None:
+            return self.codec.nbytes
+        dtype, shape = self.plain
+        return math.prod(shape) * dtype.itemsize
+
+    def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The piece's values in the model's dtype (cast at once, as from_pretrained does)."""
+        if self.codec is not None:
+            return self.codec.decode(self.codec.split(data)).to(dtype)
+        stored_dtype, shape = self.plain
+        return data.view(stored_dtype).reshape(shape).to(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class WireChunk:
+    rows: tuple[int, int]  # rows of the region this chunk fills
+    pieces: tuple[Piece, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(piece.nbytes for piece in self.pieces)
+
+
+@dataclasses.dataclass(frozen=True)
+class WireForm:
+    """How a region travels as stored, and how the receiver rebuilds it (picklable, no file needed)."""
+
+    name: str  # the model tensor
+    dtype: torch.dtype  # the model's dtype
+    transform: object  # the transformers rule, as a template
+    first_target: str
+    shapes: dict  # model tensor -> (shape, dtype): what the rule may look up
+    chunks: tuple[WireChunk, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(chunk.nbytes for chunk in self.chunks)
+
+    def decode(self, chunk: WireChunk, data: torch.Tensor, config) -> torch.Tensor:
+        """Rows ``chunk.rows`` of the region, from the chunk's bytes ``data`` (uint8, on any device)."""
+        pieces: dict[str, list] = {}
+        at = 0
+        for piece in chunk.pieces:
+            values = piece.decode(data[at:at + piece.nbytes], self.dtype)
+            pieces.setdefault(piece.pattern, []).append((piece.key, values))
+            at += piece.nbytes
+        rows = chunk.rows[1] - chunk.rows[0]
+        out = convert_pieces(self.transform, self.first_target, pieces, config=config, shapes=self.shapes,
+                             rows=rows)[self.name]
+        return out.to(self.dtype)
+
+
+def plan_wire_form(layout, name: str, rows: tuple[int, int], *, chunk_bytes: int) -> WireForm | None:
+    """Rows ``[a, b)`` of model tensor ``name`` as stored, if that is fewer bytes than its values; else None."""
+    index = layout.index
+    recipe = layout.recipes[name]
+    shape, dtype = recipe.targets[name]
+    if not isinstance(index, QuantizedIndex) or recipe.mode not in (ROWS, PER_EXPERT) or len(recipe.targets) != 1:
+        return None
+    if not any(index.tensors[k].quantized for k in recipe.checkpoint_keys) or rows[0] == rows[1]:
+        return None
+    bounds = _chunk_bounds(index, recipe, rows, chunk_bytes)
+    chunks = tuple(WireChunk((lo - rows[0], hi - rows[0]), _pieces(index, recipe, (lo, hi))) for lo, hi in bounds)
+    form = WireForm(name, dtype, recipe.transform, recipe.first_target, dict(recipe.targets), chunks)
+    values = (rows[1] - rows[0]) * math.prod(shape[1:]) * dtype.itemsize
+    return form if form.nbytes < values else None
+
+
+def _pieces(index: QuantizedIndex, recipe, rows: tuple[int, int]) -> tuple[Piece, ...]:
+    """The checkpoint pieces of rows ``[a, b)``: rows of each source (renamed, row-wise rules) or whole
+    per-expert tensors (experts ``a..b-1``)."""
+    out = []
+    for pattern, keys in recipe.sources.items():
+        if recipe.mode == PER_EXPERT:
+            out += [_piece(index, pattern, key, None) for key in keys[rows[0]:rows[1]]]
+        else:
+            out += [_piece(index, pattern, key, rows) for key in keys]
+    return tuple(out)
+
+
+def _piece(index: QuantizedIndex, pattern: str, key: str, rows) -> Piece:
+    codec = index.codec(key, rows)
+    if codec is not None:
+        return Piece(pattern, key, rows, codec)
+    stored = index.tensors[key]
+    shape = stored.shape if rows is None else (rows[1] - rows[0],) + tuple(stored.shape[1:])
+    return Piece(pattern, key, rows, None, (stored.dtype, tuple(shape)))
+
+
+def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_bytes: int) -> list[tuple[int, int]]:
+    """Rows ``[a, b)`` cut into runs of about ``chunk_bytes`` as stored. The cuts fall on multiples of the
+    scale block, so no scale row travels twice."""
+    align = _rows_per_scale_row(index, recipe)
+    step = max(chunk_bytes // _bytes_per_row(index, recipe) // align, 1) * align
+    first_cut = (rows[0] // align + 1) * align + step - align
+    edges = [rows[0], *range(first_cut, rows[1], step), rows[1]]
+    return list(zip(edges[:-1], edges[1:]))
+
+
+def _rows_per_scale_row(index: QuantizedIndex, recipe) -> int:
+    if recipe.mode == PER_EXPERT:  # a row is an expert, whose tensors travel whole with all their scales
+        return 1
+    return max((index.tensors[k].block[0] for k in recipe.checkpoint_keys if index.tensors[k].quantized), default=1)
+
+
+def _bytes_per_row(index: QuantizedIndex, recipe) -> int:
+    """About what one row of the region is as stored (one expert's tensors; a row and a scale row)."""
+    if recipe.mode == PER_EXPERT:
+        return max(sum(_piece(index, p, keys[0], None).nbytes for p, keys in recipe.sources.items()), 1)
+    return max(sum(_piece(index, p, k, (0, 1)).nbytes for p, keys in recipe.sources.items() for k in keys), 1)
+
+
+def read_chunks(layout, form: WireForm) -> Iterator[torch.Tensor]:
+    """The source's side: each chunk's pieces as read from the checkpoint (quantized bytes, scales), in order."""
+    index = layout.index
+    for chunk in form.chunks:
+        for piece in chunk.pieces:
+            if piece.codec is not None:
+                yield from index.read_parts(piece.key, piece.rows)[1]
+            else:
+                yield index.read(piece.key, piece.rows)
+
+
+class DecodingSink:
+    """The receiver's side: takes a region's stream bytes in order and fills its rows of ``local``, a chunk
+    at a time (one chunk's bytes staged at once)."""
+
+    def __init__(self, local: torch.Tensor, form: WireForm, config):
+        self.local, self.form, self.config = local, form, config
+        self.nbytes = form.nbytes
+        self._chunk, self._staged, self._filled = 0, None, 0
+
+    def write(self, data: torch.Tensor) -> None:
+        """Append ``data`` (uint8) to the region's stream; decodes every chunk it completes."""
+        used = 0
+        while used < data.numel():
+            chunk = self.form.chunks[self._chunk]
+            if self._staged is None:
+                self._staged = torch.empty(chunk.nbytes, dtype=torch.uint8, device=data.device)
+            take = min(data.numel() - used, chunk.nbytes - self._filled)
+            self._staged[self._filled:self._filled + take].copy_(data[used:used + take])
+            used, self._filled = used + take, self._filled + take
+            if self._filled == chunk.nbytes:
+                self._finish(chunk)
+
+    def _finish(self, chunk: WireChunk) -> None:
+        values = self.form.decode(chunk, self._staged, self.config)
+        target = self.local[chunk.rows[0]:chunk.rows[1]]
+        with torch.no_grad():
+            target.copy_(values.reshape(target.shape))
+        self._chunk, self._staged, self._filled = self._chunk + 1, None, 0
