@@ -88,7 +88,7 @@ def wait_for(predicate, proc, timeout=300):
         value = predicate()
         if value:
             return value
-        assert proc.poll() is None, proc.communicate()[0][-5000:]
+        assert proc is None or proc.poll() is None, proc.communicate()[0][-5000:]
         time.sleep(0.05)
     raise AssertionError("timed out")
 
@@ -113,13 +113,21 @@ def test_killed_rank_restarts_and_sigterm_saves_and_resumes(tiny_model, tmp_path
     killed = run_cli_async(recipe_args(tiny_model, tmp_path / "killed", "launch.max_restarts=1"), tmp_path)
     stopped = run_cli_async(recipe_args(tiny_model, tmp_path / "stopped"), tmp_path)
     # SIGKILL one rank once checkpoint-2 is complete; SIGTERM every rank of the other run at the same point.
-    killed_dir = wait_for(lambda: the_run_dir(tmp_path / "killed"), killed)
-    stopped_dir = wait_for(lambda: the_run_dir(tmp_path / "stopped"), stopped)
-    wait_for(lambda: (killed_dir / "checkpoint-2" / "trainer_state.json").is_file(), killed)
-    os.kill(rank_pids(killed_dir, 2)[1], signal.SIGKILL)
-    wait_for(lambda: (stopped_dir / "checkpoint-2" / "trainer_state.json").is_file(), stopped)
-    for pid in rank_pids(stopped_dir, 2).values():
-        os.kill(pid, signal.SIGTERM)
+    # Both runs are watched at once: each signal goes out as soon as its run has written checkpoint-2.
+    pending = {"killed": (killed, tmp_path / "killed", lambda pids: [(pids[1], signal.SIGKILL)]),
+               "stopped": (stopped, tmp_path / "stopped", lambda pids: [(pid, signal.SIGTERM) for pid in pids.values()])}
+
+    def send_due_signals():
+        for name, (proc, out, targets) in list(pending.items()):
+            run_dir = the_run_dir(out)
+            if run_dir is not None and (run_dir / "checkpoint-2" / "trainer_state.json").is_file():
+                for pid, sig in targets(rank_pids(run_dir, 2)):
+                    os.kill(pid, sig)
+                del pending[name]
+        return not pending
+
+    wait_for(send_due_signals, None)
+    killed_dir, stopped_dir = the_run_dir(tmp_path / "killed"), the_run_dir(tmp_path / "stopped")
     outputs = {name: proc.communicate(timeout=600)[0] for name, proc in
                (("reference", reference), ("killed", killed), ("stopped", stopped))}
     for name, proc in (("reference", reference), ("killed", killed), ("stopped", stopped)):
