@@ -22,6 +22,6 @@ setup(
     extras_require={
         "test": ["pytest", "ruff"],
         # ms-swift's `swift sft --external_plugins` integration (docs/swift.md); tested with ms-swift 4.6.0
-        "swift": ["ms-swift>=4.6,<5", "transformers>=5,<5.20", "peft>=0.17,<0.21"],
+        "swift": ["ms-swift>=4.6,<5", "transformers>=5,<5.20", "peft>=0.17,<0.21", "qwen-vl-utils>=0.0.14"],
     },
 )

@@ -13,6 +13,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from twinkle_strategy.errors import RanksFailedError
+from twinkle_strategy.messages import all_gather_objects
 from twinkle_strategy.runtime import global_rank
 
 StepDone = Callable[[BaseException | None, str], None]
@@ -27,8 +28,8 @@ def raise_together(error: BaseException | str | None, what: str,
     """
     message = None if error is None else (error if isinstance(error, str) else f"{type(error).__name__}: {error}")
     if dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, (dist.get_rank(), message))
+        # Tensor collectives on the backend's device (HCCL has no object collectives).
+        gathered = all_gather_objects((dist.get_rank(), message))
     else:
         gathered = [(0, message)]
     failures = [(rank, msg) for rank, msg in gathered if msg is not None]

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy.errors import TopologyError
+from twinkle_strategy.messages import all_gather_objects
 
 # Backend that goes with each device type. Ascend's HCCL only exists when
 # torch_npu is installed; it registers the "npu" device type on import.
@@ -207,9 +208,7 @@ def discover_topology(env: LaunchEnv) -> NodeTopology:
     )
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return validate_topology([mine], env.rank)
-    gathered: list[RankRecord | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, mine)
-    return validate_topology([r for r in gathered if r is not None], env.rank)
+    return validate_topology(all_gather_objects(mine), env.rank)
 
 
 # Ascend HCCL's own defaults time out long before a large checkpoint is read and distributed.

@@ -27,16 +27,16 @@ def die():
 def kill_source_mid_transfer(args):
     from twinkle_strategy.init import transport
 
-    staged = {"n": 0}
-    original = transport._stage
+    sent = {"n": 0}
+    original = transport._send
 
-    def stage_then_die(reader, size, device):
-        staged["n"] += 1
-        if RANK == 2 and staged["n"] == 3:  # node 1's source, after two buckets went out
+    def send_then_die(message, peer):
+        sent["n"] += 1
+        if RANK == 2 and sent["n"] == 3:  # node 1's source, after two buckets went out
             die()
-        return original(reader, size, device)
+        return original(message, peer)
 
-    transport._stage = stage_then_die
+    transport._send = send_then_die
     strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
                                   init_bucket_mb=2048 / 2**20, timeout_s=args.timeout)
     strategy.wrap_model(strategy.from_pretrained(args.model))

@@ -1,9 +1,11 @@
-"""Plain PEFT on one process: logits of base model + saved adapter on the probe's token ids.
+"""Plain PEFT on one process: logits of base model + saved adapter on the probe's inputs.
 
     python swift_peft_logits.py BASE_MODEL ADAPTER_DIR PROBE_LOGITS_PT
 
-Prints ``PEFT <peft version> <max |logits - probe logits|>``. tests/test_swift.py runs it with
-.venv-swift's interpreter (the peft/transformers ms-swift trains with) and imports it in .venv.
+Prints ``PEFT <peft version> <max |logits - probe logits|>`` for the probe's token ids and, when the
+probe recorded an image-text batch, ``PEFT-IMAGE-TEXT <peft version> <max difference>`` for it (the
+base loaded with its vision-language class). tests/test_swift.py runs it with .venv-swift's
+interpreter (the peft/transformers ms-swift trains with) and imports it in .venv.
 """
 
 import sys
@@ -11,17 +13,35 @@ import sys
 import torch
 
 
+def _peft_model(model_class, base: str, adapter: str):
+    from peft import PeftModel
+
+    model = model_class.from_pretrained(base, dtype=torch.float32)
+    return PeftModel.from_pretrained(model, adapter).eval()
+
+
 def peft_logits(base: str, adapter: str, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(logits with the adapter, logits of the base model)."""
-    from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    model = PeftModel.from_pretrained(model, adapter).eval()
+    model = _peft_model(AutoModelForCausalLM, base, adapter)
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits
         with model.disable_adapter():
             base_logits = model(input_ids=input_ids).logits
+    return logits, base_logits
+
+
+def peft_image_text_logits(base: str, adapter: str, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits with the adapter, logits of the base model) of the vision-language class on ``inputs``
+    (token ids with image tokens, pixel values, image grids: what swift's template made)."""
+    from transformers import AutoModelForImageTextToText
+
+    model = _peft_model(AutoModelForImageTextToText, base, adapter)
+    with torch.no_grad():
+        logits = model(**inputs, use_cache=False).logits
+        with model.disable_adapter():
+            base_logits = model(**inputs, use_cache=False).logits
     return logits, base_logits
 
 
@@ -31,5 +51,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     base, adapter, probe_path = sys.argv[1:4]
     probe = torch.load(probe_path)
-    logits, _ = peft_logits(base, adapter, probe["input_ids"])
-    print("PEFT", peft.__version__, float((logits - probe["logits"]).abs().max()))
+    if probe.get("image_text") is None:
+        logits, _ = peft_logits(base, adapter, probe["input_ids"])
+        print("PEFT", peft.__version__, float((logits - probe["logits"]).abs().max()))
+    else:
+        logits, _ = peft_image_text_logits(base, adapter, probe["image_text"]["inputs"])
+        print("PEFT-IMAGE-TEXT", peft.__version__, float((logits - probe["image_text"]["logits"]).abs().max()))

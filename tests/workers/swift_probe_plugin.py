@@ -4,6 +4,9 @@ Passed to ``swift sft`` next to the twinkle plugin (``--external_plugins <twinkl
 --callbacks twinkle_probe``). At the end of training every rank runs the distributed (EP + FSDP2)
 model on fixed token ids; rank 0 writes the logits to ``$TWINKLE_PROBE_OUT/logits.pt``, and each
 rank writes ``rank<R>.json`` (whether it read the checkpoint, its memory_efficient_init report).
+With an image-text dataset, ``logits.pt`` also holds ``image_text``: the first two training samples
+as swift's template and collator make them (token ids, pixel values, image grids), and the model's
+logits on them.
 """
 
 import dataclasses
@@ -26,6 +29,31 @@ def probe_logits(model, device) -> torch.Tensor:
     return logits
 
 
+# What the vision-language classes take from swift's collated batch (labels and swift's own keys left out).
+MODEL_INPUTS = ("input_ids", "attention_mask", "position_ids", "pixel_values", "image_grid_thw", "mm_token_type_ids")
+
+
+def image_text_batch(trainer) -> dict | None:
+    """The first two training samples, encoded by swift's template and collated; None for text-only data."""
+    samples = [trainer.train_dataset[i] for i in range(2)]
+    if "pixel_values" not in samples[0]:
+        return None
+    batch = trainer.data_collator(samples)
+    return {k: v for k, v in batch.items() if k in MODEL_INPUTS and v is not None}
+
+
+def probe_image_text(trainer, model, device) -> dict | None:
+    """``{"inputs": ..., "logits": ...}`` of the model on ``image_text_batch`` (eval mode, no grad), on CPU."""
+    batch = image_text_batch(trainer)
+    if batch is None:
+        return None
+    model.eval()
+    with torch.no_grad():
+        logits = model(**{k: v.to(device) for k, v in batch.items()}, use_cache=False).logits.float().cpu()
+    model.train()
+    return {"inputs": batch, "logits": logits}
+
+
 class TwinkleProbe(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -36,6 +64,7 @@ class TwinkleProbe(TrainerCallback):
         strategy = swift_plugin.get_strategy()
         model = self.trainer.model
         logits = probe_logits(model, strategy.device)
+        image_text = probe_image_text(self.trainer, model, strategy.device)
         report = strategy.init_report
         info = {"rank": strategy.rank, "loaded_checkpoint": swift_plugin._STATE.get("loaded_checkpoint"),
                 "is_source": strategy.topology.is_source, "ep_size": strategy.ep_size,
@@ -44,7 +73,8 @@ class TwinkleProbe(TrainerCallback):
         with open(os.path.join(out, f"rank{strategy.rank}.json"), "w") as f:
             json.dump(info, f, indent=1)
         if strategy.rank == 0:
-            torch.save({"input_ids": torch.tensor(PROBE_IDS), "logits": logits}, os.path.join(out, "logits.pt"))
+            torch.save({"input_ids": torch.tensor(PROBE_IDS), "logits": logits, "image_text": image_text},
+                       os.path.join(out, "logits.pt"))
 
 
 callbacks_map["twinkle_probe"] = TwinkleProbe

@@ -18,6 +18,7 @@ import uuid
 import torch.distributed as dist
 
 from twinkle_strategy.errors import OutputDirNotSharedError
+from twinkle_strategy.messages import all_gather_objects, broadcast_object
 
 PROBE_DIR = ".twinkle-shared-check"
 
@@ -28,14 +29,13 @@ def check_shared_directory(directory: str, *, what: str = "output_dir") -> None:
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
     world, rank = dist.get_world_size(), dist.get_rank()
-    box = [uuid.uuid4().hex if rank == 0 else None]
-    dist.broadcast_object_list(box, src=0)  # one name for this check, so files of an earlier run do not count
-    probe = os.path.join(directory, PROBE_DIR, box[0])
+    # One name for this check, so files of an earlier run do not count (byte tensors: HCCL has no object collectives).
+    name = broadcast_object(uuid.uuid4().hex if rank == 0 else None, src=0)
+    probe = os.path.join(directory, PROBE_DIR, name)
     problem = _write_probe(probe, rank)
     dist.barrier()
     missing = [] if problem else [r for r in range(world) if not os.path.exists(os.path.join(probe, f"rank{r}"))]
-    verdicts: list = [None] * world
-    dist.all_gather_object(verdicts, (problem, missing))
+    verdicts = all_gather_objects((problem, missing))
     dist.barrier()  # everyone has looked: the probe files can go
     if rank == 0:
         shutil.rmtree(os.path.join(directory, PROBE_DIR), ignore_errors=True)

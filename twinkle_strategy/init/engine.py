@@ -24,7 +24,8 @@ from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
 from twinkle_strategy.init.plan import Need, check_need, needs_of
-from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes, prefetched
+from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
+from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.runtime import peak_rss_bytes
@@ -32,8 +33,6 @@ from twinkle_strategy.runtime import peak_rss_bytes
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_INIT_BUCKET_MB * 2**20)
-# Chunks each of the source's streams reads ahead in a background thread (reads overlap sending).
-READ_AHEAD = 2
 
 
 @dataclasses.dataclass
@@ -120,26 +119,26 @@ def distribute(
         phase = "transfer"
         sinks = [local if form is None else DecodingSink(local, form, model.config)
                  for (_, local), form in zip(mine, my_forms)]
-        _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
-                  transport_kind=transport_kind, stats=stats, show_progress=show_progress)
+        outcome = _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node,
+                            bucket_bytes=bucket_bytes, transport_kind=transport_kind, stats=stats,
+                            show_progress=show_progress)
         t = finish(phase, t)
         phase = "agree"
-        mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node) if verify else None
-        # Nobody leaves the init until everyone has its shards (and, with verify, they check out).
-        transport.raise_together(mismatch, "memory_efficient_init verification")
+        mismatch = None
+        if verify and not outcome.aborted:  # an aborted node's shards are incomplete: nothing to verify
+            mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node,
+                               compare=outcome.error is None)
+        # Nobody leaves the init until everyone has its shards (and, with verify, they check out);
+        # a source whose reading failed reports it here, to every rank.
+        transport.raise_together(outcome.error or mismatch, "memory_efficient_init")
         stats.collective_calls += 1
         finish(phase, t)
     except transport.DistributedInitError as exc:
         board.failed(str(exc))
         raise
-    except RuntimeError as exc:  # a collective failed: a peer died, hung or closed its connection
-        board.failed(f"{type(exc).__name__} during {phase}")
-        silent = board.silent_ranks(phase)
-        who = (f"rank(s) {silent} did not report back (one of them died or hung; see their logs)" if silent
-               else "a peer stopped responding")
-        raise transport.DistributedInitError(
-            f"memory_efficient_init failed on rank {topology.rank} during '{phase}': {who}. "
-            f"Underlying error: {exc}", [(r, "did not report back") for r in (silent or [])]) from exc
+    except Exception as exc:  # noqa: BLE001 - a peer died or hung, or anything else: named from the board
+        board.failed(f"{type(exc).__name__} during {phase}: {exc}")
+        raise _named_failure(board, phase, topology.rank, exc) from exc
     my_needs = [need for need, _ in mine]
     read = dict(bytes_read=capture.bytes_read, read_seconds=capture.read_seconds,
                 whole_tensors=capture.whole_tensors) if capture is not None else {}
@@ -151,6 +150,20 @@ def distribute(
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
         phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
     )
+
+
+def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> transport.DistributedInitError:
+    """The error this rank raises when a collective failed under it: which ranks failed (and why) or fell silent."""
+    failed = [(r, why) for r, why in board.failures() if r != rank]
+    silent = board.silent_ranks(phase)
+    parts = [f"rank {r} failed: {why}" for r, why in failed[:8]]
+    if silent:
+        parts.append(f"rank(s) {silent} did not report back (one of them died or hung; see their logs)")
+    who = "; ".join(parts) or "a peer stopped responding"
+    return transport.DistributedInitError(
+        f"memory_efficient_init failed on rank {rank} during '{phase}': {who}. "
+        f"Underlying error: {type(exc).__name__}: {exc}",
+        failed + [(r, "did not report back") for r in (silent or [])])
 
 
 def _decoded_bytes(my_needs, all_needs, topology) -> dict:
@@ -205,13 +218,18 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
 
 
 def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink, bucket_bytes, transport_kind,
-              stats, show_progress) -> None:
-    """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally."""
+              stats, show_progress) -> transport.Outcome:
+    """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally.
+
+    ``sinks`` are this rank's shards, or decoders into them for regions that travel quantized.
+    A failure to read on the source (file cut short or removed, bad tensor) does not leave its receivers
+    waiting: it comes back in the outcome, for the fail-together step every rank reaches next.
+    """
     is_source = node.topology.is_source
+    chunk_bytes = max(bucket_bytes // READ_CHUNKS_PER_BUCKET, 1)
     writer = StreamWriter(sinks)
-    readers = ([_reader(needs, rank_forms, capture=capture, ep_plan=ep_plan, chunk_bytes=bucket_bytes)
-                for needs, rank_forms in
-                zip(all_needs, forms)] if is_source else None)
+    readers = ([_reader(needs, rank_forms, capture=capture, ep_plan=ep_plan, chunk_bytes=chunk_bytes)
+                for needs, rank_forms in zip(all_needs, forms)] if is_source else None)
     progress = None
     if show_progress and is_source:
         from tqdm.auto import tqdm
@@ -219,7 +237,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink
         # Every byte of the node's shards: read (or viewed) on the source, then sent or kept.
         progress = tqdm(total=sum(r.total for r in readers), unit="B", unit_scale=True,
                         desc="memory_efficient_init: reading and sending shards")
-    own = _copy_own_shards(mine, capture, ep_plan, bucket_bytes, progress) if is_source else iter(())
+    own = _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress) if is_source else iter(())
 
     def copy_own(budget: int) -> None:
         # The source copies its own shards while the receivers' buckets are on the wire.
@@ -229,29 +247,35 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink
             if done >= budget:
                 return
 
-    transport.move_streams(transport_kind, readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats,
-                           progress=progress, between_rounds=copy_own)
-    for _ in own:  # what is left of the source's own shards
-        pass
+    outcome = transport.move_streams(transport_kind, readers, writer, node=node, bucket_bytes=bucket_bytes,
+                                     stats=stats, progress=progress, between_rounds=copy_own)
+    if is_source and outcome.error is None:
+        try:
+            for _ in own:  # what is left of the source's own shards
+                pass
+        except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
+            outcome.error = exc
     if progress is not None:
         progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
         progress.close()
     if node.device.type != "cpu":
         torch.accelerator.synchronize()
+    return outcome
 
 
 def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
     """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
-    pieces = ((local, chunk) for need, local in mine for chunk in capture.region_chunks(need, ep_plan, chunk_bytes))
-    rows_done, current = 0, None
-    with torch.no_grad():
-        for local, chunk in prefetched(pieces, READ_AHEAD):
-            if local is not current:
-                rows_done, current = 0, local
-            target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
-            target.copy_(chunk.reshape(target.shape))
+    for need, local in mine:
+        rows_done = 0
+        for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
+            # no_grad per copy, not around the loop: grad mode is per thread, and this generator is
+            # resumed by the sender's read thread and then by the main thread.
+            with torch.no_grad():
+                target = local.view(-1) if local.dim() == 0 else local[rows_done:rows_done + len(chunk)]
+                target.copy_(chunk.reshape(target.shape))
             rows_done += len(chunk) if chunk.dim() else 0
             copied = chunk.numel() * chunk.element_size()
+            del chunk, target  # not held while suspended: the sender's read thread reads meanwhile
             if progress is not None:
                 progress.update(copied)
             yield copied
@@ -264,12 +288,15 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink) -> str | None:
-    """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again."""
+def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool = True) -> str | None:
+    """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again.
+
+    Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
+    """
     topology = node.topology
     sums = [_checksum([local]) for _, local in mine]
     gathered = transport.gather_to_source(sums, topology.source_rank, node.group, topology.is_source)
-    if not topology.is_source:
+    if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]
     for rank, needs, got in zip(node_ranks, all_needs, gathered):
@@ -285,8 +312,11 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink) -> str | None:
 
 
 def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
-    """A rank's stream: each region's values, or as stored where its wire form says so."""
+    """A rank's stream: each region's values, or as stored where its wire form says so.
+
+    No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
+    """
     regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
                else (lambda need=need, form=form: capture.wire_chunks(need, form)) for need, form in zip(needs, forms)]
     sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms)]
-    return StreamReader(regions, sizes, prefetch=READ_AHEAD)
+    return StreamReader(regions, sizes)

@@ -82,6 +82,12 @@ class StatusBoard:
     def failed(self, reason: str) -> None:
         self._try(lambda: self.store.set(self._key(self.rank), f"{self.finished_phases} failed: {reason[:500]}"))
 
+    def failures(self) -> list[tuple[int, str]]:
+        """(rank, reason) of every rank that recorded a failure on this board (empty if the store is gone)."""
+        records = self._try(self._records) or []
+        return [(r, record.partition(" failed: ")[2]) for r, record in enumerate(records)
+                if record is not None and " failed: " in record]
+
     def silent_ranks(self, phase: str, grace_s: float = 3.0) -> list[int] | None:
         """Ranks that neither finished ``phase`` (the one this rank is in) nor reported a failure (None if the
         store is unreachable). Polls for ``grace_s`` seconds: the others may be about to report."""

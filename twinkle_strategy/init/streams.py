@@ -9,8 +9,6 @@ bucket's bytes into the local shards where they belong.
 
 from __future__ import annotations
 
-import queue
-import threading
 from typing import Callable, Iterator
 
 import torch
@@ -26,15 +24,14 @@ class StreamReader:
     """Reads the concatenated bytes of regions, each produced lazily as a sequence of chunks.
 
     ``regions[i]()`` returns an iterator of tensors whose bytes, end to end,
-    are region ``i`` (``sizes[i]`` bytes). With ``prefetch`` a background thread
-    produces up to that many chunks ahead (reading from disk and converting
-    overlap with the sending); otherwise only the chunk being copied is alive.
+    are region ``i`` (``sizes[i]`` bytes). Only the chunk being copied is
+    alive; reading overlaps sending because the transport reads in a thread
+    of its own (:mod:`twinkle_strategy.init.staging`).
     """
 
-    def __init__(self, regions: list[Callable[[], Iterator[torch.Tensor]]], sizes: list[int], prefetch: int = 0):
+    def __init__(self, regions: list[Callable[[], Iterator[torch.Tensor]]], sizes: list[int]):
         self.total = sum(sizes)
-        chunks = _checked_chunks(regions, sizes)
-        self._chunks = prefetched(chunks, prefetch) if prefetch and self.total else chunks
+        self._chunks = _checked_chunks(regions, sizes)
         self._chunk: torch.Tensor | None = None
         self._offset = 0  # into the current chunk
 
@@ -50,15 +47,15 @@ class StreamReader:
         """Fill ``out`` (uint8) from the stream; returns the number of stream bytes written."""
         filled = 0
         while filled < out.numel():
-            if self._chunk is None or self._offset == self._chunk.numel():
-                # Drop our reference first, so the finished chunk is freed before the next is read.
-                self._chunk = None
+            if self._chunk is None:
                 if not self._next_chunk():
                     break
             take = min(out.numel() - filled, self._chunk.numel() - self._offset)
             out[filled:filled + take].copy_(self._chunk[self._offset:self._offset + take])
             filled += take
             self._offset += take
+            if self._offset == self._chunk.numel():
+                self._chunk = None  # used up: freed now, not when the next bucket is read
         return filled
 
 
@@ -68,49 +65,11 @@ def _checked_chunks(regions, sizes) -> Iterator[torch.Tensor]:
         produced = 0
         for chunk in region():
             produced += chunk.numel() * chunk.element_size()
-            yield chunk
+            box = [chunk]
+            del chunk
+            yield box.pop()  # this frame keeps no reference while suspended: a used-up chunk is freed at once
         if produced != size:
             raise AssertionError(f"region {index} produced {produced} of its {size} bytes")
-
-
-def prefetched(chunks: Iterator[torch.Tensor], depth: int) -> Iterator[torch.Tensor]:
-    """``chunks``, produced by a background thread at most ``depth`` ahead (bounded memory).
-
-    Reading a checkpoint (``os.preadv``) and torch's copies release the GIL,
-    so the producer runs while the consumer stages and sends. An error in the
-    producer is raised in the consumer; a consumer that stops early stops it.
-    """
-    done = object()
-    ahead: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for chunk in chunks:
-                while not stop.is_set():
-                    try:
-                        ahead.put(chunk, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            ahead.put(done)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
-            ahead.put(exc)
-
-    thread = threading.Thread(target=produce, name="twinkle-read-ahead", daemon=True)
-    thread.start()
-    try:
-        while True:
-            item = ahead.get()
-            if item is done:
-                return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-    finally:
-        stop.set()
 
 
 class StreamWriter:

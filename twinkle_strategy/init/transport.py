@@ -1,6 +1,7 @@
 """Every collective of memory-efficient init, in one place.
 
-Control messages (config, needs, errors) are small pickled objects. Weights
+Control messages (config, needs, errors) are small pickled objects, sent as
+byte tensors on the backend's device (:mod:`twinkle_strategy.messages`). Weights
 travel as raw bytes in fixed-size buckets from a node's source to the ranks of
 that node only (see :func:`move_streams`), so the number of transfers grows
 with bytes / bucket size, never with the number of tensors, and no weight
@@ -9,6 +10,7 @@ crosses a node boundary.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from typing import Callable
@@ -16,9 +18,10 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy import fail_together
+from twinkle_strategy import fail_together, messages
 from twinkle_strategy.config import INIT_TRANSPORTS
 from twinkle_strategy.errors import DistributedInitError
+from twinkle_strategy.init import staging
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
 from twinkle_strategy.runtime import NodeTopology
 
@@ -32,18 +35,14 @@ def broadcast_from_source(obj, source: int, node_group) -> object:
     """The node source's ``obj`` on every rank of the node."""
     if node_group is None:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=source, group=node_group)
-    return box[0]
+    return messages.broadcast_object(obj, source, node_group)
 
 
 def gather_to_source(obj, source: int, node_group, is_source: bool) -> list | None:
     """Every node rank's ``obj``, in local-rank order, on the source (None elsewhere)."""
     if node_group is None:
         return [obj]
-    out = [None] * dist.get_world_size(node_group) if is_source else None
-    dist.gather_object(obj, out, dst=source, group=node_group)
-    return out
+    return messages.gather_objects(obj, source, node_group)
 
 
 def scatter_from_source(objs: list | None, source: int, node_group) -> object:
@@ -58,7 +57,7 @@ def scatter_from_source(objs: list | None, source: int, node_group) -> object:
 def max_over_node(value: int, node_group) -> int:
     if node_group is None:
         return value
-    t = torch.tensor([value], dtype=torch.int64)
+    t = torch.tensor([value], dtype=torch.int64, device=messages.collective_device(node_group))
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=node_group)
     return int(t.item())
 
@@ -88,6 +87,14 @@ def bucket_sizes(total: int, bucket_bytes: int) -> list[int]:
 TRANSPORTS = INIT_TRANSPORTS
 
 
+@dataclasses.dataclass
+class Outcome:
+    """How a node's transfer ended. ``aborted`` is the same on every rank of the node."""
+
+    aborted: bool = False  # the source failed and stopped sending: this node's shards are incomplete
+    error: BaseException | None = None  # what the source's reading raised (on the source only)
+
+
 def move_streams(
     kind: str,
     readers: list[StreamReader] | None,
@@ -98,111 +105,217 @@ def move_streams(
     stats: TransferStats,
     progress=None,
     between_rounds: Callable[[int], None] | None = None,
-) -> None:
+) -> Outcome:
     """Move every local rank's stream from the node source to that rank, bucket by bucket.
 
     ``readers`` (source only) produce each local rank's bytes; ``writer`` puts
     the bytes this rank receives into its shards. The source's own stream is
     not moved (it copies from its capture): ``between_rounds(n)`` is called on
-    the source while a round of ``n`` bytes is on the wire, to do about that
+    the source after about ``n`` bytes were staged for sending, to do about that
     much of its own copying meanwhile.
 
-    * ``p2p``: for each bucket, the source posts one ``isend`` per receiver that
-      still has bytes and each receiver one ``irecv``, paired and in order
-      (``batch_isend_irecv``). Every rank receives exactly its stream, however
-      uneven the shards. No sub-communicator per peer: HCCL-friendly.
-    * ``scatter``: one ``dist.scatter`` per bucket in the node group. All
-      ranks must receive equal-sized buckets, so a rank whose stream is
-      shorter than its peers' receives padding.
+    The source stages through a fixed pool of buffers (:mod:`staging`), so its
+    memory beyond its shards stays a few buckets whatever the ranks per node.
+    If its reading fails (a file cut short or removed, a bad tensor), it flags
+    the next message each receiver waits for as an abort and stops; the error
+    comes back in the :class:`Outcome` for the caller's fail-together step.
+
+    * ``p2p``: the source posts one ``isend`` per bucket, round-robin over a
+      few receivers at a time (:func:`interleaved`), and each receiver one
+      ``irecv`` per bucket, paired and in order (``batch_isend_irecv``). Every rank receives exactly its stream,
+      however uneven the shards. No sub-communicator per peer: HCCL-friendly.
+    * ``scatter``: one ``dist.scatter`` per round in the node group, each
+      receiver's slice a share of one bucket. All ranks receive equal-sized
+      slices, so a rank whose stream is shorter than its peers' receives padding.
     """
     if node.group is None or node.topology.local_world_size == 1:
-        return
-    moves = {"p2p": _move_p2p, "scatter": _move_scatter}
-    if kind in moves:
-        moves[kind](readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
-                    between_rounds=between_rounds)
-    else:
+        return Outcome()
+    if kind not in TRANSPORTS:
         raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
+    move = _move_p2p if kind == "p2p" else _move_scatter
+    return move(readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
+                between_rounds=between_rounds)
 
 
-def _stage(reader: StreamReader, size: int, device: torch.device) -> torch.Tensor:
-    staged = torch.empty(size, dtype=torch.uint8)
-    reader.read_into(staged)
-    return staged.to(device)
+def _fill_from(readers: list[StreamReader], peer_index: dict[int, int]):
+    def fill(host: torch.Tensor, peer: int, size: int) -> None:
+        got = readers[peer_index[peer]].read_into(host)
+        if got != size:
+            raise AssertionError(f"the stream for rank {peer} ended {size - got} bytes early")
+    return fill
 
 
-def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> None:
-    """Double-buffered: round k+1 is read (and the source's own shards copied) while round k is on the wire."""
-    topology, device = node.topology, node.device
-    source = topology.source_rank
-    node_ranks = topology.node_ranks[topology.node_index]
-    if topology.is_source:
-        plans = {rank: bucket_sizes(reader.total, bucket_bytes)
-                 for rank, reader in zip(node_ranks, readers) if rank != source}
-        in_flight: list = []
-        for k in range(max((len(p) for p in plans.values()), default=0)):
-            ops, sent = [], 0
-            for rank, sizes in plans.items():
-                if k < len(sizes):
-                    bucket = _stage(readers[node_ranks.index(rank)], sizes[k], device)
-                    ops.append(dist.P2POp(dist.isend, bucket, rank))
-                    sent += sizes[k]
-            for work in in_flight:  # the previous round is delivered: its buckets may be freed
-                work.wait()
-            in_flight = dist.batch_isend_irecv(ops)
-            stats.bytes_sent += sent
-            stats.buckets += len(ops)
-            stats.collective_calls += 1
-            if progress is not None:
-                progress.update(sent)
-            if between_rounds is not None:
-                between_rounds(sent)
-        for work in in_flight:
-            work.wait()
-    else:
-        # The next bucket's receive is posted before this one is unpacked.
-        pending = None
-        for size in bucket_sizes(writer.total, bucket_bytes):
-            out = torch.empty(size, dtype=torch.uint8, device=device)
-            works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, out, source)])
-            if pending is not None:
-                _unpack(pending, writer, stats)
-            pending = (works, out)
-        if pending is not None:
-            _unpack(pending, writer, stats)
+def _send(message: torch.Tensor, peer: int) -> list:
+    return dist.batch_isend_irecv([dist.P2POp(dist.isend, message, peer)])
 
 
-def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> None:
-    works, out = pending
+def _wait(works) -> None:
     for work in works:
         work.wait()
-    writer.write(out)
-    stats.bytes_received += out.numel()
+
+
+def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> Outcome:
+    topology, device = node.topology, node.device
+    if topology.is_source:
+        return _send_p2p(readers, topology, bucket_bytes=bucket_bytes, device=device, stats=stats,
+                         progress=progress, between_rounds=between_rounds)
+    return _receive_p2p(writer, topology.source_rank, bucket_bytes=bucket_bytes, device=device, stats=stats)
+
+
+def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, between_rounds) -> Outcome:
+    """Every receiver's buckets, through the staging pool, a few receivers at a time; a read error aborts."""
+    node_ranks = topology.node_ranks[topology.node_index]
+    plans = {rank: bucket_sizes(readers[i].total, bucket_bytes)
+             for i, rank in enumerate(node_ranks) if rank != topology.source_rank}
+    schedule = interleaved(plans, window=staging.STAGING_BUFFERS)
+    pool = staging.StagingPool(staging.STAGING_BUFFERS, bucket_bytes, device)
+    sent = dict.fromkeys(plans, 0)  # buckets sent to each receiver
+    in_flight: collections.deque = collections.deque()
+    buckets = staging.FilledBuckets(schedule, _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)}),
+                                    pool, between_rounds)
+    filled = iter(buckets)
+    try:
+        for slot, rank, size in filled:
+            in_flight.append((_send(slot.message(size), rank), slot))
+            sent[rank] += 1
+            _count_sent(size, stats, progress)
+            # Keep one slot for the read thread to fill while the others are on the wire.
+            while len(in_flight) >= len(pool.slots):
+                _release_oldest(in_flight, pool)
+    finally:
+        filled.close()  # a failed send stops the read thread now, not when the traceback is freed
+    error = buckets.error
+    while in_flight:
+        _release_oldest(in_flight, pool)
+    if error is not None:
+        _send_aborts(plans, sent, pool.slots[0])
+    return Outcome(aborted=error is not None, error=error)
+
+
+def _count_sent(size: int, stats: TransferStats, progress) -> None:
+    stats.bytes_sent += size
     stats.buckets += 1
     stats.collective_calls += 1
+    if progress is not None:
+        progress.update(size)
 
 
-def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> None:
+def interleaved(plans: dict[int, list[int]], window: int) -> list[tuple[int, int]]:
+    """``(rank, bucket size)`` in sending order: round-robin over at most ``window`` receivers at a time.
+
+    Receivers unpack in parallel while the source serves the others, which keeps the transfer as fast
+    as serving all of them at once; only ``window`` streams are part-read at any moment, so the chunks
+    they hold between two buckets stay a few, whatever the ranks per node.
+    """
+    waiting = [(rank, list(sizes)) for rank, sizes in plans.items() if sizes]
+    active: list[tuple[int, list[int]]] = []
+    order = []
+    while waiting or active:
+        while waiting and len(active) < window:
+            active.append(waiting.pop(0))
+        for rank, sizes in list(active):
+            order.append((rank, sizes.pop(0)))
+            if not sizes:
+                active.remove((rank, sizes))
+    return order
+
+
+def _release_oldest(in_flight: collections.deque, pool: staging.StagingPool) -> None:
+    works, slot = in_flight.popleft()
+    _wait(works)
+    pool.release(slot)
+
+
+def _send_aborts(plans: dict[int, list[int]], sent: dict[int, int], slot: staging.StagingSlot) -> None:
+    """Each receiver that still expects bytes gets its next message (and the one it posted ahead) as ABORT."""
+    for rank, sizes in plans.items():
+        for size in sizes[sent[rank]:sent[rank] + 2]:
+            slot.host_free()[:size].zero_()
+            _wait(_send(slot.message(size, staging.ABORT), rank))
+
+
+def _receive_p2p(writer, source, *, bucket_bytes, device, stats) -> Outcome:
+    """One ``irecv`` per bucket; the next is posted before this one is unpacked (so at most two buckets)."""
+    pending = None
+    for size in bucket_sizes(writer.total, bucket_bytes):
+        message = torch.empty(size + staging.FLAG_BYTES, dtype=torch.uint8, device=device)
+        works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, message, source)])
+        if pending is not None and not _unpack(pending, writer, stats):
+            _wait(works)  # the source sends the message posted ahead too, flagged: nothing is left pending
+            return Outcome(aborted=True)
+        pending = (works, message)
+    if pending is not None and not _unpack(pending, writer, stats):
+        return Outcome(aborted=True)
+    return Outcome()
+
+
+def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> bool:
+    """Write a received bucket into the shards; False if the source flagged it as an abort."""
+    works, message = pending
+    _wait(works)
+    size = message.numel() - staging.FLAG_BYTES
+    if int(message[size].item()) == staging.ABORT:
+        return False
+    writer.write(message[:size])
+    stats.bytes_received += size
+    stats.buckets += 1
+    stats.collective_calls += 1
+    return True
+
+
+def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> Outcome:
+    """One scatter per round; the receivers' slices together fill one bucket (bounded source memory)."""
     topology, node_group, device = node.topology, node.group, node.device
-    source, is_source = topology.source_rank, topology.is_source
+    is_source, me = topology.is_source, topology.local_rank
     total = max_over_node(writer.total, node_group)
     stats.collective_calls += 1
-    for size in bucket_sizes(total, bucket_bytes):
-        out = torch.empty(size, dtype=torch.uint8, device=device)
+    receivers = topology.local_world_size - 1
+    share = max(bucket_bytes // receivers, 1)
+    slot = staging.StagingSlot(receivers * (share + staging.FLAG_BYTES), device) if is_source else None
+    error = None
+    for size in bucket_sizes(total, share):
+        out = torch.empty(size + staging.FLAG_BYTES, dtype=torch.uint8, device=device)
         buckets = None
         if is_source:
-            # The source's own slot is a placeholder: it keeps its bytes without a transfer.
-            buckets = [out if i == topology.local_rank else _stage(reader, size, device)
-                       for i, reader in enumerate(readers)]
-            stats.bytes_sent += size * (len(readers) - 1)
+            buckets, error = _stage_round(readers, slot, size, me, out, error)
+            stats.bytes_sent += size * receivers
             if progress is not None:
-                progress.update(size * (len(readers) - 1))
-        work = dist.scatter(out, scatter_list=buckets, src=source, group=node_group, async_op=True)
-        if is_source and between_rounds is not None:
-            between_rounds(size * (len(readers) - 1))
+                progress.update(size * receivers)
+        work = dist.scatter(out, scatter_list=buckets, src=topology.source_rank, group=node_group, async_op=True)
+        if is_source and between_rounds is not None and error is None:
+            try:
+                between_rounds(size * receivers)
+            except Exception as exc:  # noqa: BLE001 - the next round is flagged; reported by the caller
+                error = exc
         work.wait()
-        stats.buckets += 1
         stats.collective_calls += 1
+        if int(out[size].item()) == staging.ABORT:
+            return Outcome(aborted=True, error=error)
+        stats.buckets += 1
         if not is_source:
-            writer.write(out)
+            writer.write(out[:size])
             stats.bytes_received += size
+    return Outcome(error=error)  # the source's own copying may have failed after the last round
+
+
+def _stage_round(readers, slot, size, me, own_out, error):
+    """The scatter list of one round, each receiver's slice read into the slot (flagged ABORT on an error)."""
+    host = slot.host_free()
+    views, width = [], size + staging.FLAG_BYTES
+    for i, reader in enumerate(readers):
+        if i == me:
+            continue
+        view = host[len(views) * width:(len(views) + 1) * width]
+        if error is None:
+            try:
+                reader.read_into(view[:size])
+            except Exception as exc:  # noqa: BLE001 - every rank learns it from the flag, then fails together
+                error = exc
+        views.append(view)
+    flag = staging.OK if error is None else staging.ABORT
+    for view in views:
+        view[size] = flag
+    own_out[size] = flag
+    staged = slot.message(len(views) * width - staging.FLAG_BYTES, flag)  # the whole round, one copy
+    slices = iter(staged[k * width:(k + 1) * width] for k in range(len(views)))
+    return [own_out if i == me else next(slices) for i in range(len(readers))], error

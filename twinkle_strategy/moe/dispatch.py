@@ -18,10 +18,13 @@ core, :func:`run_on_owners`:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from twinkle_strategy.moe.recompute import active_record
 
 
 class _AllToAll(torch.autograd.Function):
@@ -57,6 +60,49 @@ def all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[i
     return _AllToAll.apply(tensor, send_splits, recv_splits, group)
 
 
+@dataclasses.dataclass
+class _Exchange:
+    """One dispatch's communication results, kept for activation checkpointing's recomputation."""
+
+    send_splits: list[int]
+    recv_splits: list[int]
+    received: torch.Tensor  # the rows this rank's experts received
+    local_expert: torch.Tensor  # their local expert index
+    returned: torch.Tensor | None = None  # the expert outputs that came back, one per sent row
+    routing: torch.Tensor | None = None  # the router's choices the rows were grouped by
+
+
+class _Replayed(torch.autograd.Function):
+    """An all-to-all already done: the forward returns the recorded result, the backward communicates as
+    :class:`_AllToAll`'s does (the gradient still has to travel back)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, recorded: _Exchange, field: str, forward_splits: tuple) -> torch.Tensor:
+        send_splits, recv_splits, group = forward_splits
+        ctx.send_splits, ctx.recv_splits, ctx.group = send_splits, recv_splits, group
+        return getattr(recorded, field).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        back = _AllToAll.apply(grad.contiguous(), ctx.recv_splits, ctx.send_splits, ctx.group)
+        return back, None, None, None
+
+
+def _send_to_owners(rows: torch.Tensor, row_expert: torch.Tensor, num_local_experts: int,
+                    group: dist.ProcessGroup) -> tuple[torch.Tensor, _Exchange]:
+    """All-to-all of ``rows`` to the ranks owning ``row_expert``: (received rows with autograd, the exchange)."""
+    ep_size = dist.get_world_size(group)
+    dest_rank = torch.div(row_expert, num_local_experts, rounding_mode="floor")
+    send_counts = torch.bincount(dest_rank, minlength=ep_size)
+    recv_counts = torch.empty_like(send_counts)
+    dist.all_to_all_single(recv_counts, send_counts, group=group)
+    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+    received_rows = all_to_all(rows, send_splits, recv_splits, group)
+    with torch.no_grad():
+        local_expert = all_to_all(row_expert - dest_rank * num_local_experts, send_splits, recv_splits, group)
+    return received_rows, _Exchange(send_splits, recv_splits, received_rows.detach(), local_expert)
+
+
 def run_on_owners(
     rows: torch.Tensor,
     row_expert: torch.Tensor,
@@ -64,12 +110,15 @@ def run_on_owners(
     *,
     num_local_experts: int,
     group: dist.ProcessGroup,
-) -> torch.Tensor:
+    replay: _Exchange | None = None,
+) -> tuple[torch.Tensor, _Exchange]:
     """Expert output for every row of ``rows`` [N, H], computed on the EP rank owning ``row_expert`` [N].
 
     ``row_expert`` must be sorted ascending (rows grouped by owner).
     ``local_forward(x [M, H], local_expert [M])`` runs this rank's experts on
-    the rows it received, one output row per input row.
+    the rows it received, one output row per input row. Returns the output and
+    the exchange; given the exchange of an earlier identical call (``replay``,
+    activation checkpointing's recomputation) nothing is communicated forward.
 
     Gradient scale: an expert's gradient collects the tokens of all ``ep_size``
     ranks of its EP group, and FSDP then averages it over the ``ep_fsdp``
@@ -81,16 +130,13 @@ def run_on_owners(
     whatever the size of the ep_fsdp group.
     """
     ep_size = dist.get_world_size(group)
-    dest_rank = torch.div(row_expert, num_local_experts, rounding_mode="floor")
-    send_counts = torch.bincount(dest_rank, minlength=ep_size)
-    recv_counts = torch.empty_like(send_counts)
-    dist.all_to_all_single(recv_counts, send_counts, group=group)
-    send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-
-    received_rows = all_to_all(rows, send_splits, recv_splits, group)
-    with torch.no_grad():
-        local_expert = all_to_all(row_expert - dest_rank * num_local_experts, send_splits, recv_splits, group)
-
+    if replay is None:
+        received_rows, exchange = _send_to_owners(rows, row_expert, num_local_experts, group)
+    else:
+        exchange = replay
+        splits = (exchange.send_splits, exchange.recv_splits, group)
+        received_rows = _Replayed.apply(rows, exchange, "received", splits)
+    local_expert = exchange.local_expert
     received = received_rows.shape[0]
     if received == 0:
         # Run the experts on one zero row anyway: every rank must produce a
@@ -101,7 +147,32 @@ def run_on_owners(
     received_rows = _ScaleGrad.apply(received_rows, float(ep_size))
     expert_out = local_forward(received_rows, local_expert)
     expert_out = _ScaleGrad.apply(expert_out, 1.0 / ep_size)[:received]
-    return all_to_all(expert_out, recv_splits, send_splits, group)
+    if replay is not None:
+        return _Replayed.apply(expert_out, exchange, "returned", (exchange.recv_splits, exchange.send_splits, group)), \
+            exchange
+    returned = all_to_all(expert_out, exchange.recv_splits, exchange.send_splits, group)
+    exchange.returned = returned.detach()
+    return returned, exchange
+
+
+def _recorded_exchange(routing: torch.Tensor) -> _Exchange | None:
+    """In a recomputation, the exchange the original forward recorded for these routing decisions."""
+    record = active_record()
+    if record is None or not record.replaying:
+        return None
+    exchange = record.next()
+    if not torch.equal(exchange.routing, routing):
+        raise RuntimeError("activation checkpointing: the recomputed router chose other experts than the forward "
+                           "did (non-deterministic routing); the saved dispatch no longer matches")
+    return exchange
+
+
+def _keep_exchange(exchange: _Exchange, routing: torch.Tensor) -> None:
+    """Inside a checkpointed forward, keep the exchange for the recomputation."""
+    record = active_record()
+    if record is not None and not record.replaying:
+        exchange.routing = routing
+        record.keep(exchange)
 
 
 def dispatch_routed(
@@ -155,8 +226,10 @@ def dispatch_routed(
         return experts_forward(rows, index, weights)
 
     routed_rows = token_of_row[:num_routed_rows]
-    per_row = run_on_owners(hidden_states[routed_rows], sorted_expert[:num_routed_rows], local_forward,
-                            num_local_experts=num_local_experts, group=group)
+    replay = _recorded_exchange(top_k_index)
+    per_row, exchange = run_on_owners(hidden_states[routed_rows], sorted_expert[:num_routed_rows], local_forward,
+                                      num_local_experts=num_local_experts, group=group, replay=replay)
+    _keep_exchange(exchange, top_k_index)
     if num_routed_rows < num_rows:
         per_row = torch.cat([per_row, hidden_states[token_of_row[num_routed_rows:]].to(per_row.dtype)])
     weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
@@ -201,7 +274,9 @@ def dispatch_pre_routed(
         padded = rows.new_zeros((num_local_experts * width, hidden)).index_copy(0, slot, rows)
         return experts_forward(padded)[slot]
 
-    per_row = run_on_owners(per_expert[row_expert, row_token], row_expert, local_forward,
-                            num_local_experts=num_local_experts, group=group)
+    replay = _recorded_exchange(row_expert)
+    per_row, exchange = run_on_owners(per_expert[row_expert, row_token], row_expert, local_forward,
+                                      num_local_experts=num_local_experts, group=group, replay=replay)
+    _keep_exchange(exchange, row_expert)
     out = per_row.new_zeros((num_experts, per_expert.shape[1], per_row.shape[-1]))
     return out.index_put((row_expert, row_token), per_row).view(-1, per_row.shape[-1])

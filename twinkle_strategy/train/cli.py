@@ -58,6 +58,8 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "lora_alpha": ("tuner.lora_alpha", "LoRA alpha"),
     "target_modules": ("tuner.target_modules", "LoRA target modules (e.g. all-linear, or q_proj v_proj)"),
     "target_parameters": ("tuner.target_parameters", "LoRA on parameters, e.g. mlp.experts.gate_up_proj"),
+    "max_restarts": ("launch.max_restarts", "torchrun restarts after a failure; the run resumes from its newest "
+                                            "complete checkpoint"),
 }
 # Every strategy option is a flag, named as swift names it where swift has one.
 SWIFT_NAMES_OF_STRATEGY_OPTIONS = {"ep_size": "expert_parallel_size", "ep_fsdp_size": "expert_fsdp_size",
@@ -121,9 +123,11 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
     if nproc * nnodes == 1:
         return None
     node_rank = int(env.get("NODE_RANK", "0"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--nnodes", str(nnodes),
-           "--node_rank", str(node_rank), "--master_addr", env.get("MASTER_ADDR", "127.0.0.1"),
-           "--master_port", env.get("MASTER_PORT", "29500"), "-m", "twinkle_strategy.train.cli", *argv]
+    from twinkle_strategy.train.launcher import torchrun_command
+
+    cmd = torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node_rank, nproc,
+                           int(env.get("MASTER_PORT", "29500")), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+                           max_restarts=recipe.launch.max_restarts)
     ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
     return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node")
 
@@ -168,8 +172,8 @@ def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
 
     nnodes, nproc = recipe.launch.nnodes, recipe.launch.nproc_per_node
     port = free_port()
-    commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port)
-                for node in range(nnodes)]
+    commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
+                                 max_restarts=recipe.launch.max_restarts) for node in range(nnodes)]
     return _run_logged(commands, recipe, list(range(nnodes * nproc)), list(range(nnodes)),
                        f"{nnodes} simulated nodes x {nproc} ranks on this machine")
 

@@ -40,11 +40,23 @@ class AgentsResult:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
 
 
-def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int) -> list[str]:
+def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int, *,
+                     max_restarts: int = 0, master_addr: str = "127.0.0.1") -> list[str]:
+    """One node's torchrun; ``max_restarts``: times torchrun restarts the workers after a failure (the
+    trainer of a restarted worker resumes from its run's newest complete checkpoint).
+
+    Restarts use the c10d rendezvous: when one node's workers fail, every node's agent sees the new
+    rendezvous round and restarts its workers too. The static one (``--master_addr``) restarts each node
+    on its own schedule, and the new workers of one node time out waiting for the others.
+    """
+    if max_restarts > 0:
+        where = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{master_addr}:{port}", "--rdzv_id", f"twinkle-{port}",
+                 "--max_restarts", str(max_restarts)]
+    else:
+        where = ["--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(port)]
     return [
         sys.executable, "-m", "torch.distributed.run",
-        "--nnodes", str(nnodes), "--node_rank", str(node_rank), "--nproc_per_node", str(nproc),
-        "--master_addr", "127.0.0.1", "--master_port", str(port),
+        "--nnodes", str(nnodes), "--nproc_per_node", str(nproc), *where,
         *script_and_args,
     ]
 

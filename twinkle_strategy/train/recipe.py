@@ -57,6 +57,8 @@ class LaunchConfig:
     nproc_per_node: int = 1
     # Run `nnodes` torchrun agents on this machine (simulated nodes, for demos and tests).
     simulated_nodes: bool = False
+    # torchrun's --max-restarts: a failed run restarts in place and resumes from its newest complete checkpoint.
+    max_restarts: int = 0
 
 
 @dataclasses.dataclass
@@ -124,6 +126,8 @@ def _dataset_as_list(config):
 
 def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     """Checks that need no process group: tuner type, dtype, and parallel sizes against the launch."""
+    if recipe.launch.max_restarts < 0:
+        raise RecipeError(f"launch.max_restarts={recipe.launch.max_restarts}; use 0 (no restarts) or more")
     if recipe.tuner.type not in ("lora", "full"):
         raise RecipeError(f"tuner.type={recipe.tuner.type!r}; use 'lora' or 'full'")
     tuner = recipe.tuner

@@ -165,11 +165,11 @@ def _init_fsdp(_orig, self) -> None:
     # zero-filled copies on other ranks, shard again, or save with a state dict that ignores EP.
     # ``--fsdp`` is read here only for its options, and then cleared.
     if self.fsdp:
-        config = _read_fsdp_json(self.fsdp)
-        fsdp_config = config.get("fsdp_config") or {}
+        fsdp_json = _read_fsdp_json(self.fsdp)  # (not `config`: that name is the options module)
+        fsdp_config = fsdp_json.get("fsdp_config") or {}
         if int(fsdp_config.get("fsdp_version", 2)) != 2:
             raise SwiftPluginError("--fsdp: the twinkle plugin is FSDP2; drop fsdp_version or set it to 2")
-        twinkle = config.get("twinkle", fsdp_config.get("twinkle")) or {}
+        twinkle = fsdp_json.get("twinkle", fsdp_config.get("twinkle")) or {}
         if not isinstance(twinkle, dict):
             raise SwiftPluginError(f'--fsdp: "twinkle" must be a JSON object, got {twinkle!r}')
         twinkle = dict(twinkle)
@@ -271,7 +271,7 @@ def _strategy_from_pretrained(strategy):
         if not strategy.topology.is_source:
             return meta_skeleton(config, dtype, model_class=cls, **init_kwargs(kwargs)).eval()
         # swift asks for ignore_mismatched_sizes where it replaces a head on purpose (reward models): a full load.
-        if not strategy.stream_checkpoint:
+        if not strategy.config.stream_checkpoint:
             blocker = "stream_checkpoint=False"
         elif args:
             blocker = "from_pretrained was given positional arguments"
@@ -319,9 +319,45 @@ def _load(orig, self):
     return result
 
 
+# swift wraps some experts classes' forward while loading (Qwen3-VL-MoE: a cast of the output to the
+# input's dtype) in a ``forward(hidden_states, *args, **kwargs)`` that passes everything through but
+# hides the signature expert parallelism reads its call contract from. Marking the original as
+# ``__wrapped__`` (what functools.wraps would have done) shows it again; swift's cast still runs.
+_SWIFT_EXPERTS_PATCHES = {
+    "patch_Qwen3VLMoeTextExperts_dtype": ("transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe",
+                                          "Qwen3VLMoeTextExperts"),
+}
+
+
+def _expose_wrapped_forward(orig, module_name: str, class_name: str):
+    import importlib
+
+    experts_class = getattr(importlib.import_module(module_name), class_name)
+    before = experts_class.forward
+    result = orig()
+    after = experts_class.forward
+    if after is not before and not hasattr(after, "__wrapped__"):
+        after.__wrapped__ = before
+    return result
+
+
+def _install_experts_patch_hooks() -> None:
+    from swift.model.models import qwen
+
+    for function_name, (module_name, class_name) in _SWIFT_EXPERTS_PATCHES.items():
+        original = getattr(qwen, function_name, None)
+        if original is None or getattr(original, "_twinkle_hook", False):
+            continue  # another swift version, or already hooked
+        hook = functools.partial(_expose_wrapped_forward, original, module_name, class_name)
+        hook._twinkle_hook = True
+        setattr(qwen, function_name, hook)
+
+
 # ------------------------------------------------------------------ 3. tuner, then EP + FSDP2
 def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     from torch.distributed.fsdp import FSDPModule
+
+    from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
 
     if isinstance(model, FSDPModule):
         return orig.__func__(cls, args, model, *pargs, **kwargs)
@@ -331,6 +367,9 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
     model, _ = strategy.wrap_model(model)
+    # swift's --gradient_checkpointing goes through transformers' gradient_checkpointing_enable: make its
+    # recomputation replay the EP dispatch (no second all-to-all, no re-routing), as twinkle-sft's does.
+    replay_in_transformers_checkpointing(model)
     # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
     model._is_accelerate_prepared = True  # (the strategy has logged its init report already)
     return model
@@ -517,6 +556,7 @@ def install() -> None:
     _patch(ModelLoader, "load", _load)
     _patch(TunerMixin, "prepare_model", _prepare_model, kind="classmethod")
     _patch(TrainerFactory, "get_trainer_cls", _get_trainer_cls, kind="classmethod")
+    _install_experts_patch_hooks()
 
 
 def plugin_path() -> str:

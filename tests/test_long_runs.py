@@ -1,0 +1,223 @@
+"""Long MoE runs: global-batch balancing, expert load, EP-aware activation checkpointing, throughput."""
+
+import pytest
+import torch
+from multinode import REPO, launch
+
+DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    from twinkle_strategy.train.tiny_models import prepare_demo_model
+
+    return prepare_demo_model(str(tmp_path_factory.mktemp("model") / "demo"), DATASET)
+
+
+@pytest.fixture(scope="module")
+def long_runs(tiny_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("long_runs")
+    result = launch("long_runs.py", ["--model", tiny_model, "--dataset", DATASET, "--output-dir", str(out / "runs")],
+                    out / "launch", nnodes=2, nproc_per_node=2, timeout=600)
+    assert result.ok(), result.describe()
+    return result.rank_results()
+
+
+def test_aux_loss_and_gradients_are_the_global_batch_ones(long_runs):
+    for rank, data in long_runs.items():
+        aux = data["aux"]
+        assert aux["loss"] == pytest.approx(aux["ref_loss"], abs=1e-5), (rank, aux)
+        assert aux["aux"] == pytest.approx(aux["ref_aux"], abs=1e-5), (rank, aux)
+        assert aux["grads_compared"] > 20 and aux["grad_diff"] < 1e-5, (rank, aux["grad_where"], aux["grad_diff"])
+
+
+def test_moe_load_imbalance_is_a_single_process_count(long_runs):
+    aux = long_runs[0]["aux"]
+    torch.testing.assert_close(torch.tensor(aux["counts"]), torch.tensor(aux["ref_counts"]), rtol=0, atol=0)
+    assert aux["imbalance"] == pytest.approx(aux["ref_imbalance"], abs=1e-9) and aux["imbalance"] > 1.0
+
+
+@pytest.mark.parametrize("tuner", ["lora", "full"])
+def test_activation_checkpointing_changes_nothing_but_memory(long_runs, tuner):
+    for rank, data in long_runs.items():
+        plain, checkpointed = data[f"{tuner}_gc0"]["steps"], data[f"{tuner}_gc1"]["steps"]
+        for a, b in zip(plain, checkpointed):
+            assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), (rank, plain, checkpointed)
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-6), (rank, plain, checkpointed)
+            assert b["counts"] == a["counts"]  # tokens counted once, not again in the recomputation
+            # The recomputation replays the dispatch: no extra all-to-all (per MoE layer: 4 in the forward, counts included, 2 in the backward).
+            assert b["all_to_alls"] == a["all_to_alls"] > 0, (rank, plain, checkpointed)
+
+
+# ------------------------------------------------------------------ restarts and preemption (the CLI)
+def run_cli_async(args, cwd):
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def recipe_args(model, out, *extra):
+    return [str(REPO / "yaml" / "demo.yaml"), f"model.path={model}", f"data.dataset={DATASET}",
+            f"train.output_dir={out}", "train.max_steps=6", "train.save_steps=2", "train.logging_steps=1",
+            "launch.nproc_per_node=1", "strategy.timeout_s=60", *extra]
+
+
+def rank_pids(run_dir, world):
+    """The worker pids of the latest attempt, read from the rank logs' first lines."""
+    import re
+
+    pids = {}
+    for rank in range(world):
+        path = run_dir / "logs" / f"rank{rank}.log"
+        if path.is_file():
+            found = re.findall(rf"^rank {rank} of \d+ .*pid (\d+):", path.read_text(errors="replace"), re.M)
+            if found:
+                pids[rank] = int(found[-1])
+    return pids
+
+
+def wait_for(predicate, proc, timeout=300):
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, proc.communicate()[0][-5000:]
+        time.sleep(0.05)
+    raise AssertionError("timed out")
+
+
+def read_log(run_dir):
+    import json
+
+    with open(run_dir / "logging.jsonl") as f:
+        return {int(e["global_step/max_steps"].split("/")[0]): e for e in map(json.loads, f)}
+
+
+def the_run_dir(out):
+    runs = sorted(p for p in out.iterdir() if p.name.startswith("v")) if out.is_dir() else []
+    return runs[0] if runs else None
+
+
+def test_killed_rank_restarts_and_sigterm_saves_and_resumes(tiny_model, tmp_path):
+    import os
+    import signal
+
+    reference = run_cli_async(recipe_args(tiny_model, tmp_path / "ref"), tmp_path)
+    killed = run_cli_async(recipe_args(tiny_model, tmp_path / "killed", "launch.max_restarts=1"), tmp_path)
+    stopped = run_cli_async(recipe_args(tiny_model, tmp_path / "stopped"), tmp_path)
+    # SIGKILL one rank once checkpoint-2 is complete; SIGTERM every rank of the other run at the same point.
+    killed_dir = wait_for(lambda: the_run_dir(tmp_path / "killed"), killed)
+    stopped_dir = wait_for(lambda: the_run_dir(tmp_path / "stopped"), stopped)
+    wait_for(lambda: (killed_dir / "checkpoint-2" / "trainer_state.json").is_file(), killed)
+    os.kill(rank_pids(killed_dir, 2)[1], signal.SIGKILL)
+    wait_for(lambda: (stopped_dir / "checkpoint-2" / "trainer_state.json").is_file(), stopped)
+    for pid in rank_pids(stopped_dir, 2).values():
+        os.kill(pid, signal.SIGTERM)
+    outputs = {name: proc.communicate(timeout=600)[0] for name, proc in
+               (("reference", reference), ("killed", killed), ("stopped", stopped))}
+    for name, proc in (("reference", reference), ("killed", killed), ("stopped", stopped)):
+        assert proc.returncode == 0, (name, outputs[name][-5000:])
+    reference_dir = the_run_dir(tmp_path / "ref")
+    uninterrupted = read_log(reference_dir)
+    assert sorted(uninterrupted) == list(range(1, 7))
+    # The MoE and throughput fields of every log line, and the expert-load heatmap.
+    for entry in uninterrupted.values():
+        assert entry["moe_load_imbalance"] >= 1.0 and entry["tokens_per_second"] > 0 < entry["tflops_per_device"]
+        assert "mfu" not in entry and "aux_loss" not in entry  # no known CPU peak; coefficient 0
+    assert (reference_dir / "images" / "expert_load.png").stat().st_size > 1000
+
+    # Restarted in place: the same run directory, logging continued, the uninterrupted losses.
+    restarted = read_log(killed_dir)
+    assert sorted(restarted) == list(range(1, 7)), restarted.keys()
+    for step in range(3, 7):
+        assert abs(restarted[step]["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, restarted, uninterrupted)
+    # Every rank started twice (the rank logs are appended to): torchrun restarted all nodes' workers.
+    for rank in range(2):
+        assert (killed_dir / "logs" / f"rank{rank}.log").read_text().count(f"rank {rank} of 2 ") == 2
+
+    # SIGTERM: a complete checkpoint of the last finished step, exit 0; resuming from it continues exactly.
+    logged = read_log(stopped_dir)
+    last = max(logged)
+    assert last < 6, "SIGTERM arrived after the run ended; nothing was tested"
+    checkpoint = stopped_dir / f"checkpoint-{last}"
+    assert (checkpoint / "trainer_state.json").is_file() and not list(stopped_dir.glob("*.tmp"))
+    resumed = run_cli_async(recipe_args(tiny_model, tmp_path / "resumed", f"train.resume_from_checkpoint={checkpoint}"),
+                            tmp_path)
+    output = resumed.communicate(timeout=600)[0]
+    assert resumed.returncode == 0, output[-5000:]
+    continued = read_log(the_run_dir(tmp_path / "resumed"))
+    assert sorted(continued) == list(range(last + 1, 7))
+    for step, entry in continued.items():
+        assert abs(entry["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, continued, uninterrupted)
+
+
+def test_transformers_checkpointing_replays_and_counts_tokens_once():
+    """The swift plugin's path: transformers' gradient_checkpointing_enable, made to use our contexts."""
+    from twinkle_strategy.moe.load import ExpertLoad
+    from twinkle_strategy.moe.recompute import checkpoint_contexts, replay_in_transformers_checkpointing
+    from twinkle_strategy.train.tiny_models import build_tiny_model
+
+    ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
+    counts, grads = [], []
+    for checkpointing in (False, True):
+        model = build_tiny_model("qwen3_moe")
+        load = ExpertLoad(model)
+        if checkpointing:
+            replay_in_transformers_checkpointing(model)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            layer = model.model.layers[0]
+            assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords == \
+                {"use_reentrant": False, "context_fn": checkpoint_contexts}
+        model.train()
+        model(input_ids=ids, labels=ids).loss.backward()
+        counts.append(load.take_global())
+        grads.append(model.model.layers[1].mlp.gate.weight.grad.clone())
+    assert counts[0].sum() == 2 * 12 * 2 * 2  # tokens x top-2 x 2 layers, counted once with recomputation too
+    torch.testing.assert_close(counts[1], counts[0], rtol=0, atol=0)
+    torch.testing.assert_close(grads[1], grads[0])
+
+
+def test_active_parameters_count_only_the_routed_experts_a_token_uses():
+    from twinkle_strategy.train.throughput import FlopsModel, throughput
+    from twinkle_strategy.train.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe")
+    config = model.config
+    total = sum(p.numel() for p in model.parameters())
+    per_expert = 3 * config.hidden_size * config.moe_intermediate_size  # gate, up, down
+    experts = config.num_hidden_layers * config.num_experts * per_expert
+    expected = (total - model.get_input_embeddings().weight.numel() - experts
+                + config.num_hidden_layers * config.num_experts_per_tok * per_expert)
+    flops = FlopsModel.of(model)
+    assert flops.active_params == expected
+    fields = throughput(flops, tokens=10**9, seq_len=10, seconds=2.0, world_size=4, peak_tflops=10.0)
+    assert fields["tokens_per_second"] == 5e8
+    per_token = 6 * expected + 12 * config.num_hidden_layers * config.num_attention_heads * config.head_dim * 10
+    assert fields["tflops_per_device"] == pytest.approx(per_token * 10**9 / 2.0 / 4 / 1e12, rel=1e-3)
+    assert fields["mfu"] == pytest.approx(fields["tflops_per_device"] / 10.0, rel=1e-3)
+
+
+def test_aux_loss_free_bias_moves_towards_balance_and_other_losses_are_refused():
+    from twinkle_strategy.errors import ModelStructureError
+    from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
+    from twinkle_strategy.train.tiny_models import build_tiny_model
+
+    model = build_tiny_model("deepseek_v3")
+    biases = correction_biases(model)
+    assert len(biases) == model.config.num_hidden_layers - model.config.first_k_dense_replace
+    counts = torch.ones(len(biases), model.config.n_routed_experts)
+    counts[:, 0], counts[:, 1] = 9.0, 0.0  # expert 0 overloaded, expert 1 starved
+    before = [bias.clone() for bias in biases]
+    update_correction_bias(biases, counts, 0.01)
+    for bias, old in zip(biases, before):
+        change = bias - old
+        assert change[0] < 0 < change[1] and abs(float(change.sum())) < 1e-6, change
+    with pytest.raises(ModelStructureError, match="load_balance_coeff"):
+        BalancingLoss.of(model)  # DeepSeek-V3 has no load-balancing loss of its own

@@ -1,0 +1,135 @@
+"""Load balancing over the global batch: the model's own auxiliary loss, and aux-loss-free bias updates.
+
+transformers computes an MoE model's load-balancing loss (Switch Transformer's
+``E * sum_e f_e * P_e``, ``load_balancing_loss_func`` in Mixtral, Qwen2/3-MoE,
+OLMoE, Jamba, gpt-oss...) from the router logits of one forward, so under
+data parallelism each rank balances its own micro-batch: ``f_e``, the fraction
+of tokens routed to expert ``e``, comes from a few sequences and pushes every
+micro-batch towards uniform routing, which fights specialisation (Qwen's
+global-batch balancing). Here ``f_e`` is counted over the global batch (every
+rank, every micro-batch of the optimizer step) and only ``P_e``, the mean
+router probability, carries gradient; each (rank, micro-batch) contributes
+``E * sum_e f_e * p_e / R`` with ``p_e`` its local probability sum and ``R``
+the global row count, so the parts add up to the loss one process would
+compute on the concatenated batch.
+
+The formula is the model's: :func:`check_matches_model` compares it with the
+model's own ``aux_loss`` on local statistics and refuses a family whose
+function differs, rather than silently changing its objective.
+
+Routers with a correction bias (DeepSeek-V3's ``e_score_correction_bias``)
+can instead be balanced without a loss: :func:`update_correction_bias` nudges
+the bias after each step from the global expert counts, as torchtitan's
+``load_balance_coeff`` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from twinkle_strategy.errors import ModelStructureError
+
+
+@dataclasses.dataclass
+class RouterStats:
+    """Sums over all MoE layers' router rows, as ``load_balancing_loss_func`` accumulates them."""
+
+    counts: torch.Tensor  # [E] top-k assignments per expert (no gradient)
+    prob_sums: torch.Tensor  # [E] summed router probabilities (carries the gradient)
+    rows: torch.Tensor  # scalar: non-padding rows over all layers
+
+    def reduced(self) -> "RouterStats":
+        """Counts and rows summed over every rank (probabilities stay local: they carry this rank's graph)."""
+        packed = torch.cat([self.counts, self.rows.reshape(1)]).detach()
+        if dist.is_initialized():
+            dist.all_reduce(packed)
+        return RouterStats(packed[:-1], self.prob_sums, packed[-1])
+
+    def __add__(self, other: "RouterStats") -> "RouterStats":
+        return RouterStats(self.counts + other.counts, self.prob_sums + other.prob_sums, self.rows + other.rows)
+
+
+@dataclasses.dataclass(frozen=True)
+class BalancingLoss:
+    """Where a model keeps its load-balancing loss: the causal LM module and its routing sizes."""
+
+    owner: nn.Module  # the module with router_aux_loss_coef (the CausalLM, beneath any PEFT wrapper)
+    num_experts: int
+    top_k: int
+
+    @classmethod
+    def of(cls, model: nn.Module) -> "BalancingLoss":
+        owner = next((m for m in model.modules() if hasattr(m, "router_aux_loss_coef")), None)
+        config = getattr(owner, "config", None)
+        if owner is None or not hasattr(config, "output_router_logits"):
+            raise ModelStructureError(
+                f"{type(model).__name__} has no load-balancing loss of its own (no router_aux_loss_coef / "
+                "output_router_logits); set router_aux_loss_coef=0, and for routers with a correction bias "
+                "(DeepSeek-V3 style) use load_balance_coeff instead")
+        return cls(owner, int(owner.num_experts), int(owner.num_experts_per_tok))
+
+    def silence_model_term(self) -> None:
+        """The model would add ``coef * local aux loss`` to its loss; the global one replaces it."""
+        self.owner.router_aux_loss_coef = 0.0
+
+    def statistics(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None) -> RouterStats:
+        """The model formula's per-expert sums for one forward (softmax, top-k, masked by attention)."""
+        device = router_logits[0].device
+        counts = torch.zeros(self.num_experts, device=device)
+        prob_sums = torch.zeros(self.num_experts, device=device)
+        rows = torch.zeros((), device=device)
+        mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
+        for logits in router_logits:
+            probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)
+            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            weight = torch.ones(probs.shape[0], device=device) if mask is None else mask
+            counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(self.top_k).detach())
+            prob_sums = prob_sums + (probs * weight.unsqueeze(-1)).sum(dim=0)
+            rows = rows + weight.sum()
+        return RouterStats(counts, prob_sums, rows)
+
+    def loss_part(self, local: RouterStats, global_stats: RouterStats) -> torch.Tensor:
+        """This forward's share of the global-batch loss: summed over ranks and micro-batches it is the loss."""
+        fraction = global_stats.counts / global_stats.rows
+        return self.num_experts * torch.sum(fraction * local.prob_sums / global_stats.rows)
+
+    def local_loss(self, local: RouterStats) -> torch.Tensor:
+        """The loss on this forward's statistics alone: what the model itself computes."""
+        return self.loss_part(local, RouterStats(local.counts, local.prob_sums, local.rows))
+
+    def check_matches_model(self, local: RouterStats, model_aux_loss: torch.Tensor | None) -> None:
+        """Refuse a family whose own load-balancing loss is not the formula made global here."""
+        ours = float(self.local_loss(local))
+        theirs = None if model_aux_loss is None else float(model_aux_loss)
+        if theirs is None or abs(ours - theirs) > 1e-4 * max(1.0, abs(theirs)):
+            raise ModelStructureError(
+                f"router_aux_loss_coef: {type(self.owner).__name__}'s load-balancing loss ({theirs}) is not the "
+                f"Switch-Transformer form counted over the global batch here (which gives {ours} on the same "
+                "batch); set router_aux_loss_coef=0 for this model")
+
+
+def correction_biases(model: nn.Module) -> list[torch.Tensor]:
+    """The routers' ``e_score_correction_bias`` tensors, one per MoE layer in module order."""
+    return [t for name, t in model.named_buffers() if name.endswith("e_score_correction_bias")] + \
+        [t for name, t in model.named_parameters() if name.endswith("e_score_correction_bias")]
+
+
+@torch.no_grad()
+def update_correction_bias(biases: list[torch.Tensor], counts: torch.Tensor, coeff: float) -> None:
+    """torchtitan's aux-loss-free rule: raise the bias of under-loaded experts, lower over-loaded ones.
+
+    ``counts`` [layers, E] are the global tokens per expert of the step; the
+    update is ``coeff * sign(mean - count)``, centred so the biases do not drift.
+    """
+    if len(biases) != counts.shape[0]:
+        raise ModelStructureError(f"load_balance_coeff: {counts.shape[0]} MoE layers counted but {len(biases)} "
+                                  "routers have an e_score_correction_bias")
+    for bias, layer_counts in zip(biases, counts):
+        layer_counts = layer_counts[:bias.numel()].float()
+        delta = coeff * torch.sign(layer_counts.mean() - layer_counts)
+        bias.add_((delta - delta.mean()).to(bias.device, bias.dtype))

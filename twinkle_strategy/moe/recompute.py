@@ -1,0 +1,149 @@
+"""Activation checkpointing that neither routes nor communicates again when it recomputes.
+
+``torch.utils.checkpoint`` (non-reentrant) recomputes a decoder layer's forward
+during the backward. With expert parallelism that forward holds two
+all-to-alls per MoE layer (tokens out to the experts' owners, results back),
+and a count exchange that synchronises with the host. Recomputing them would
+double the step's communication, and a recomputed router could, in low
+precision, route a token differently from the forward that the loss saw.
+
+So each checkpointed forward keeps a :class:`ForwardRecord`: the EP dispatch
+appends what it received (split sizes, dispatched rows, returned rows, routing
+decisions) in call order, and the recomputation replays them in the same order
+instead of communicating, as torchtitan's selective checkpointing saves the
+all-to-all outputs. The two halves are ``torch.utils.checkpoint``'s public
+``context_fn``: :func:`checkpoint_contexts` returns a recording context (the
+original forward) and a replaying one (the recomputation), sharing one record.
+
+The same mechanism serves transformers' ``gradient_checkpointing_enable``
+(``gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn":
+checkpoint_contexts}``), which is how the swift plugin uses it, and
+:func:`apply_activation_checkpointing`, which the trainer uses.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import functools
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+_ACTIVE: contextvars.ContextVar["ForwardRecord | None"] = contextvars.ContextVar("twinkle_forward_record",
+                                                                                 default=None)
+
+
+class ForwardRecord:
+    """What the EP dispatch of one checkpointed forward produced, in call order."""
+
+    def __init__(self) -> None:
+        self.entries: collections.deque = collections.deque()
+        self.replaying = False
+
+    def keep(self, entry) -> None:
+        self.entries.append(entry)
+
+    def next(self):
+        if not self.entries:
+            raise RuntimeError("activation checkpointing: the recomputed forward dispatched to experts more often "
+                               "than the original one; the layer's forward must be deterministic in its calls")
+        return self.entries.popleft()
+
+
+@contextlib.contextmanager
+def _use(record: ForwardRecord, replaying: bool):
+    record.replaying = replaying
+    token = _ACTIVE.set(record)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def checkpoint_contexts():
+    """``context_fn`` for ``torch.utils.checkpoint``: (record the forward, replay it in the recomputation)."""
+    record = ForwardRecord()
+    return _use(record, replaying=False), _use(record, replaying=True)
+
+
+def active_record() -> ForwardRecord | None:
+    """The record of the checkpointed forward running now (None outside activation checkpointing)."""
+    return _ACTIVE.get()
+
+
+def is_replaying() -> bool:
+    """True while activation checkpointing recomputes a forward: nothing should be counted twice."""
+    record = _ACTIVE.get()
+    return record is not None and record.replaying
+
+
+def apply_activation_checkpointing(layers: list[nn.Module]) -> None:
+    """Recompute each of ``layers`` in the backward (non-reentrant), replaying its EP dispatch.
+
+    The layer keeps its class and parameter names (an instance ``forward``
+    shadows the class's, as EP does for experts), so checkpoints, state dicts
+    and FSDP2's hooks, which run around ``forward`` in ``__call__`` and hence
+    outside the recomputed region, are unaffected. Idempotent.
+    """
+    for layer in layers:
+        if getattr(layer.forward, "_twinkle_checkpointed", False):
+            continue
+        layer.forward = _checkpointed(layer.forward)
+
+
+_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def checkpointed_forward(*args, **kwargs):
+        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+            return forward(*args, **kwargs)
+        # A KV cache would be appended to twice (forward and recomputation), as transformers' own
+        # gradient checkpointing also knows; training does not need one.
+        for name in _CACHE_ARGS:
+            if kwargs.get(name) is not None:
+                kwargs[name] = None
+        if kwargs.get("use_cache"):
+            kwargs["use_cache"] = False
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
+
+    checkpointed_forward._twinkle_checkpointed = True
+    return checkpointed_forward
+
+
+def replay_in_transformers_checkpointing(model: nn.Module) -> None:
+    """Make transformers' own gradient checkpointing (``gradient_checkpointing_enable``, used by
+    ms-swift and the HF Trainer) non-reentrant with :func:`checkpoint_contexts`, whether it is
+    enabled already or later."""
+    for module in model.modules():
+        func = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and func is not None:
+            module._gradient_checkpointing_func = _with_replay(func)
+        # transformers >= 5.2x routes activation_/gradient_checkpointing_enable to the private worker;
+        # older versions have only the public method.
+        name = next((n for n in ("_activation_checkpointing_enable", "gradient_checkpointing_enable")
+                     if hasattr(module, n)), None)
+        enable = getattr(module, name) if name else None
+        if enable is not None and not getattr(enable, "_twinkle_replay", False):
+            setattr(module, name, _enable_with_replay(enable))
+
+
+def _with_replay(func):
+    keywords = dict(getattr(func, "keywords", None) or {})
+    base = getattr(func, "func", checkpoint)  # transformers' own wrapper when it offloads to the host
+    return functools.partial(base, **{**keywords, "use_reentrant": False, "context_fn": checkpoint_contexts})
+
+
+def _enable_with_replay(enable):
+    @functools.wraps(enable)
+    def enable_with_replay(checkpointing_kwargs=None, *args, **kwargs):
+        # The context_fn is added here, not in the user's kwargs: swift and HF serialise those into args.json.
+        options = {**(checkpointing_kwargs or {}), "use_reentrant": False, "context_fn": checkpoint_contexts}
+        return enable(options, *args, **kwargs)
+
+    enable_with_replay._twinkle_replay = True
+    return enable_with_replay
