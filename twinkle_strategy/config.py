@@ -47,7 +47,7 @@ class StrategyConfig:
                                             "each node keeps (false: load the whole model on each source)")
     init_bucket_mb: float = _option(DEFAULT_INIT_BUCKET_MB, "memory_efficient_init transfer bucket size (MiB)")
     init_transport: str = _option("p2p", "p2p (paired isend/irecv, exact bytes) | scatter (one collective "
-                                         "per bucket)")
+                                         "per round, shorter streams padded)")
     verify_init: bool = _option(False, "after memory_efficient_init, check a CRC32 of every received region "
                                        "against the source's")
     timeout_s: float = _option(1800.0, "seconds any collective may wait for a peer before every rank fails "

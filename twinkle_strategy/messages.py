@@ -6,7 +6,8 @@ torch_npu HCCL lacks ``gather``), and a tensor a collective touches must live
 on the backend's device: CUDA for NCCL, the NPU for HCCL, the CPU for gloo.
 So a message travels as its pickled bytes in a uint8 tensor on
 :func:`collective_device`, its size exchanged first, through collectives every
-backend has: ``all_gather``, ``broadcast`` and paired point-to-point sends.
+backend has: ``all_gather``, ``broadcast`` and paired point-to-point sends (gather and scatter are
+built from those).
 """
 
 from __future__ import annotations
@@ -112,3 +113,26 @@ def gather_objects(obj, dst: int, group=None) -> list | None:
 def _wait(works) -> None:
     for work in works:
         work.wait()
+
+
+def scatter_objects(objs: list | None, src: int, group=None):
+    """Group rank i's ``objs[i]`` (given on global rank ``src`` only), on every rank of ``group``.
+
+    The sizes go everywhere in one broadcast (a few bytes per rank); each payload only to its rank.
+    """
+    device = collective_device(group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank()
+    payloads = [_encode(obj, device) for obj in objs] if me == src else None
+    sizes = torch.tensor([p.numel() for p in payloads] if me == src else [0] * len(ranks), dtype=torch.int64,
+                         device=device)
+    dist.broadcast(sizes, src=src, group=group)
+    if me == src:
+        ops = [dist.P2POp(dist.isend, payload, rank, group=group)
+               for rank, payload in zip(ranks, payloads) if rank != me]
+        if ops:
+            _wait(dist.batch_isend_irecv(ops))
+        return objs[ranks.index(me)]
+    payload = torch.empty(int(sizes[ranks.index(me)].item()), dtype=torch.uint8, device=device)
+    _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, payload, src, group=group)]))
+    return _decode(payload)

@@ -37,26 +37,13 @@ def transformers_state(path: str) -> dict:
 
 
 def shard_mismatches(model, strategy, state) -> list[str]:
-    bad, fp32_kept = [], fp32_kept_names(model)
+    bad = []
     for need, local in needs_of(model, strategy.ep_plan):
         want = state[need.name]
-        if want.dtype == torch.float32 and local.dtype == DTYPE and need.name in fp32_kept:
-            # DeepSeek keeps its router bias (V4: also norms, sinks) in fp32 under bf16; the skeleton ignoring
-            # that is issue 18 (branch issue18-dtype). Until then these are compared in the skeleton's dtype.
-            want = want.to(local.dtype)
         want = region_of(want, need, strategy.ep_plan)
         if want.dtype != local.dtype or want.shape != local.shape or not torch.equal(want, local.cpu()):
             bad.append(need.name)
     return bad
-
-
-def fp32_kept_names(model) -> set[str]:
-    import re
-
-    patterns = set(getattr(model, "_keep_in_fp32_modules_strict", None) or []) | set(
-        getattr(model, "_keep_in_fp32_modules", None) or [])
-    return {n for n, _ in list(model.named_parameters()) + list(model.named_buffers())
-            if any(re.search(rf"(^|\.){re.escape(p)}(\.|$)", n) for p in patterns)}
 
 
 def stored_bytes_bound(model, strategy, index: SafetensorsIndex, block) -> int:

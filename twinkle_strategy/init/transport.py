@@ -49,9 +49,7 @@ def scatter_from_source(objs: list | None, source: int, node_group) -> object:
     """Local rank i of the node gets ``objs[i]`` (given on the source only)."""
     if node_group is None:
         return objs[0]
-    box = [None]
-    dist.scatter_object_list(box, objs, src=source, group=node_group)
-    return box[0]
+    return messages.scatter_objects(objs, source, node_group)
 
 
 def max_over_node(value: int, node_group) -> int:
