@@ -140,9 +140,13 @@ def _with_replay(func):
 
 def _enable_with_replay(enable):
     @functools.wraps(enable)
-    def enable_with_replay(checkpointing_kwargs=None, *args, **kwargs):
+    def enable_with_replay(*args, **kwargs):
+        # The options come by keyword (swift: gradient_checkpointing_kwargs=..., the name functools.wraps shows;
+        # newer transformers: checkpointing_kwargs=...) or first by position.
+        key = next((k for k in ("gradient_checkpointing_kwargs", "checkpointing_kwargs") if k in kwargs), None)
+        given, args = (kwargs.pop(key), args) if key else (args[0] if args else None, args[1:])
         # The context_fn is added here, not in the user's kwargs: swift and HF serialise those into args.json.
-        options = {**(checkpointing_kwargs or {}), "use_reentrant": False, "context_fn": checkpoint_contexts}
+        options = {**(given or {}), "use_reentrant": False, "context_fn": checkpoint_contexts}
         return enable(options, *args, **kwargs)
 
     enable_with_replay._twinkle_replay = True
