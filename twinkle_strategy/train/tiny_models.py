@@ -351,8 +351,6 @@ def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = 
     later calls reuse it. Written to a temporary directory and renamed, so an
     interrupted build never leaves a half checkpoint behind.
     """
-    import shutil
-    import tempfile
 
     from twinkle_strategy.train.data import read_rows
 
@@ -363,13 +361,26 @@ def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = 
         rows, _ = read_rows(dataset_path)  # rows training will skip do not shape the vocabulary either
         texts.extend(m["content"] for _, messages in rows for m in messages if isinstance(m["content"], str))
     tokenizer = build_tokenizer(texts)
+    return build_once(path, lambda tmp: save_tiny_checkpoint(
+        family, tmp, seed=seed, tokenizer=tokenizer, vocab_size=len(tokenizer),
+        **{"hidden_size": 64, "intermediate_size": 32, **sizes},
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id))
+
+
+def build_once(path: str, build) -> str:
+    """``build(tmp)`` into a temporary sibling of ``path``, renamed to ``path`` when done.
+
+    Several processes may build the same demo model at once (simulated nodes): the first rename wins,
+    and a loser whose rename fails finds the winner's complete checkpoint and uses it.
+    """
+    import shutil
+    import tempfile
+
     parent = os.path.dirname(os.path.abspath(path))
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tiny-", dir=parent)
     try:
-        save_tiny_checkpoint(family, tmp, seed=seed, tokenizer=tokenizer, vocab_size=len(tokenizer),
-                             **{"hidden_size": 64, "intermediate_size": 32, **sizes},
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+        build(tmp)
         os.rename(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

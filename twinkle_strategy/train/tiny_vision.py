@@ -115,10 +115,13 @@ def prepare_vl_demo_model(path: str, dataset_path: str, family: str = "qwen3_vl_
     """A tiny ``family`` (``qwen3_vl_moe`` or ``qwen3_5_moe_vl``) checkpoint saved from its vision-language
     class, with its processor and a tokenizer trained on ``dataset_path``'s texts. Written once to
     ``path`` (through a temporary directory, so an interrupted build leaves nothing half-written)."""
-    import shutil
-    import tempfile
 
-    from twinkle_strategy.train.tiny_models import VISION_LANGUAGE_FAMILIES, save_tiny_checkpoint, tiny_config
+    from twinkle_strategy.train.tiny_models import (
+        VISION_LANGUAGE_FAMILIES,
+        build_once,
+        save_tiny_checkpoint,
+        tiny_config,
+    )
 
     if family not in VISION_LANGUAGE_FAMILIES:
         raise ValueError(f"prepare_vl_demo_model: family {family!r} is not vision-language; "
@@ -128,18 +131,12 @@ def prepare_vl_demo_model(path: str, dataset_path: str, family: str = "qwen3_vl_
     token_ids = vision_token_ids(tiny_config(family))
     tokenizer = build_vl_tokenizer(_dataset_texts(dataset_path), token_ids)
     vocab_size = (max(token_ids.values()) // 64 + 1) * 64  # the embedding must reach the vision tokens' ids
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tiny-vl-", dir=parent)
-    try:
-        save_tiny_checkpoint(family, tmp, seed=seed, vocab_size=vocab_size, **sizes,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+
+    def build(tmp: str) -> None:
         from transformers import AutoConfig
 
+        save_tiny_checkpoint(family, tmp, seed=seed, vocab_size=vocab_size, **sizes,
+                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
         build_vl_processor(tokenizer, AutoConfig.from_pretrained(tmp).vision_config).save_pretrained(tmp)
-        os.rename(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if not os.path.exists(os.path.join(path, "config.json")):
-            raise
-    return path
+
+    return build_once(path, build)
