@@ -50,6 +50,11 @@ def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, np
     on its own schedule, and the new workers of one node time out waiting for the others.
     """
     if max_restarts > 0:
+        # torch's c10d rendezvous otherwise shares one TCP store with the workers of every round, so a
+        # restarted round's default process group can read a dead worker's address left by the last one
+        # ("Gloo connectFullMesh failed ... Connection refused"), which costs the restart and leaves the
+        # other node waiting. torch's own switch gives every round a fresh worker store on a new port.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         where = ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"{master_addr}:{port}", "--rdzv_id", f"twinkle-{port}",
                  "--max_restarts", str(max_restarts)]
     else:
