@@ -45,6 +45,7 @@ Options (the ``--fsdp`` JSON's ``"twinkle"`` object wins over the environment)::
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -103,6 +104,17 @@ def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str,
 _STATE: dict[str, Any] = {"args": None, "fsdp_options": {}, "strategy": None}
 
 
+def _destroy_process_group() -> None:
+    # swift leaves the process group to interpreter teardown. With the strategy's own groups (node groups,
+    # point-to-point transfers) gloo's threads could then be destroyed while still joinable: a finished run
+    # once ended in "terminate called without an active exception" (SIGABRT). Tear it down while Python runs,
+    # as twinkle-sft does through strategy.shutdown().
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def get_strategy():
     """The process's NativeFSDPStrategy, built on first use from the options and swift's arguments."""
     if _STATE["strategy"] is None:
@@ -114,6 +126,7 @@ def get_strategy():
         strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(args, "ddp_backend", None), **options))
         strategy.setup()
         _STATE["strategy"] = strategy
+        atexit.register(_destroy_process_group)
         if strategy.is_main_process:
             logger.info("twinkle swift plugin: NativeFSDPStrategy(%s), world_size=%d, nodes=%d",
                         ", ".join(f"{k}={v}" for k, v in options.items()), strategy.world_size,
