@@ -99,18 +99,19 @@ def gather_objects(obj, dst: int, group=None) -> list | None:
     me = dist.get_rank()
     if me != dst:
         if payload.numel():
-            _wait(dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, dst, group=group)]))
+            wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, dst, group=group)]))
         return None
     parts = [payload if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
              for rank, size in zip(ranks, sizes)]
     ops = [dist.P2POp(dist.irecv, part, rank, group=group)
            for rank, part in zip(ranks, parts) if rank != me and part.numel()]
     if ops:
-        _wait(dist.batch_isend_irecv(ops))
+        wait_all(dist.batch_isend_irecv(ops))
     return [obj if rank == me else _decode(part) for rank, part in zip(ranks, parts)]
 
 
-def _wait(works) -> None:
+def wait_all(works) -> None:
+    """Wait for every work of a ``batch_isend_irecv``."""
     for work in works:
         work.wait()
 
@@ -131,8 +132,8 @@ def scatter_objects(objs: list | None, src: int, group=None):
         ops = [dist.P2POp(dist.isend, payload, rank, group=group)
                for rank, payload in zip(ranks, payloads) if rank != me]
         if ops:
-            _wait(dist.batch_isend_irecv(ops))
+            wait_all(dist.batch_isend_irecv(ops))
         return objs[ranks.index(me)]
     payload = torch.empty(int(sizes[ranks.index(me)].item()), dtype=torch.uint8, device=device)
-    _wait(dist.batch_isend_irecv([dist.P2POp(dist.irecv, payload, src, group=group)]))
+    wait_all(dist.batch_isend_irecv([dist.P2POp(dist.irecv, payload, src, group=group)]))
     return _decode(payload)

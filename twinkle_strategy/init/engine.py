@@ -198,7 +198,7 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     """The source learns what each of its ranks needs and checks it can serve it; fail together."""
     topology = node.topology
     source, is_source = topology.source_rank, topology.is_source
-    all_needs = transport.gather_to_source([need for need, _ in mine], source, node.group, is_source)
+    all_needs = transport.gather_to_source([need for need, _ in mine], source, node.group)
     stats.collective_calls += 1
     error = None
     if is_source:
@@ -295,7 +295,7 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool 
     """
     topology = node.topology
     sums = [_checksum([local]) for _, local in mine]
-    gathered = transport.gather_to_source(sums, topology.source_rank, node.group, topology.is_source)
+    gathered = transport.gather_to_source(sums, topology.source_rank, node.group)
     if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]

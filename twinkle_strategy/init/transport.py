@@ -38,7 +38,7 @@ def broadcast_from_source(obj, source: int, node_group) -> object:
     return messages.broadcast_object(obj, source, node_group)
 
 
-def gather_to_source(obj, source: int, node_group, is_source: bool) -> list | None:
+def gather_to_source(obj, source: int, node_group) -> list | None:
     """Every node rank's ``obj``, in local-rank order, on the source (None elsewhere)."""
     if node_group is None:
         return [obj]
@@ -147,11 +147,6 @@ def _send(message: torch.Tensor, peer: int) -> list:
     return dist.batch_isend_irecv([dist.P2POp(dist.isend, message, peer)])
 
 
-def _wait(works) -> None:
-    for work in works:
-        work.wait()
-
-
 def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress, between_rounds) -> Outcome:
     topology, device = node.topology, node.device
     if topology.is_source:
@@ -220,7 +215,7 @@ def interleaved(plans: dict[int, list[int]], window: int) -> list[tuple[int, int
 
 def _release_oldest(in_flight: collections.deque, pool: staging.StagingPool) -> None:
     works, slot = in_flight.popleft()
-    _wait(works)
+    messages.wait_all(works)
     pool.release(slot)
 
 
@@ -229,7 +224,7 @@ def _send_aborts(plans: dict[int, list[int]], sent: dict[int, int], slot: stagin
     for rank, sizes in plans.items():
         for size in sizes[sent[rank]:sent[rank] + 2]:
             slot.host_free()[:size].zero_()
-            _wait(_send(slot.message(size, staging.ABORT), rank))
+            messages.wait_all(_send(slot.message(size, staging.ABORT), rank))
 
 
 def _receive_p2p(writer, source, *, bucket_bytes, device, stats) -> Outcome:
@@ -239,7 +234,7 @@ def _receive_p2p(writer, source, *, bucket_bytes, device, stats) -> Outcome:
         message = torch.empty(size + staging.FLAG_BYTES, dtype=torch.uint8, device=device)
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, message, source)])
         if pending is not None and not _unpack(pending, writer, stats):
-            _wait(works)  # the source sends the message posted ahead too, flagged: nothing is left pending
+            messages.wait_all(works)  # the source sends the message posted ahead too, flagged: nothing is left pending
             return Outcome(aborted=True)
         pending = (works, message)
     if pending is not None and not _unpack(pending, writer, stats):
@@ -250,7 +245,7 @@ def _receive_p2p(writer, source, *, bucket_bytes, device, stats) -> Outcome:
 def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> bool:
     """Write a received bucket into the shards; False if the source flagged it as an abort."""
     works, message = pending
-    _wait(works)
+    messages.wait_all(works)
     size = message.numel() - staging.FLAG_BYTES
     if int(message[size].item()) == staging.ABORT:
         return False
