@@ -25,6 +25,10 @@ FAMILIES = MATRIX_FAMILIES + VISION_LANGUAGE_FAMILIES
 # and the two whose experts take another dispatch path (pre-routed, zero experts).
 BF16_FAMILIES = ("nemotron_h", "deepseek_v4", "bailing_hybrid", "llama4", "longcat_flash")
 LORA_FAMILIES = ("llama4", "nemotron_h", "longcat_flash") + VISION_LANGUAGE_FAMILIES
+# Saved and resumed after init: LongCat-Flash's zero-computation slots are written and read as rows like any
+# expert; Bailing-Hybrid's conv1d (transformers fuses q/k/v convolutions with Concatenate(dim=0)) and expert
+# lora_B (experts along dim 1) only whole, by one owner rank.
+ROUNDTRIPS = ("longcat_flash", "bailing_hybrid", "longcat_flash+lora")
 REFUSED = {
     "dbrx": "dbrx",
     "jetmoe": "jetmoe",
@@ -44,7 +48,7 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
     refused = ",".join(f"{name}={directory}" for name, directory in REFUSED.items())
     result = launch("family_matrix.py", ["--ckpt-root", str(family_checkpoints), "--families", ",".join(FAMILIES),
                                          "--lora", ",".join(LORA_FAMILIES), "--refused", refused,
-                                         "--bf16", ",".join(BF16_FAMILIES)],
+                                         "--bf16", ",".join(BF16_FAMILIES), "--roundtrip", ",".join(ROUNDTRIPS)],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -91,6 +95,40 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
             in errors["unknown_forward"]["error"]
     check_bf16_cases({rank: {"cases": data["bf16_cases"]} for rank, data in ranks.items()},
                      [f"{family}:full" for family in BF16_FAMILIES])
+    check_roundtrips(ranks)
     # Every rank raised the same error (the model structure is the same everywhere).
     for name in REFUSED:
         assert len({next(r["error"] for r in d["refused"] if r["name"] == name) for d in ranks.values()}) == 1
+
+
+def check_roundtrips(ranks: dict) -> None:
+    cases = {rank: {(c["family"], c["lora"]): c for c in data["roundtrips"]} for rank, data in ranks.items()}
+    for rank, by_case in cases.items():
+        assert [f"{f}{'+lora' if lora else ''}" for f, lora in by_case] == list(ROUNDTRIPS)
+        for (family, lora), c in by_case.items():
+            case = f"rank {rank} {family}{' + LoRA' if lora else ''}"
+            assert c["loaded_mismatches"] == [], f"{case}: plain from_pretrained of the save differs"
+            assert c["resumed_mismatches"] == [], f"{case}: shards read back differ"
+            # Only a tensor's owner holds it whole, and only tensors that cannot be rows.
+            assert set(c["gathered"]) <= set(c["owned"]), case
+            assert (c["bytes_received"] > 0) == bool(c["gathered"]), case
+            # Resuming reads this rank's rows, plus whole the tensors it owns and serves (no rank reads more).
+            assert c["bytes_read"] <= c["local_bytes"] + sum(c["owned"][n] for n in c["gathered"]), case
+    for family, lora in [(f.partition("+")[0], bool(f.partition("+")[2])) for f in ROUNDTRIPS]:
+        gathered = [n for by_case in cases.values() for n in by_case[(family, lora)]["gathered"]]
+        assert len(gathered) == len(set(gathered)), f"{family}: a tensor was held whole by two ranks: {gathered}"
+        two_runs = {n for by_case in cases.values() for n, runs in by_case[(family, lora)]["runs"].items()
+                    if runs == 2}
+        if family == "longcat_flash" and not lora:
+            # The zero slots travel as rows, at init and in the checkpoint: nothing read or held whole.
+            assert gathered == [] and two_runs == {f"model.layers.{i}.mlp.experts.gate_up_proj" for i in (0, 1)}
+            for by_case in cases.values():
+                assert by_case[(family, lora)]["init_whole"] == []
+                assert by_case[(family, lora)]["bytes_read"] == by_case[(family, lora)]["local_bytes"]
+        elif family == "longcat_flash":
+            assert gathered and all(".lora_B." in n for n in gathered), gathered
+            assert two_runs and all(".lora_A." in n for n in two_runs), two_runs
+        else:
+            conv = {f"model.layers.{i}.self_attn.conv1d.weight" for i in (0, 1)}
+            assert set(gathered) == conv
+            assert {n for by_case in cases.values() for n in by_case[(family, lora)]["init_whole"]} == conv

@@ -241,3 +241,25 @@ def test_check_need_names_the_tensor():
     why = "from_pretrained(dtype=torch.bfloat16) keeps it in torch.float32: X._keep_in_fp32_modules_strict has 'b'"
     assert f"but torch.float32 in the receiving rank's model ({why})" in \
         check_need(Need("b", NOT_EXPERT, None, (4,), torch.float32), b, None, 0, dtype_reason=why)
+
+
+@pytest.mark.parametrize("axis,shape", [
+    (ExpertAxis(0, 8), (8, 6, 4)),
+    (ExpertAxis(0, 8, 1, 3), (24, 5)),
+    (ExpertAxis(0, 8, zero_experts=4), (12, 6, 4)),   # LongCat-Flash: routed experts, then zero slots
+    (ExpertAxis(0, 8, 1, 3, 4), (36, 5)),
+    (ExpertAxis(0, 8, 2, 3, 4), (72, 5)),             # expert blocks repeated per outer index
+])
+def test_expert_axis_row_runs_are_the_cut(axis, shape):
+    """Any rows of any rank's cut, read as runs of full rows, are exactly those rows of the cut."""
+    full = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape)
+    for start in range(0, 8, 2):
+        cut = axis.cut(full, start, 2)
+        for lo in range(cut.shape[0] + 1):
+            for hi in range(lo, cut.shape[0] + 1):
+                runs = axis.row_runs(start, 2, lo, hi)
+                got = torch.cat([full[a:b] for a, b in runs]) if runs else full[:0]
+                assert torch.equal(got, cut[lo:hi]), (start, lo, hi, runs)
+                assert all(a < b for a, b in runs)
+    if axis.zero_experts and axis.outer == 1:  # a whole LongCat cut is two runs: its experts, its zero slots
+        assert len(axis.row_runs(2, 2, 0, axis.local_shape(shape, 2)[0])) == 2

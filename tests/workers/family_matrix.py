@@ -9,6 +9,7 @@ happens before any collective, so the ranks stay in step).
 """
 
 import argparse
+import math
 import os
 import sys
 
@@ -153,6 +154,66 @@ def saved_adapter_check(strategy, model, path, ids, ref_logits) -> dict:
                 logit_diff=(logits - ref_logits).abs().max().item())
 
 
+def roundtrip_case(path: str, family: str, lora: bool, rank: int) -> dict:
+    """Init, then save (a Hugging Face checkpoint, or an adapter run's trainable files) and read it back into
+    zeroed shards: the files must load with plain from_pretrained, the shards come back bit for bit, and a
+    tensor that cannot be written or read as rows is held whole by one owner rank only."""
+    from twinkle_strategy.checkpoint.model_files import read_model_files, save_model_config, save_model_files
+    from twinkle_strategy.checkpoint.optimizer_files import TrainableFiles, read_trainable_files
+    from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
+    from twinkle_strategy.checkpoint.whole_tensors import owner_of
+    from twinkle_strategy.dtensor import local_tensor
+    from twinkle_strategy.fail_together import step_reporter
+
+    reference = with_adapter(load_single_process(path), lora, family)
+    state = {k: v.clone() for k, v in reference.state_dict().items()}
+    del reference
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, timeout_s=120)
+    model, _ = strategy.wrap_model(with_adapter(strategy.from_pretrained(path), lora, family))
+    init_whole = strategy.init_report.whole_tensors
+    out = os.path.join(os.environ["TWINKLE_TEST_OUT"], f"roundtrip-{family}{'-lora' if lora else ''}")
+    if rank == 0:
+        os.makedirs(out)
+    dist.barrier()
+    saved, read = IOStats(), IOStats()
+    names = {n for n, p in model.named_parameters() if p.requires_grad} if lora else None
+    regions = regions_of(model, strategy.ep_plan, names=names)
+    if lora:
+        files = TrainableFiles(model, strategy.ep_plan, max_file_bytes=2**20)
+        if rank == 0:
+            files.create(out)
+        dist.barrier()
+        assert files.write(out, chunk_bytes=4096, stats=saved) is None
+    else:
+        save_model_files(out, model, ep_plan=strategy.ep_plan, stats=saved, max_file_bytes=2**20, chunk_bytes=4096,
+                         step_done=step_reporter("roundtrip save"))
+        if rank == 0:
+            save_model_config(out, model)
+    dist.barrier()
+    loaded_mismatches = []
+    if rank == 0 and not lora:  # plain transformers reads what every rank wrote
+        loaded = model_class_for(AutoConfig.from_pretrained(out)).from_pretrained(out, dtype=torch.float32)
+        loaded_mismatches = exact_mismatches(loaded.state_dict(), state)
+    with torch.no_grad():
+        for region in regions:
+            region.local.zero_()
+    (read_trainable_files if lora else read_model_files)(out, model, strategy.ep_plan, read)
+    resumed = strategy.full_state_dict(model)
+    resumed_mismatches = exact_mismatches({k: resumed[k] for k in (names or resumed)},
+                                          {k: state[k] for k in (names or state)})
+    world = dist.get_world_size()
+    mine = sum(local_tensor(r.local).numel() * r.local.element_size() for r in regions)
+    return dict(
+        family=family, lora=lora, init_whole=init_whole, loaded_mismatches=loaded_mismatches,
+        resumed_mismatches=resumed_mismatches, gathered=saved.gathered, bytes_received=saved.bytes_received,
+        bytes_read=read.bytes_read, local_bytes=mine,
+        # Tensors this rank owns (it alone holds them whole when they must be), and their full bytes.
+        owned={r.name: math.prod(r.full_shape) * r.need.dtype.itemsize for r in regions
+               if owner_of(r.name, world) == rank},
+        runs={r.name: len(r.runs) for r in regions if r.runs is not None and len(r.runs) > 1},
+    )
+
+
 def with_unknown_experts_forward(model):
     """``model`` whose experts pick their own top-k from router logits: a call EP has no dispatch for."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
@@ -188,6 +249,8 @@ def main():
     p.add_argument("--refused", default="", help="checkpoints wrap_model must refuse: name=directory,...")
     p.add_argument("--bf16", default="", help="families also run in bf16 against one process in bf16 "
                                                "(tests/workers/bf16_parity.py's full-parameter case)")
+    p.add_argument("--roundtrip", default="",
+                   help="save and resume: family[+lora],... (tensors no rank but their owner holds whole)")
     p.add_argument("--keep-going", action="store_true",
                    help="record a family's error as its result (scripts/models_table.py)")
     args = p.parse_args()
@@ -201,11 +264,15 @@ def main():
     for family in filter(None, args.bf16.split(",")):
         run_recorded(lambda: bf16_case(os.path.join(args.ckpt_root, family), family, "full", 2, world, rank),
                      bf16_cases, dict(family=family, mode="full"), args.keep_going, "bf16_cases")
+    roundtrips = []
+    for item in filter(None, args.roundtrip.split(",")):
+        family, _, lora = item.partition("+")
+        roundtrips.append(roundtrip_case(os.path.join(args.ckpt_root, family), family, bool(lora), rank))
     refused = []
     for item in filter(None, args.refused.split(",")):
         name, directory = item.split("=")
         refused.append(refused_case(os.path.join(args.ckpt_root, directory), name))
-    return {"cases": cases, "bf16_cases": bf16_cases, "refused": refused}
+    return {"cases": cases, "bf16_cases": bf16_cases, "refused": refused, "roundtrips": roundtrips}
 
 
 def run_recorded(case, cases: list, names: dict, keep_going: bool, key: str) -> None:

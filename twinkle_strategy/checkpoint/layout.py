@@ -31,6 +31,7 @@ and nowhere else (saving uses the same rules in reverse).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -65,7 +66,33 @@ class TensorRecipe:
 def _conversion_rules(model):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
-    return get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None, add_legacy=True)
+    with as_transformers_classes(model):
+        return get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None, add_legacy=True)
+
+
+@contextlib.contextmanager
+def as_transformers_classes(model):
+    """Show transformers each FSDP2-sharded model with its own class while it collects the conversion rules.
+
+    ``fully_shard`` swaps a module's class for a generated ``FSDP<Class>`` defined in a torch module, which
+    transformers takes for custom code: it skips the root's rules, then applies the same rules scoped under
+    the base model, where anchored patterns no longer match (Bailing-Hybrid's ``^model\\.word_embeddings\\.``
+    stays unrenamed, and a save or resume of the wrapped model loses its embedding).
+    """
+    from torch.distributed.fsdp import FSDPModule
+    from transformers import PreTrainedModel
+
+    swapped = []
+    for module in model.modules():
+        if isinstance(module, FSDPModule) and isinstance(module, PreTrainedModel):
+            original = next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+            swapped.append((module, type(module)))
+            module.__class__ = original
+    try:
+        yield
+    finally:
+        for module, cls in swapped:
+            module.__class__ = cls
 
 
 def _row_mode(transform) -> str:
@@ -328,7 +355,9 @@ class CheckpointLayout:
             from transformers.conversion_mapping import get_model_conversion_mapping
 
             # As transformers does for a model not loaded by from_pretrained: no prefix it cannot know of.
-            rules = [r for r in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(r, PrefixChange)]
+            with as_transformers_classes(model):
+                rules = [r for r in get_model_conversion_mapping(model, add_legacy=False)
+                         if not isinstance(r, PrefixChange)]
         shapes = _ShapeOnlyModel(model.config, model_tensors)
         shim = types.SimpleNamespace(_weight_conversions=list(rules), config=model.config,
                                      get_parameter=shapes.get_parameter)
@@ -366,6 +395,7 @@ class CheckpointLayout:
         from transformers.core_model_loading import SplitModulelist, WeightRenaming
 
         recipe = self.recipes[name]
+        whole = rows is None  # then every piece is a whole checkpoint tensor
         if rows is None or not self.row_writable(name):
             if rows is not None:
                 raise ValueError(f"'{name}' is saved by a rule that needs the whole tensor, not rows {rows}")
@@ -397,7 +427,7 @@ class CheckpointLayout:
                 pieces += [(keys[start + i], value[i], None) for i in range(value.shape[0])]
             else:
                 (key,) = keys
-                pieces.append((key, value, rows))
+                pieces.append((key, value, None if whole else rows))
         return pieces
 
 

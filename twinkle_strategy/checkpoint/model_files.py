@@ -87,7 +87,8 @@ def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) 
 
     raise_for_problems(directory, layout.problems([r.name for r in regions]))
     try:
-        read_regions(regions, layout.read_rows, ep_plan=ep_plan, stats=stats)
+        read_regions(regions, layout.read_rows, ep_plan=ep_plan, stats=stats,
+                     whole=lambda name: not layout.row_readable(name))
         stats.bytes_read += layout.bytes_read
     finally:
         layout.close()

@@ -86,7 +86,7 @@ class OptimizerFiles:
                 result = write_regions(
                     [self.regions[name]], SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
                     stats=stats, key_of=lambda n, key=key: f"{n}:{key}",
-                    local_of=lambda r, state=state: (local_tensor(state), state))
+                    local_of=lambda r, state=state: local_tensor(state))
                 error = error or result
         finished = writer.finish()  # always: it closes the files
         return error or finished

@@ -9,11 +9,12 @@ final safetensors files at their offsets (:class:`ParallelFileWriter`).
 Loading reads the same rows back, whatever layout (nodes, ranks, ep_size)
 wrote them: a file holds whole tensors, and any rows of them can be read.
 
-A region that is not a run of rows of its full tensor (PEFT's ``lora_B`` of
-experts, whose expert index varies fastest; LongCat's zero-computation
-slots) or a rule that needs whole tensors is gathered (collectively, in the
-same order on every rank) and written by one rank; these are small or rare,
-and the report names them.
+A rank's region is one run of rows of the full tensor, or a few (LongCat-Flash's
+zero-computation slots: two); each run is written and read as rows. A region
+that is not made of rows (PEFT's expert ``lora_B``) or a tensor that
+transformers' rule converts only whole goes through one owner rank
+(:mod:`twinkle_strategy.checkpoint.whole_tensors`): no other rank holds it
+whole, and the report names it.
 """
 
 from __future__ import annotations
@@ -25,21 +26,19 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
+from twinkle_strategy.checkpoint.whole_tensors import WholeTensors
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
-from twinkle_strategy.gather import gather_full_tensor
-from twinkle_strategy.init.plan import Need, checkpoint_rows, needs_of
-from twinkle_strategy.runtime import global_rank
+from twinkle_strategy.init.plan import Need, checkpoint_runs, needs_of
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)
 class Region:
     """One tensor this rank keeps part of: what it is, its full shape, and the local rows."""
 
     need: Need
     local: torch.Tensor  # this rank's rows (the DTensor's local tensor)
-    value: torch.Tensor  # the model's tensor (a DTensor for parameters), for gathering
     full_shape: tuple[int, ...]  # before EP and FSDP
-    rows: tuple[int, int] | None  # rows of the full tensor; None: not a run of rows (gather to write)
+    runs: list[tuple[int, int]] | None  # the runs of rows of the full tensor it is, in order; None: not rows
 
     @property
     def name(self) -> str:
@@ -59,10 +58,10 @@ def regions_of(model: nn.Module, ep_plan, names: set[str] | None = None) -> list
         if ep_plan is not None and need.name in ep_plan.axes:
             axis = ep_plan.axes[need.name]
             shape = axis.local_shape(shape, axis.num_experts)
-        rows = checkpoint_rows(need, ep_plan, shape)
+        runs = checkpoint_runs(need, ep_plan, shape)
         if need.is_buffer:
-            rows = None  # every rank has the whole buffer: one rank writes it
-        regions.append(Region(need, local, values[need.name], tuple(shape), rows))
+            runs = None  # every rank has the whole buffer: one rank writes it
+        regions.append(Region(need, local, tuple(shape), runs))
     return regions
 
 
@@ -81,7 +80,7 @@ def row_chunks(tensor: torch.Tensor, chunk_bytes: int) -> Iterator[tuple[int, to
 class IOStats:
     bytes_written: int = 0
     bytes_read: int = 0
-    bytes_received: int = 0  # tensor bytes gathered from other ranks (regions that are not runs of rows)
+    bytes_received: int = 0  # tensor bytes an owner received to write a tensor whole (see whole_tensors)
     gathered: list[str] = dataclasses.field(default_factory=list)
     seconds: float = 0.0
 
@@ -98,18 +97,16 @@ class SameKeys:
 
 def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, ep_plan, chunk_bytes: int,
                   stats: IOStats, key_of: Callable[[str], str] = lambda name: name,
-                  local_of: Callable[[Region], tuple[torch.Tensor, torch.Tensor]] | None = None
-                  ) -> BaseException | None:
+                  local_of: Callable[[Region], torch.Tensor] | None = None) -> BaseException | None:
     """Write this rank's rows of every region; returns the first write error instead of raising.
 
-    Collective only for regions that must be gathered, and those gathers happen on every rank in the
-    same order even after a write failed here (disk full...), so no peer is left waiting: the caller
-    reports the error on every rank at its next fail-together check.
-    ``key_of`` maps a region's name to the name ``layout`` knows it by; ``local_of`` picks other
-    tensors with the region's layout (an optimizer state: its local rows, its DTensor).
+    Collective only for tensors written whole by their owner, and those transfers happen on every rank
+    in the same order even after a write failed here (disk full...), so no peer is left waiting: the
+    caller reports the error on every rank at its next fail-together check.
+    ``key_of`` maps a region's name to the name ``layout`` knows it by; ``local_of`` picks another
+    tensor with the region's layout (an optimizer state's local rows).
     """
     start, written = time.perf_counter(), writer.bytes_written
-    rank = global_rank()
     error: BaseException | None = None
 
     def write(name: str, tensor: torch.Tensor, rows) -> None:
@@ -122,42 +119,58 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, 
         except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
             error = exc
 
+    whole = [r for r in regions if r.runs is None or not layout.row_writable(key_of(r.name))]
     for region in regions:
-        name = key_of(region.name)
-        local, value = local_of(region) if local_of is not None else (region.local, region.value)
-        if region.rows is not None and layout.row_writable(name):
-            for lo, chunk in row_chunks(local, chunk_bytes):
-                rows = (region.rows[0] + lo, region.rows[0] + lo + chunk.shape[0]) if local.dim() else None
-                write(name, chunk, rows)
+        if region in whole:
             continue
-        # Not a run of rows, or a rule that needs the whole tensor: gathered, written by rank 0.
-        if region.need.is_buffer:
-            full = local
-        else:
-            full = gather_full_tensor(region.name, value, ep_plan)
-            stats.bytes_received += full.numel() * full.element_size() - local.numel() * local.element_size()
-            stats.gathered.append(name)
-        if rank == 0:
-            write(name, full, None)
+        name, local = key_of(region.name), local_of(region) if local_of is not None else region.local
+        offset = 0
+        for a, b in region.runs:
+            for lo, chunk in row_chunks(local[offset:offset + b - a], chunk_bytes):
+                write(name, chunk, (a + lo, a + lo + chunk.shape[0]))
+            offset += b - a
+    if whole:
+        # Every rank sends its region to the tensor's owner, which writes it whole.
+        table = WholeTensors([r.need for r in whole], ep_plan)
+        for i, region in enumerate(whole):
+            local = local_of(region) if local_of is not None else region.local
+            full = table.gather(i, local)
+            if full is not None:
+                if not region.need.is_buffer:
+                    stats.bytes_received += full.numel() * full.element_size() - local.numel() * local.element_size()
+                    stats.gathered.append(key_of(region.name))
+                write(key_of(region.name), full, None)
     stats.bytes_written += writer.bytes_written - written
     stats.seconds += time.perf_counter() - start
     return error
 
 
 def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], *, ep_plan,
-                 stats: IOStats, targets: dict[str, torch.Tensor] | None = None) -> None:
+                 stats: IOStats, targets: dict[str, torch.Tensor] | None = None,
+                 whole: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every region's local rows (or ``targets[name]``) from ``read(name, rows)`` of the full tensor.
 
+    A region made of rows reads just those rows. One that is not, or a tensor ``whole(name)`` says can only
+    be read whole, is read once by its owner, which sends each rank its region (collective).
     (Bytes read are counted by the reader: its files know what they read.)"""
     start = time.perf_counter()
+    served = [r for r in regions if (r.runs is None or whole(r.name)) and not r.need.is_buffer]
     with torch.no_grad():
         for region in regions:
+            if region in served:
+                continue
             target = region.local if targets is None else targets[region.name]
-            if region.rows is not None:
-                value = read(region.name, region.rows)
-            else:  # read whole, then cut this rank's region out (small: see the module docstring)
-                from twinkle_strategy.init.plan import region_of
-
-                value = region_of(read(region.name, None), region.need, ep_plan)
-            target.copy_(value.reshape(target.shape))
+            if region.runs is None:  # a buffer: every rank keeps all of it
+                target.copy_(read(region.name, None).reshape(target.shape))
+                continue
+            offset = 0
+            for a, b in region.runs:
+                target[offset:offset + b - a].copy_(read(region.name, (a, b)))
+                offset += b - a
+        if served:
+            table = WholeTensors([r.need for r in served], ep_plan)
+            for i, region in enumerate(served):
+                target = region.local if targets is None else targets[region.name]
+                full = read(region.name, None) if table.owner(i) == table.rank else None
+                table.scatter(i, full, target)
     stats.seconds += time.perf_counter() - start

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from twinkle_strategy.init.plan import Need, checkpoint_rows, region_of
+from twinkle_strategy.init.plan import Need, checkpoint_runs, region_of, runs_within
 from twinkle_strategy.init.skeleton import CheckpointTensor
 from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
 
@@ -91,8 +91,8 @@ class Capture:
         placeholder = self.placeholders.get(need.name)
         if need.name in self.tensors or placeholder is None:
             return False
-        rows = None if need.is_buffer else checkpoint_rows(need, ep_plan, placeholder.shape)
-        return rows is None or not placeholder.checkpoint.row_readable(placeholder.key)
+        runs = None if need.is_buffer else checkpoint_runs(need, ep_plan, placeholder.shape)
+        return runs is None or not placeholder.checkpoint.row_readable(placeholder.key)
 
     def _served(self, name: str) -> None:
         with self._lock:
@@ -110,8 +110,10 @@ class Capture:
         placeholder = self.placeholders.get(need.name)
         if need.name in self.tensors or placeholder is None or need.is_buffer:
             return None
-        rows = checkpoint_rows(need, ep_plan, placeholder.shape)
-        return None if rows is None else plan_wire_form(placeholder.checkpoint, placeholder.key, rows, chunk_bytes=chunk_bytes)
+        runs = checkpoint_runs(need, ep_plan, placeholder.shape)
+        if runs is None or len(runs) != 1:  # (LongCat's two runs travel as values)
+            return None
+        return plan_wire_form(placeholder.checkpoint, placeholder.key, runs[0], chunk_bytes=chunk_bytes)
 
     def wire_chunks(self, need: Need, form) -> Iterator[torch.Tensor]:
         """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
@@ -125,13 +127,17 @@ class Capture:
             region = region_of(self.tensors[need.name], need, ep_plan)
             return region if part is None else region[part[0]:part[1]]
         placeholder = self.placeholders[need.name]
-        rows = None if need.is_buffer else checkpoint_rows(need, ep_plan, placeholder.shape)
-        if rows is not None and placeholder.checkpoint.row_readable(placeholder.key):
-            a = rows[0] + (part[0] if part else 0)
-            b = rows[0] + part[1] if part else rows[1]
-            return placeholder.checkpoint.read_rows(placeholder.key, (a, b) if placeholder.dim() else None)
-        # A buffer (every rank needs it whole: read once per node, not once per rank), a region that is not a
-        # run of rows of the checkpoint tensor (experts on another dim) or a rule that needs the whole tensor:
+        runs = None if need.is_buffer else checkpoint_runs(need, ep_plan, placeholder.shape)
+        if runs is not None and placeholder.checkpoint.row_readable(placeholder.key):
+            if not placeholder.dim():
+                return placeholder.checkpoint.read_rows(placeholder.key, None)
+            lo, hi = part if part else (0, need.region_shape[0])
+            pieces = [placeholder.checkpoint.read_rows(placeholder.key, run) for run in runs_within(runs, lo, hi)]
+            if len(pieces) == 1:
+                return pieces[0]
+            return torch.cat(pieces) if pieces else placeholder.checkpoint.read_rows(placeholder.key, (0, 0))
+        # A buffer (every rank needs it whole: read once per node, not once per rank), a region that is not made
+        # of rows of the checkpoint tensor (experts on another dim) or a rule that needs the whole tensor:
         # read whole, once per node, held until the last region it serves is out (see expect).
         with self._lock:
             if need.name not in self._whole:

@@ -107,21 +107,35 @@ def region_of(tensor: torch.Tensor, need: Need, ep_plan: ExpertParallelPlan | No
     return tensor
 
 
-def checkpoint_rows(need: Need, ep_plan: ExpertParallelPlan | None, full_shape) -> tuple[int, int] | None:
-    """The rows ``[a, b)`` of dim 0 of the pre-EP tensor that form ``need``'s region, or None if they are not a run.
+def checkpoint_runs(need: Need, ep_plan: ExpertParallelPlan | None, full_shape) -> list[tuple[int, int]] | None:
+    """Runs of rows ``[a, b)`` of dim 0 of the pre-EP tensor whose concatenation, in order, is ``need``'s region;
+    None if the region is not made of whole rows (a scalar, or experts on another dim: PEFT's ``lora_B``).
 
-    An ordinary tensor's shard is a run of rows. So is an expert tensor's when
+    An ordinary tensor's shard is one run of rows. So is an expert tensor's when
     the experts are whole blocks of dim 0 (``[E, ...]`` base weights: this
-    rank's experts, then FSDP's rows of those), which is what lets a source
-    read a region of a checkpoint without reading the rest.
+    rank's experts, then FSDP's rows of those); LongCat-Flash's, whose rank also
+    keeps its share of the zero-computation slots stored after all routed
+    experts, is two. Runs are what let a source read, and a rank write or
+    resume, its region of a checkpoint without touching the rest.
     """
     if not full_shape:
         return None
     lo, hi = need.rows if need.rows is not None else (0, need.shape[0])
     if need.ep_rank == NOT_EXPERT:
-        return lo, hi
+        return [(lo, hi)]
     axis = ep_plan.axes[need.name]
-    if axis.dim != 0 or axis.outer != 1 or axis.zero_experts:  # LongCat's zero experts: two runs, not one
+    if axis.dim != 0:
         return None
-    start, _ = ep_plan.local_range(need.name, need.ep_rank)
-    return start * axis.inner + lo, start * axis.inner + hi
+    start, count = ep_plan.local_range(need.name, need.ep_rank)
+    return axis.row_runs(start, count, lo, hi)
+
+
+def runs_within(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The runs that make rows ``[lo, hi)`` of the region ``runs`` make (a chunk of a region, as full rows)."""
+    out, offset = [], 0
+    for a, b in runs:
+        first, last = max(lo, offset), min(hi, offset + b - a)
+        if first < last:
+            out.append((a + first - offset, a + last - offset))
+        offset += b - a
+    return out

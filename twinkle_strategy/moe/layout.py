@@ -85,6 +85,35 @@ class ExpertAxis:
             part = split.narrow(axis, start, count)
         return part.reshape(self.local_shape(tensor.shape, count))
 
+    def row_runs(self, start: int, count: int, lo: int, hi: int) -> list[tuple[int, int]]:
+        """Rows ``[lo, hi)`` of the cut of experts ``[start, start+count)`` as runs of rows of the full tensor,
+        in order (their concatenation is those rows). Only for ``dim == 0``: one run for plain experts, two with
+        LongCat's zero-computation slots, one per ``outer`` index otherwise."""
+        if self.dim != 0:
+            raise ValueError("rows of a cut are runs of rows of the full tensor only when the experts are on dim 0")
+        blocks: list[tuple[int, int]] = []  # (first slot in the full tensor, slots) of each run of kept slots
+        for slot in self.slots(start, count):
+            if blocks and blocks[-1][0] + blocks[-1][1] == slot:
+                blocks[-1] = (blocks[-1][0], blocks[-1][1] + 1)
+            else:
+                blocks.append((slot, 1))
+        local_slots, full_slots = self._slots(count), self._slots(self.num_experts)
+        runs: list[tuple[int, int]] = []
+        for outer in range(self.outer):
+            local_first, full_first = outer * local_slots * self.inner, outer * full_slots * self.inner
+            for slot, n in blocks:
+                # Local rows [a, b) of this block are full rows [a + shift, b + shift).
+                a, b = local_first, local_first + n * self.inner
+                shift = full_first + slot * self.inner - a
+                a, b = max(a, lo), min(b, hi)
+                if a < b:
+                    if runs and runs[-1][1] == a + shift:
+                        runs[-1] = (runs[-1][0], b + shift)
+                    else:
+                        runs.append((a + shift, b + shift))
+                local_first += n * self.inner
+        return runs
+
     def _count_of(self, part: torch.Tensor) -> int:
         """Routed experts held by a cut ``part`` (inverse of :meth:`local_shape`)."""
         slots = part.shape[self.dim] // (self.outer * self.inner)
