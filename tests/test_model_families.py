@@ -109,6 +109,15 @@ def check_roundtrips(ranks: dict) -> None:
             case = f"rank {rank} {family}{' + LoRA' if lora else ''}"
             assert c["loaded_mismatches"] == [], f"{case}: plain from_pretrained of the save differs"
             assert c["resumed_mismatches"] == [], f"{case}: shards read back differ"
+            # Init: a tensor read whole (a buffer, a rule that needs it whole) is read once per node, by its source.
+            assert set(c["whole_reads"].values()) <= {1}, f"{case}: {c['whole_reads']}"
+            assert set(c["init_whole"]) <= set(c["whole_reads"]), case
+            if lora:  # the adapter as saved: gathered on rank 0 only, equal to the single process's
+                assert c["adapter_mismatches"] == [] and (c["adapter_keys"] > 0) == (rank == 0), case
+                # Rank 0 receives the others' regions; the others receive nothing but the small region table.
+                assert (c["adapter_received"]["p2p"] > 0) == (rank == 0), (case, c["adapter_received"])
+                table = 3 * 8 * c["adapter_keys_total"] * (len(cases) - 1)  # (ep rank, rows) per tensor, int64
+                assert 0 < c["adapter_received"]["all_gather"] <= table, case
             # Only a tensor's owner holds it whole, and only tensors that cannot be rows.
             assert set(c["gathered"]) <= set(c["owned"]), case
             assert (c["bytes_received"] > 0) == bool(c["gathered"]), case

@@ -8,7 +8,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
-from twinkle_strategy.runtime import global_rank
 
 
 def gather_full_tensor(
@@ -34,16 +33,36 @@ def gather_full_state_dict(
 ) -> dict[str, torch.Tensor]:
     """CPU tensors with the keys and shapes of the unsharded model's ``state_dict()``.
 
-    Every rank must call this (it is collective); with ``rank0_only`` only
-    global rank 0 keeps the result, so other ranks hold one tensor at a time.
-    ``keys`` restricts the result (e.g. to adapter weights).
+    Every rank must call this (it is collective). With ``rank0_only`` only global rank 0 receives
+    the tensors (each rank sends it its own region: no rank but 0 receives a byte), else every rank
+    gets every tensor (all-gathers). ``keys`` restricts the result (e.g. to adapter weights).
     """
-    keep = not rank0_only or global_rank() == 0
+    if rank0_only and dist.is_initialized():
+        return _gather_on_rank0(model, ep_plan, keys)
     result: dict[str, torch.Tensor] = {}
     for name, value in model.state_dict().items():
         if keys is not None and name not in keys:
             continue
         full = gather_full_tensor(name, value, ep_plan)
-        if keep:
-            result[name] = full.cpu().clone() if full.device.type != "cpu" else full.clone()
+        result[name] = full.cpu().clone() if full.device.type != "cpu" else full.clone()
+    return result
+
+
+def _gather_on_rank0(model: nn.Module, ep_plan: ExpertParallelPlan | None, keys: set[str] | None
+                     ) -> dict[str, torch.Tensor]:
+    from twinkle_strategy.checkpoint.whole_tensors import WholeTensors
+    from twinkle_strategy.init.plan import needs_of
+
+    # state_dict(keep_vars=True) holds the parameter and buffer objects themselves: tied weights appear
+    # under each of their names, and each is found under the name needs_of knows it by.
+    known = {need.name: (need, local) for need, local in needs_of(model, ep_plan)}
+    name_of = {id(t): n for n, t in list(model.named_parameters()) + list(model.named_buffers())}
+    wanted = [(key, *known[name_of[id(value)]]) for key, value in model.state_dict(keep_vars=True).items()
+              if keys is None or key in keys]
+    table = WholeTensors([need for _, need, _ in wanted], ep_plan, owner=lambda name: 0)
+    result: dict[str, torch.Tensor] = {}
+    for i, (key, _, local) in enumerate(wanted):
+        full = table.gather(i, local.detach())
+        if full is not None:
+            result[key] = full.cpu().clone() if full.device.type != "cpu" else full.clone()
     return result

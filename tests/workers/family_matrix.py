@@ -9,6 +9,8 @@ happens before any collective, so the ranks stay in step).
 """
 
 import argparse
+import collections
+import contextlib
 import math
 import os
 import sys
@@ -168,8 +170,11 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int) -> dict:
     reference = with_adapter(load_single_process(path), lora, family)
     state = {k: v.clone() for k, v in reference.state_dict().items()}
     del reference
-    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, timeout_s=120)
-    model, _ = strategy.wrap_model(with_adapter(strategy.from_pretrained(path), lora, family))
+    # Small buckets: a tensor read whole must still be read once per node, not once per chunk or receiver.
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, timeout_s=120,
+                                  init_bucket_mb=1 / 1024)
+    with counting_whole_reads() as whole_reads:
+        model, _ = strategy.wrap_model(with_adapter(strategy.from_pretrained(path), lora, family))
     init_whole = strategy.init_report.whole_tensors
     out = os.path.join(os.environ["TWINKLE_TEST_OUT"], f"roundtrip-{family}{'-lora' if lora else ''}")
     if rank == 0:
@@ -202,16 +207,63 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int) -> dict:
     resumed_mismatches = exact_mismatches({k: resumed[k] for k in (names or resumed)},
                                           {k: state[k] for k in (names or state)})
     world = dist.get_world_size()
+    adapter, adapter_received, adapter_mismatches = {}, {}, []
+    if lora:  # the adapter as the trainer saves it
+        adapter, adapter_received = received_bytes(
+            lambda: strategy.full_state_dict(model, rank0_only=True, keys=names))
+        if rank == 0:
+            adapter_mismatches = exact_mismatches(adapter, {k: state[k] for k in names})
     mine = sum(local_tensor(r.local).numel() * r.local.element_size() for r in regions)
     return dict(
-        family=family, lora=lora, init_whole=init_whole, loaded_mismatches=loaded_mismatches,
-        resumed_mismatches=resumed_mismatches, gathered=saved.gathered, bytes_received=saved.bytes_received,
+        family=family, lora=lora, init_whole=init_whole, whole_reads=dict(whole_reads), loaded_mismatches=loaded_mismatches,
+        resumed_mismatches=resumed_mismatches, adapter_keys=len(adapter), adapter_keys_total=len(names or ()), adapter_mismatches=adapter_mismatches,
+        adapter_received=adapter_received, gathered=saved.gathered, bytes_received=saved.bytes_received,
         bytes_read=read.bytes_read, local_bytes=mine,
         # Tensors this rank owns (it alone holds them whole when they must be), and their full bytes.
         owned={r.name: math.prod(r.full_shape) * r.need.dtype.itemsize for r in regions
                if owner_of(r.name, world) == rank},
         runs={r.name: len(r.runs) for r in regions if r.runs is not None and len(r.runs) > 1},
     )
+
+
+@contextlib.contextmanager
+def counting_whole_reads():
+    """How many times each model tensor was read whole from the checkpoint (buffers, rules needing it whole)."""
+    from twinkle_strategy.checkpoint.layout import CheckpointLayout
+
+    counts = collections.Counter()
+    real = CheckpointLayout.read_rows
+
+    def read_rows(self, name, rows=None):
+        if rows is None:
+            counts[name] += 1
+        return real(self, name, rows)
+
+    CheckpointLayout.read_rows = read_rows
+    try:
+        yield counts
+    finally:
+        CheckpointLayout.read_rows = real
+
+
+def received_bytes(call):
+    """``call()``'s result, and the tensor bytes this rank received in it: (point-to-point, all_gather)."""
+    counts = {"p2p": 0, "all_gather": 0}
+    real_batch, real_all_gather = dist.batch_isend_irecv, dist.all_gather
+
+    def batch(ops):
+        counts["p2p"] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops if op.op is dist.irecv)
+        return real_batch(ops)
+
+    def all_gather(parts, tensor, *args, **kwargs):
+        counts["all_gather"] += sum(p.numel() * p.element_size() for p in parts) - tensor.numel() * tensor.element_size()
+        return real_all_gather(parts, tensor, *args, **kwargs)
+
+    dist.batch_isend_irecv, dist.all_gather = batch, all_gather
+    try:
+        return call(), counts
+    finally:
+        dist.batch_isend_irecv, dist.all_gather = real_batch, real_all_gather
 
 
 def with_unknown_experts_forward(model):

@@ -24,6 +24,7 @@ by paired point-to-point transfers, which every backend has.
 from __future__ import annotations
 
 import zlib
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -45,8 +46,10 @@ class WholeTensors:
     Collective to build: one ``all_gather`` of ``(ep_rank, first row, last row)`` per tensor.
     """
 
-    def __init__(self, needs: list[Need], ep_plan):
+    def __init__(self, needs: list[Need], ep_plan, owner: Callable[[str], int] | None = None):
+        """``owner(name)``: the rank that holds tensor ``name`` whole (default: spread by name, see owner_of)."""
         self.needs, self.ep_plan = needs, ep_plan
+        self._owner = owner
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         device = collective_device()
         mine = torch.tensor([[n.ep_rank, *(n.rows if n.rows is not None else (_WHOLE, _WHOLE))] for n in needs],
@@ -58,7 +61,8 @@ class WholeTensors:
         self.keys = [[tuple(by_rank[r][i]) for r in range(self.world)] for i in range(len(needs))]
 
     def owner(self, i: int) -> int:
-        return owner_of(self.needs[i].name, self.world)
+        name = self.needs[i].name
+        return self._owner(name) if self._owner is not None else owner_of(name, self.world)
 
     def _need(self, i: int, key: tuple[int, int, int]) -> Need:
         need = self.needs[i]
