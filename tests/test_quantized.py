@@ -200,8 +200,10 @@ def releases(tmp_path_factory):
         "deepseek_ragged": save_tiny_quantized_checkpoint("deepseek_v3", str(root / "ragged"), BLOCK, **RAGGED),
         "deepseek_v4": save_tiny_deepseek_v4_release(str(root / "deepseek_v4"), BLOCK, **V4),
         "gpt_oss_mxfp4": save_tiny_mxfp4_release(str(root / "gpt_oss_mxfp4"), **GPT_OSS),
+        # zero-computation experts: ep rank 1 keeps two runs of expert slots, sent as stored
+        "longcat_fp8": save_tiny_quantized_checkpoint("longcat_flash", str(root / "longcat_fp8"), BLOCK),
     }
-    for name in ("deepseek_ragged", "deepseek_v4", "gpt_oss_mxfp4"):
+    for name in ("deepseek_ragged", "deepseek_v4", "gpt_oss_mxfp4", "longcat_fp8"):
         write_reference(paths[name], BLOCK)
     paths["truncated_scale"] = _broken(paths["deepseek_fp8"], root / "truncated_scale", TRUNCATED_SCALE,
                                        lambda t: t[:-1])
@@ -249,6 +251,8 @@ def test_release_layout_is_as_shipped(releases):
     ("qwen3_fp8", "model.layers.1.mlp.experts.gate_up_proj", (2, 7)),  # experts 2..6, gate and up each
     ("deepseek_v4", "model.layers.1.mlp.experts.down_proj", (1, 8)),  # FP4 experts
     ("gpt_oss_mxfp4", "model.layers.0.mlp.experts.gate_up_proj", (3, 5)),  # MXFP4, transposed
+    # LongCat-Flash: ep rank 1 of 2 keeps routed experts 4..7 and zero-computation slots 10..11
+    ("longcat_fp8", "model.layers.1.mlp.experts.gate_up_proj", [(4, 8), (10, 12)]),
 ])
 def test_a_region_sent_as_stored_decodes_to_the_values_read_here(releases, name, key, rows):
     """Any rows, in chunks small enough to cut them several times: the receiver's decoding of the bytes the
@@ -260,7 +264,8 @@ def test_a_region_sent_as_stored_decodes_to_the_values_read_here(releases, name,
 
     model = open_streaming_model(releases[name], load_config(releases[name]), torch.bfloat16)
     layout = next(t.checkpoint for t in model.parameters() if isinstance(t, CheckpointTensor))
-    form = plan_wire_form(layout, key, rows, chunk_bytes=600)
+    runs = [rows] if isinstance(rows[0], int) else rows
+    form = plan_wire_form(layout, key, runs, chunk_bytes=600)
     assert form is not None and len(form.chunks) > 1
     data = torch.cat([as_bytes(chunk) for chunk in read_chunks(layout, form)])
     assert data.numel() == form.nbytes
@@ -268,7 +273,7 @@ def test_a_region_sent_as_stored_decodes_to_the_values_read_here(releases, name,
     for chunk in form.chunks:
         values.append(form.decode(chunk, data[at:at + chunk.nbytes], model.config))
         at += chunk.nbytes
-    assert torch.equal(torch.cat(values), layout.read_rows(key, rows))
+    assert torch.equal(torch.cat(values), torch.cat([layout.read_rows(key, run) for run in runs]))
     scale_rows = [(piece.key, r) for chunk in form.chunks for piece in chunk.pieces if piece.codec and piece.rows
                   for r in range(piece.rows[0] // piece.codec.block[0], math.ceil(piece.rows[1] / piece.codec.block[0]))]
     assert len(scale_rows) == len(set(scale_rows))
@@ -281,6 +286,7 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     cases = [f"{name}={releases[name]}:{oracle}" for name, oracle in [
         ("qwen3_fp8", "transformers+save"), ("deepseek_fp8", "transformers"), ("deepseek_ragged", "reference"),
         ("deepseek_v4", "reference+verify"), ("gpt_oss_mxfp4", "reference+verify"),
+        ("longcat_fp8", "reference"),  # its MLA kv_a_proj_with_mqa has a ragged last block, like DeepSeek's
         ("truncated_scale", "error"), ("missing_scale", "error")]]
     result = launch("quantized.py", ["--cases", ",".join(cases), "--block", "16,16", "--save-root",
                                      str(tmp_path / "saved")], tmp_path,
@@ -289,7 +295,7 @@ def test_fp8_releases_stream_to_every_rank(releases, tmp_path):
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
     for rank, data in ranks.items():
-        for name in ("qwen3_fp8", "deepseek_fp8", "deepseek_ragged", "deepseek_v4", "gpt_oss_mxfp4"):
+        for name in ("qwen3_fp8", "deepseek_fp8", "deepseek_ragged", "deepseek_v4", "gpt_oss_mxfp4", "longcat_fp8"):
             case = data["cases"][name]
             assert case["mismatches"] == [], (rank, name, case["mismatches"])
             assert not case["has_quantization_config"]

@@ -24,7 +24,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.checkpoint.files import SafetensorsIndex  # noqa: E402
-from twinkle_strategy.init.plan import needs_of, region_of  # noqa: E402
+from twinkle_strategy.init.plan import checkpoint_runs, needs_of, region_of  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
 
 DTYPE = torch.bfloat16
@@ -60,9 +60,10 @@ def stored_bytes_bound(model, strategy, index: SafetensorsIndex, block) -> int:
             total += (b - a) * need.shape[1] + (math.ceil(b / block[0]) - a // block[0]) * scale.row_bytes
         elif ".experts." in name and need.rows is not None:
             prefix, proj = name.rsplit(".experts.", 1)
-            start, _ = strategy.ep_plan.local_range(name, need.ep_rank)
+            runs = checkpoint_runs(need, strategy.ep_plan, model.get_parameter(name).shape)
+            slots = [slot for a, b in runs for slot in range(a, b)]  # (LongCat's zero-computation slots too)
             parts = ("gate_proj", "up_proj") if proj == "gate_up_proj" else ("down_proj",)
-            for expert in range(start + need.rows[0], start + need.rows[1]):
+            for expert in slots:
                 for part in parts:
                     key = f"{prefix}.experts.{expert}.{part}.weight"
                     total += index.tensors[key].nbytes + index.tensors[key + "_scale_inv"].nbytes

@@ -89,19 +89,25 @@ class WireForm:
         return out.to(self.dtype)
 
 
-def plan_wire_form(layout, name: str, rows: tuple[int, int], *, chunk_bytes: int) -> WireForm | None:
-    """Rows ``[a, b)`` of model tensor ``name`` as stored, if that is fewer bytes than its values; else None."""
+def plan_wire_form(layout, name: str, runs: list[tuple[int, int]], *, chunk_bytes: int) -> WireForm | None:
+    """The region made of rows ``runs`` of model tensor ``name`` (runs ``[a, b)``, in order: one for most
+    regions, two for LongCat's experts and zero slots) as stored, if that is fewer bytes than its values;
+    else None."""
     index = layout.index
     recipe = layout.recipes[name]
     shape, dtype = recipe.targets[name]
     if not isinstance(index, QuantizedIndex) or recipe.mode not in (ROWS, PER_EXPERT) or len(recipe.targets) != 1:
         return None
-    if not any(index.tensors[k].quantized for k in recipe.checkpoint_keys) or rows[0] == rows[1]:
+    total = sum(b - a for a, b in runs)
+    if not any(index.tensors[k].quantized for k in recipe.checkpoint_keys) or not total:
         return None
-    bounds = _chunk_bounds(index, recipe, rows, chunk_bytes)
-    chunks = tuple(WireChunk((lo - rows[0], hi - rows[0]), _pieces(index, recipe, (lo, hi))) for lo, hi in bounds)
-    form = WireForm(name, dtype, recipe.transform, recipe.first_target, dict(recipe.targets), chunks)
-    values = (rows[1] - rows[0]) * math.prod(shape[1:]) * dtype.itemsize
+    chunks, offset = [], 0
+    for a, b in runs:
+        chunks += [WireChunk((offset + lo - a, offset + hi - a), _pieces(index, recipe, (lo, hi)))
+                   for lo, hi in _chunk_bounds(index, recipe, (a, b), chunk_bytes)]
+        offset += b - a
+    form = WireForm(name, dtype, recipe.transform, recipe.first_target, dict(recipe.targets), tuple(chunks))
+    values = total * math.prod(shape[1:]) * dtype.itemsize
     return form if form.nbytes < values else None
 
 
@@ -184,7 +190,7 @@ class DecodingSink:
 
     def _finish(self, chunk: WireChunk) -> None:
         values = self.form.decode(chunk, self._staged, self.config)
-        target = self.local[chunk.rows[0]:chunk.rows[1]]
-        with torch.no_grad():
+        with torch.no_grad():  # (the slice too: a view of a parameter's local tensor made with grad is read-only)
+            target = self.local[chunk.rows[0]:chunk.rows[1]]
             target.copy_(values.reshape(target.shape))
         self._chunk, self._staged, self._filled = self._chunk + 1, None, 0

@@ -111,9 +111,8 @@ class Capture:
         if need.name in self.tensors or placeholder is None or need.is_buffer:
             return None
         runs = checkpoint_runs(need, ep_plan, placeholder.shape)
-        if runs is None or len(runs) != 1:  # (LongCat's two runs travel as values)
-            return None
-        return plan_wire_form(placeholder.checkpoint, placeholder.key, runs[0], chunk_bytes=chunk_bytes)
+        return None if runs is None else plan_wire_form(placeholder.checkpoint, placeholder.key, runs,
+                                                        chunk_bytes=chunk_bytes)
 
     def wire_chunks(self, need: Need, form) -> Iterator[torch.Tensor]:
         """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
