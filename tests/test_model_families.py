@@ -138,6 +138,12 @@ def check_roundtrips(ranks: dict) -> None:
             assert gathered and all(".lora_B." in n for n in gathered), gathered
             assert two_runs and all(".lora_A." in n for n in two_runs), two_runs
         else:
+            # The owner of a tensor served whole fails to read it: every rank raises at once, naming it.
+            for by_case in cases.values():
+                failure = by_case[(family, lora)]["owner_failure"]
+                assert failure["error"].startswith("RanksFailedError"), failure
+                assert f"rank {failure['owner']}: OSError: injected read failure" in failure["error"], failure
+                assert failure["seconds"] < 30, failure
             conv = {f"model.layers.{i}.self_attn.conv1d.weight" for i in (0, 1)}
             assert set(gathered) == conv
             assert {n for by_case in cases.values() for n in by_case[(family, lora)]["init_whole"]} == conv

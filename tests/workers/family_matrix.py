@@ -14,6 +14,7 @@ import contextlib
 import math
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -207,6 +208,7 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int) -> dict:
     resumed_mismatches = exact_mismatches({k: resumed[k] for k in (names or resumed)},
                                           {k: state[k] for k in (names or state)})
     world = dist.get_world_size()
+    owner_failure = failing_owner_read(out, model, strategy, rank) if family == "bailing_hybrid" else None
     adapter, adapter_received, adapter_mismatches = {}, {}, []
     if lora:  # the adapter as the trainer saves it
         adapter, adapter_received = received_bytes(
@@ -215,7 +217,8 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int) -> dict:
             adapter_mismatches = exact_mismatches(adapter, {k: state[k] for k in names})
     mine = sum(local_tensor(r.local).numel() * r.local.element_size() for r in regions)
     return dict(
-        family=family, lora=lora, init_whole=init_whole, whole_reads=dict(whole_reads), loaded_mismatches=loaded_mismatches,
+        family=family, lora=lora, init_whole=init_whole, whole_reads=dict(whole_reads), owner_failure=owner_failure,
+        loaded_mismatches=loaded_mismatches,
         resumed_mismatches=resumed_mismatches, adapter_keys=len(adapter), adapter_keys_total=len(names or ()), adapter_mismatches=adapter_mismatches,
         adapter_received=adapter_received, gathered=saved.gathered, bytes_received=saved.bytes_received,
         bytes_read=read.bytes_read, local_bytes=mine,
@@ -224,6 +227,36 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int) -> dict:
                if owner_of(r.name, world) == rank},
         runs={r.name: len(r.runs) for r in regions if r.runs is not None and len(r.runs) > 1},
     )
+
+
+FAILING_WHOLE_READ = "model.layers.0.self_attn.conv1d.weight"
+
+
+def failing_owner_read(directory: str, model, strategy, rank: int) -> dict:
+    """Resume again, the owner of a tensor served whole failing to read it: every rank must raise, naming it."""
+    from twinkle_strategy.checkpoint.layout import CheckpointLayout
+    from twinkle_strategy.checkpoint.model_files import read_model_files
+    from twinkle_strategy.checkpoint.sharded_io import IOStats
+    from twinkle_strategy.checkpoint.whole_tensors import owner_of
+
+    owner = owner_of(FAILING_WHOLE_READ, dist.get_world_size())
+    real = CheckpointLayout.read_rows
+
+    def read_rows(self, name, rows=None):
+        if rank == owner and name == FAILING_WHOLE_READ and rows is None:
+            raise OSError(f"injected read failure of {name}")
+        return real(self, name, rows)
+
+    CheckpointLayout.read_rows = read_rows
+    start = time.perf_counter()
+    try:
+        read_model_files(directory, model, strategy.ep_plan, IOStats())
+        error = None
+    except Exception as exc:  # noqa: BLE001 - the test checks type and message
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        CheckpointLayout.read_rows = real
+    return dict(owner=owner, error=error, seconds=time.perf_counter() - start)
 
 
 @contextlib.contextmanager

@@ -28,6 +28,7 @@ from torch import nn
 
 from twinkle_strategy.checkpoint.whole_tensors import WholeTensors
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
+from twinkle_strategy.fail_together import raise_together
 from twinkle_strategy.init.plan import Need, checkpoint_runs, needs_of
 
 
@@ -169,8 +170,17 @@ def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | N
                 offset += b - a
         if served:
             table = WholeTensors([r.need for r in served], ep_plan)
+            error: BaseException | None = None
             for i, region in enumerate(served):
                 target = region.local if targets is None else targets[region.name]
-                full = read(region.name, None) if table.owner(i) == table.rank else None
+                full = None
+                if table.owner(i) == table.rank:
+                    try:
+                        full = read(region.name, None)
+                    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                        error = error or exc
+                        # Still serve every rank (zeros), so none waits for this one; all raise below.
+                        full = torch.zeros(region.full_shape, dtype=target.dtype, device=target.device)
                 table.scatter(i, full, target)
+            raise_together(error, "reading the tensors served whole by their owner rank")
     stats.seconds += time.perf_counter() - start
