@@ -27,8 +27,9 @@ import math
 import pytest
 import torch
 from multinode import launch
+from roundtrip_checks import check_roundtrips
 
-from twinkle_strategy.train.tiny_models import build_tiny_model
+from twinkle_strategy.train.tiny_models import build_tiny_model, save_tiny_checkpoint
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significand bits with the implicit one)
 LOGIT_TOLERANCE, LOSS_TOLERANCE, NORM_TOLERANCE = 16 * U, U, 8 * U
@@ -41,6 +42,9 @@ LAYERS = {"deepseek_v3": {"num_layers": 4}, "deepseek_v4": {},
 CASES_2X2 = ([f"{f}:{m}" for f in FAMILIES for m in ("full", "lora", "full-plain")]
              + ["ernie4_5_moe:lora-plain", "deepseek_v3:full-inmemory"])
 CASES_2X4 = ["deepseek_v3:full", "ernie4_5_moe:full-plain", "deepseek_v4:lora", "glm4_moe:full-inmemory"]
+# Then, at 4 ranks per node (a source with 3 receivers), saved and resumed in bf16 from sharded checkpoints:
+# LongCat-Flash's zero-computation slots as rows; Bailing-Hybrid's conv1d and expert lora_B by one owner rank.
+ROUNDTRIPS_2X4 = ("longcat_flash", "bailing_hybrid", "longcat_flash+lora")
 
 
 def save_checkpoint(family: str, path: str) -> None:
@@ -66,6 +70,8 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16")
     for family in FAMILIES:
         save_checkpoint(family, str(root / family))
+    for family in ("longcat_flash", "bailing_hybrid"):
+        save_tiny_checkpoint(family, str(root / family), max_shard_size="40KB")
     return root
 
 
@@ -99,12 +105,16 @@ def check_cases(ranks: dict, expected: list[str]) -> list[float]:
 def test_bf16_matches_one_process(checkpoints, layout, tmp_path):
     per_node, ep, cases = {"2x2_ep2": (2, 2, CASES_2X2), "2x4_ep4": (4, 4, CASES_2X4)}[layout]
     changed = ["--changed-on-sources", "deepseek_v3"] if per_node == 2 else []
+    roundtrips = ROUNDTRIPS_2X4 if per_node == 4 else ()
     result = launch("bf16_parity.py", ["--ckpt-root", str(checkpoints), "--cases", ",".join(cases), "--ep", str(ep),
-                                       *changed], tmp_path, nnodes=2, nproc_per_node=per_node, timeout=900)
+                                       "--roundtrip", ",".join(roundtrips), *changed],
+                    tmp_path, nnodes=2, nproc_per_node=per_node, timeout=900)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == list(range(2 * per_node))
     later = check_cases(ranks, cases)
+    if roundtrips:
+        check_roundtrips(ranks, roundtrips, two_runs=False)
     for c in ranks[0]["cases"]:
         assert c["kept"], f"{c['family']}: transformers keeps no tensor in fp32, the case tests nothing"
         assert c["moe_layers"] >= 2, f"{c['family']}: one MoE layer, no later layer to report on"

@@ -9,6 +9,7 @@ families in bf16 against one process in bf16 (tests/test_bf16.py's checks).
 
 import pytest
 from multinode import launch
+from roundtrip_checks import check_roundtrips
 from test_bf16 import check_cases as check_bf16_cases
 
 from twinkle_strategy.train.tiny_models import (
@@ -95,55 +96,8 @@ def test_families_match_single_process_or_are_refused(family_checkpoints, tmp_pa
             in errors["unknown_forward"]["error"]
     check_bf16_cases({rank: {"cases": data["bf16_cases"]} for rank, data in ranks.items()},
                      [f"{family}:full" for family in BF16_FAMILIES])
-    check_roundtrips(ranks)
+    check_roundtrips(ranks, ROUNDTRIPS, two_runs=True)
     # Every rank raised the same error (the model structure is the same everywhere).
     for name in REFUSED:
         assert len({next(r["error"] for r in d["refused"] if r["name"] == name) for d in ranks.values()}) == 1
 
-
-def check_roundtrips(ranks: dict) -> None:
-    cases = {rank: {(c["family"], c["lora"]): c for c in data["roundtrips"]} for rank, data in ranks.items()}
-    for rank, by_case in cases.items():
-        assert [f"{f}{'+lora' if lora else ''}" for f, lora in by_case] == list(ROUNDTRIPS)
-        for (family, lora), c in by_case.items():
-            case = f"rank {rank} {family}{' + LoRA' if lora else ''}"
-            assert c["loaded_mismatches"] == [], f"{case}: plain from_pretrained of the save differs"
-            assert c["resumed_mismatches"] == [], f"{case}: shards read back differ"
-            # Init: a tensor read whole (a buffer, a rule that needs it whole) is read once per node, by its source.
-            assert set(c["whole_reads"].values()) <= {1}, f"{case}: {c['whole_reads']}"
-            assert set(c["init_whole"]) <= set(c["whole_reads"]), case
-            if lora:  # the adapter as saved: gathered on rank 0 only, equal to the single process's
-                assert c["adapter_mismatches"] == [] and (c["adapter_keys"] > 0) == (rank == 0), case
-                # Rank 0 receives the others' regions; the others receive nothing but the small region table.
-                assert (c["adapter_received"]["p2p"] > 0) == (rank == 0), (case, c["adapter_received"])
-                table = 3 * 8 * c["adapter_keys_total"] * (len(cases) - 1)  # (ep rank, rows) per tensor, int64
-                assert 0 < c["adapter_received"]["all_gather"] <= table, case
-            # Only a tensor's owner holds it whole, and only tensors that cannot be rows.
-            assert set(c["gathered"]) <= set(c["owned"]), case
-            assert (c["bytes_received"] > 0) == bool(c["gathered"]), case
-            # Resuming reads this rank's rows, plus whole the tensors it owns and serves (no rank reads more).
-            assert c["bytes_read"] <= c["local_bytes"] + sum(c["owned"][n] for n in c["gathered"]), case
-    for family, lora in [(f.partition("+")[0], bool(f.partition("+")[2])) for f in ROUNDTRIPS]:
-        gathered = [n for by_case in cases.values() for n in by_case[(family, lora)]["gathered"]]
-        assert len(gathered) == len(set(gathered)), f"{family}: a tensor was held whole by two ranks: {gathered}"
-        two_runs = {n for by_case in cases.values() for n, runs in by_case[(family, lora)]["runs"].items()
-                    if runs == 2}
-        if family == "longcat_flash" and not lora:
-            # The zero slots travel as rows, at init and in the checkpoint: nothing read or held whole.
-            assert gathered == [] and two_runs == {f"model.layers.{i}.mlp.experts.gate_up_proj" for i in (0, 1)}
-            for by_case in cases.values():
-                assert by_case[(family, lora)]["init_whole"] == []
-                assert by_case[(family, lora)]["bytes_read"] == by_case[(family, lora)]["local_bytes"]
-        elif family == "longcat_flash":
-            assert gathered and all(".lora_B." in n for n in gathered), gathered
-            assert two_runs and all(".lora_A." in n for n in two_runs), two_runs
-        else:
-            # The owner of a tensor served whole fails to read it: every rank raises at once, naming it.
-            for by_case in cases.values():
-                failure = by_case[(family, lora)]["owner_failure"]
-                assert failure["error"].startswith("RanksFailedError"), failure
-                assert f"rank {failure['owner']}: OSError: injected read failure" in failure["error"], failure
-                assert failure["seconds"] < 30, failure
-            conv = {f"model.layers.{i}.self_attn.conv1d.weight" for i in (0, 1)}
-            assert set(gathered) == conv
-            assert {n for by_case in cases.values() for n in by_case[(family, lora)]["init_whole"]} == conv

@@ -190,6 +190,8 @@ def main():
                                                   "full-inmemory)")
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--changed-on-sources", default=None, help="a family whose sources change dtypes (see above)")
+    p.add_argument("--roundtrip", default="", help="then save and resume in bf16: family[+lora],... "
+                                                   "(tests/workers/roundtrip.py)")
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cases = []
@@ -197,10 +199,18 @@ def main():
         family, mode = item.split(":")
         cases.append(run_case(os.path.join(args.ckpt_root, family), family, mode, args.ep, world, rank))
         worker_common.write_result({"cases": cases})
+    result = {"cases": cases, "roundtrips": []}
+    for item in filter(None, args.roundtrip.split(",")):
+        from roundtrip import roundtrip_case
+
+        family, _, lora = item.partition("+")
+        result["roundtrips"].append(roundtrip_case(
+            os.path.join(args.ckpt_root, family), family, bool(lora), rank, dtype=torch.bfloat16, ep_size=args.ep,
+            max_file_bytes=32 * 2**10, with_adapter=lambda model, lora, family: with_adapter(model, family, lora)))
+        worker_common.write_result(result)
     if args.changed_on_sources:
-        return {"cases": cases, "changed": changed_on_sources_case(os.path.join(args.ckpt_root,
-                                                                                args.changed_on_sources))}
-    return {"cases": cases}
+        result["changed"] = changed_on_sources_case(os.path.join(args.ckpt_root, args.changed_on_sources))
+    return result
 
 
 if __name__ == "__main__":
