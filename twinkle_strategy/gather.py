@@ -44,7 +44,7 @@ def gather_full_state_dict(
         if keys is not None and name not in keys:
             continue
         full = gather_full_tensor(name, value, ep_plan)
-        result[name] = full.cpu().clone() if full.device.type != "cpu" else full.clone()
+        result[name] = _cpu_copy(full)
     return result
 
 
@@ -64,5 +64,10 @@ def _gather_on_rank0(model: nn.Module, ep_plan: ExpertParallelPlan | None, keys:
     for i, (key, _, local) in enumerate(wanted):
         full = table.gather(i, local.detach())
         if full is not None:
-            result[key] = full.cpu().clone() if full.device.type != "cpu" else full.clone()
+            result[key] = _cpu_copy(full)
     return result
+
+
+def _cpu_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor the caller owns (``.cpu()`` of a CPU tensor would return the tensor itself)."""
+    return tensor.cpu() if tensor.device.type != "cpu" else tensor.clone()

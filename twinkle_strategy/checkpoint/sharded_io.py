@@ -120,10 +120,8 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, 
         except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
             error = exc
 
-    whole = [r for r in regions if r.runs is None or not layout.row_writable(key_of(r.name))]
-    for region in regions:
-        if region in whole:
-            continue
+    by_rows, whole = _partition(regions, lambda r: r.runs is not None and layout.row_writable(key_of(r.name)))
+    for region in by_rows:
         name, local = key_of(region.name), local_of(region) if local_of is not None else region.local
         offset = 0
         for a, b in region.runs:
@@ -155,11 +153,9 @@ def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | N
     be read whole, is read once by its owner, which sends each rank its region (collective).
     (Bytes read are counted by the reader: its files know what they read.)"""
     start = time.perf_counter()
-    served = [r for r in regions if (r.runs is None or whole(r.name)) and not r.need.is_buffer]
+    by_rows, served = _partition(regions, lambda r: r.need.is_buffer or (r.runs is not None and not whole(r.name)))
     with torch.no_grad():
-        for region in regions:
-            if region in served:
-                continue
+        for region in by_rows:
             target = region.local if targets is None else targets[region.name]
             if region.runs is None:  # a buffer: every rank keeps all of it
                 target.copy_(read(region.name, None).reshape(target.shape))
@@ -184,3 +180,11 @@ def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | N
                 table.scatter(i, full, target)
             raise_together(error, "reading the tensors served whole by their owner rank")
     stats.seconds += time.perf_counter() - start
+
+
+def _partition(regions: list[Region], keep) -> tuple[list[Region], list[Region]]:
+    """(regions ``keep`` accepts, the others), each in the original order."""
+    kept, others = [], []
+    for region in regions:
+        (kept if keep(region) else others).append(region)
+    return kept, others
