@@ -94,7 +94,20 @@ def apply_activation_checkpointing(layers: list[nn.Module]) -> None:
         layer.forward = _checkpointed(layer.forward)
 
 
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+def _without_kv_cache(kwargs: dict) -> dict:
+    """``kwargs`` with every KV cache dropped and ``use_cache`` off.
+
+    A cache would be appended to twice (forward and recomputation), as transformers' own
+    checkpointing also knows; training does not need one. Caches are found by type, not by
+    argument name: transformers renamed the layers' ``past_key_values`` to ``cache`` in 5.24,
+    and a name list here then let the recomputation attend over twice the keys.
+    """
+    from transformers import Cache
+
+    kwargs = {name: (None if isinstance(value, Cache) else value) for name, value in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
 
 
 def _checkpointed(forward):
@@ -102,13 +115,7 @@ def _checkpointed(forward):
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return forward(*args, **kwargs)
-        # A KV cache would be appended to twice (forward and recomputation), as transformers' own
-        # gradient checkpointing also knows; training does not need one.
-        for name in _CACHE_ARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
+        kwargs = _without_kv_cache(kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
 
     checkpointed_forward._twinkle_checkpointed = True
@@ -142,8 +149,9 @@ def _enable_with_replay(enable):
     @functools.wraps(enable)
     def enable_with_replay(*args, **kwargs):
         # The options come by keyword (swift: gradient_checkpointing_kwargs=..., the name functools.wraps shows;
-        # newer transformers: checkpointing_kwargs=...) or first by position.
-        key = next((k for k in ("gradient_checkpointing_kwargs", "checkpointing_kwargs") if k in kwargs), None)
+        # transformers 5.24: activation_checkpointing_kwargs=...) or first by position.
+        key = next((k for k in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
+                                "checkpointing_kwargs") if k in kwargs), None)
         given, args = (kwargs.pop(key), args) if key else (args[0] if args else None, args[1:])
         # The context_fn is added here, not in the user's kwargs: swift and HF serialise those into args.json.
         options = {**(given or {}), "use_reentrant": False, "context_fn": checkpoint_contexts}
