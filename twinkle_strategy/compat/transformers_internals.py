@@ -309,7 +309,7 @@ CHECKPOINTING_ENABLE = Internal(
 @CHECKPOINTING_ENABLE.wrapper
 def wrap_checkpointing_enable(module: nn.Module, wrap) -> None:
     """Replace, on ``module``, the method every enabling of transformers' activation checkpointing goes through
-    by ``wrap(method)``; nothing for a module without one."""
+    by ``wrap(method)`` (unless that returns the method itself); nothing for a module without one."""
     if hasattr(module, "activation_checkpointing_enable"):
         name = "_activation_checkpointing_enable"
         if not hasattr(module, name):
@@ -318,7 +318,10 @@ def wrap_checkpointing_enable(module: nn.Module, wrap) -> None:
         name = "gradient_checkpointing_enable"
     else:
         return
-    setattr(module, name, wrap(getattr(module, name)))
+    method = getattr(module, name)
+    wrapped = wrap(method)
+    if wrapped is not method:
+        setattr(module, name, wrapped)
 
 
 ENABLE_CHECKPOINTING = Internal(

@@ -370,6 +370,7 @@ def _install_experts_patch_hooks() -> None:
 def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     from torch.distributed.fsdp import FSDPModule
 
+    from twinkle_strategy.compat.transformers_internals import mark_accelerate_prepared
     from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
 
     if isinstance(model, FSDPModule):
@@ -380,11 +381,11 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
     model, _ = strategy.wrap_model(model)
-    # swift's --gradient_checkpointing goes through transformers' gradient_checkpointing_enable: make its
+    # swift's --gradient_checkpointing goes through transformers' activation checkpointing: make its
     # recomputation replay the EP dispatch (no second all-to-all, no re-routing), as twinkle-sft's does.
     replay_in_transformers_checkpointing(model)
     # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
-    model._is_accelerate_prepared = True  # (the strategy has logged its init report already)
+    mark_accelerate_prepared(model)  # (the strategy has logged its init report already)
     return model
 
 
