@@ -385,3 +385,57 @@ ACCELERATE_PREPARED = Internal(
 def mark_accelerate_prepared(model: nn.Module) -> None:
     """Mark ``model`` as prepared, so that ``Accelerator.prepare_model`` returns it as it is."""
     model._is_accelerate_prepared = True
+
+
+def _trainer_hook(name: str, used_for: str) -> Internal:
+    return Internal(f"Trainer.{name}", "transformers", used_for=used_for, checked=_ALL,
+                    replacement="none: the HF Trainer (which swift's trainer subclasses) has no public hook for it")
+
+
+# The HF Trainer's private methods the swift plugin's trainer overrides: a renamed one would silently never run.
+TRAINER_HOOKS = {internal.name.split(".", 1)[1]: internal for internal in (
+    _trainer_hook("_move_model_to_device", "leave a sharded model where the strategy placed it"),
+    _trainer_hook("_clip_grad_norm", "clip the gradient norm over the expert and the non-expert meshes"),
+    _trainer_hook("_get_grad_norm", "report the gradient norm over the expert and the non-expert meshes"),
+    _trainer_hook("_save_optimizer_and_scheduler", "save each rank's own optimizer shards"),
+    _trainer_hook("_load_from_checkpoint", "resume each rank's own trainable shards"),
+    _trainer_hook("_load_optimizer_and_scheduler", "resume each rank's own optimizer shards"),
+)}
+
+
+def check_trainer_overrides(mixin: type) -> None:
+    """Raise if the installed transformers ``Trainer`` no longer has a private hook that ``mixin`` overrides."""
+    from transformers import Trainer
+
+    for name, internal in TRAINER_HOOKS.items():
+        if name in vars(mixin) and not hasattr(Trainer, name):
+            raise internal.changed("is gone, so its override would never run")
+
+
+for _internal in TRAINER_HOOKS.values():
+    _internal.wrapper(check_trainer_overrides)
+
+
+TRAINER_SAVE = Internal(
+    "Trainer._save", "transformers",
+    used_for="let swift write what a save holds besides the weights (config, tokenizer, arguments) once every "
+             "rank has written its rows",
+    checked=_ALL, replacement="none: the public save_model also gathers and writes the weights")
+
+
+@TRAINER_SAVE.wrapper
+def trainer_save(trainer, output_dir: str, state_dict=None) -> None:
+    """``trainer._save(output_dir, state_dict=state_dict)``: the HF Trainer's save of one process."""
+    TRAINER_SAVE.attribute(trainer, "_save")(output_dir, state_dict=state_dict)
+
+
+SCHEDULER_FILE = Internal(
+    "trainer.SCHEDULER_NAME", "transformers",
+    used_for="save and resume the learning-rate scheduler under the file name the HF Trainer uses",
+    checked=_ALL, replacement="none: transformers.trainer does not export it")
+
+
+@SCHEDULER_FILE.wrapper
+def scheduler_file_name() -> str:
+    """The file a checkpoint of the HF Trainer keeps the scheduler's state in ('scheduler.pt')."""
+    return SCHEDULER_FILE.import_name("transformers.trainer", "SCHEDULER_NAME")
