@@ -60,12 +60,15 @@ class Internal:
         except importlib.metadata.PackageNotFoundError:
             return "(not installed)"
 
+    def summary(self) -> str:
+        return (f"twinkle_strategy uses it to {self.used_for} (checked on {self.owner} {self.checked}; public "
+                f"replacement: {self.replacement})")
+
     def changed(self, what: str = "is gone") -> InternalChangedError:
-        """The error a wrapper raises when the installed version no longer has it, or no longer behaves so."""
+        """The error a wrapper raises when the installed version no longer has it."""
         return InternalChangedError(
-            f"{self.owner} {self.installed_version()}: {self.name} {what}; twinkle_strategy uses it to "
-            f"{self.used_for} (checked on {self.owner} {self.checked}; public replacement: {self.replacement}). "
-            f"Install a {self.owner} version in the range setup.py declares")
+            f"{self.owner} {self.installed_version()}: {self.name} {what}; {self.summary()}. "
+            f"Install a {self.owner} version in the range twinkle_strategy declares (setup.py)")
 
     def wrapper(self, function):
         """Decorator: ``function`` reads this internal; its docstring gets the versions and the replacement."""
