@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from twinkle_strategy.init.liveness import StatusBoard
+from twinkle_strategy.distributed.liveness import StatusBoard
 
 WORLD = 4
 

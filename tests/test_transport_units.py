@@ -10,7 +10,7 @@ LIBRARY = pathlib.Path(__file__).resolve().parent.parent / "twinkle_strategy"
 
 
 def test_collectives_move_tensors_on_the_backends_device():
-    from twinkle_strategy.messages import device_type_for_backend
+    from twinkle_strategy.distributed.messages import device_type_for_backend
 
     assert device_type_for_backend("nccl") == "cuda"
     assert device_type_for_backend("hccl") == "npu"
@@ -90,7 +90,7 @@ def test_sending_order_serves_a_few_receivers_at_a_time_in_order():
 def test_the_board_names_the_ranks_that_failed_and_why():
     import torch.distributed as dist
 
-    from twinkle_strategy.init.liveness import StatusBoard
+    from twinkle_strategy.distributed.liveness import StatusBoard
 
     store, boards = dist.HashStore(), []
     for rank in range(3):

@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from twinkle_strategy.distributed.node import RankRecord, validate_topology
+from twinkle_strategy.distributed.runtime import LaunchEnv
 from twinkle_strategy.errors import ParallelConfigError, TopologyError
 from twinkle_strategy.fsdp import mixed_precision_policy
 from twinkle_strategy.moe.layout import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.runtime import LaunchEnv, RankRecord, validate_topology
 
 
 def records(layout):
@@ -195,7 +196,7 @@ def test_capture_holds_references_and_meta_keeps_ties():
 
 
 def test_fsdp_rows_match_torch_chunk():
-    from twinkle_strategy.init.plan import fsdp_rows
+    from twinkle_strategy.shards.plan import fsdp_rows
 
     for dim0 in range(0, 12):
         for mesh in range(1, 6):
@@ -227,7 +228,7 @@ def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
 
 
 def test_check_need_names_the_tensor():
-    from twinkle_strategy.init.plan import NOT_EXPERT, Need, check_need
+    from twinkle_strategy.shards.plan import NOT_EXPERT, Need, check_need
 
     w, b = ((4, 3), torch.float32), ((4,), torch.bfloat16)  # what the source holds: shape and dtype before EP
     assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), w, None, 0) is None
