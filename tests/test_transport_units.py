@@ -93,9 +93,8 @@ def test_the_board_names_the_ranks_that_failed_and_why():
     from twinkle_strategy.distributed.liveness import StatusBoard
 
     store, boards = dist.HashStore(), []
-    for rank in range(3):
-        StatusBoard._created["named"] = 0  # each rank is a process of its own, which numbers its own boards
-        boards.append(StatusBoard("named", store=store, rank=rank, world=3))
+    for rank in range(3):  # each rank is a process of its own: the same namespace for all
+        boards.append(StatusBoard("named", store=store, rank=rank, world=3, namespace="named"))
     boards[0].finished("plan")
     boards[2].failed("CheckpointError: checkpoint file model.safetensors ended while reading tensor 'w'")
     assert boards[1].failures() == [(2, "CheckpointError: checkpoint file model.safetensors ended while reading "

@@ -43,6 +43,21 @@ def test_launch_env_reads_torchrun_variables():
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 4, 1)
 
 
+def test_collectively_returns_the_result_or_raises_naming_the_rank():
+    from twinkle_strategy.distributed.fail_together import collectively
+    from twinkle_strategy.errors import DistributedInitError, RanksFailedError
+
+    assert collectively("adding", lambda: 1 + 1) == 2
+    assert collectively("adding", lambda: 1 / 0, here=False) is None  # not run on this rank: nothing to report
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(DistributedInitError, match=r"^loading m failed on rank\(s\) \[0\]: rank 0: OSError: disk full$") as info:
+        collectively("loading m", fail, error_class=DistributedInitError)
+    assert isinstance(info.value, RanksFailedError) and isinstance(info.value.__cause__, OSError)
+
+
 def test_parallel_dims():
     dims = ParallelDims(world_size=16, ep_size=8, local_world_size=8)
     assert dims.ep_fsdp_size == 2 and dims.ep_within_node
