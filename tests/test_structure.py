@@ -139,6 +139,12 @@ def test_distributed_is_the_lowest_layer():
     assert len(above) > 5 and not {m: t for m, t in above.items() if t}, above
 
 
+def test_the_top_level_keeps_ten_modules():
+    allowed = {"__init__", "config", "dtypes", "errors", "fsdp", "kept_dtypes", "loading", "log", "parallel", "strategy"}
+    extra = sorted({p.stem for p in PACKAGE.glob("*.py")} - allowed)
+    assert not extra, f"a new module belongs in a package (distributed/, moe/, checkpoint/ ...): {extra}"
+
+
 # Files whose imports of the package stay inside functions, and why.
 LATE_IMPORTS = {"integrations/swift/plugin.py": "left as it is until the plugin is rebuilt on a shared "
                 "transformers layer for the HF Trainer and TRL"}
