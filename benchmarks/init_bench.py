@@ -220,7 +220,7 @@ def _node_bcast(strategy, path, config, counter):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM
 
-    from twinkle_strategy.init.plan import needs_of, region_of
+    from twinkle_strategy.shards.plan import needs_of, region_of
 
     topo = strategy.topology
     full = None
@@ -307,7 +307,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
     from transformers import AutoConfig
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.runtime import peak_rss_bytes
+    from twinkle_strategy.distributed.runtime import peak_rss_bytes
 
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no",
                                   memory_efficient_init=method in ("ours_stream", "ours_mem"),

@@ -44,7 +44,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float) -> dict:
     import torch.distributed as dist
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.runtime import peak_rss_bytes
+    from twinkle_strategy.distributed.runtime import peak_rss_bytes
 
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no", memory_efficient_init=method != "hf_dequantize",
                                   init_bucket_mb=bucket_mb, device_type="cpu")
@@ -110,7 +110,7 @@ def convert_to_bf16(release: str, out: str) -> float:
     from safetensors.torch import save_file
 
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
-    from twinkle_strategy.checkpoint.quantized import QuantFormat, QuantizedIndex
+    from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex
 
     start = time.perf_counter()
     os.makedirs(out)

@@ -84,7 +84,7 @@ def run_method(method: str, path: str, out: str, ep: int, bucket_mb: float, max_
     from init_bench import Counter
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
+    from twinkle_strategy.distributed.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
 
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no", memory_efficient_init=True,
                                   init_bucket_mb=bucket_mb, device_type="cpu", timeout_s=600)

@@ -83,7 +83,7 @@ def run_method(method: str, path: str, *, seq: int, batch: int, steps: int) -> d
     import torch
     import torch.distributed as dist
 
-    from twinkle_strategy.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
+    from twinkle_strategy.distributed.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
 
     if method == "fsdp2":
         model = plain_fsdp2(path)

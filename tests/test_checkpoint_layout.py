@@ -147,7 +147,7 @@ def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_r
     """A buffer every rank needs whole (DeepSeek's correction bias): the source reads it once for its node's
     three ranks, holds it while their regions are served, and drops it after the last one."""
     from twinkle_strategy.init.capture import capture_state
-    from twinkle_strategy.init.plan import NOT_EXPERT, Need
+    from twinkle_strategy.shards.plan import NOT_EXPERT, Need
 
     path = tiny_checkpoints / "deepseek_v3"
     model = open_streaming_model(str(path), load_config(str(path)), torch.float32)

@@ -593,7 +593,7 @@ def test_a_missing_internal_is_named_with_the_installed_version(monkeypatch, tin
     import torch.distributed as dist
     from transformers import PreTrainedModel, core_model_loading
 
-    from twinkle_strategy.init.liveness import _store
+    from twinkle_strategy.distributed.liveness import _store
 
     model = tiny.model("deepseek_v3")
     version = re.escape(importlib.metadata.version("transformers"))

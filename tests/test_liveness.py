@@ -7,7 +7,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from twinkle_strategy.init.liveness import StatusBoard
+from twinkle_strategy.distributed.liveness import StatusBoard
 
 WORLD = 4
 
@@ -30,9 +30,8 @@ class CountingStore:
 
 def boards(store, name):
     made = []
-    for rank in range(WORLD):
-        StatusBoard._created[name] = 0  # each rank is a process of its own, which numbers its own boards
-        made.append(StatusBoard(name, store=store, rank=rank, world=WORLD))
+    for rank in range(WORLD):  # each rank is a process of its own: the same namespace for all
+        made.append(StatusBoard(name, store=store, rank=rank, world=WORLD, namespace=name))
     return made
 
 
@@ -75,3 +74,21 @@ def test_a_rank_that_never_reported_is_named_without_waiting_for_its_key(store):
     start = time.monotonic()
     assert board.silent_ranks("plan", grace_s=0.3) == [0, 2, 3]
     assert time.monotonic() - start < 3  # not the store's 7 s timeout
+
+
+def test_the_init_and_the_trainer_name_who_stopped_in_the_same_words(store):
+    ranks = boards(store, "who")
+    for board in ranks:
+        board.finished("step1")
+    ranks[2].finished("step2")
+    ranks[1].failed("RuntimeError in step2")
+    ranks[0].failed("RuntimeError in step2")
+    who, failures = ranks[0].who_stopped("step2", grace_s=0)
+    assert who == ("rank 1 failed: RuntimeError in step2; "
+                   "rank(s) [3] did not report back (one of them died or hung; see their logs)")
+    assert failures == [(1, "RuntimeError in step2"), (3, "did not report back")]
+    quiet = boards(store, "quiet")  # every other rank got further: nobody to name
+    for board in quiet[1:]:
+        board.finished("step1")
+    quiet[0].failed("RuntimeError in step1")
+    assert quiet[0].who_stopped("step1", grace_s=0) == ("a peer stopped responding", [])

@@ -9,7 +9,8 @@ import torch
 from multinode import launch
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.quantized import (
+from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.quantized.formats import (
     QuantFormat,
     QuantizedIndex,
     apply_block_scales,
@@ -18,7 +19,6 @@ from twinkle_strategy.checkpoint.quantized import (
     quantize_fp8_blocks,
     unpack_e2m1,
 )
-from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.train.tiny_models import (
     save_tiny_deepseek_v4_release,
     save_tiny_mxfp4_release,
@@ -133,7 +133,7 @@ def write_reference(release: str, block) -> str:
 
 def test_reference_definitions_agree_with_the_library():
     """The test's definitions and the library's vectorised math agree, for FP4 and MXFP4 too."""
-    from twinkle_strategy.checkpoint.quantized import mxfp4_values, quantize_mxfp4
+    from twinkle_strategy.quantized.formats import mxfp4_values, quantize_mxfp4
 
     torch.manual_seed(0)
     packed, scale = quantize_fp4_groups(torch.randn(4, 64))
@@ -260,10 +260,10 @@ def test_release_layout_is_as_shipped(releases):
 def test_a_region_sent_as_stored_decodes_to_the_values_read_here(releases, name, key, rows):
     """Any rows, in chunks small enough to cut them several times: the receiver's decoding of the bytes the
     source sends equals the source's own reading, and no scale row is sent twice."""
-    from twinkle_strategy.checkpoint.wire import plan_wire_form, read_chunks
     from twinkle_strategy.init.skeleton import CheckpointTensor
     from twinkle_strategy.init.streams import as_bytes
     from twinkle_strategy.loading import load_config, open_streaming_model
+    from twinkle_strategy.quantized.wire import plan_wire_form, read_chunks
 
     model = open_streaming_model(releases[name], load_config(releases[name]), torch.bfloat16)
     layout = next(t.checkpoint for t in model.parameters() if isinstance(t, CheckpointTensor))

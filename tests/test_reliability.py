@@ -246,7 +246,7 @@ def test_lora_options_the_expert_path_cannot_serve(override, message, tmp_path, 
 
 
 def test_hccl_defaults_are_set_only_when_unset(monkeypatch):
-    from twinkle_strategy.runtime import HCCL_ENV_DEFAULTS, apply_backend_env_defaults
+    from twinkle_strategy.distributed.runtime import HCCL_ENV_DEFAULTS, apply_backend_env_defaults
 
     monkeypatch.delenv("HCCL_CONNECT_TIMEOUT", raising=False)
     monkeypatch.setenv("HCCL_EXEC_TIMEOUT", "77")

@@ -10,7 +10,7 @@ LIBRARY = pathlib.Path(__file__).resolve().parent.parent / "twinkle_strategy"
 
 
 def test_collectives_move_tensors_on_the_backends_device():
-    from twinkle_strategy.messages import device_type_for_backend
+    from twinkle_strategy.distributed.messages import device_type_for_backend
 
     assert device_type_for_backend("nccl") == "cuda"
     assert device_type_for_backend("hccl") == "npu"
@@ -90,12 +90,11 @@ def test_sending_order_serves_a_few_receivers_at_a_time_in_order():
 def test_the_board_names_the_ranks_that_failed_and_why():
     import torch.distributed as dist
 
-    from twinkle_strategy.init.liveness import StatusBoard
+    from twinkle_strategy.distributed.liveness import StatusBoard
 
     store, boards = dist.HashStore(), []
-    for rank in range(3):
-        StatusBoard._created["named"] = 0  # each rank is a process of its own, which numbers its own boards
-        boards.append(StatusBoard("named", store=store, rank=rank, world=3))
+    for rank in range(3):  # each rank is a process of its own: the same namespace for all
+        boards.append(StatusBoard("named", store=store, rank=rank, world=3, namespace="named"))
     boards[0].finished("plan")
     boards[2].failed("CheckpointError: checkpoint file model.safetensors ended while reading tensor 'w'")
     assert boards[1].failures() == [(2, "CheckpointError: checkpoint file model.safetensors ended while reading "

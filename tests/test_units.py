@@ -3,11 +3,12 @@
 import pytest
 import torch
 
+from twinkle_strategy.distributed.node import RankRecord, validate_topology
+from twinkle_strategy.distributed.runtime import LaunchEnv
 from twinkle_strategy.errors import ParallelConfigError, TopologyError
 from twinkle_strategy.fsdp import mixed_precision_policy
 from twinkle_strategy.moe.layout import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.runtime import LaunchEnv, RankRecord, validate_topology
 
 
 def records(layout):
@@ -40,6 +41,21 @@ def test_launch_env_reads_torchrun_variables():
     env = LaunchEnv.from_environ({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1",
                                   "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"})
     assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.node_rank) == (5, 8, 1, 4, 1)
+
+
+def test_collectively_returns_the_result_or_raises_naming_the_rank():
+    from twinkle_strategy.distributed.fail_together import collectively
+    from twinkle_strategy.errors import DistributedInitError, RanksFailedError
+
+    assert collectively("adding", lambda: 1 + 1) == 2
+    assert collectively("adding", lambda: 1 / 0, here=False) is None  # not run on this rank: nothing to report
+
+    def fail():
+        raise OSError("disk full")
+
+    with pytest.raises(DistributedInitError, match=r"^loading m failed on rank\(s\) \[0\]: rank 0: OSError: disk full$") as info:
+        collectively("loading m", fail, error_class=DistributedInitError)
+    assert isinstance(info.value, RanksFailedError) and isinstance(info.value.__cause__, OSError)
 
 
 def test_parallel_dims():
@@ -195,7 +211,7 @@ def test_capture_holds_references_and_meta_keeps_ties():
 
 
 def test_fsdp_rows_match_torch_chunk():
-    from twinkle_strategy.init.plan import fsdp_rows
+    from twinkle_strategy.shards.plan import fsdp_rows
 
     for dim0 in range(0, 12):
         for mesh in range(1, 6):
@@ -227,7 +243,7 @@ def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
 
 
 def test_check_need_names_the_tensor():
-    from twinkle_strategy.init.plan import NOT_EXPERT, Need, check_need
+    from twinkle_strategy.shards.plan import NOT_EXPERT, Need, check_need
 
     w, b = ((4, 3), torch.float32), ((4,), torch.bfloat16)  # what the source holds: shape and dtype before EP
     assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), w, None, 0) is None

@@ -1,13 +1,36 @@
-"""twinkle_strategy: FSDP2 + expert parallelism for Mixture-of-Experts training."""
+"""twinkle_strategy: FSDP2 + expert parallelism for Mixture-of-Experts training.
+
+The names below load on first use (a module ``__getattr__``): importing the package, or one module
+of it such as ``twinkle_strategy.errors``, loads that module and the package logger, not the library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
 
 from twinkle_strategy import log  # noqa: F401  (configures the package logger)
-from twinkle_strategy.config import StrategyConfig
-from twinkle_strategy.errors import ModelStructureError, ParallelConfigError, TopologyError, TwinkleError
-from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
-from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.strategy import NativeFSDPStrategy
+
+if TYPE_CHECKING:
+    from twinkle_strategy.config import StrategyConfig
+    from twinkle_strategy.errors import ModelStructureError, ParallelConfigError, TopologyError, TwinkleError
+    from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
+    from twinkle_strategy.parallel import ParallelDims
+    from twinkle_strategy.strategy import NativeFSDPStrategy
 
 __version__ = "0.1.0"
+
+# each name of __all__ -> the module that defines it (the imports above say the same to type checkers)
+_EXPORTS = {
+    "NativeFSDPStrategy": "twinkle_strategy.strategy",
+    "StrategyConfig": "twinkle_strategy.config",
+    "ParallelDims": "twinkle_strategy.parallel",
+    "apply_expert_parallel": "twinkle_strategy.moe.expert_parallel",
+    "TwinkleError": "twinkle_strategy.errors",
+    "TopologyError": "twinkle_strategy.errors",
+    "ParallelConfigError": "twinkle_strategy.errors",
+    "ModelStructureError": "twinkle_strategy.errors",
+}
 
 __all__ = [
     "NativeFSDPStrategy",
@@ -19,3 +42,15 @@ __all__ = [
     "ParallelConfigError",
     "ModelStructureError",
 ]
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    globals()[name] = value  # the next access is a plain attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

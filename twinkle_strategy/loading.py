@@ -26,8 +26,19 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
+from twinkle_strategy.checkpoint.files import SafetensorsIndex, checkpoint_files
+from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
 from twinkle_strategy.compat.transformers_internals import set_weight_conversions, weight_conversions
+from twinkle_strategy.distributed.node import broadcast_from_source
 from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
+from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
+from twinkle_strategy.quantized.formats import (
+    QuantizedIndex,
+    drop_quantization_config,
+    is_quantized_release,
+    mark_quantized_release,
+    quant_format,
+)
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
 
@@ -80,8 +91,6 @@ def _snapshot_download(model_id: str, local_files_only: bool) -> str:
 def checkpoint_files_problem(path: str) -> str | None:
     """What keeps ``path`` from being a loadable checkpoint directory (config.json, safetensors weights,
     every file its index lists), or None. Reads file names and the index only."""
-    from twinkle_strategy.checkpoint.files import checkpoint_files
-
     if not os.path.isdir(path):
         return f"{path!r} does not exist or is not a directory"
     if is_incomplete(path):
@@ -239,8 +248,6 @@ def init_kwargs(kwargs: dict) -> dict:
 
 def stream_blocker(path: str, config, kwargs: dict) -> str | None:
     """Why the checkpoint in ``path`` cannot be streamed region by region, or None if it can."""
-    from twinkle_strategy.checkpoint.files import checkpoint_files
-
     # (empty values say nothing; names with a leading underscore are transformers' own bookkeeping,
     # e.g. _from_auto when an auto class calls the concrete class)
     others = sorted(k for k, v in kwargs.items()
@@ -263,16 +270,6 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     Reads config and headers only. Raises :class:`CheckpointError` naming every
     missing, unexpected or wrong-shaped tensor, by checkpoint key.
     """
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
-    from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
-    from twinkle_strategy.checkpoint.quantized import (
-        QuantizedIndex,
-        drop_quantization_config,
-        mark_quantized_release,
-        quant_format,
-    )
-    from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
-
     fmt = quant_format(config)  # a format we do not serve is refused here, before any read
     drop_quantization_config(config)
     model = mark_quantized_release(build_meta_model(model_class or model_class_for(config), config, dtype,
@@ -290,9 +287,6 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
 
 def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
     """The same model with meta placeholders: what ranks that never read the checkpoint build."""
-    from twinkle_strategy.checkpoint.quantized import drop_quantization_config
-    from twinkle_strategy.init.skeleton import build_meta_model, install_placeholders
-
     drop_quantization_config(config)  # the weights arrive dequantized: every rank builds the plain model
     return install_placeholders(build_meta_model(model_class or model_class_for(config), config, dtype,
                                                  **init_kwargs))
@@ -306,11 +300,8 @@ def share_weight_conversions(model, topology, node_group) -> None:
     reverses them (the checkpoint is written back in its own key layout). Ranks that built the model
     from the config alone learn them here, so that every rank plans the same files.
     """
-    from twinkle_strategy.checkpoint.quantized import is_quantized_release, mark_quantized_release
-    from twinkle_strategy.init import transport
-
     mine = (weight_conversions(model), is_quantized_release(model)) if topology.is_source else None
-    rules, quantized = transport.broadcast_from_source(mine, topology.source_rank, node_group)
+    rules, quantized = broadcast_from_source(mine, topology.source_rank, node_group)
     if rules is not None:
         set_weight_conversions(model, rules)
     mark_quantized_release(model, quantized)

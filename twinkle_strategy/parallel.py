@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from twinkle_strategy.distributed.node import NodeTopology
 from twinkle_strategy.errors import ParallelConfigError
-from twinkle_strategy.runtime import NodeTopology
 
 logger = logging.getLogger(__name__)
 

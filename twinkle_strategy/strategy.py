@@ -3,7 +3,7 @@
 The strategy owns the process group, the node topology and the device meshes,
 and calls the pieces that do the work: :mod:`twinkle_strategy.moe` for expert
 parallelism, :mod:`twinkle_strategy.fsdp` for sharding,
-:mod:`twinkle_strategy.gather` and :mod:`twinkle_strategy.grad_clip` for what
+:mod:`twinkle_strategy.shards.gather` and :mod:`twinkle_strategy.distributed.grad_clip` for what
 training needs afterwards.
 
 Typical use::
@@ -28,17 +28,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinkle_strategy.checkpoint import is_peft_model, trainable_names
+from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
+from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
+from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import StrategyConfig
-from twinkle_strategy.errors import CheckpointSaveError
-from twinkle_strategy.fail_together import on_rank0, step_reporter
+from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
+from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
+from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
+from twinkle_strategy.distributed.runtime import current_device, init_distributed
+from twinkle_strategy.errors import CheckpointSaveError, DistributedInitError
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
-from twinkle_strategy.gather import gather_full_state_dict
-from twinkle_strategy.grad_clip import clip_grad_norm_
-from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import InitReport, distribute
-from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.loading import (
     config_from_text,
     init_kwargs,
@@ -52,12 +56,7 @@ from twinkle_strategy.loading import (
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
-from twinkle_strategy.runtime import (
-    NodeTopology,
-    current_device,
-    discover_topology,
-    init_distributed,
-)
+from twinkle_strategy.shards.gather import gather_full_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -146,38 +145,33 @@ class NativeFSDPStrategy:
         rank, naming them, before any weight is read.
         """
         self.setup()
+        what = f"loading {path_or_id}"
         if not self.memory_efficient_init:
-            model, error = None, None
-            try:
-                self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
-                model = load_pretrained_strict(self._resolved_paths[path_or_id], dtype=dtype, **kwargs)
-            except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
-                error = exc
-            transport.raise_together(error, f"loading {path_or_id}")
-            return model
-        is_source = self.topology.is_source
-        path, text, error = None, None, None
-        if is_source:
-            try:
-                path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
-                text = read_config_text(path)
-            except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
-                error = exc
+            return collectively(what, lambda: load_pretrained_strict(self._resolve(path_or_id), dtype=dtype, **kwargs),
+                                error_class=DistributedInitError)
         # The config first, as text: every rank builds it and its meta model while the source checks the checkpoint.
-        text, path = transport.broadcast_from_source((text, path), self.topology.source_rank, self.node_group)
-        transport.raise_together(error, f"loading {path_or_id}")
-        model, config, error = None, None, None
-        try:
-            config = config_from_text(text, os.path.join(path, "config.json"))
-            if is_source:
-                model = self._open_on_source(path, config, dtype, kwargs)
-            else:
-                model = meta_skeleton(config, dtype, **init_kwargs(kwargs))
-        except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together
-            error = exc
-        transport.raise_together(error, f"loading {path_or_id}")
+        found = collectively(what, lambda: self._config_text(path_or_id), here=self.topology.is_source,
+                             error_class=DistributedInitError)
+        text, path = broadcast_from_source(found, self.topology.source_rank, self.node_group)
+        model = collectively(what, lambda: self._build(path, text, dtype, kwargs), error_class=DistributedInitError)
         share_weight_conversions(model, self.topology, self.node_group)
         return model
+
+    def _resolve(self, path_or_id: str) -> str:
+        path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
+        return path
+
+    def _config_text(self, path_or_id: str) -> tuple[str, str]:
+        """(config.json's text, the local directory) of ``path_or_id``, on a node's source."""
+        path = self._resolve(path_or_id)
+        return read_config_text(path), path
+
+    def _build(self, path: str, text: str, dtype: torch.dtype, kwargs: dict) -> nn.Module:
+        """The source opens the checkpoint; every other rank builds the model on meta from the config."""
+        config = config_from_text(text, os.path.join(path, "config.json"))
+        if self.topology.is_source:
+            return self._open_on_source(path, config, dtype, kwargs)
+        return meta_skeleton(config, dtype, **init_kwargs(kwargs))
 
     def _open_on_source(self, path: str, config, dtype: torch.dtype, kwargs: dict) -> nn.Module:
         blocker = stream_blocker(path, config, kwargs) if self.config.stream_checkpoint else "stream_checkpoint=False"
@@ -199,14 +193,9 @@ class NativeFSDPStrategy:
         self.setup()
         if not self.memory_efficient_init:
             return make()
-        obj, error = None, None
-        if self.topology.is_source:
-            try:
-                obj = make()
-            except Exception as exc:  # noqa: BLE001 - reported on every rank
-                error = exc
-        transport.raise_together(error, "preparing a node-local object")
-        return transport.broadcast_from_source(obj, self.topology.source_rank, self.node_group)
+        obj = collectively("preparing a node-local object", make, here=self.topology.is_source,
+                           error_class=DistributedInitError)
+        return broadcast_from_source(obj, self.topology.source_rank, self.node_group)
 
     # --------------------------------------------------------------- wrapping
     def wrap_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -308,11 +297,6 @@ class NativeFSDPStrategy:
         ``directory`` once complete (:mod:`twinkle_strategy.checkpoint.durable`); a directory that
         already holds other files gets the new ones moved in, under a marker loaders refuse until the end.
         """
-        from twinkle_strategy.checkpoint import is_peft_model, trainable_names
-        from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
-        from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
-        from twinkle_strategy.checkpoint.sharded_io import IOStats
-        from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 
         self.setup()
         directory = os.path.normpath(directory)

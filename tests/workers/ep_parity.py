@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
-from twinkle_strategy.init.plan import fsdp_rows  # noqa: E402
+from twinkle_strategy.shards.plan import fsdp_rows  # noqa: E402
 
 STEPS = 3
 LR = 1e-3

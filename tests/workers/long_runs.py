@@ -20,8 +20,8 @@ import torch.distributed as dist  # noqa: E402
 import worker_common  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
-from twinkle_strategy.gather import gather_full_tensor  # noqa: E402
 from twinkle_strategy.moe.load import load_imbalance  # noqa: E402
+from twinkle_strategy.shards.gather import gather_full_tensor  # noqa: E402
 from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset  # noqa: E402
 from twinkle_strategy.train.trainer import Trainer, TrainingArguments  # noqa: E402
 

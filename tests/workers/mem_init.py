@@ -14,8 +14,8 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
-from twinkle_strategy.init.plan import fsdp_rows, needs_of  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
+from twinkle_strategy.shards.plan import fsdp_rows, needs_of  # noqa: E402
 
 SEQ, PER_RANK = 16, 2
 

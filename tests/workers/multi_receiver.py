@@ -21,8 +21,8 @@ import worker_common  # noqa: E402
 from alloc_tracker import LiveBytes  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+from twinkle_strategy.distributed.messages import device_type_for_backend  # noqa: E402
 from twinkle_strategy.init import transport  # noqa: E402
-from twinkle_strategy.messages import device_type_for_backend  # noqa: E402
 
 OBJECT_COLLECTIVES = ("all_gather_object", "gather_object", "broadcast_object_list", "scatter_object_list")
 TENSOR_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "broadcast", "scatter", "gather",

@@ -24,8 +24,8 @@ from transformers import AutoConfig  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.checkpoint.files import SafetensorsIndex  # noqa: E402
-from twinkle_strategy.init.plan import checkpoint_runs, needs_of, region_of  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
+from twinkle_strategy.shards.plan import checkpoint_runs, needs_of, region_of  # noqa: E402
 
 DTYPE = torch.bfloat16
 

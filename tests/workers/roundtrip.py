@@ -30,9 +30,9 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int, *, with_adapte
     from twinkle_strategy.checkpoint.model_files import read_model_files, save_model_config, save_model_files
     from twinkle_strategy.checkpoint.optimizer_files import TrainableFiles, read_trainable_files
     from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
-    from twinkle_strategy.checkpoint.whole_tensors import owner_of
-    from twinkle_strategy.dtensor import local_tensor
-    from twinkle_strategy.fail_together import step_reporter
+    from twinkle_strategy.distributed.dtensor import local_tensor
+    from twinkle_strategy.distributed.fail_together import step_reporter
+    from twinkle_strategy.shards.whole_tensors import owner_of
 
     reference = with_adapter(model_class_for(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype),
                              lora, family)
@@ -105,7 +105,7 @@ def failing_owner_read(directory: str, model, strategy, rank: int) -> dict:
     from twinkle_strategy.checkpoint.layout import CheckpointLayout
     from twinkle_strategy.checkpoint.model_files import read_model_files
     from twinkle_strategy.checkpoint.sharded_io import IOStats
-    from twinkle_strategy.checkpoint.whole_tensors import owner_of
+    from twinkle_strategy.shards.whole_tensors import owner_of
 
     owner = owner_of(FAILING_WHOLE_READ, dist.get_world_size())
     real = CheckpointLayout.read_rows

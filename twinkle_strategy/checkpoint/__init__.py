@@ -5,9 +5,8 @@ files.py            safetensors files read by header and byte range, never whole
 writer.py           safetensors files planned on every rank and written in parallel, each rank its own bytes
 layout.py           how a model's tensors are made from a hub checkpoint's tensors (transformers' conversion
                     rules), and back
-quantized.py        quantized releases (FP8 blocks, DeepSeek-V4 FP8/FP4, MXFP4): scales, the dequantization math
-wire.py             regions of a quantized release sent as stored, dequantized by the receiving rank
-sharded_io.py       each rank's rows of each tensor: written into the files, read back
+sharded_io.py       each rank's rows of each tensor: written into the files, read back (tensors a rule needs
+                    whole go through their owner rank: :mod:`twinkle_strategy.shards.whole_tensors`)
 model_files.py      the model as a Hugging Face checkpoint, written in parallel
 optimizer_files.py  optimizer state and adapter weights by full tensor, for resuming on another layout
 durable.py          directories that exist under their final name only when complete (staged, fsynced, renamed)

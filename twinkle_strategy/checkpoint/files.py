@@ -26,6 +26,7 @@ import time
 
 import torch
 
+from twinkle_strategy.checkpoint.durable import raise_if_incomplete
 from twinkle_strategy.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
 from twinkle_strategy.errors import CheckpointError
 
@@ -171,8 +172,6 @@ class SafetensorsIndex:
 
     @classmethod
     def from_directory(cls, path: str) -> "SafetensorsIndex":
-        from twinkle_strategy.checkpoint.durable import raise_if_incomplete
-
         raise_if_incomplete(path)
         files = checkpoint_files(path)
         if not files:

@@ -61,6 +61,15 @@ class TensorRecipe:
     mode: str = WHOLE
 
     @property
+    def per_expert(self) -> bool:
+        """Rows ``[a, b)`` of the model tensor are experts ``a..b-1``, each made of whole per-expert tensors."""
+        return self.mode == PER_EXPERT
+
+    def conversion(self) -> Conversion:
+        """The rule, as a rank that has no checkpoint (only the pieces it was sent) runs it."""
+        return Conversion(self.transform, self.first_target, dict(self.targets))
+
+    @property
     def checkpoint_keys(self) -> list[str]:
         return [key for keys in self.sources.values() for key in keys]
 
@@ -153,6 +162,19 @@ def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[st
     shim = _ShapeOnlyModel(config, shapes, rows)
     out = transform.convert(first_target, model=shim, config=config)
     return {name: (value[0] if isinstance(value, list) else value) for name, value in out.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Conversion:
+    """One transformers rule with what :func:`convert_pieces` needs besides the pieces: picklable, no file."""
+
+    transform: object  # a transformers WeightRenaming or WeightConverter, as a template
+    first_target: str
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]  # what the rule may look up
+
+    def __call__(self, pieces: dict[str, list[tuple[str, torch.Tensor]]], *, config, rows: int | None = None
+                 ) -> dict[str, torch.Tensor]:
+        return convert_pieces(self.transform, self.first_target, pieces, config=config, shapes=self.shapes, rows=rows)
 
 
 class CheckpointLayout:

@@ -12,10 +12,10 @@ from __future__ import annotations
 from torch import nn
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
 from twinkle_strategy.checkpoint.sharded_io import IOStats, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
-from twinkle_strategy.runtime import global_rank
+from twinkle_strategy.distributed.runtime import global_rank
 
 DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
@@ -83,8 +83,6 @@ def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) 
     regions = regions_of(model, ep_plan)
     layout = CheckpointLayout(SafetensorsIndex.from_directory(directory), model, directory,
                               model_tensors=_model_tensors(regions))
-    from twinkle_strategy.checkpoint.layout import raise_for_problems
-
     raise_for_problems(directory, layout.problems([r.name for r in regions]))
     try:
         read_regions(regions, layout.read_rows, ep_plan=ep_plan, stats=stats,

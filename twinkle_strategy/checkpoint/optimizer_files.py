@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
-from twinkle_strategy.dtensor import local_tensor
+from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.errors import ResumeError
 
 OPTIMIZER_PREFIX = "optimizer"

@@ -2,7 +2,7 @@
 
 A rank's part of a parameter (or of its optimizer state) is the region its
 DTensor describes: its EP slice of the experts, then FSDP's rows of that
-(:func:`twinkle_strategy.init.plan.needs_of`). Saving turns each region into
+(:func:`twinkle_strategy.shards.plan.needs_of`). Saving turns each region into
 checkpoint pieces (:meth:`CheckpointLayout.checkpoint_pieces`: for a Hugging
 Face checkpoint, per-expert hub keys and renames) and writes them into the
 final safetensors files at their offsets (:class:`ParallelFileWriter`).
@@ -13,7 +13,7 @@ A rank's region is one run of rows of the full tensor, or a few (LongCat-Flash's
 zero-computation slots: two); each run is written and read as rows. A region
 that is not made of rows (PEFT's expert ``lora_B``) or a tensor that
 transformers' rule converts only whole goes through one owner rank
-(:mod:`twinkle_strategy.checkpoint.whole_tensors`): no other rank holds it
+(:mod:`twinkle_strategy.shards.whole_tensors`): no other rank holds it
 whole, and the report names it.
 """
 
@@ -26,10 +26,10 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from twinkle_strategy.checkpoint.whole_tensors import WholeTensors
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
-from twinkle_strategy.fail_together import raise_together
-from twinkle_strategy.init.plan import Need, checkpoint_runs, needs_of
+from twinkle_strategy.distributed.fail_together import raise_together
+from twinkle_strategy.shards.plan import Need, checkpoint_runs, needs_of
+from twinkle_strategy.shards.whole_tensors import WholeTensors
 
 
 @dataclasses.dataclass(eq=False)

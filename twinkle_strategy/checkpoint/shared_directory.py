@@ -17,8 +17,8 @@ import uuid
 
 import torch.distributed as dist
 
+from twinkle_strategy.distributed.messages import all_gather_objects, broadcast_object
 from twinkle_strategy.errors import OutputDirNotSharedError
-from twinkle_strategy.messages import all_gather_objects, broadcast_object
 
 PROBE_DIR = ".twinkle-shared-check"
 

@@ -59,9 +59,9 @@ from twinkle_strategy.checkpoint.optimizer_files import (
     read_trainable_files,
 )
 from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.distributed.fail_together import on_rank0, step_reporter
+from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import CheckpointSaveError, ResumeError
-from twinkle_strategy.fail_together import on_rank0, step_reporter
-from twinkle_strategy.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 
 logger = logging.getLogger(__name__)
 

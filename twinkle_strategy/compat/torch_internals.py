@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.compat import Internal
+from twinkle_strategy.compat.registry import Internal
 
 _CHECKED = "2.13 (tests run), 2.14.1 (source read)"
 

@@ -14,7 +14,7 @@ import types
 import torch
 from torch import nn
 
-from twinkle_strategy.compat import Internal
+from twinkle_strategy.compat.registry import Internal
 
 _LOADING = "transformers.core_model_loading"
 _ALL = "5.19, 5.23, 5.24"

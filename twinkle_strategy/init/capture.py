@@ -23,9 +23,10 @@ import torch
 from torch import nn
 
 from twinkle_strategy.compat.torch_internals import buffer_slots, parameter_slots
-from twinkle_strategy.init.plan import Need, checkpoint_runs, region_of, runs_within
 from twinkle_strategy.init.skeleton import CheckpointTensor
 from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
+from twinkle_strategy.quantized.wire import plan_wire_form, read_chunks
+from twinkle_strategy.shards.plan import Need, checkpoint_runs, region_of, runs_within
 
 
 @dataclasses.dataclass
@@ -105,9 +106,7 @@ class Capture:
 
     def wire_form(self, need: Need, ep_plan, chunk_bytes: int):
         """How ``need``'s region travels as the checkpoint stores it (quantized bytes and scales, fewer than its
-        values), or None to send its values. See :mod:`twinkle_strategy.checkpoint.wire`."""
-        from twinkle_strategy.checkpoint.wire import plan_wire_form
-
+        values), or None to send its values. See :mod:`twinkle_strategy.quantized.wire`."""
         placeholder = self.placeholders.get(need.name)
         if need.name in self.tensors or placeholder is None or need.is_buffer:
             return None
@@ -117,8 +116,6 @@ class Capture:
 
     def wire_chunks(self, need: Need, form) -> Iterator[torch.Tensor]:
         """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
-        from twinkle_strategy.checkpoint.wire import read_chunks
-
         return read_chunks(self.placeholders[need.name].checkpoint, form)
 
     def region(self, need: Need, ep_plan, part: tuple[int, int] | None = None) -> torch.Tensor:

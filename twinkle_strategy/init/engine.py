@@ -17,18 +17,20 @@ import zlib
 import torch
 from torch import nn
 
-from twinkle_strategy.checkpoint.quantized import is_quantized_release
-from twinkle_strategy.checkpoint.wire import DecodingSink
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
+from twinkle_strategy.distributed.fail_together import raise_init_together
+from twinkle_strategy.distributed.liveness import StatusBoard
+from twinkle_strategy.distributed.node import NodeLink, gather_to_source, scatter_from_source
+from twinkle_strategy.distributed.runtime import peak_rss_bytes
+from twinkle_strategy.errors import DistributedInitError
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
-from twinkle_strategy.init.liveness import StatusBoard
-from twinkle_strategy.init.plan import Need, check_need, needs_of
 from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
-from twinkle_strategy.init.transport import NodeLink
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
-from twinkle_strategy.runtime import peak_rss_bytes
+from twinkle_strategy.quantized.formats import is_quantized_release
+from twinkle_strategy.quantized.wire import DecodingSink
+from twinkle_strategy.shards.plan import Need, check_need, needs_of
 
 logger = logging.getLogger(__name__)
 
@@ -130,10 +132,10 @@ def distribute(
                                compare=outcome.error is None)
         # Nobody leaves the init until everyone has its shards (and, with verify, they check out);
         # a source whose reading failed reports it here, to every rank.
-        transport.raise_together(outcome.error or mismatch, "memory_efficient_init")
+        raise_init_together(outcome.error or mismatch, "memory_efficient_init")
         stats.collective_calls += 1
         finish(phase, t)
-    except transport.DistributedInitError as exc:
+    except DistributedInitError as exc:
         board.failed(str(exc))
         raise
     except Exception as exc:  # noqa: BLE001 - a peer died or hung, or anything else: named from the board
@@ -152,18 +154,11 @@ def distribute(
     )
 
 
-def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> transport.DistributedInitError:
+def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> DistributedInitError:
     """The error this rank raises when a collective failed under it: which ranks failed (and why) or fell silent."""
-    failed = [(r, why) for r, why in board.failures() if r != rank]
-    silent = board.silent_ranks(phase)
-    parts = [f"rank {r} failed: {why}" for r, why in failed[:8]]
-    if silent:
-        parts.append(f"rank(s) {silent} did not report back (one of them died or hung; see their logs)")
-    who = "; ".join(parts) or "a peer stopped responding"
-    return transport.DistributedInitError(
-        f"memory_efficient_init failed on rank {rank} during '{phase}': {who}. "
-        f"Underlying error: {type(exc).__name__}: {exc}",
-        failed + [(r, "did not report back") for r in (silent or [])])
+    who, failures = board.who_stopped(phase)
+    return DistributedInitError(f"memory_efficient_init failed on rank {rank} during '{phase}': {who}. "
+                                f"Underlying error: {type(exc).__name__}: {exc}", failures)
 
 
 def _decoded_bytes(my_needs, all_needs, topology) -> dict:
@@ -189,7 +184,7 @@ def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: in
     forms = None
     if node.topology.is_source:
         forms = [[capture.wire_form(need, ep_plan, bucket_bytes) for need in needs] for needs in all_needs]
-    mine = transport.scatter_from_source(forms, node.topology.source_rank, node.group)
+    mine = scatter_from_source(forms, node.topology.source_rank, node.group)
     stats.collective_calls += 1
     return forms, mine
 
@@ -198,7 +193,7 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     """The source learns what each of its ranks needs and checks it can serve it; fail together."""
     topology = node.topology
     source, is_source = topology.source_rank, topology.is_source
-    all_needs = transport.gather_to_source([need for need, _ in mine], source, node.group)
+    all_needs = gather_to_source([need for need, _ in mine], source, node.group)
     stats.collective_calls += 1
     error = None
     if is_source:
@@ -212,7 +207,7 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
             if error:
                 break
     # A problem on any source stops every rank before any byte moves.
-    transport.raise_together(error, "memory_efficient_init")
+    raise_init_together(error, "memory_efficient_init")
     stats.collective_calls += 1
     return all_needs
 
@@ -295,7 +290,7 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool 
     """
     topology = node.topology
     sums = [_checksum([local]) for _, local in mine]
-    gathered = transport.gather_to_source(sums, topology.source_rank, node.group)
+    gathered = gather_to_source(sums, topology.source_rank, node.group)
     if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]

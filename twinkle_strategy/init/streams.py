@@ -75,7 +75,7 @@ def _checked_chunks(regions, sizes) -> Iterator[torch.Tensor]:
 class StreamWriter:
     """Writes consecutive stream bytes into ``targets`` in order: contiguous tensors (the bytes are theirs), or
     sinks that rebuild a region from other bytes (``nbytes`` and ``write(uint8 tensor)``, e.g. a quantized
-    region dequantized on arrival, :class:`twinkle_strategy.checkpoint.wire.DecodingSink`)."""
+    region dequantized on arrival, :class:`twinkle_strategy.quantized.wire.DecodingSink`)."""
 
     def __init__(self, targets: list):
         self._sinks = [_TensorSink(t) if isinstance(t, torch.Tensor) else t for t in targets]

@@ -1,11 +1,10 @@
-"""Every collective of memory-efficient init, in one place.
+"""The weights of memory-efficient init on the wire: bucketed byte streams inside each node.
 
-Control messages (config, needs, errors) are small pickled objects, sent as
-byte tensors on the backend's device (:mod:`twinkle_strategy.messages`). Weights
-travel as raw bytes in fixed-size buckets from a node's source to the ranks of
-that node only (see :func:`move_streams`), so the number of transfers grows
-with bytes / bucket size, never with the number of tensors, and no weight
-crosses a node boundary.
+Control messages (config, needs, errors) go through the node-level primitives
+of :mod:`twinkle_strategy.distributed.node`. Weights travel here, as raw bytes
+in fixed-size buckets from a node's source to the ranks of that node only (see
+:func:`move_streams`), so the number of transfers grows with bytes / bucket
+size, never with the number of tensors, and no weight crosses a node boundary.
 """
 
 from __future__ import annotations
@@ -18,46 +17,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy import fail_together, messages
 from twinkle_strategy.config import INIT_TRANSPORTS
-from twinkle_strategy.errors import DistributedInitError
+from twinkle_strategy.distributed import messages
+from twinkle_strategy.distributed.node import NodeLink, max_over_node
 from twinkle_strategy.init import staging
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
-from twinkle_strategy.runtime import NodeTopology
-
-
-def raise_together(error: BaseException | str | None, what: str) -> None:
-    """:func:`twinkle_strategy.fail_together.raise_together` raising :class:`DistributedInitError`."""
-    fail_together.raise_together(error, what, DistributedInitError)
-
-
-def broadcast_from_source(obj, source: int, node_group) -> object:
-    """The node source's ``obj`` on every rank of the node."""
-    if node_group is None:
-        return obj
-    return messages.broadcast_object(obj, source, node_group)
-
-
-def gather_to_source(obj, source: int, node_group) -> list | None:
-    """Every node rank's ``obj``, in local-rank order, on the source (None elsewhere)."""
-    if node_group is None:
-        return [obj]
-    return messages.gather_objects(obj, source, node_group)
-
-
-def scatter_from_source(objs: list | None, source: int, node_group) -> object:
-    """Local rank i of the node gets ``objs[i]`` (given on the source only)."""
-    if node_group is None:
-        return objs[0]
-    return messages.scatter_objects(objs, source, node_group)
-
-
-def max_over_node(value: int, node_group) -> int:
-    if node_group is None:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=messages.collective_device(node_group))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=node_group)
-    return int(t.item())
 
 
 @dataclasses.dataclass
@@ -66,16 +30,6 @@ class TransferStats:
     bytes_received: int = 0
     buckets: int = 0
     collective_calls: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeLink:
-    """What every transfer inside a node needs, together: who is where (the topology, hence the node's
-    source), the node's process group, and the device this rank's collectives use."""
-
-    topology: NodeTopology
-    group: dist.ProcessGroup | None
-    device: torch.device
 
 
 def bucket_sizes(total: int, bucket_bytes: int) -> list[int]:

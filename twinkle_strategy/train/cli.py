@@ -40,9 +40,14 @@ import os
 import sys
 
 from twinkle_strategy import config
+from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.train.launcher import free_port, run_logged, torchrun_command
+from twinkle_strategy.train.preflight import check_before_launch
+from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, logs_dir, record_error
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
-from twinkle_strategy.train.trainer import TrainingArguments
+from twinkle_strategy.train.run import prepare_model_path, run_recipe
+from twinkle_strategy.train.trainer import TrainingArguments, make_run_dir
 
 # swift sft flag -> recipe key, help
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
@@ -123,7 +128,6 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
     if nproc * nnodes == 1:
         return None
     node_rank = int(env.get("NODE_RANK", "0"))
-    from twinkle_strategy.train.launcher import torchrun_command
 
     cmd = torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node_rank, nproc,
                            int(env.get("MASTER_PORT", "29500")), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
@@ -142,13 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         return _worker_main(argv)
     try:
         recipe = parse(argv)
-        from twinkle_strategy.train.preflight import check_before_launch
-
         check_before_launch(recipe)
     except (RecipeError, TwinkleError) as exc:
         print(f"twinkle-sft: error: {_describe(exc)}", file=sys.stderr)
         return 2
-    from twinkle_strategy.train.run import prepare_model_path, run_recipe
 
     # Build the embedded model (tiny://) once here, before any worker starts; the workers find it built.
     recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
@@ -168,8 +169,6 @@ def _describe(exc: Exception) -> str:
 
 
 def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
-    from twinkle_strategy.train.launcher import free_port, torchrun_command
-
     nnodes, nproc = recipe.launch.nnodes, recipe.launch.nproc_per_node
     port = free_port()
     commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
@@ -179,11 +178,6 @@ def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
 
 
 def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str) -> int:
-    from twinkle_strategy.checkpoint import latest_checkpoint
-    from twinkle_strategy.train.launcher import run_logged
-    from twinkle_strategy.train.rank_logs import logs_dir
-    from twinkle_strategy.train.trainer import make_run_dir
-
     # Chosen here, not by rank 0, so the logs have a home even if the run fails before training.
     run_dir = make_run_dir(recipe.train.output_dir, recipe.train.add_version)
     print(f"twinkle-sft: {what}; rank {ranks[0]}'s output follows, every rank's is in {logs_dir(run_dir)}",
@@ -197,9 +191,6 @@ def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], nod
 
 def _worker_main(argv: list[str]) -> int:
     """One rank of a run ``twinkle-sft`` launched: log to the run directory, record a failure for the summary."""
-    from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, record_error
-    from twinkle_strategy.train.run import prepare_model_path, run_recipe
-
     run_dir, rank = os.environ.get(RUN_DIR_ENV), int(os.environ.get("RANK", "0"))
     if run_dir:
         capture_rank_output(run_dir, rank)

@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
+from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import DatasetError, RowError
-from twinkle_strategy.runtime import global_rank
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,11 @@ import os
 import torch
 
 from twinkle_strategy.dtypes import float_dtype
+from twinkle_strategy.strategy import NativeFSDPStrategy
+from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTDataset
 from twinkle_strategy.train.recipe import Recipe
+from twinkle_strategy.train.tiny_models import prepare_demo_model
+from twinkle_strategy.train.trainer import Trainer
 
 TINY_PREFIX = "tiny://"
 
@@ -16,8 +20,6 @@ def prepare_model_path(path: str, datasets: list[str]) -> str:
     """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``datasets``) under ./output/tiny/NAME."""
     if not path.startswith(TINY_PREFIX):
         return path
-    from twinkle_strategy.train.data import DatasetSpec
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
 
     name = path[len(TINY_PREFIX):] or "demo"
     target = os.path.abspath(os.path.join("output", "tiny", name))
@@ -46,10 +48,6 @@ def build_training(recipe: Recipe, run_dir: str | None = None):
     ``run_dir``: the run directory the launcher chose (default: a new ``v{N}-{time}`` under train.output_dir).
     """
     from transformers import AutoTokenizer
-
-    from twinkle_strategy.strategy import NativeFSDPStrategy
-    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
-    from twinkle_strategy.train.trainer import Trainer
 
     strategy = NativeFSDPStrategy(recipe.strategy)
     model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype))

@@ -12,6 +12,10 @@ import re
 
 import torch
 
+from twinkle_strategy.loading import model_class_for
+from twinkle_strategy.quantized.formats import quantize_fp4_groups, quantize_fp8_blocks, quantize_mxfp4
+from twinkle_strategy.train.data import read_rows
+
 # The four families the foundation tests run at ep=2 and ep=4.
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 # The family matrix (tests/test_model_families.py): the families whose experts need more than
@@ -285,8 +289,6 @@ def tiny_config(family: str, vocab_size: int = 128, num_experts: int = 8, hidden
 
 
 def build_tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **config_kwargs):
-    from twinkle_strategy.loading import model_class_for
-
     cfg = tiny_config(family, **config_kwargs)
     torch.manual_seed(seed)
     model = model_class_for(cfg).from_config(cfg, dtype=dtype)
@@ -356,9 +358,6 @@ def prepare_demo_model(path: str, dataset_paths: str | list[str], family: str = 
     later calls reuse it. Written to a temporary directory and renamed, so an
     interrupted build never leaves a half checkpoint behind.
     """
-
-    from twinkle_strategy.train.data import read_rows
-
     if os.path.exists(os.path.join(path, "config.json")):
         return path
     texts = []
@@ -405,8 +404,6 @@ def save_tiny_quantized_checkpoint(family: str, path: str, block: tuple[int, int
     """A tiny ``family`` checkpoint laid out as its FP8 hub releases (DeepSeek-V3, Qwen3 "-FP8"): every
     projection weight float8_e4m3fn with a per-block ``weight_scale_inv`` (``scale_dtype``), the rest as
     trained, in ``files`` files (a weight and its scale often in different files) with an index."""
-    from twinkle_strategy.checkpoint.quantized import quantize_fp8_blocks
-
     config, tensors = _hub_tensors(family, seed, dtype, **config_kwargs)
     out = {}
     for key, value in tensors.items():
@@ -457,8 +454,6 @@ def save_tiny_deepseek_v4_release(path: str, block: tuple[int, int] = (16, 16), 
     """A tiny DeepSeek-V4 checkpoint laid out as DeepSeek-V4-Flash ships: keys without ``model.``, dense
     projections FP8 with a ue8m0 ``.scale`` per block, routed experts FP4 (int8 bytes, two e2m1 values each,
     low nibble first, ``[out, in / 2]``) with a ue8m0 ``.scale`` ``[out, in / 32]``."""
-    from twinkle_strategy.checkpoint.quantized import quantize_fp4_groups, quantize_fp8_blocks
-
     config, tensors = _hub_tensors("deepseek_v4", seed, dtype, **config_kwargs)
     out = {}
     for key, value in tensors.items():
@@ -487,8 +482,6 @@ def save_tiny_mxfp4_release(path: str, seed: int = 0, files: int = 4, dtype: tor
                             **config_kwargs) -> str:
     """A tiny gpt-oss checkpoint laid out as gpt-oss ships: experts MXFP4 (``*_blocks`` uint8
     ``[E, out, in / 32, 16]`` and ``*_scales`` uint8 exponents ``[E, out, in / 32]``), the rest bf16."""
-    from twinkle_strategy.checkpoint.quantized import quantize_mxfp4
-
     config, tensors = _hub_tensors("gpt_oss", seed, dtype, **config_kwargs)
     out = {}
     for key, value in tensors.items():

@@ -17,6 +17,14 @@ from __future__ import annotations
 import json
 import os
 
+from twinkle_strategy.train.tiny_models import (
+    VISION_LANGUAGE_FAMILIES,
+    build_once,
+    build_tokenizer,
+    save_tiny_checkpoint,
+    tiny_config,
+)
+
 # The config attribute holding each vision token's id, and the token's text (as in Qwen's tokenizers).
 VISION_TOKENS = {
     "vision_start_token_id": "<|vision_start|>",
@@ -47,8 +55,6 @@ def build_vl_tokenizer(texts: list[str], token_ids: dict[str, int]):
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-
-    from twinkle_strategy.train.tiny_models import build_tokenizer
 
     base = build_tokenizer(texts)
     spec = json.loads(base.backend_tokenizer.to_str())
@@ -115,14 +121,6 @@ def prepare_vl_demo_model(path: str, dataset_path: str, family: str = "qwen3_vl_
     """A tiny ``family`` (``qwen3_vl_moe`` or ``qwen3_5_moe_vl``) checkpoint saved from its vision-language
     class, with its processor and a tokenizer trained on ``dataset_path``'s texts. Written once to
     ``path`` (through a temporary directory, so an interrupted build leaves nothing half-written)."""
-
-    from twinkle_strategy.train.tiny_models import (
-        VISION_LANGUAGE_FAMILIES,
-        build_once,
-        save_tiny_checkpoint,
-        tiny_config,
-    )
-
     if family not in VISION_LANGUAGE_FAMILIES:
         raise ValueError(f"prepare_vl_demo_model: family {family!r} is not vision-language; "
                          f"choose one of {VISION_LANGUAGE_FAMILIES}")

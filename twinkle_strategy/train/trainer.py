@@ -34,15 +34,15 @@ from twinkle_strategy.checkpoint import (
 )
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
+from twinkle_strategy.distributed.liveness import StatusBoard
+from twinkle_strategy.distributed.messages import broadcast_object
+from twinkle_strategy.distributed.runtime import peak_rss_bytes
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
-from twinkle_strategy.init.liveness import StatusBoard
-from twinkle_strategy.messages import broadcast_object
 from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
-from twinkle_strategy.runtime import peak_rss_bytes
 from twinkle_strategy.train.metrics import StepWindow
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag, newest_run_dir, restart_count
@@ -380,9 +380,7 @@ class Trainer:
             result = fn(*args)
         except RuntimeError as exc:
             self._board.failed(f"{type(exc).__name__} in {phase}")
-            silent = self._board.silent_ranks(phase)
-            who = (f"rank(s) {silent} did not report back (one of them died or hung; see their logs)" if silent
-                   else "a peer stopped responding")
+            who, _ = self._board.who_stopped(phase)
             raise TrainingAbortedError(f"{phase} failed on rank {self.strategy.rank}: {who}. "
                                        f"Underlying error: {exc}") from exc
         self._board.finished(phase)

@@ -64,7 +64,7 @@ from twinkle_strategy.compat.transformers_internals import (
     trainer_save,
 )
 from twinkle_strategy.config import StrategyConfig
-from twinkle_strategy.dtensor import local_tensor
+from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.errors import SwiftPluginError
 
 _CANONICAL_NAME = "twinkle_strategy.integrations.swift.plugin"
@@ -207,7 +207,7 @@ def _init_fsdp(_orig, self) -> None:
     # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.
     _STATE["swift_precision"] = "bf16" if self.bf16 else "no"
     self.bf16 = self.fp16 = False
-    from twinkle_strategy.runtime import (
+    from twinkle_strategy.distributed.runtime import (
         apply_backend_env_defaults,
         backend_for,
         detect_device_type,
@@ -314,7 +314,8 @@ def _strategy_from_pretrained(strategy):
 def _load(orig, self):
     if not getattr(self, "load_model", False) or getattr(self, "return_dummy_model", False):
         return orig(self)
-    from twinkle_strategy.init.transport import raise_together  # -> DistributedInitError, as the strategy's own loading
+    # -> DistributedInitError, as the strategy's own loading
+    from twinkle_strategy.distributed.fail_together import raise_init_together as raise_together
 
     strategy = get_strategy()
     result, error = None, None

@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy.init.plan import NOT_EXPERT, Need, region_of
-from twinkle_strategy.messages import collective_device, wait_all
+from twinkle_strategy.distributed.messages import collective_device, wait_all
+from twinkle_strategy.shards.plan import NOT_EXPERT, Need, region_of
 
 _WHOLE = -1  # a region's rows in the table when it is the whole (EP-cut) tensor: a parameter FSDP did not shard
 

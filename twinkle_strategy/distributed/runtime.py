@@ -1,10 +1,10 @@
-"""Device, backend and node topology.
+"""Device, backend, launch environment and the process group.
 
 Everything that depends on *where* the job runs lives here: which accelerator
-(CUDA, Ascend NPU or plain CPU), which collective backend goes with it, what
-torchrun told this process about its place in the job, and which ranks share a
-node. The rest of the package asks this module instead of reading environment
-variables or probing devices itself.
+(CUDA, Ascend NPU or plain CPU), which collective backend goes with it, and
+what torchrun told this process about its place in the job (which ranks share
+a node: :mod:`twinkle_strategy.distributed.node`). The rest of the package asks
+this module instead of reading environment variables or probing devices itself.
 """
 
 from __future__ import annotations
@@ -13,14 +13,11 @@ import dataclasses
 import datetime
 import os
 import resource
-import socket
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
 from twinkle_strategy.errors import TopologyError
-from twinkle_strategy.messages import all_gather_objects
 
 # Backend that goes with each device type. Ascend's HCCL only exists when
 # torch_npu is installed; it registers the "npu" device type on import.
@@ -98,117 +95,6 @@ class LaunchEnv:
             local_world_size=local_world_size,
             node_rank=node_rank,
         )
-
-
-@dataclasses.dataclass(frozen=True)
-class RankRecord:
-    """One rank's own view of where it runs; all ranks exchange these to agree on the topology."""
-
-    rank: int
-    node_rank: int
-    local_rank: int
-    local_world_size: int
-    hostname: str
-
-
-@dataclasses.dataclass(frozen=True)
-class NodeTopology:
-    """Which global ranks share a node, agreed on by every rank.
-
-    ``node_ranks[n]`` lists the global ranks of node ``n`` in local-rank order;
-    its first entry is the node's *source* for memory-efficient init.
-    """
-
-    num_nodes: int
-    local_world_size: int
-    node_ranks: tuple[tuple[int, ...], ...]
-    rank: int
-
-    @property
-    def node_index(self) -> int:
-        return self.rank // self.local_world_size
-
-    @property
-    def local_rank(self) -> int:
-        return self.rank % self.local_world_size
-
-    @property
-    def source_rank(self) -> int:
-        """Global rank of this node's local rank 0."""
-        return self.node_ranks[self.node_index][0]
-
-    @property
-    def is_source(self) -> bool:
-        return self.rank == self.source_rank
-
-
-def validate_topology(records: Sequence[RankRecord], rank: int) -> NodeTopology:
-    """Check that every node holds the same number of contiguous ranks and build the topology.
-
-    Pure function: every rank calls it on the same gathered records, so every
-    rank reaches the same verdict and raises the same error (nobody is left
-    waiting in a collective).
-    """
-    records = sorted(records, key=lambda r: r.rank)
-    world_size = len(records)
-    sizes = sorted({r.local_world_size for r in records})
-    if len(sizes) != 1:
-        per_node: dict[int, int] = {}
-        for r in records:
-            per_node[r.node_rank] = r.local_world_size
-        listing = ", ".join(f"node {n}: {s}" for n, s in sorted(per_node.items()))
-        raise TopologyError(
-            f"LOCAL_WORLD_SIZE differs between nodes ({listing}); "
-            "launch every node with the same --nproc_per_node"
-        )
-    local_world_size = sizes[0]
-    if world_size % local_world_size != 0:
-        raise TopologyError(
-            f"world size {world_size} is not divisible by the node size (LOCAL_WORLD_SIZE={local_world_size}); "
-            "every node must run the same number of processes"
-        )
-    nodes: dict[int, list[RankRecord]] = {}
-    for r in records:
-        nodes.setdefault(r.node_rank, []).append(r)
-    for node_rank, members in sorted(nodes.items()):
-        if len(members) != local_world_size:
-            raise TopologyError(
-                f"node {node_rank} has {len(members)} ranks but LOCAL_WORLD_SIZE is {local_world_size}; "
-                "launch every node with the same --nproc_per_node"
-            )
-        ranks = [m.rank for m in members]
-        local_ranks = [m.local_rank for m in members]
-        first = ranks[0]
-        if ranks != list(range(first, first + local_world_size)) or first % local_world_size != 0:
-            raise TopologyError(
-                f"ranks of node {node_rank} ({members[0].hostname}) are {ranks}, not a contiguous block "
-                f"starting at a multiple of {local_world_size}; launch with torchrun, which numbers ranks node by node"
-            )
-        if local_ranks != list(range(local_world_size)):
-            raise TopologyError(
-                f"node {node_rank} has local ranks {local_ranks} for global ranks {ranks}; "
-                f"expected 0..{local_world_size - 1} in rank order"
-            )
-    node_ranks = tuple(
-        tuple(m.rank for m in members) for _, members in sorted(nodes.items(), key=lambda kv: kv[1][0].rank)
-    )
-    return NodeTopology(
-        num_nodes=len(node_ranks), local_world_size=local_world_size, node_ranks=node_ranks, rank=rank
-    )
-
-
-def discover_topology(env: LaunchEnv) -> NodeTopology:
-    """Exchange every rank's launch info and validate it (collective over the default group)."""
-    mine = RankRecord(
-        rank=env.rank,
-        node_rank=env.node_rank,
-        local_rank=env.local_rank,
-        local_world_size=env.local_world_size,
-        hostname=socket.gethostname(),
-    )
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return validate_topology([mine], env.rank)
-    return validate_topology(all_gather_objects(mine), env.rank)
 
 
 # Ascend HCCL's own defaults time out long before a large checkpoint is read and distributed.

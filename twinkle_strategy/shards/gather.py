@@ -8,6 +8,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.shards.plan import needs_of
+from twinkle_strategy.shards.whole_tensors import WholeTensors
 
 
 def gather_full_tensor(
@@ -50,9 +52,6 @@ def gather_full_state_dict(
 
 def _gather_on_rank0(model: nn.Module, ep_plan: ExpertParallelPlan | None, keys: set[str] | None
                      ) -> dict[str, torch.Tensor]:
-    from twinkle_strategy.checkpoint.whole_tensors import WholeTensors
-    from twinkle_strategy.init.plan import needs_of
-
     # state_dict(keep_vars=True) holds the parameter and buffer objects themselves: tied weights appear
     # under each of their names, and each is found under the name needs_of knows it by.
     known = {need.name: (need, local) for need, local in needs_of(model, ep_plan)}

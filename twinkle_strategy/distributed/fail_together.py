@@ -3,20 +3,23 @@
 In a collective program, a rank that raises alone leaves the others waiting in
 their next collective until a timeout, or forever. Every step that can fail on
 some ranks only (reading a checkpoint, writing one, checking shapes) ends with
-:func:`raise_together` instead of a plain barrier.
+:func:`raise_together` instead of a plain barrier; :func:`collectively` runs
+such a step and ends it so. When a peer died or hung instead of failing, the
+ranks that are left name it from :mod:`twinkle_strategy.distributed.liveness`.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch.distributed as dist
 
-from twinkle_strategy.errors import RanksFailedError
-from twinkle_strategy.messages import all_gather_objects
-from twinkle_strategy.runtime import global_rank
+from twinkle_strategy.distributed.messages import all_gather_objects
+from twinkle_strategy.distributed.runtime import global_rank
+from twinkle_strategy.errors import DistributedInitError, RanksFailedError
 
 StepDone = Callable[[BaseException | None, str], None]
+T = TypeVar("T")
 
 
 def raise_together(error: BaseException | str | None, what: str,
@@ -41,6 +44,28 @@ def raise_together(error: BaseException | str | None, what: str,
         if isinstance(error, BaseException):
             raise err from error
         raise err
+
+
+def raise_init_together(error: BaseException | str | None, what: str) -> None:
+    """:func:`raise_together` raising :class:`DistributedInitError`: the error of loading a model and of
+    memory_efficient_init."""
+    raise_together(error, what, DistributedInitError)
+
+
+def collectively(what: str, action: Callable[[], T], *, here: bool = True,
+                 error_class: type[RanksFailedError] = RanksFailedError) -> T | None:
+    """``action()`` on the ranks where ``here`` is true, then :func:`raise_together`: if it raised on any
+    rank, every rank raises ``error_class`` naming them all. Collective: every rank calls it at the same
+    point. Returns what ``action`` returned (None where it did not run).
+    """
+    result, error = None, None
+    if here:
+        try:
+            result = action()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank by raise_together, just below
+            error = exc
+    raise_together(error, what, error_class)
+    return result
 
 
 def on_rank0(action: Callable[[], object]) -> BaseException | None:

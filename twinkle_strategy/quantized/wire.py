@@ -6,23 +6,27 @@ the receiving rank dequantizes on its own device and applies transformers'
 conversion rule (merging experts, concatenating gate and up ...) itself.
 
 A :class:`WireForm` is the whole agreement between the two sides: which
-checkpoint pieces (key, rows, :class:`~twinkle_strategy.checkpoint.quantized.Codec`)
+checkpoint pieces (key, rows, :class:`~twinkle_strategy.quantized.formats.Codec`)
 make each chunk of rows of the region, and the rule that combines them. It is
 planned on the source from the headers (no read) and sent to the receiver
 before any weight moves. Chunks are cut at scale-block boundaries, so no scale
 row travels twice.
+
+Key layouts are not known here: the source's
+:class:`~twinkle_strategy.checkpoint.layout.CheckpointLayout` says which rule
+makes a tensor and how its rows map (``recipes``, ``row_writable``), and the
+form carries that rule as the layout's picklable ``Conversion``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-from twinkle_strategy.checkpoint.layout import PER_EXPERT, ROWS, convert_pieces
-from twinkle_strategy.checkpoint.quantized import Codec, QuantizedIndex
+from twinkle_strategy.quantized.formats import Codec, QuantizedIndex
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,9 +70,7 @@ class WireForm:
 
     name: str  # the model tensor
     dtype: torch.dtype  # the model's dtype
-    transform: object  # the transformers rule, as a template
-    first_target: str
-    shapes: dict  # model tensor -> (shape, dtype): what the rule may look up
+    convert: Callable  # the transformers rule: pieces -> model tensors (the layout's Conversion)
     chunks: tuple[WireChunk, ...]
 
     @property
@@ -84,8 +86,7 @@ class WireForm:
             pieces.setdefault(piece.pattern, []).append((piece.key, values))
             at += piece.nbytes
         rows = chunk.rows[1] - chunk.rows[0]
-        out = convert_pieces(self.transform, self.first_target, pieces, config=config, shapes=self.shapes,
-                             rows=rows)[self.name]
+        out = self.convert(pieces, config=config, rows=rows)[self.name]
         return out.to(self.dtype)
 
 
@@ -96,7 +97,7 @@ def plan_wire_form(layout, name: str, runs: list[tuple[int, int]], *, chunk_byte
     index = layout.index
     recipe = layout.recipes[name]
     shape, dtype = recipe.targets[name]
-    if not isinstance(index, QuantizedIndex) or recipe.mode not in (ROWS, PER_EXPERT) or len(recipe.targets) != 1:
+    if not isinstance(index, QuantizedIndex) or not layout.row_writable(name):
         return None
     total = sum(b - a for a, b in runs)
     if not any(index.tensors[k].quantized for k in recipe.checkpoint_keys) or not total:
@@ -106,7 +107,7 @@ def plan_wire_form(layout, name: str, runs: list[tuple[int, int]], *, chunk_byte
         chunks += [WireChunk((offset + lo - a, offset + hi - a), _pieces(index, recipe, (lo, hi)))
                    for lo, hi in _chunk_bounds(index, recipe, (a, b), chunk_bytes)]
         offset += b - a
-    form = WireForm(name, dtype, recipe.transform, recipe.first_target, dict(recipe.targets), tuple(chunks))
+    form = WireForm(name, dtype, recipe.conversion(), tuple(chunks))
     values = total * math.prod(shape[1:]) * dtype.itemsize
     return form if form.nbytes < values else None
 
@@ -116,7 +117,7 @@ def _pieces(index: QuantizedIndex, recipe, rows: tuple[int, int]) -> tuple[Piece
     per-expert tensors (experts ``a..b-1``)."""
     out = []
     for pattern, keys in recipe.sources.items():
-        if recipe.mode == PER_EXPERT:
+        if recipe.per_expert:
             out += [_piece(index, pattern, key, None) for key in keys[rows[0]:rows[1]]]
         else:
             out += [_piece(index, pattern, key, rows) for key in keys]
@@ -143,14 +144,14 @@ def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_by
 
 
 def _rows_per_scale_row(index: QuantizedIndex, recipe) -> int:
-    if recipe.mode == PER_EXPERT:  # a row is an expert, whose tensors travel whole with all their scales
+    if recipe.per_expert:  # a row is an expert, whose tensors travel whole with all their scales
         return 1
     return max((index.tensors[k].block[0] for k in recipe.checkpoint_keys if index.tensors[k].quantized), default=1)
 
 
 def _bytes_per_row(index: QuantizedIndex, recipe) -> int:
     """About what one row of the region is as stored (one expert's tensors; a row and a scale row)."""
-    if recipe.mode == PER_EXPERT:
+    if recipe.per_expert:
         return max(sum(_piece(index, p, keys[0], None).nbytes for p, keys in recipe.sources.items()), 1)
     return max(sum(_piece(index, p, k, (0, 1)).nbytes for p, keys in recipe.sources.items() for k in keys), 1)
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from twinkle_strategy.dtensor import local_tensor
+from twinkle_strategy.distributed.dtensor import local_tensor
 
 
 @torch.no_grad()

@@ -4,7 +4,8 @@ When a collective fails because a peer died (connection closed) or hung
 (timeout), the surviving ranks only see "peer gone". Each rank therefore
 records in the store how far it got (the number of phases it finished), or why
 it failed; a rank that hits a failure waits a moment for the others' records
-and names the ranks that did not get as far: those processes died or hung.
+and names the ranks that did not get as far: those processes died or hung
+(:meth:`StatusBoard.who_stopped`, in the same words for the init and the trainer).
 
 Bounded, whatever the length of the run: one key per rank, overwritten at
 every phase (a training run finishes a phase per step), and a probe reads all
@@ -24,8 +25,8 @@ import time
 import torch.distributed as dist
 
 from twinkle_strategy.compat.torch_internals import default_store
+from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import InternalChangedError
-from twinkle_strategy.runtime import global_rank
 
 NOT_STARTED = "0"
 
@@ -45,14 +46,18 @@ class StatusBoard:
     Every rank creates its boards in the same order, so the n-th board named
     ``name`` gets the same key namespace on every rank and never sees the
     records of an earlier one. A record is ``"{phases finished}"`` or
-    ``"{phases finished} failed: {reason}"``.
+    ``"{phases finished} failed: {reason}"``. ``namespace`` names the keys
+    instead (boards of several ranks made in one process share it).
     """
 
     _created: dict[str, int] = {}
 
-    def __init__(self, name: str, *, store=None, rank: int | None = None, world: int | None = None):
-        StatusBoard._created[name] = StatusBoard._created.get(name, 0) + 1
-        self.namespace = f"{name}{StatusBoard._created[name]}"
+    def __init__(self, name: str, *, store=None, rank: int | None = None, world: int | None = None,
+                 namespace: str | None = None):
+        if namespace is None:
+            StatusBoard._created[name] = StatusBoard._created.get(name, 0) + 1
+            namespace = f"{name}{StatusBoard._created[name]}"
+        self.namespace = namespace
         self.store = _store() if store is None else store
         self.rank = global_rank() if rank is None else rank
         self.world = (dist.get_world_size() if dist.is_initialized() else 1) if world is None else world
@@ -106,6 +111,16 @@ class StatusBoard:
             if not silent or time.monotonic() > deadline:
                 return silent
             time.sleep(0.2)
+
+    def who_stopped(self, phase: str, grace_s: float = 3.0) -> tuple[str, list[tuple[int, str]]]:
+        """What this rank can tell when a collective of ``phase`` failed under it: the other ranks that failed
+        (and why) or fell silent, as a phrase for its error message and as ``(rank, reason)`` pairs."""
+        failed = [(r, why) for r, why in self.failures() if r != self.rank]
+        silent = self.silent_ranks(phase, grace_s) or []
+        parts = [f"rank {r} failed: {why}" for r, why in failed[:8]]
+        if silent:
+            parts.append(f"rank(s) {silent} did not report back (one of them died or hung; see their logs)")
+        return "; ".join(parts) or "a peer stopped responding", failed + [(r, "did not report back") for r in silent]
 
     def _records(self) -> list[str | None]:
         """Every rank's record (None: none yet), without waiting for a key."""

@@ -1,0 +1,12 @@
+"""Process-level plumbing: the lowest layer, which imports nothing of the package but ``errors``.
+
+runtime.py        device, backend, what torchrun told this process, the process group, host memory
+messages.py       small pickled messages over tensor collectives on the backend's device
+node.py           which ranks share a node (the topology), NodeLink, and the node source's broadcast/gather/scatter
+fail_together.py  an error on one rank becomes the same error on every rank; ``collectively(...)``
+liveness.py       naming the rank that died or hung (a status board in the job's store)
+dtensor.py        helpers for tensors that may be DTensors
+grad_clip.py      gradient-norm clipping over parameters on several meshes
+
+Nothing above this package knows how a message travels.
+"""

@@ -1,0 +1,8 @@
+"""Quantized releases (FP8 blocks, DeepSeek-V4 FP8/FP4, MXFP4), for the readers of checkpoints and the init.
+
+formats.py  every fact about the formats: which tensors are quantized, their scales, the dequantization math,
+            a quantized checkpoint read as the checkpoint of its values
+wire.py     regions sent as stored (quantized bytes and scales) and dequantized by the receiving rank
+
+It imports neither ``init/`` nor ``checkpoint/``: key layouts come in with the layout object a caller passes.
+"""
