@@ -36,13 +36,20 @@ def smoke(tmp_path_factory):
 
 
 PARTS = ("init", "bf16", "save_resume", "checkpointing")
+PEER_GONE = ("Connection reset by peer", "Connection closed by peer")
 
 
 def part(smoke, name: str) -> dict:
     """Each rank's result of one part; the part's error (first rank's traceback), or the launch's logs."""
     result, ranks = smoke
-    errors = {rank: data[name]["traceback"] for rank, data in ranks.items() if "error" in data.get(name, {})}
-    assert not errors, f"{name} failed on rank(s) {sorted(errors)}:\n{errors[min(errors)]}"
+    errors = {rank: data[name] for rank, data in ranks.items() if "error" in data.get(name, {})}
+    if errors:
+        # The traceback of a rank that raised on its own, not of one whose peer closed the connection.
+        own = [rank for rank, e in errors.items() if not any(text in e["error"] for text in PEER_GONE)]
+        shown = min(own or errors)
+        summary = "\n".join(f"rank {rank}: {e['error'][:300]}" for rank, e in sorted(errors.items()))
+        raise AssertionError(f"{name} failed on rank(s) {sorted(errors)}:\n{summary}\nrank {shown}:\n"
+                             f"{errors[shown]['traceback']}")
     missing = [rank for rank, data in ranks.items() if name not in data]
     assert not missing, f"{name}: no result from rank(s) {missing}\n{result.describe()}"
     return {rank: data[name]["result"] for rank, data in ranks.items()}
