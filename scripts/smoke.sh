@@ -11,6 +11,6 @@ shift
 TESTS=(tests/test_smoke.py)
 if [ -f tests/test_internals.py ]; then TESTS+=(tests/test_internals.py); fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} TOKENIZERS_PARALLELISM=false
-"$PYTHON_BIN" -c 'import peft, torch, transformers
-print(f"smoke subset on torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")'
+"$PYTHON_BIN" -c 'from importlib.metadata import version
+print("smoke subset on " + ", ".join(f"{name} {version(name)}" for name in ("torch", "transformers", "peft")))'
 "$PYTHON_BIN" -m pytest -q -p no:cacheprovider "${TESTS[@]}" "$@"
