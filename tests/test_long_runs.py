@@ -167,7 +167,11 @@ def test_killed_rank_restarts_and_sigterm_saves_and_resumes(tiny_model, tmp_path
 
 
 def test_transformers_checkpointing_replays_and_counts_tokens_once():
-    """The swift plugin's path: transformers' gradient_checkpointing_enable, made to use our contexts."""
+    """The swift plugin's path: transformers' activation_checkpointing_enable, made to use our contexts."""
+    from twinkle_strategy.compat.transformers_internals import (
+        enable_activation_checkpointing,
+        is_activation_checkpointing,
+    )
     from twinkle_strategy.moe.load import ExpertLoad
     from twinkle_strategy.moe.recompute import checkpoint_contexts, replay_in_transformers_checkpointing
     from twinkle_strategy.train.tiny_models import build_tiny_model
@@ -179,7 +183,8 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
         load = ExpertLoad(model)
         if checkpointing:
             replay_in_transformers_checkpointing(model)
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+            enable_activation_checkpointing(model, {"use_reentrant": True})
+            assert is_activation_checkpointing(model)
             layer = model.model.layers[0]
             assert layer.gradient_checkpointing and layer._gradient_checkpointing_func.keywords == \
                 {"use_reentrant": False, "context_fn": checkpoint_contexts}

@@ -82,6 +82,21 @@ def test_resume_gives_the_same_losses(demo_run):
         assert abs(e["loss"] - uninterrupted[e["global_step/max_steps"]]) <= 1e-6, (e, uninterrupted)
 
 
+def test_activation_checkpointing_logs_the_same_losses(demo_run):
+    """train.gradient_checkpointing=true recomputes each decoder layer (EP dispatch replayed): same losses."""
+    work, run_dir, _ = demo_run
+    out = work / "checkpointed"
+    proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
+                    f"train.max_steps={STEPS}", "train.save_steps=100", "train.logging_steps=1",
+                    "train.gradient_checkpointing=true"], cwd=work)
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+    plain = {e["global_step/max_steps"]: e["loss"] for e in read_log(run_dir)}
+    checkpointed = read_log(only_run_dir(out))
+    assert [e["global_step/max_steps"] for e in checkpointed] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
+    for e in checkpointed:
+        assert abs(e["loss"] - plain[e["global_step/max_steps"]]) <= 1e-5, (e, plain)
+
+
 def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer

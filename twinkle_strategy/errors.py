@@ -45,6 +45,12 @@ class WeightsNotLoadedError(TwinkleError):
     """A placeholder tensor was used before ``wrap_model`` read its weights."""
 
 
+class InternalChangedError(TwinkleError):
+    """A private part of transformers, accelerate or torch that twinkle_strategy relies on is gone from the
+    installed version; names it, the version, what it is used for and the versions it was checked on
+    (:mod:`twinkle_strategy.compat`)."""
+
+
 class RanksFailedError(TwinkleError):
     """One or more ranks failed; raised on every rank with every failing rank's reason."""
 

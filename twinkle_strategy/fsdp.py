@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
+from twinkle_strategy.compat.transformers_internals import no_split_modules
 from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
@@ -31,7 +32,7 @@ def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The repeated transformer blocks, found through transformers' ``_no_split_modules``."""
     class_names: set[str] = set()
     for module in model.modules():
-        class_names.update(getattr(module, "_no_split_modules", None) or [])
+        class_names.update(no_split_modules(module))
     layers = [m for m in model.modules() if type(m).__name__ in class_names]
     if layers:
         return layers
@@ -123,7 +124,7 @@ def kept_dtype_units(model: nn.Module, kept: set[int], *,
 
     def visit(module: nn.Module, name: str) -> set[str]:
         """The kinds of parameters under ``module`` that no unit below it holds yet."""
-        own = {_KEPT if id(p) in kept else _OTHER for p in module._parameters.values() if p is not None}
+        own = {_KEPT if id(p) in kept else _OTHER for p in module.parameters(recurse=False)}
         below = {child: visit(child, f"{name}.{key}".lstrip(".")) for key, child in module.named_children()}
         kinds = own.union(*below.values())
         if len(kinds) > 1 and (id(module) in opaque or len(own) > 1):

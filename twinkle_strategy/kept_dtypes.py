@@ -23,6 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twinkle_strategy.compat import transformers_internals as hf
+from twinkle_strategy.compat.torch_internals import buffer_slots, parameter_slots
 from twinkle_strategy.dtypes import FLOAT_DTYPES
 
 _LOWER_PRECISION = (torch.float16, torch.bfloat16)
@@ -45,15 +47,15 @@ def loaded_dtype(model: nn.Module) -> torch.dtype | None:
 def dtype_plan(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
     """Name pattern -> dtype that ``from_pretrained(dtype=dtype)`` uses for ``model``'s class.
 
-    ``PreTrainedModel._get_dtype_plan`` is private, but it is the one place transformers 5.23
-    decides this (which list applies to which requested dtype, merged over sub-models, read
-    from the instance because instances may change the lists); copying its rules would drift
-    from the installed version.
+    Asked of transformers (:func:`twinkle_strategy.compat.transformers_internals.dtype_plan`): it is
+    the one place transformers decides this (which list applies to which requested dtype, merged over
+    sub-models, read from the instance because instances may change the lists); copying its rules
+    would drift from the installed version.
     """
     pretrained = pretrained_model(model)
     if pretrained is None or dtype not in _LOWER_PRECISION:
         return {}
-    return dict(pretrained._get_dtype_plan(dtype))
+    return hf.dtype_plan(pretrained, dtype)
 
 
 def kept_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
@@ -64,22 +66,23 @@ def kept_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
 
 def kept_reasons(model: nn.Module, dtype: torch.dtype) -> dict[str, str]:
     """Why ``from_pretrained(dtype=dtype)`` gives each kept tensor its dtype, in words, by tensor name."""
+    matches = _matches(model, dtype)
+    if not matches:
+        return {}
     pretrained = pretrained_model(model)
-    strict = set(getattr(pretrained, "_keep_in_fp32_modules_strict", None) or ())
+    strict = hf.keep_in_fp32_strict(pretrained)
     return {name: (f"from_pretrained(dtype={dtype}) keeps it in {kept}: {type(pretrained).__name__}."
                    f"{'_keep_in_fp32_modules_strict' if glob in strict else '_keep_in_fp32_modules'} has '{glob}'")
-            for name, (kept, glob) in _matches(model, dtype).items()}
+            for name, (kept, glob) in matches.items()}
 
 
 def _matches(model: nn.Module, dtype: torch.dtype) -> dict[str, tuple[torch.dtype, str]]:
-    from transformers.core_model_loading import build_glob_alternation
-
     plan = dtype_plan(model, dtype)
     if not plan:
         return {}
     # Matched as core_model_loading.convert_and_load_state_dict_in_model matches them: one alternation of the
     # plan's globs, searched (not anchored) in each model tensor name, the last matching group deciding.
-    alternation, glob_of_group, _ = build_glob_alternation(list(plan))
+    alternation, glob_of_group = hf.glob_alternation(list(plan))
     found = {}
     for name in pretrained_model(model).state_dict(keep_vars=True):
         match = alternation.search(name)
@@ -106,7 +109,7 @@ def apply_kept_dtypes(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 def _tensor_slots(model: nn.Module):
     """(full name, the dict holding it, its key) of every parameter and buffer, shared ones under each name."""
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for slots in (module._parameters, module._buffers):
+        for slots in (parameter_slots(module), buffer_slots(module)):
             for key, tensor in list(slots.items()):
                 if tensor is not None:
                     yield (f"{module_name}.{key}" if module_name else key), slots, key

@@ -26,6 +26,7 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
+from twinkle_strategy.compat.transformers_internals import set_weight_conversions, weight_conversions
 from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
@@ -281,7 +282,7 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
         index = QuantizedIndex(index, fmt, model)
     layout = CheckpointLayout(index, model, path)
     install_placeholders(model, layout)
-    model._weight_conversions = layout.rules  # as from_pretrained does: saving reverses the rules that matched
+    set_weight_conversions(model, layout.rules)  # as from_pretrained does: saving reverses the rules that matched
     keys = {t.key for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, CheckpointTensor)}
     raise_for_problems(path, layout.problems(sorted(keys)) + unexpected_problems(layout.unexpected_keys()))
     return model
@@ -301,15 +302,15 @@ def share_weight_conversions(model, topology, node_group) -> None:
     """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective),
     and whether it streams a quantized release (then the init agrees on what travels quantized).
 
-    ``from_pretrained`` records the rules that matched in ``model._weight_conversions``, and saving
+    ``from_pretrained`` records the rules that matched on the model (``_weight_conversions``), and saving
     reverses them (the checkpoint is written back in its own key layout). Ranks that built the model
     from the config alone learn them here, so that every rank plans the same files.
     """
     from twinkle_strategy.checkpoint.quantized import is_quantized_release, mark_quantized_release
     from twinkle_strategy.init import transport
 
-    mine = (getattr(model, "_weight_conversions", None), is_quantized_release(model)) if topology.is_source else None
+    mine = (weight_conversions(model), is_quantized_release(model)) if topology.is_source else None
     rules, quantized = transport.broadcast_from_source(mine, topology.source_rank, node_group)
     if rules is not None:
-        model._weight_conversions = rules
+        set_weight_conversions(model, rules)
     mark_quantized_release(model, quantized)

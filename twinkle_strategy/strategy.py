@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import CheckpointSaveError
 from twinkle_strategy.fail_together import on_rank0, step_reporter
@@ -307,8 +308,6 @@ class NativeFSDPStrategy:
         ``directory`` once complete (:mod:`twinkle_strategy.checkpoint.durable`); a directory that
         already holds other files gets the new ones moved in, under a marker loaders refuse until the end.
         """
-        from transformers.utils.hub import convert_file_size_to_int
-
         from twinkle_strategy.checkpoint import is_peft_model, trainable_names
         from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
         from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
@@ -329,7 +328,7 @@ class NativeFSDPStrategy:
             step_done(on_rank0(lambda: model.save_pretrained(staging, state_dict=state)), "adapter")
         else:
             save_model_files(staging, model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
-                             max_file_bytes=convert_file_size_to_int(max_shard_size),
+                             max_file_bytes=file_size_bytes(max_shard_size),
                              chunk_bytes=self.init_bucket_bytes)
             step_done(on_rank0(lambda: save_model_config(staging, model)), "config")
         if tokenizer is not None:

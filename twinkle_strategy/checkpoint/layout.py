@@ -41,6 +41,8 @@ import types
 import torch
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.compat import transformers_internals as hf
+from twinkle_strategy.compat.transformers_internals import rule_class
 from twinkle_strategy.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -64,10 +66,8 @@ class TensorRecipe:
 
 
 def _conversion_rules(model):
-    from transformers.conversion_mapping import get_model_conversion_mapping
-
     with as_transformers_classes(model):
-        return get_model_conversion_mapping(model, key_mapping=None, hf_quantizer=None, add_legacy=True)
+        return hf.conversion_rules(model, add_legacy=True)
 
 
 @contextlib.contextmanager
@@ -97,21 +97,20 @@ def as_transformers_classes(model):
 
 def _row_mode(transform) -> str:
     """How rows of dim 0 of the rule's output relate to its inputs (see the module docstring)."""
-    from transformers import core_model_loading as rules
-
-    if not isinstance(transform, rules.WeightConverter):
+    if not isinstance(transform, rule_class("WeightConverter")):
         return ROWS
     ops = list(transform.operations)
     mode = ROWS
-    if ops and isinstance(ops[0], rules.MergeModulelist) and ops[0].dim == 0:
+    if ops and isinstance(ops[0], rule_class("MergeModulelist")) and ops[0].dim == 0:
         mode, ops = PER_EXPERT, ops[1:]
-    # (by name: not every transformers 5.x has every operation, e.g. Split is newer than 5.19)
-    along_a_dim = tuple(getattr(rules, name) for name in ("Concatenate", "Chunk", "Split", "Interleave")
-                        if hasattr(rules, name))
+    # (optional: not every transformers 5.x has every operation, e.g. Split is newer than 5.19)
+    along_a_dim = tuple(c for c in (rule_class(name, optional=True) for name in ("Concatenate", "Chunk", "Split",
+                                                                                  "Interleave")) if c is not None)
+    transpose = rule_class("Transpose")
     for op in ops:
         if isinstance(op, along_a_dim) and op.dim > 0:
             continue
-        if isinstance(op, rules.Transpose) and op.dim0 > 0 and op.dim1 > 0:
+        if isinstance(op, transpose) and op.dim0 > 0 and op.dim1 > 0:
             continue
         return WHOLE
     return mode
@@ -144,9 +143,7 @@ def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[st
 
     Needs no file: a rank that received the pieces (not the checkpoint) runs it too.
     """
-    from transformers.core_model_loading import WeightRenaming
-
-    if isinstance(transform, WeightRenaming):
+    if isinstance(transform, rule_class("WeightRenaming")):
         ((_, tensor),) = [item for items in pieces.values() for item in items]
         return {first_target: tensor}
     transform = copy.deepcopy(transform)
@@ -171,31 +168,29 @@ class CheckpointLayout:
                  model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
         """``model_tensors`` (name -> shape, dtype) overrides the model's own, e.g. the pre-EP shapes of a
         model whose experts are already cut."""
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
-
+        renaming, converter = rule_class("WeightRenaming"), rule_class("WeightConverter")
         self.index, self.path = index, path
         self.config = model.config
         self.model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = model_tensors or {
             k: (tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
-        self.ignored_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
-                                                           or [])]
+        self.ignored_unexpected = [re.compile(p) for p in hf.keys_to_ignore_on_load_unexpected(model)]
         rules = _conversion_rules(model)
-        renamings = [r for r in rules if isinstance(r, WeightRenaming)]
-        converters = [r for r in rules if isinstance(r, WeightConverter)]
+        renamings = [r for r in rules if isinstance(r, renaming)]
+        converters = [r for r in rules if isinstance(r, converter)]
         converter_of = {pattern: conv for conv in converters for pattern in conv.source_patterns}
         # Keys are matched in transformers' order: converters collect per-expert tensors in list order.
         recipes: dict[str, TensorRecipe] = {}
         self.unexpected: list[str] = []
         present = self.model_tensors
-        for key in sorted(index.tensors, key=dot_natural_key):
-            target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, present)
+        for key in hf.natural_order(index.tensors):
+            target, pattern = hf.rename_source_key(key, renamings, converters, model.base_model_prefix, present)
             if target not in present and key in present:  # as transformers: the key was fine as it was
                 target, pattern = key, None
             if target not in present:
                 self.unexpected.append(key)
                 continue
             if pattern is None:
-                recipe = recipes.setdefault(target, TensorRecipe(WeightRenaming(key, target), target))
+                recipe = recipes.setdefault(target, TensorRecipe(renaming(key, target), target))
                 pattern = key
             else:
                 recipe = recipes.setdefault(target, TensorRecipe(converter_of[pattern], target))
@@ -274,16 +269,14 @@ class CheckpointLayout:
 
     def expected_checkpoint_keys(self, name: str, shape: tuple | None = None) -> dict[str, tuple] | None:
         """The checkpoint keys (and shapes) that model tensor ``name`` is saved as, by the reverse rules."""
-        from transformers.core_model_loading import revert_weight_conversion
-
         shape_dtype = self.model_tensors.get(name)
         if shape_dtype is None:
             return None
         shape = shape or shape_dtype[0]
-        shim = types.SimpleNamespace(_weight_conversions=list(self.rules), config=self.config,
-                                     get_parameter=_ShapeOnlyModel(self.config, self.model_tensors).get_parameter)
+        shapes = _ShapeOnlyModel(self.config, self.model_tensors)
         try:
-            out = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=shape_dtype[1], device="meta")})
+            out = hf.revert_weight_conversion(self.rules, self.config, shapes.get_parameter,
+                                              {name: torch.empty(shape, dtype=shape_dtype[1], device="meta")})
         except Exception:  # noqa: BLE001 - only used to word an error message better
             return None
         return {k: tuple(v.shape) for k, v in out.items()}
@@ -348,21 +341,16 @@ class CheckpointLayout:
         The rules are those that matched when the model was loaded (so a checkpoint comes back in its own
         layout), else the model class's own. Needs no file: names, shapes and dtypes only.
         """
-        from transformers.core_model_loading import PrefixChange, revert_weight_conversion
-
-        rules = getattr(model, "_weight_conversions", None)
+        rules = hf.weight_conversions(model)
         if rules is None:
-            from transformers.conversion_mapping import get_model_conversion_mapping
-
             # As transformers does for a model not loaded by from_pretrained: no prefix it cannot know of.
             with as_transformers_classes(model):
-                rules = [r for r in get_model_conversion_mapping(model, add_legacy=False)
-                         if not isinstance(r, PrefixChange)]
+                rules = [r for r in hf.conversion_rules(model, add_legacy=False)
+                         if not isinstance(r, rule_class("PrefixChange"))]
         shapes = _ShapeOnlyModel(model.config, model_tensors)
-        shim = types.SimpleNamespace(_weight_conversions=list(rules), config=model.config,
-                                     get_parameter=shapes.get_parameter)
-        saved = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=dtype, device="meta")
-                                                for name, (shape, dtype) in model_tensors.items()})
+        saved = hf.revert_weight_conversion(rules, model.config, shapes.get_parameter,
+                                            {name: torch.empty(shape, dtype=dtype, device="meta")
+                                             for name, (shape, dtype) in model_tensors.items()})
         layout = cls(DeclaredTensors({k: (tuple(v.shape), v.dtype) for k, v in saved.items()}), model,
                      model_tensors=model_tensors)
         lost = sorted(set(model_tensors) - set(layout.recipes))
@@ -392,15 +380,13 @@ class CheckpointLayout:
         The reverse of :meth:`read_rows`: transformers' reversed operations run on the region; for
         per-expert keys, row ``i`` of the region is expert ``a + i``, written whole under its own key.
         """
-        from transformers.core_model_loading import SplitModulelist, WeightRenaming
-
         recipe = self.recipes[name]
         whole = rows is None  # then every piece is a whole checkpoint tensor
         if rows is None or not self.row_writable(name):
             if rows is not None:
                 raise ValueError(f"'{name}' is saved by a rule that needs the whole tensor, not rows {rows}")
             rows = (0, region.shape[0]) if region.dim() else None
-        if isinstance(recipe.transform, WeightRenaming):
+        if isinstance(recipe.transform, rule_class("WeightRenaming")):
             (key,) = recipe.checkpoint_keys
             return [(key, region, rows)]
         forward = recipe.transform
@@ -408,7 +394,7 @@ class CheckpointLayout:
         # The reversed rule's targets are the forward rule's sources, in the same order.
         source_of = dict(zip(backward.target_patterns, forward.source_patterns))
         ops = list(backward.operations)
-        per_expert = recipe.mode == PER_EXPERT and ops and isinstance(ops[-1], SplitModulelist)
+        per_expert = recipe.mode == PER_EXPERT and ops and isinstance(ops[-1], rule_class("SplitModulelist"))
         if per_expert:
             ops = ops[:-1]  # split the experts here, so each gets its own checkpoint key (expert a + i)
         collected: dict = {backward.source_patterns[0]: [region]}

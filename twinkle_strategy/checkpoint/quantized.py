@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from twinkle_strategy.compat.transformers_internals import fp8_scale_renamings
 from twinkle_strategy.errors import CheckpointError
 
 FP8_BLOCK, FP4_BLOCK, MXFP4 = "fp8_block", "fp4_block", "mxfp4"
@@ -357,7 +358,7 @@ def _scale_keys(index, fmt: QuantFormat, model) -> dict[str, str]:
     if fmt.method == "mxfp4":
         return {k[:-len("_scales")] + "_blocks": k for k in index.tensors
                 if k.endswith("_scales") and k[:-len("_scales")] + "_blocks" in index.tensors}
-    renames = _fp8_scale_renames(model)
+    renames = fp8_scale_renamings(model)
     out = {}
     for key in index.tensors:
         renamed = key
@@ -366,14 +367,3 @@ def _scale_keys(index, fmt: QuantFormat, model) -> dict[str, str]:
         if renamed.endswith(".weight_scale_inv"):
             out[renamed[:-len("_scale_inv")]] = key
     return {weight: scale for weight, scale in out.items() if weight in index.tensors}
-
-
-def _fp8_scale_renames(model) -> list:
-    """transformers' FP8 quantizer renames of scale keys (DeepSeek-V4's ``.scale``, Mistral's ``.qscale_weight``)."""
-    from transformers.core_model_loading import WeightRenaming
-    from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-    from transformers.utils.quantization_config import FineGrainedFP8Config
-
-    quantizer = FineGrainedFP8HfQuantizer(FineGrainedFP8Config(dequantize=True), pre_quantized=True)
-    probe = model if model is not None else torch.nn.Module()
-    return [r for r in quantizer.update_weight_conversions([], probe) if isinstance(r, WeightRenaming)]

@@ -30,6 +30,7 @@ import struct
 import torch
 
 from twinkle_strategy.checkpoint.files import DTYPE_NAMES, INDEX_FILE
+from twinkle_strategy.compat.transformers_internals import natural_order
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +70,9 @@ def plan_files(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], max_file
                prefix: str = "model") -> FilePlan:
     """Assign ``tensors`` (key -> shape, dtype) to files of at most ``max_file_bytes`` (a bigger tensor gets a
     file of its own), in transformers' key order, and lay out each file's header and data."""
-    from transformers.core_model_loading import dot_natural_key
-
     groups: list[list[str]] = [[]]
     size = 0
-    for key in sorted(tensors, key=dot_natural_key):
+    for key in natural_order(tensors):
         shape, dtype = tensors[key]
         nbytes = math.prod(shape) * dtype.itemsize
         if groups[-1] and size + nbytes > max_file_bytes:

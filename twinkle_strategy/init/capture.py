@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from twinkle_strategy.compat.torch_internals import buffer_slots, parameter_slots
 from twinkle_strategy.init.plan import Need, checkpoint_runs, region_of, runs_within
 from twinkle_strategy.init.skeleton import CheckpointTensor
 from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
@@ -192,18 +193,19 @@ def move_to_meta(model: nn.Module) -> None:
     """
     converted: dict[int, torch.Tensor] = {}
     for module in model.modules():
-        for key, param in list(module._parameters.items()):
+        params, buffers = parameter_slots(module), buffer_slots(module)
+        for key, param in list(params.items()):
             if param is None:
                 continue
             if id(param) not in converted:
                 converted[id(param)] = nn.Parameter(_meta_like(param), requires_grad=param.requires_grad)
-            module._parameters[key] = converted[id(param)]
-        for key, buf in list(module._buffers.items()):
+            params[key] = converted[id(param)]
+        for key, buf in list(buffers.items()):
             if buf is None:
                 continue
             if id(buf) not in converted:
                 converted[id(buf)] = _meta_like(buf)
-            module._buffers[key] = converted[id(buf)]
+            buffers[key] = converted[id(buf)]
 
 
 def _meta_like(tensor: torch.Tensor) -> torch.Tensor:
@@ -215,7 +217,7 @@ def buffer_alias_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
     """Groups of (module, buffer name) that share one tensor; ``to_empty`` would split them apart."""
     groups: dict[int, list[tuple[nn.Module, str]]] = {}
     for module in model.modules():
-        for key, buf in module._buffers.items():
+        for key, buf in buffer_slots(module).items():
             if buf is not None:
                 groups.setdefault(id(buf), []).append((module, key))
     return [g for g in groups.values() if len(g) > 1]
@@ -224,6 +226,6 @@ def buffer_alias_groups(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 def restore_buffer_aliases(groups: list[list[tuple[nn.Module, str]]]) -> None:
     for group in groups:
         first_module, first_key = group[0]
-        shared = first_module._buffers[first_key]
+        shared = buffer_slots(first_module)[first_key]
         for module, key in group[1:]:
-            module._buffers[key] = shared
+            buffer_slots(module)[key] = shared

@@ -23,6 +23,8 @@ import time
 
 import torch.distributed as dist
 
+from twinkle_strategy.compat.torch_internals import default_store
+from twinkle_strategy.errors import InternalChangedError
 from twinkle_strategy.runtime import global_rank
 
 NOT_STARTED = "0"
@@ -30,7 +32,9 @@ NOT_STARTED = "0"
 
 def _store():
     try:
-        return dist.distributed_c10d._get_default_store()
+        return default_store()
+    except InternalChangedError:
+        raise
     except Exception:  # noqa: BLE001 - no store: we simply cannot name ranks
         return None
 

@@ -29,6 +29,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twinkle_strategy.compat import transformers_internals as hf
+from twinkle_strategy.compat.torch_internals import (
+    buffer_slots,
+    disabled_torch_function,
+    make_wrapper_subclass,
+    non_persistent_buffer_names,
+    parameter_slots,
+)
 from twinkle_strategy.errors import CheckpointError, WeightsNotLoadedError
 from twinkle_strategy.kept_dtypes import apply_kept_dtypes
 
@@ -43,11 +51,11 @@ class CheckpointTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, key: str, layout, shape, dtype: torch.dtype, device: torch.device | str):
-        tensor = torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
+        tensor = make_wrapper_subclass(cls, shape, dtype=dtype, device=device, requires_grad=False)
         tensor.key, tensor.checkpoint = key, layout
         return tensor
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function()
 
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"CheckpointTensor('{self.key}', shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device})"
@@ -72,9 +80,8 @@ def build_meta_model(model_class, config, dtype: torch.dtype, **init_kwargs) -> 
     model's fp32-kept modules (DeepSeek's router bias, Ernie-4.5's router), so they are applied here.
     """
     # Auto classes build with from_config, concrete classes (as ms-swift passes them) with _from_config.
-    build = getattr(model_class, "from_config", None) or model_class._from_config
     with torch.device("meta"):
-        model = build(config, dtype=dtype, **init_kwargs)
+        model = hf.build_from_config(model_class, config, dtype=dtype, **init_kwargs)
     return apply_kept_dtypes(model, dtype)
 
 
@@ -105,12 +112,13 @@ def install_placeholders(model: nn.Module, layout=None) -> nn.Module:
         return replaced[id(tensor)]
 
     for module in model.modules():
-        for key, param in list(module._parameters.items()):
+        params, buffers = parameter_slots(module), buffer_slots(module)
+        for key, param in list(params.items()):
             if param is not None:
-                module._parameters[key] = replacement(param, is_param=True)
-        for key, buf in list(module._buffers.items()):
-            if buf is not None and key not in module._non_persistent_buffers_set:
-                module._buffers[key] = replacement(buf, is_param=False)
+                params[key] = replacement(param, is_param=True)
+        for key, buf in list(buffers.items()):
+            if buf is not None and key not in non_persistent_buffer_names(module):
+                buffers[key] = replacement(buf, is_param=False)
     del originals
     return model
 
@@ -118,8 +126,8 @@ def install_placeholders(model: nn.Module, layout=None) -> nn.Module:
 def _persistent_buffers(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     out = []
     for module_name, module in model.named_modules(remove_duplicate=False):
-        for key, buf in module._buffers.items():
-            if buf is not None and key not in module._non_persistent_buffers_set:
+        for key, buf in buffer_slots(module).items():
+            if buf is not None and key not in non_persistent_buffer_names(module):
                 out.append((f"{module_name}.{key}" if module_name else key, buf))
     return out
 
@@ -135,21 +143,22 @@ def compute_non_persistent_buffers(model: nn.Module) -> None:
 
     owners = {}
     for name, module in model.named_modules():
-        for key in module._non_persistent_buffers_set:
-            buf = module._buffers.get(key)
+        buffers = buffer_slots(module)
+        for key in non_persistent_buffer_names(module):
+            buf = buffers.get(key)
             if buf is None:
                 continue
             # NaN marks "not computed" so a buffer _init_weights does not know is caught below.
             fill = float("nan") if buf.is_floating_point() else 0
-            module._buffers[key] = torch.full(buf.shape, fill, dtype=buf.dtype, device="cpu")
+            buffers[key] = torch.full(buf.shape, fill, dtype=buf.dtype, device="cpu")
             owners[name] = module
     pretrained = {n: m for n, m in model.named_modules() if isinstance(m, PreTrainedModel)}
     for name, module in owners.items():
         nearest = max((p for p in pretrained if p == "" or name == p or name.startswith(p + ".")), key=len)
-        pretrained[nearest]._init_weights(module)
+        hf.init_weights(pretrained[nearest], module)
     for name, module in owners.items():
-        for key in module._non_persistent_buffers_set:
-            buf = module._buffers.get(key)
+        for key in non_persistent_buffer_names(module):
+            buf = buffer_slots(module).get(key)
             if buf is not None and buf.is_floating_point() and torch.isnan(buf).any():
                 raise CheckpointError(
                     f"buffer '{name}.{key}' ({type(module).__name__}) is not in the checkpoint and transformers' "

@@ -15,9 +15,9 @@ all-to-all outputs. The two halves are ``torch.utils.checkpoint``'s public
 ``context_fn``: :func:`checkpoint_contexts` returns a recording context (the
 original forward) and a replaying one (the recomputation), sharing one record.
 
-The same mechanism serves transformers' ``gradient_checkpointing_enable``
-(``gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn":
-checkpoint_contexts}``), which is how the swift plugin uses it, and
+The same mechanism serves transformers' own ``activation_checkpointing_enable``
+(``gradient_checkpointing_enable`` before 5.23; its kwargs become ``{"use_reentrant": False,
+"context_fn": checkpoint_contexts}``), which is how the swift plugin uses it, and
 :func:`apply_activation_checkpointing`, which the trainer uses.
 """
 
@@ -31,6 +31,8 @@ import functools
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from twinkle_strategy.compat.transformers_internals import wrap_checkpointing_enable, wrap_checkpointing_function
 
 _ACTIVE: contextvars.ContextVar["ForwardRecord | None"] = contextvars.ContextVar("twinkle_forward_record",
                                                                                  default=None)
@@ -94,7 +96,20 @@ def apply_activation_checkpointing(layers: list[nn.Module]) -> None:
         layer.forward = _checkpointed(layer.forward)
 
 
-_CACHE_ARGS = ("past_key_values", "past_key_value", "layer_past")
+def _without_kv_cache(kwargs: dict) -> dict:
+    """``kwargs`` with every KV cache dropped and ``use_cache`` off.
+
+    A cache would be appended to twice (forward and recomputation), as transformers' own
+    checkpointing also knows; training does not need one. Caches are found by type, not by
+    argument name: transformers renamed the layers' ``past_key_values`` to ``cache`` in 5.24,
+    and a name list here then let the recomputation attend over twice the keys.
+    """
+    from transformers import Cache
+
+    kwargs = {name: (None if isinstance(value, Cache) else value) for name, value in kwargs.items()}
+    if kwargs.get("use_cache"):
+        kwargs["use_cache"] = False
+    return kwargs
 
 
 def _checkpointed(forward):
@@ -102,13 +117,7 @@ def _checkpointed(forward):
     def checkpointed_forward(*args, **kwargs):
         if not torch.is_grad_enabled():  # evaluation: nothing to recompute
             return forward(*args, **kwargs)
-        # A KV cache would be appended to twice (forward and recomputation), as transformers' own
-        # gradient checkpointing also knows; training does not need one.
-        for name in _CACHE_ARGS:
-            if kwargs.get(name) is not None:
-                kwargs[name] = None
-        if kwargs.get("use_cache"):
-            kwargs["use_cache"] = False
+        kwargs = _without_kv_cache(kwargs)
         return checkpoint(forward, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
 
     checkpointed_forward._twinkle_checkpointed = True
@@ -116,20 +125,12 @@ def _checkpointed(forward):
 
 
 def replay_in_transformers_checkpointing(model: nn.Module) -> None:
-    """Make transformers' own gradient checkpointing (``gradient_checkpointing_enable``, used by
+    """Make transformers' own activation checkpointing (``activation_checkpointing_enable``, used by
     ms-swift and the HF Trainer) non-reentrant with :func:`checkpoint_contexts`, whether it is
     enabled already or later."""
     for module in model.modules():
-        func = getattr(module, "_gradient_checkpointing_func", None)
-        if getattr(module, "gradient_checkpointing", False) and func is not None:
-            module._gradient_checkpointing_func = _with_replay(func)
-        # transformers >= 5.2x routes activation_/gradient_checkpointing_enable to the private worker;
-        # older versions have only the public method.
-        name = next((n for n in ("_activation_checkpointing_enable", "gradient_checkpointing_enable")
-                     if hasattr(module, n)), None)
-        enable = getattr(module, name) if name else None
-        if enable is not None and not getattr(enable, "_twinkle_replay", False):
-            setattr(module, name, _enable_with_replay(enable))
+        wrap_checkpointing_function(module, _with_replay)
+        wrap_checkpointing_enable(module, _enable_with_replay)
 
 
 def _with_replay(func):
@@ -139,11 +140,15 @@ def _with_replay(func):
 
 
 def _enable_with_replay(enable):
+    if getattr(enable, "_twinkle_replay", False):  # wrapped already
+        return enable
+
     @functools.wraps(enable)
     def enable_with_replay(*args, **kwargs):
         # The options come by keyword (swift: gradient_checkpointing_kwargs=..., the name functools.wraps shows;
-        # newer transformers: checkpointing_kwargs=...) or first by position.
-        key = next((k for k in ("gradient_checkpointing_kwargs", "checkpointing_kwargs") if k in kwargs), None)
+        # transformers 5.24: activation_checkpointing_kwargs=...) or first by position.
+        key = next((k for k in ("gradient_checkpointing_kwargs", "activation_checkpointing_kwargs",
+                                "checkpointing_kwargs") if k in kwargs), None)
         given, args = (kwargs.pop(key), args) if key else (args[0] if args else None, args[1:])
         # The context_fn is added here, not in the user's kwargs: swift and HF serialise those into args.json.
         options = {**(given or {}), "use_reentrant": False, "context_fn": checkpoint_contexts}

@@ -232,6 +232,11 @@ def _shrunk_default_config(model_type: str, common: dict, experts: int, hidden: 
         if key in defaults and (defaults[key] is not None or key in _TINY_REQUIRED) and not isinstance(
                 defaults[key], (dict, list)):
             kwargs[key] = values.get(size, size)
+    # Every vocabulary size the config carries (transformers 5.24 gave Inkling-2 an ``unpadded_vocab_size`` that
+    # sizes its lm_head): all of them tiny, whatever the family calls them.
+    for key, value in defaults.items():
+        if key.endswith("vocab_size") and isinstance(value, int) and value > common["vocab_size"]:
+            kwargs[key] = common["vocab_size"]
     if defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 4)  # some configs require equal counts
     if "qk_rope_head_dim" in kwargs:

@@ -33,6 +33,7 @@ from twinkle_strategy.checkpoint import (
     save_checkpoint,
 )
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
+from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.init.liveness import StatusBoard
@@ -420,15 +421,13 @@ class Trainer:
         return entry
 
     def save(self, global_step: int) -> str:
-        from transformers.utils.hub import convert_file_size_to_int
-
         path = os.path.join(self.run_dir, f"checkpoint-{global_step}")
         state = {"global_step": global_step, "max_steps": self.max_steps, "log_history": self.log_history,
                  "peft": is_peft_model(self.model), **self._layout()}
         self.save_report = save_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer,
                                            scheduler=self.scheduler, trainer_state=state, tokenizer=self.processing_class,
                                            save_optimizer=not self.args.save_only_model,
-                                           max_file_bytes=convert_file_size_to_int(self.args.max_shard_size),
+                                           max_file_bytes=file_size_bytes(self.args.max_shard_size),
                                            chunk_bytes=self.strategy.init_bucket_bytes)
         if self.strategy.is_main_process:
             rotate_checkpoints(self.run_dir, self.args.save_total_limit)

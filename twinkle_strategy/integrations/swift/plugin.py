@@ -57,6 +57,12 @@ from typing import Any
 import torch
 
 from twinkle_strategy import config
+from twinkle_strategy.compat.transformers_internals import (
+    check_trainer_overrides,
+    mark_accelerate_prepared,
+    scheduler_file_name,
+    trainer_save,
+)
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.dtensor import local_tensor
 from twinkle_strategy.errors import SwiftPluginError
@@ -380,11 +386,11 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
     model, _ = strategy.wrap_model(model)
-    # swift's --gradient_checkpointing goes through transformers' gradient_checkpointing_enable: make its
+    # swift's --gradient_checkpointing goes through transformers' activation checkpointing: make its
     # recomputation replay the EP dispatch (no second all-to-all, no re-routing), as twinkle-sft's does.
     replay_in_transformers_checkpointing(model)
     # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
-    model._is_accelerate_prepared = True  # (the strategy has logged its init report already)
+    mark_accelerate_prepared(model)  # (the strategy has logged its init report already)
     return model
 
 
@@ -448,13 +454,13 @@ class TwinkleTrainerMixin:
             # the checkpoint the run started from); process zero then lets swift write everything else.
             self.twinkle_strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
             if self.args.should_save:
-                self._save(output_dir, state_dict=None)
+                trainer_save(self, output_dir, state_dict=None)
         else:
             # The adapter is small: gathered (all experts, as plain PEFT loads it) and written by process zero.
             keys = {n for n, p in self.model.named_parameters() if p.requires_grad}
             state = self.twinkle_strategy.full_state_dict(self.model, rank0_only=True, keys=keys)
             if self.args.should_save:
-                self._save(output_dir, state_dict=state)
+                trainer_save(self, output_dir, state_dict=state)
             del state
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
@@ -474,9 +480,7 @@ class TwinkleTrainerMixin:
         }
         torch.save(local, os.path.join(output_dir, STATE_DIR, f"rank{strategy.rank}.pt"))
         if self.args.should_save and self.lr_scheduler is not None:
-            from transformers.trainer import SCHEDULER_NAME
-
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, scheduler_file_name()))
 
     def _twinkle_local_state(self, checkpoint: str) -> dict:
         from twinkle_strategy.checkpoint import ResumeError
@@ -516,13 +520,11 @@ class TwinkleTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or self.args.resume_only_model:
             return
-        from transformers.trainer import SCHEDULER_NAME
-
         local = self._twinkle_local_state(checkpoint)
         if local is None:
             return
         self.optimizer.load_state_dict(_optimizer_from_local(local["optimizer"], self.optimizer))
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        scheduler = os.path.join(checkpoint, scheduler_file_name())
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
 
@@ -533,6 +535,7 @@ _TRAINER_CLASSES: dict[type, type] = {}
 def _get_trainer_cls(orig, cls, args):
     base = orig.__func__(cls, args)
     if base not in _TRAINER_CLASSES:
+        check_trainer_overrides(TwinkleTrainerMixin)
         _TRAINER_CLASSES[base] = type(f"Twinkle{base.__name__}", (TwinkleTrainerMixin, base), {})
     return _TRAINER_CLASSES[base]
 

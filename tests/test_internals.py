@@ -1,0 +1,724 @@
+"""The internals of transformers, accelerate and torch that twinkle_strategy relies on, one fast check each.
+
+Every internal is declared once, in :mod:`twinkle_strategy.compat`, with the one wrapper that
+reads it. Here each gets a single-process check of exactly the behaviour the library relies on,
+on tiny real models. A release that removes or changes one fails its check with a message that
+names the internal, the installed version and what the library uses it for; then update its
+wrapper (and its "checked on" versions), or declare the release unsupported.
+
+The last tests hold the rule that makes this the one home: no module of the package outside
+``compat/`` touches a private name of another library (see :func:`private_uses`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.metadata
+import inspect
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from twinkle_strategy.compat import internals
+from twinkle_strategy.compat import torch_internals as th
+from twinkle_strategy.compat import transformers_internals as hf
+from twinkle_strategy.compat.transformers_internals import rule_class
+from twinkle_strategy.errors import InternalChangedError
+
+PACKAGE = Path(__file__).resolve().parent.parent / "twinkle_strategy"
+INTERNALS = internals()
+CHECKS = {}
+
+
+def checks(*names):
+    """Register the decorated function as the check of the internals ``names``."""
+    def register(function):
+        for name in names:
+            assert name not in CHECKS, f"two checks for {name}"
+            CHECKS[name] = function
+        return function
+    return register
+
+
+class Tiny:
+    """Tiny real models, built once per module; ``fresh`` ones for checks that change them."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    @functools.lru_cache(maxsize=None)
+    def model(self, family: str):
+        return self.fresh(family)
+
+    def fresh(self, family: str):
+        from twinkle_strategy.train.tiny_models import build_tiny_model
+
+        return build_tiny_model(family)
+
+    @functools.cached_property
+    def loaded(self):
+        """The tiny Qwen3-MoE, saved in its hub layout (per-expert keys) and loaded by ``from_pretrained``."""
+        from transformers import AutoModelForCausalLM
+
+        from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+
+        save_tiny_checkpoint("qwen3_moe", str(self.root / "qwen3_moe"))
+        return AutoModelForCausalLM.from_pretrained(str(self.root / "qwen3_moe"), dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return Tiny(tmp_path_factory.mktemp("internals"))
+
+
+@pytest.mark.parametrize("internal", INTERNALS, ids=lambda internal: internal.name)
+def test_internal_behaves_as_relied_on(internal, tiny):
+    failure = None
+    try:
+        CHECKS[internal.name](tiny)
+    except InternalChangedError as exc:  # a wrapper found it gone: its message says all
+        failure = str(exc)
+    except Exception as exc:  # noqa: BLE001 - any failure of a check is the internal's change
+        failure = (f"{internal.owner} {internal.installed_version()}: {internal.name} no longer behaves as relied "
+                   f"on ({type(exc).__name__}: {exc}); {internal.summary()}. Update its wrapper in "
+                   f"twinkle_strategy/compat/ and the versions it was checked on, or bound the supported range")
+    if failure is not None:  # (outside the except: no traceback of the check, just what changed)
+        pytest.fail(failure, pytrace=False)
+
+
+def test_every_internal_has_a_check_and_a_wrapper():
+    names = [internal.name for internal in INTERNALS]
+    assert len(names) == len(set(names)) and len(names) > 20
+    assert set(CHECKS) == set(names), f"without a check: {sorted(set(names) - set(CHECKS))}; " \
+                                      f"checks of nothing declared: {sorted(set(CHECKS) - set(names))}"
+    for internal in INTERNALS:
+        assert internal.wrappers, f"{internal.name} has no wrapper"
+        for name in internal.wrappers:
+            module = th if internal.owner == "torch" else hf
+            doc = getattr(module, name).__doc__
+            assert internal.checked in doc and internal.replacement in doc, (name, doc)
+
+
+# ------------------------------------------------------------------ transformers: dtypes
+@checks("PreTrainedModel._get_dtype_plan")
+def _dtype_plan(tiny):
+    deepseek = tiny.model("deepseek_v3")
+    plan = hf.dtype_plan(deepseek, torch.bfloat16)
+    assert plan.get("e_score_correction_bias") == torch.float32, plan  # DeepSeek-V3's router bias
+    assert hf.dtype_plan(deepseek, torch.float32) == {}
+    from twinkle_strategy.kept_dtypes import kept_dtypes
+
+    assert kept_dtypes(deepseek, torch.bfloat16)["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
+
+
+@checks("PreTrainedModel._keep_in_fp32_modules_strict")
+def _keep_in_fp32_strict(tiny):
+    assert "e_score_correction_bias" in hf.keep_in_fp32_strict(tiny.model("deepseek_v3"))
+    assert isinstance(hf.keep_in_fp32_strict(tiny.model("qwen3_moe")), set)
+
+
+@checks("core_model_loading.build_glob_alternation")
+def _glob_alternation(tiny):
+    alternation, glob_of_group = hf.glob_alternation(["e_score_correction_bias", "layers.*.norm"])
+    match = alternation.search("model.layers.1.mlp.gate.e_score_correction_bias")
+    assert glob_of_group[match.lastgroup] == "e_score_correction_bias"
+    assert glob_of_group[alternation.search("model.layers.3.post_attention_layernorm.weight").lastgroup] == \
+        "layers.*.norm"
+    assert alternation.search("model.embed_tokens.weight") is None
+
+
+# ------------------------------------------------------------------ transformers: checkpoint layouts
+def _expert_rules(model):
+    """Qwen3-MoE's rule making ``gate_up_proj`` [E, 2I, H] from per-expert gate and up weights, and its sizes."""
+    converter = rule_class("WeightConverter")
+    rule = next(r for r in hf.conversion_rules(model) if isinstance(r, converter)
+                and r.target_patterns == ["mlp.experts.gate_up_proj"])
+    config = model.config
+    return rule, config.num_experts, config.moe_intermediate_size, config.hidden_size
+
+
+@checks("conversion_mapping.get_model_conversion_mapping")
+def _conversion_mapping(tiny):
+    rule, *_ = _expert_rules(tiny.model("qwen3_moe"))
+    assert rule.source_patterns == ["mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"]
+    assert type(rule.operations[0]).__name__ == "MergeModulelist" and rule.operations[0].dim == 0
+
+
+@checks("core_model_loading.WeightRenaming")
+def _weight_renaming(tiny):
+    renaming = rule_class("WeightRenaming")
+    assert renaming(r"^backbone\.", "model.").rename_source_key("backbone.norm.weight")[0] == "model.norm.weight"
+    assert renaming("a.weight", "b.weight").rename_source_key("a.weight")[0] == "b.weight"  # as layout builds them
+
+
+@checks("core_model_loading.WeightConverter")
+def _weight_converter(tiny):
+    rule, *_ = _expert_rules(tiny.model("qwen3_moe"))
+    assert isinstance(rule, rule_class("WeightConverter")) and not rule.was_used()
+    reverse = rule.reverse_transform()
+    assert reverse.source_patterns == rule.target_patterns and reverse.target_patterns == rule.source_patterns
+
+
+@checks("core_model_loading.PrefixChange")
+def _prefix_change(tiny):
+    assert issubclass(rule_class("PrefixChange"), rule_class("WeightRenaming"))
+
+
+@checks("core_model_loading.MergeModulelist")
+def _merge_module_list(tiny):
+    """Per-expert keys are stacked on dim 0: experts a..b-1 alone give rows [a, b) of the fused tensor."""
+    from twinkle_strategy.checkpoint.layout import convert_pieces
+
+    model = tiny.model("qwen3_moe")
+    rule, experts, inter, hidden = _expert_rules(model)
+    target = "model.layers.0.mlp.experts.gate_up_proj"
+    gate, up = torch.randn(experts, inter, hidden), torch.randn(experts, inter, hidden)
+
+    def convert(first, last):
+        pieces = {pattern: [(f"model.layers.0.mlp.experts.{e}.{proj}_proj.weight", values[e])
+                            for e in range(first, last)]
+                  for pattern, proj, values in zip(rule.source_patterns, ("gate", "up"), (gate, up))}
+        shapes = {target: ((last - first, 2 * inter, hidden), torch.float32)}
+        return convert_pieces(rule, target, pieces, config=model.config, shapes=shapes)[target]
+
+    whole = convert(0, experts)
+    assert whole.shape == (experts, 2 * inter, hidden) and torch.equal(whole[3], torch.cat([gate[3], up[3]]))
+    assert torch.equal(convert(2, 5), whole[2:5])
+
+
+@checks("core_model_loading.SplitModulelist")
+def _split_module_list(tiny):
+    rule, *_ = _expert_rules(tiny.model("qwen3_moe"))
+    last = rule.reverse_transform().operations[-1]
+    assert isinstance(last, rule_class("SplitModulelist")) and last.dim == 0
+
+
+def _rows_commute(op, inputs: dict, source_patterns, target_patterns, shapes=None):
+    """``op`` gives rows [1, 3) of its output from rows [1, 3) of its inputs (as layout reads them)."""
+    from twinkle_strategy.checkpoint.layout import _ShapeOnlyModel
+
+    def run(rows):
+        model = _ShapeOnlyModel(None, shapes or {}, None if rows is None else rows[1] - rows[0])
+        given = {k: [t if rows is None else t[rows[0]:rows[1]] for t in v] for k, v in inputs.items()}
+        out = op.convert(given, source_patterns=source_patterns, target_patterns=target_patterns,
+                         full_layer_name="layer.first", model=model, config=None)
+        return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+    whole, part = run(None), run((1, 3))
+    assert whole.keys() == part.keys() and all(torch.equal(whole[k][1:3], part[k]) for k in whole), op
+    return {k: tuple(v.shape) for k, v in whole.items()}
+
+
+@checks("core_model_loading.Concatenate")
+def _concatenate(tiny):
+    op = rule_class("Concatenate")(dim=1)
+    assert op.dim == 1
+    assert _rows_commute(op, {"a": [torch.randn(4, 6)], "b": [torch.randn(4, 2)]}, ["a", "b"], ["t"]) == \
+        {"t": (4, 8)}
+
+
+@checks("core_model_loading.Chunk")
+def _chunk(tiny):
+    op = rule_class("Chunk")(dim=1)
+    assert op.dim == 1
+    assert _rows_commute(op, {"t": [torch.randn(4, 6)]}, ["t"], ["a", "b"]) == {"a": (4, 3), "b": (4, 3)}
+
+
+@checks("core_model_loading.Split")
+def _split(tiny):
+    split = rule_class("Split", optional=True)
+    if split is None:  # newer than the installed version: layout then never meets one
+        assert importlib.metadata.version("transformers") < "5.23"
+        return
+    shapes = {"layer.first": ((4, 2), torch.float32), "layer.second": ((4, 4), torch.float32)}
+    assert split(dim=1).dim == 1
+    assert _rows_commute(split(dim=1), {"t": [torch.randn(4, 6)]}, ["t"], ["first", "second"], shapes) == \
+        {"first": (4, 2), "second": (4, 4)}
+
+
+@checks("core_model_loading.Interleave")
+def _interleave(tiny):
+    op = rule_class("Interleave")(dim=1)
+    assert op.dim == 1
+    assert _rows_commute(op, {"t": [torch.randn(4, 6)]}, ["t"], ["t"]) == {"t": (4, 6)}
+
+
+@checks("core_model_loading.Transpose")
+def _transpose(tiny):
+    op = rule_class("Transpose")(dim0=1, dim1=2)
+    assert (op.dim0, op.dim1) == (1, 2)
+    shapes = {"layer.first": ((4, 5, 3), torch.float32)}
+    assert _rows_commute(op, {"t": [torch.randn(4, 3, 5)]}, ["t"], ["t"], shapes) == {"t": (4, 5, 3)}
+
+
+@checks("core_model_loading.dot_natural_key")
+def _natural_order(tiny):
+    assert hf.natural_order(["e.10.w", "e.2.w", "e.1.w", "a"]) == ["a", "e.1.w", "e.2.w", "e.10.w"]
+
+
+@checks("core_model_loading.rename_source_key")
+def _rename_source_key(tiny):
+    model = tiny.model("qwen3_moe")
+    rules = hf.conversion_rules(model)
+    renamings = [r for r in rules if isinstance(r, rule_class("WeightRenaming"))]
+    converters = [r for r in rules if isinstance(r, rule_class("WeightConverter"))]
+    present = model.state_dict()
+    target, pattern = hf.rename_source_key("model.layers.0.mlp.experts.3.gate_proj.weight", renamings, converters,
+                                           model.base_model_prefix, present)
+    assert target == "model.layers.0.mlp.experts.gate_up_proj" and pattern == "mlp.experts.*.gate_proj.weight"
+    assert hf.rename_source_key("model.embed_tokens.weight", renamings, converters, model.base_model_prefix,
+                                present) == ("model.embed_tokens.weight", None)
+
+
+@checks("core_model_loading.revert_weight_conversion")
+def _revert_weight_conversion(tiny):
+    """Saving gives the per-expert keys back, each expert's gate and up halves."""
+    model = tiny.model("qwen3_moe")
+    rule, experts, inter, hidden = _expert_rules(model)
+    fused = torch.randn(experts, 2 * inter, hidden)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    saved = hf.revert_weight_conversion([rule], model.config, lambda n: torch.empty(fused.shape, device="meta"),
+                                        {name: fused})
+    assert len(saved) == 2 * experts
+    assert torch.equal(saved["model.layers.0.mlp.experts.5.gate_proj.weight"], fused[5, :inter])
+    assert torch.equal(saved["model.layers.0.mlp.experts.5.up_proj.weight"], fused[5, inter:])
+
+
+@checks("PreTrainedModel._weight_conversions")
+def _weight_conversions(tiny):
+    """from_pretrained records the rules that matched there, and saving reverses exactly those."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    model = tiny.loaded
+    rules = hf.weight_conversions(model)
+    assert any(isinstance(r, rule_class("WeightConverter")) and r.was_used() for r in rules), rules
+    assert hf.weight_conversions(tiny.model("qwen3_moe")) is None  # built from the config: nothing recorded
+    name = "model.layers.0.mlp.experts.down_proj"
+    state = {name: model.state_dict()[name]}
+    assert "model.layers.0.mlp.experts.0.down_proj.weight" in revert_weight_conversion(model, dict(state))
+    try:
+        hf.set_weight_conversions(model, [])
+        assert list(revert_weight_conversion(model, dict(state))) == [name]  # no rule recorded: saved as it is
+    finally:
+        hf.set_weight_conversions(model, rules)
+
+
+@checks("PreTrainedModel._keys_to_ignore_on_load_unexpected")
+def _keys_to_ignore(tiny):
+    import re
+
+    patterns = hf.keys_to_ignore_on_load_unexpected(tiny.model("deepseek_v3"))
+    assert any(re.search(p, "model.layers.61.self_attn.q_a_proj.weight") for p in patterns), patterns  # MTP
+    assert isinstance(hf.keys_to_ignore_on_load_unexpected(tiny.model("qwen3_moe")), list)
+
+
+@checks("FineGrainedFP8HfQuantizer.update_weight_conversions")
+def _fp8_scale_renames(tiny):
+    def renamed(key, model=None):
+        for rule in hf.fp8_scale_renamings(model):
+            key, _ = rule.rename_source_key(key)
+        return key
+
+    for model in (None, tiny.model("deepseek_v3")):
+        assert renamed("layers.0.attn.wq_a.scale", model) == "layers.0.attn.wq_a.weight_scale_inv"  # V4-Flash
+        assert renamed("layers.0.attn.wq_a.weight", model) == "layers.0.attn.wq_a.weight"
+    if importlib.metadata.version("transformers") >= "5.23":
+        assert renamed("layers.0.attention.wq.qscale_weight") == "layers.0.attention.wq.weight_scale_inv"
+
+
+# ------------------------------------------------------------------ transformers: building a model
+@checks("PreTrainedModel._from_config")
+def _from_config(tiny):
+    from transformers import AutoModelForCausalLM, Qwen3MoeForCausalLM
+
+    config = tiny.model("qwen3_moe").config
+    for model_class in (Qwen3MoeForCausalLM, AutoModelForCausalLM):
+        with torch.device("meta"):
+            model = hf.build_from_config(model_class, config, dtype=torch.bfloat16)
+        assert type(model) is Qwen3MoeForCausalLM
+        weight = model.model.layers[0].mlp.experts.gate_up_proj
+        assert weight.is_meta and weight.dtype == torch.bfloat16
+
+
+@checks("PreTrainedModel._init_weights")
+def _init_weights(tiny):
+    """On a model built on meta, the module's _init_weights computes RoPE inv_freq as from_pretrained has it."""
+    from transformers import AutoModelForCausalLM
+
+    reference = tiny.model("qwen3_moe")
+    with torch.device("meta"):
+        model = hf.build_from_config(AutoModelForCausalLM, reference.config, dtype=torch.float32)
+    rotary = model.model.rotary_emb
+    buffers = th.buffer_slots(rotary)
+    for key in th.non_persistent_buffer_names(rotary):
+        buffers[key] = torch.full(buffers[key].shape, float("nan"))
+    hf.init_weights(model, rotary)
+    assert torch.equal(rotary.inv_freq, reference.model.rotary_emb.inv_freq)
+    assert torch.equal(rotary.original_inv_freq, reference.model.rotary_emb.original_inv_freq)
+
+
+@checks("PreTrainedModel._no_split_modules")
+def _no_split_modules(tiny):
+    from twinkle_strategy.fsdp import find_decoder_layers
+
+    model = tiny.model("qwen3_moe")
+    assert "Qwen3MoeDecoderLayer" in hf.no_split_modules(model)
+    assert find_decoder_layers(model) == list(model.model.layers)
+    assert not hf.no_split_modules(nn.Linear(2, 2))
+
+
+# ------------------------------------------------------------------ transformers: activation checkpointing
+def _train_step(model):
+    model.train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 6), generator=torch.Generator().manual_seed(0))
+    model(input_ids=ids, labels=ids).loss.backward()
+
+
+@checks("GradientCheckpointingLayer._gradient_checkpointing_func")
+def _checkpointing_function(tiny):
+    """The layers transformers checkpoints recompute through the function we put there."""
+    model = tiny.fresh("qwen3_moe")
+    calls = []
+
+    def wrap(func):
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return func(*args, **kwargs)
+        return counted
+
+    for module in model.modules():
+        hf.wrap_checkpointing_function(module, wrap)
+    assert not calls and not any(getattr(m, "gradient_checkpointing", False) for m in model.modules())
+    hf.enable_activation_checkpointing(model, {"use_reentrant": False})
+    for module in model.modules():
+        hf.wrap_checkpointing_function(module, wrap)
+    _train_step(model)
+    assert len(calls) == model.config.num_hidden_layers
+
+
+@checks("PreTrainedModel._activation_checkpointing_enable")
+def _checkpointing_enable(tiny):
+    """Every way of enabling transformers' checkpointing (the current name and the deprecated one) goes through
+    the method we wrap."""
+    for enable in ("activation_checkpointing_enable", "gradient_checkpointing_enable"):
+        model = tiny.fresh("qwen3_moe")
+        if not hasattr(model, enable):
+            continue
+        seen = []
+
+        def wrap(method):
+            def wrapped(*args, **kwargs):
+                seen.append(args[0] if args else kwargs)
+                return method(*args, **kwargs)
+            return wrapped
+
+        hf.wrap_checkpointing_enable(model, wrap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            getattr(model, enable)({"use_reentrant": False})
+        assert seen and seen[0] == {"use_reentrant": False}, (enable, seen)
+        assert model.model.layers[0].gradient_checkpointing
+
+
+@checks("PreTrainedModel.activation_checkpointing_enable")
+def _enable_activation_checkpointing(tiny):
+    model = tiny.fresh("qwen3_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)  # the current name: no deprecation warning
+        hf.enable_activation_checkpointing(model, {"use_reentrant": False})
+    assert all(layer.gradient_checkpointing for layer in model.model.layers)
+    _train_step(model)
+
+
+@checks("PreTrainedModel.is_activation_checkpointing")
+def _is_activation_checkpointing(tiny):
+    model = tiny.fresh("qwen3_moe")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        assert not hf.is_activation_checkpointing(model)
+        hf.enable_activation_checkpointing(model)
+        assert hf.is_activation_checkpointing(model)
+
+
+# ------------------------------------------------------------------ transformers: saving, the HF Trainer
+@checks("utils.hub.convert_file_size_to_int")
+def _file_size(tiny):
+    assert hf.file_size_bytes("5GB") == 5 * 10**9
+    assert hf.file_size_bytes("500MiB") == 500 * 2**20
+    assert hf.file_size_bytes(123) == 123
+
+
+@checks(*(f"Trainer.{name}" for name in hf.TRAINER_HOOKS))
+def _trainer_hooks(tiny):
+    """The HF Trainer still has each hook the swift plugin's trainer overrides, with the same parameters."""
+    from transformers import Trainer
+
+    from twinkle_strategy.integrations.swift.plugin import TwinkleTrainerMixin
+
+    hf.check_trainer_overrides(TwinkleTrainerMixin)
+    for name in hf.TRAINER_HOOKS:
+        ours = inspect.signature(vars(TwinkleTrainerMixin)[name]).parameters
+        theirs = inspect.signature(getattr(Trainer, name)).parameters
+        assert list(ours) == list(theirs), (name, list(theirs))
+
+
+@checks("Trainer._save")
+def _trainer_save(tiny):
+    from transformers import Trainer
+
+    calls = []
+
+    class Recording(Trainer):
+        def __init__(self):  # no model, no arguments: only _save is called
+            pass
+
+        def _save(self, output_dir=None, state_dict=None):
+            calls.append((output_dir, state_dict))
+
+    hf.trainer_save(Recording(), "out", state_dict={"w": 1})
+    assert calls == [("out", {"w": 1})]
+    assert list(inspect.signature(Trainer._save).parameters) == ["self", "output_dir", "state_dict"]
+
+
+@checks("trainer.SCHEDULER_NAME")
+def _scheduler_file(tiny):
+    import transformers.trainer
+
+    assert hf.scheduler_file_name() == "scheduler.pt"
+    assert "SCHEDULER_NAME" in inspect.getsource(transformers.trainer.Trainer._load_optimizer_and_scheduler)
+
+
+@checks("model._is_accelerate_prepared")
+def _accelerate_prepared(tiny):
+    """Accelerator.prepare_model returns a model marked so as it is (no DDP, no move, no second sharding)."""
+    from accelerate import Accelerator
+
+    source = inspect.getsource(Accelerator.prepare_model)
+    assert 'if getattr(model, "_is_accelerate_prepared", False):' in source
+    early = source.split('if getattr(model, "_is_accelerate_prepared", False):', 1)[1].split("\n\n", 1)[0]
+    assert "return model" in early, early
+    model = nn.Linear(2, 2)
+    hf.mark_accelerate_prepared(model)
+    assert getattr(model, "_is_accelerate_prepared") is True
+
+
+# ------------------------------------------------------------------ torch
+@checks("nn.Module._parameters")
+def _parameter_slots(tiny):
+    first, second = nn.Linear(3, 2), nn.Linear(3, 2)
+    second.weight = first.weight  # tied
+    replacement = nn.Parameter(torch.empty(2, 3, dtype=torch.bfloat16, device="meta"))
+    for module in (first, second):
+        slots = th.parameter_slots(module)
+        assert list(slots) == ["weight", "bias"]
+        slots["weight"] = replacement
+    assert first.weight is replacement and second.weight is replacement
+    assert [n for n, _ in first.named_parameters()] == ["weight", "bias"]
+
+
+@checks("nn.Module._buffers")
+def _buffer_slots(tiny):
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(2))
+    module.register_buffer("computed", torch.zeros(2), persistent=False)
+    slots = th.buffer_slots(module)
+    assert list(slots) == ["kept", "computed"]
+    slots["computed"] = torch.ones(3)
+    assert torch.equal(module.computed, torch.ones(3)) and list(module.state_dict()) == ["kept"]
+
+
+@checks("nn.Module._non_persistent_buffers_set")
+def _non_persistent(tiny):
+    module = nn.Module()
+    module.register_buffer("kept", torch.zeros(2))
+    module.register_buffer("computed", torch.zeros(2), persistent=False)
+    assert th.non_persistent_buffer_names(module) == {"computed"}
+    rotary = tiny.model("qwen3_moe").model.rotary_emb
+    assert th.non_persistent_buffer_names(rotary) >= {"inv_freq"}
+
+
+@checks("Tensor._make_wrapper_subclass")
+def _wrapper_subclass(tiny):
+    """A placeholder has any shape, dtype and device and holds no storage (4 TiB here, made at once)."""
+    from twinkle_strategy.init.skeleton import CheckpointTensor
+
+    for device in ("cpu", "meta"):
+        placeholder = CheckpointTensor("w", None, (2**20, 2**21), torch.bfloat16, device)
+        assert type(placeholder) is CheckpointTensor and placeholder.shape == (2**20, 2**21)
+        assert placeholder.dtype == torch.bfloat16 and placeholder.device.type == device
+        assert not placeholder.requires_grad
+
+
+@checks("torch._C._disabled_torch_function_impl")
+def _disabled_torch_function(tiny):
+    """Operations on a placeholder reach its __torch_dispatch__ directly; results are not re-wrapped."""
+    from twinkle_strategy.errors import WeightsNotLoadedError
+    from twinkle_strategy.init.skeleton import CheckpointTensor
+
+    class Plain(torch.Tensor):
+        __torch_function__ = th.disabled_torch_function()
+
+    assert type(torch.Tensor._make_subclass(Plain, torch.ones(2)) + 1) is torch.Tensor
+    placeholder = CheckpointTensor("w", None, (2, 3), torch.float32, "cpu")
+    with pytest.raises(WeightsNotLoadedError, match="'w' has no values yet"):
+        torch.add(placeholder, 1)
+    parameter = nn.Parameter(placeholder, requires_grad=False)  # through detach, in __torch_dispatch__
+    assert isinstance(parameter, CheckpointTensor) and parameter.key == "w"
+
+
+@checks("distributed_c10d._get_default_store")
+def _default_store(tiny):
+    import torch.distributed as dist
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        store = th.default_store()
+        store.set("twinkle/internals", "ok")
+        assert store.get("twinkle/internals") == b"ok"
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
+# ------------------------------------------------------------------ a missing internal is named
+def test_a_missing_internal_is_named_with_the_installed_version(monkeypatch, tiny):
+    import re
+
+    import torch.distributed as dist
+    from transformers import PreTrainedModel, core_model_loading
+
+    from twinkle_strategy.init.liveness import _store
+
+    model = tiny.model("deepseek_v3")
+    version = re.escape(importlib.metadata.version("transformers"))
+    monkeypatch.delattr(PreTrainedModel, "_get_dtype_plan")
+    with pytest.raises(InternalChangedError, match=rf"^transformers {version}: PreTrainedModel._get_dtype_plan is "
+                                                   r"gone; twinkle_strategy uses it to ask which tensors"):
+        hf.dtype_plan(model, torch.bfloat16)
+    monkeypatch.delattr(core_model_loading, "MergeModulelist")
+    with pytest.raises(InternalChangedError, match=rf"transformers {version}: core_model_loading.MergeModulelist "
+                                                   r"is gone.*checked on transformers 5.19, 5.23, 5.24"):
+        rule_class("MergeModulelist")
+    monkeypatch.delattr(dist.distributed_c10d, "_get_default_store")
+    with pytest.raises(InternalChangedError, match=rf"torch {re.escape(importlib.metadata.version('torch'))}: "
+                                                   r"distributed_c10d._get_default_store is gone"):
+        _store()  # liveness lets this one through (other failures to reach the store just mean "no store")
+
+
+def test_the_swift_trainer_overrides_only_registered_hooks():
+    """Each private method the swift plugin's trainer defines is ours, swift's, or a registered HF Trainer hook
+    (checked when the trainer class is built: an override of a renamed hook would silently never run)."""
+    from twinkle_strategy.integrations.swift.plugin import TwinkleTrainerMixin
+
+    swift_own = {"_save_model"}  # swift's trainer mixin, not transformers'
+    private = {n for n in vars(TwinkleTrainerMixin) if n.startswith("_") and not n.startswith("__")}
+    assert private - swift_own - {n for n in private if n.startswith("_twinkle")} == set(hf.TRAINER_HOOKS)
+    renamed = type("Renamed", (), {"_load_optimizer_and_scheduler_v2": None})
+    hf.check_trainer_overrides(renamed)  # not one of ours: nothing to check
+    hooks = dict(vars(TwinkleTrainerMixin))
+    with pytest.MonkeyPatch.context() as patch:
+        from transformers import Trainer
+
+        patch.delattr(Trainer, "_load_optimizer_and_scheduler")
+        with pytest.raises(InternalChangedError, match="Trainer._load_optimizer_and_scheduler is gone, so its "
+                                                       "override would never run"):
+            hf.check_trainer_overrides(TwinkleTrainerMixin)
+    assert dict(vars(TwinkleTrainerMixin)) == hooks
+
+
+# ------------------------------------------------------------------ the one home
+PRIVATE_MODULES = ("transformers.core_model_loading", "transformers.conversion_mapping", "transformers.utils.hub",
+                   "transformers.quantizers", "transformers.modeling_utils", "transformers.trainer")
+OTHER_LIBRARIES = ("transformers", "torch", "accelerate", "peft")
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def own_private_names(trees) -> set[str]:
+    """The private names twinkle_strategy defines itself: methods and class attributes of its classes, attributes
+    it assigns on ``self``/``cls``; minus the names of registered internals (an override of the HF Trainer's
+    ``_save`` is not ours)."""
+    own = set()
+    for tree in trees:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    targets = [item] if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)) else \
+                        getattr(item, "targets", None) or [getattr(item, "target", None)]
+                    own.update(getattr(t, "name", None) or getattr(t, "id", "") for t in targets if t is not None)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store) and \
+                    isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                own.add(node.attr)
+    internal_names = {internal.name.rsplit(".", 1)[1] for internal in INTERNALS}
+    return {n for n in own if _is_private(n)} - internal_names
+
+
+def private_uses(tree, own: set[str]) -> list[tuple[int, str]]:
+    """Where ``tree`` touches a private name of another library. The rule, kept simple:
+
+    * ``x._name`` (any object, ``self`` included; not dunders) unless ``_name`` is one of ``own`` (defined by
+      twinkle_strategy) or a ``_twinkle...`` marker it sets on other objects;
+    * ``getattr``/``hasattr``/``setattr``/``delattr`` with such a name as a string;
+    * an import of a module with a private component (``torch._C``, ``torch.utils._pytree``) or of a private
+      name, from transformers, torch, accelerate or peft; and any import from the modules of transformers
+      whose contents are internals (``PRIVATE_MODULES``: ``core_model_loading``, ``conversion_mapping``, ...).
+    """
+    def foreign(name: str) -> bool:
+        return _is_private(name) and name not in own and not name.startswith("_twinkle")
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and foreign(node.attr):
+            found.append((node.lineno, f"{ast.unparse(node)}"))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                node.func.id in ("getattr", "hasattr", "setattr", "delattr") and len(node.args) > 1 and \
+                isinstance(node.args[1], ast.Constant) and isinstance(node.args[1].value, str) and \
+                foreign(node.args[1].value):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+            names = [a.name for a in node.names] if isinstance(node, ast.ImportFrom) else []
+            for module in modules:
+                if module.split(".")[0] not in OTHER_LIBRARIES or getattr(node, "level", 0):
+                    continue
+                if any(_is_private(part) for part in module.split(".")) or any(_is_private(n) for n in names) or \
+                        any(module == m or module.startswith(m + ".") for m in PRIVATE_MODULES):
+                    found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_module_outside_compat_touches_a_private_name_of_another_library():
+    files = [p for p in PACKAGE.rglob("*.py")]
+    trees = {p: ast.parse(p.read_text()) for p in files}
+    own = own_private_names(trees.values())
+    offenders = {str(p.relative_to(PACKAGE.parent)): uses for p, tree in trees.items()
+                 if "compat" not in p.relative_to(PACKAGE).parts and (uses := private_uses(tree, own))}
+    assert not offenders, f"use twinkle_strategy.compat's wrappers (or add one there): {offenders}"
+    assert len(files) > 40  # the walk saw the package
+
+
+def test_the_scan_finds_each_kind_of_private_use():
+    own = own_private_names([ast.parse("class Ours:\n    def _plan(self):\n        self._rows = 1\n")])
+    assert own == {"_plan", "_rows"}
+    source = "\n".join([
+        "model._weight_conversions = rules",  # 1
+        "x = getattr(module, '_no_split_modules', None)",  # 2
+        "from transformers.core_model_loading import WeightRenaming",  # 3
+        "f = torch._C._disabled_torch_function_impl",  # 4
+        "from torch.utils._pytree import tree_flatten",  # 5
+        "self._save(output_dir)",  # 6: the HF Trainer's, not ours
+        "layout._plan(recipe)",  # ours
+        "self._rows += 1",  # ours
+        "hook._twinkle_hook = True",  # our marker
+        "from transformers import PreTrainedModel",  # public
+        "import torch.distributed as dist",  # public
+    ])
+    assert sorted(line for line, _ in private_uses(ast.parse(source), own)) == [1, 2, 3, 4, 4, 5, 6]

@@ -1,0 +1,103 @@
+"""What twinkle_strategy takes from torch's internals.
+
+Each wrapper is declared with an :class:`~twinkle_strategy.compat.Internal` (what it is used for,
+the versions checked, the public replacement) and tested in ``tests/test_internals.py``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinkle_strategy.compat import Internal
+
+_CHECKED = "2.13 (tests run), 2.14.1 (source read)"
+
+# ------------------------------------------------------------------ a module's own tensors
+PARAMETER_SLOTS = Internal(
+    "nn.Module._parameters", "torch",
+    used_for="replace a module's parameters in place (placeholders, meta tensors in another dtype), tied ones "
+             "staying one tensor",
+    checked=_CHECKED,
+    replacement="none to replace in place: register_parameter and setattr check the value's type and run "
+                "registration hooks (named_parameters(recurse=False) reads them)")
+
+
+@PARAMETER_SLOTS.wrapper
+def parameter_slots(module: nn.Module) -> dict:
+    """``module``'s own parameters by name (None for a declared, unset one): the live dict, so that assigning
+    into it replaces a parameter."""
+    return PARAMETER_SLOTS.attribute(module, "_parameters")
+
+
+BUFFER_SLOTS = Internal(
+    "nn.Module._buffers", "torch",
+    used_for="replace a module's buffers in place (placeholders, computed RoPE buffers), shared ones staying one "
+             "tensor",
+    checked=_CHECKED,
+    replacement="none to replace in place under the same persistence (named_buffers(recurse=False) reads them)")
+
+
+@BUFFER_SLOTS.wrapper
+def buffer_slots(module: nn.Module) -> dict:
+    """``module``'s own buffers by name, persistent or not: the live dict, so that assigning into it replaces one."""
+    return BUFFER_SLOTS.attribute(module, "_buffers")
+
+
+NON_PERSISTENT_BUFFERS = Internal(
+    "nn.Module._non_persistent_buffers_set", "torch",
+    used_for="tell buffers a checkpoint has (persistent) from those computed at init (RoPE inv_freq)",
+    checked=_CHECKED,
+    replacement="none: only state_dict's omission of them shows which they are")
+
+
+@NON_PERSISTENT_BUFFERS.wrapper
+def non_persistent_buffer_names(module: nn.Module) -> set[str]:
+    """The names of ``module``'s own buffers that are not in its state dict (the live set: do not change it)."""
+    return NON_PERSISTENT_BUFFERS.attribute(module, "_non_persistent_buffers_set")
+
+
+# ------------------------------------------------------------------ tensors without storage
+WRAPPER_SUBCLASS = Internal(
+    "Tensor._make_wrapper_subclass", "torch",
+    used_for="make checkpoint placeholders: tensors with a shape, dtype and device that hold no storage, every "
+             "operation on which reaches our __torch_dispatch__",
+    checked=_CHECKED,
+    replacement="none: torch's own subclasses (DTensor, FakeTensor) use it; it is private by name only")
+
+
+@WRAPPER_SUBCLASS.wrapper
+def make_wrapper_subclass(cls: type, shape, *, dtype: torch.dtype, device, requires_grad: bool = False):
+    """A new tensor of subclass ``cls`` with ``shape``, ``dtype`` and ``device`` and no storage."""
+    make = WRAPPER_SUBCLASS.attribute(torch.Tensor, "_make_wrapper_subclass")
+    return make(cls, shape, dtype=dtype, device=device, requires_grad=requires_grad)
+
+
+DISABLED_TORCH_FUNCTION = Internal(
+    "torch._C._disabled_torch_function_impl", "torch",
+    used_for="let every operation on a placeholder go straight to its __torch_dispatch__, its results not "
+             "re-wrapped by __torch_function__",
+    checked=_CHECKED,
+    replacement="none: torch's subclass documentation and its own wrapper subclasses use it")
+
+
+@DISABLED_TORCH_FUNCTION.wrapper
+def disabled_torch_function():
+    """The ``__torch_function__`` that turns torch-function handling off for a tensor subclass."""
+    return DISABLED_TORCH_FUNCTION.attribute(torch._C, "_disabled_torch_function_impl")
+
+
+# ------------------------------------------------------------------ the process group's store
+DEFAULT_STORE = Internal(
+    "distributed_c10d._get_default_store", "torch",
+    used_for="keep each rank's status in the default process group's store, so that every rank fails together "
+             "and names the ranks that failed or hang",
+    checked=_CHECKED,
+    replacement="none: init_process_group does not return its store")
+
+
+@DEFAULT_STORE.wrapper
+def default_store():
+    """The key-value store of the default process group (torch raises if there is none)."""
+    return DEFAULT_STORE.attribute(dist.distributed_c10d, "_get_default_store")()
