@@ -10,7 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v swift >/dev/null 2>&1; then
-  source scripts/swift_env.sh   # .venv-swift: torch 2.13.0, ms-swift 4.6.0, this package
+  source scripts/swift_env.sh   # the swift env (constraints-swift.txt): torch 2.14.1, ms-swift 4.6.0; this package on PYTHONPATH
 fi
 PLUGIN=$(twinkle-sft --swift-plugin-path)
 

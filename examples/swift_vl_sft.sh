@@ -14,7 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if ! command -v swift >/dev/null 2>&1; then
-  source scripts/swift_env.sh   # .venv-swift: torch 2.14.1 + torchvision 0.29.1, ms-swift 4.6.0, this package
+  source scripts/swift_env.sh   # the swift env: torch 2.14.1 + torchvision 0.29.1, ms-swift 4.6.0; this package on PYTHONPATH
 fi
 PLUGIN=$(twinkle-sft --swift-plugin-path)
 

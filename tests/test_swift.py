@@ -1,8 +1,10 @@
 """`swift sft` (real ms-swift 4.x) with the twinkle plugin, on CPU with gloo; the oracle is plain `swift sft`
 in one process.
 
-ms-swift 4.6 needs older transformers/peft than .venv, so it lives in its own virtualenv,
-.venv-swift, which ``scripts/swift_env.sh`` creates (or only checks, when it is there). Each run
+ms-swift 4.6 needs older transformers/peft than .venv, so it lives in its own virtualenv (constraints-swift.txt),
+which ``scripts/swift_env.sh`` creates once per machine outside the checkout (or only checks, when it is there;
+``scripts/venv_path.sh swift`` prints where). It holds the dependencies; this package comes from this checkout
+on PYTHONPATH (SWIFT_ENV), in every process run with it. Each run
 is `NPROC_PER_NODE=2 swift sft --external_plugins twinkle_strategy/integrations/swift/plugin.py
 tests/workers/swift_probe_plugin.py --callbacks twinkle_probe ...` on the tiny Qwen3-MoE with
 EP=2 and LoRA on attention and experts; the probe callback records, at the end of training, the
@@ -31,7 +33,8 @@ from twinkle_strategy.train.launcher import free_port
 from twinkle_strategy.train.tiny_models import prepare_demo_model
 
 REPO = Path(__file__).resolve().parent.parent
-SWIFT_BIN = REPO / ".venv-swift" / "bin"
+# What every process of the swift virtualenv gets: this checkout's package first on the path.
+SWIFT_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 PLUGIN = REPO / "twinkle_strategy" / "integrations" / "swift" / "plugin.py"
 WORKERS = REPO / "tests" / "workers"
 PROBE = WORKERS / "swift_probe_plugin.py"
@@ -54,7 +57,9 @@ def _tail(text: str, n: int = 8000) -> str:
 def swift_bin() -> Path:
     proc = subprocess.run(["bash", "scripts/swift_env.sh"], cwd=REPO, check=False, capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, f"scripts/swift_env.sh failed:\n{_tail(proc.stdout + proc.stderr)}"
-    return SWIFT_BIN
+    path = subprocess.run(["bash", "scripts/venv_path.sh", "swift"], cwd=REPO, check=True, capture_output=True,
+                          text=True, timeout=60).stdout.strip()
+    return Path(path) / "bin"
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +87,7 @@ def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], 
     for node in range(nnodes):
         node_env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
                     "NNODES": str(nnodes), "NODE_RANK": str(node), "OMP_NUM_THREADS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "TWINKLE_PROBE_OUT": str(out / "probe"), **env}
+                    "TOKENIZERS_PARALLELISM": "false", "TWINKLE_PROBE_OUT": str(out / "probe"), **SWIFT_ENV, **env}
         node_env.pop("VIRTUAL_ENV", None)
         if reference:  # one process, no torchrun
             for name in ("NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
@@ -263,7 +268,8 @@ def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):
     assert torch.allclose(logits, probe["logits"], atol=1e-4), (logits - probe["logits"]).abs().max()
     proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), str(tiny_model),
                            str(adapter), str(run["probe_dir"] / "logits.pt")],
-                          check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          check=False, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("PEFT ")]
     _, version, diff = line.split()
@@ -342,7 +348,7 @@ def vl_checkpoints(swift_bin, tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("swift_vl")
     proc = subprocess.run([str(swift_bin / "python"), "-c", BUILD_VL, str(root), *VL_CASES], cwd=REPO,
                           check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     return {"dataset": Path(proc.stdout.split()[-1]), **{family: root / family for family in VL_CASES}}
 
@@ -401,7 +407,7 @@ def test_swift_vl_adapter_loads_with_plain_peft(vl_runs, swift_bin):
     assert torch.allclose(logits, probe["logits"], atol=1e-4), (logits - probe["logits"]).abs().max()
     proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), str(vl_runs["model"]),
                            str(adapter), str(run["probe_dir"] / "logits.pt")], check=False, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     (line,) = [line for line in proc.stdout.splitlines() if line.startswith("PEFT-IMAGE-TEXT ")]
     _, version, diff = line.split()

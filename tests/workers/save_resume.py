@@ -31,7 +31,11 @@ def main():
     p.add_argument("--resume", default=None)
     p.add_argument("--bucket-bytes", type=int, default=1 << 20)
     p.add_argument("--max-shard-size", default="5GB")
-    args = p.parse_args()
+    return train(p.parse_args())
+
+
+def train(args) -> dict:
+    """Train (and save, and resume) as ``args`` say; also called by tests/workers/smoke.py."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -59,7 +63,10 @@ def main():
         return path
 
     Trainer.save = save_and_record
-    history = trainer.train()
+    try:
+        history = trainer.train()
+    finally:
+        Trainer.save = save
     steps = {int(e["global_step/max_steps"].split("/")[0]): e["loss"] for e in history}
     losses = {step: loss for step, loss in steps.items() if step > trainer.start_step}  # this run's own
     return {"losses": losses, "start_step": trainer.start_step, "save_reports": reports,
