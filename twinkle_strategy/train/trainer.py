@@ -119,27 +119,15 @@ class Trainer:
         check_shared_directory(args.output_dir, what="output_dir")
         self._wrap_model()
         self._make_optimizer()
-        per_step = args.per_device_train_batch_size * strategy.world_size * args.gradient_accumulation_steps
-        self.sampler = StepSampler(len(self.train_dataset), per_step=per_step, seed=args.seed)
-        if self.sampler.steps_per_epoch == 0:
-            raise ValueError(
-                f"the dataset has {len(self.train_dataset)} examples, fewer than one optimizer step needs "
-                f"({args.per_device_train_batch_size} per device x {strategy.world_size} ranks x "
-                f"{args.gradient_accumulation_steps} accumulation steps = {per_step}); lower the batch size"
-            )
+        self.sampler = self._make_sampler()
         max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs *
                                                                         self.sampler.steps_per_epoch)
         self._make_scheduler(max_steps)
         run = open_run_dir(args, strategy, self.run_dir)
         self.run_dir = run.path
-        from transformers.utils.hub import convert_file_size_to_int
-
-        self.checkpoints = CheckpointManager(
-            run.path, model=self.model, strategy=strategy, optimizer=self.optimizer, scheduler=self.scheduler,
-            tokenizer=self.processing_class, interval=args.save_steps, keep_latest=args.save_total_limit,
-            save_optimizer=not args.save_only_model, max_file_bytes=convert_file_size_to_int(args.max_shard_size),
-            chunk_bytes=strategy.init_bucket_bytes)
-        state = TrainState(max_steps=max_steps, steps_per_epoch=self.sampler.steps_per_epoch, global_batch=per_step)
+        self.checkpoints = self._checkpoint_manager(run.path)
+        state = TrainState(max_steps=max_steps, steps_per_epoch=self.sampler.steps_per_epoch,
+                           global_batch=self.sampler.per_step)
         path = self.checkpoints.resume_path(args.resume_from_checkpoint, restarted=run.restarted)
         if path:
             self._resume(state, path, same_run=not args.resume_from_checkpoint)
@@ -168,6 +156,28 @@ class Trainer:
 
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
                                        num_training_steps=max_steps)
+
+    def _make_sampler(self) -> StepSampler:
+        args, world = self.args, self.strategy.world_size
+        per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        sampler = StepSampler(len(self.train_dataset), per_step=per_step, seed=args.seed)
+        if sampler.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset has {len(self.train_dataset)} examples, fewer than one optimizer step needs "
+                f"({args.per_device_train_batch_size} per device x {world} ranks x "
+                f"{args.gradient_accumulation_steps} accumulation steps = {per_step}); lower the batch size"
+            )
+        return sampler
+
+    def _checkpoint_manager(self, run_dir: str) -> CheckpointManager:
+        from transformers.utils.hub import convert_file_size_to_int
+
+        args = self.args
+        return CheckpointManager(
+            run_dir, model=self.model, strategy=self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
+            tokenizer=self.processing_class, interval=args.save_steps, keep_latest=args.save_total_limit,
+            save_optimizer=not args.save_only_model, max_file_bytes=convert_file_size_to_int(args.max_shard_size),
+            chunk_bytes=self.strategy.init_bucket_bytes)
 
     def _resume(self, state: TrainState, path: str, *, same_run: bool) -> None:
         saved = self.checkpoints.load(path, expect={"global_batch": state.global_batch,
