@@ -402,7 +402,7 @@ class Trainer:
 
 def _print_line(text: str) -> None:
     """``text`` on stdout, on its own line above the progress bar (which is redrawn below it)."""
-    from tqdm import tqdm
+    from tqdm.auto import tqdm
 
     tqdm.write(text)
     sys.stdout.flush()
