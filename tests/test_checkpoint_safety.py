@@ -87,6 +87,13 @@ def test_an_invalid_config_json_is_named(tmp_path):
         config_from_text(read_config_text(str(tmp_path)), f"{tmp_path}/config.json")
 
 
+def test_a_config_from_text_is_named_after_its_checkpoint(tmp_path):
+    # As from_pretrained names it: PEFT writes it into adapter_config.json and reads its config.json when saving.
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_moe"}))
+    config = config_from_text(read_config_text(str(tmp_path)), f"{tmp_path}/config.json")
+    assert config.name_or_path == str(tmp_path)
+
+
 def _save(directory, files: dict[str, str]) -> None:
     for name, text in files.items():
         with open(os.path.join(directory, name), "w") as f:
@@ -150,3 +157,27 @@ def test_resume_and_rotation_ignore_incomplete_checkpoints(tmp_path):
     rotate_checkpoints(run, keep=2)  # the two newest complete ones stay; nothing incomplete counts or goes
     assert sorted(os.listdir(run)) == ["checkpoint-10", "checkpoint-12.tmp", "checkpoint-4", "checkpoint-6",
                                        "checkpoint-8"]
+
+
+def test_the_manager_names_rotates_and_resumes_from_the_newest_complete_checkpoint(tmp_path):
+    from types import SimpleNamespace
+
+    from twinkle_strategy.checkpoint import CheckpointManager
+
+    run = str(tmp_path / "run")
+    for step in (2, 4, 10):
+        _checkpoint(run, step)
+    _checkpoint(run, 12, marked=True)
+    _checkpoint(run, 14, complete=False)
+    one_process = SimpleNamespace(is_main_process=True)
+    manager = CheckpointManager(run, model=None, strategy=one_process, interval=2)
+    assert manager.path(4) == os.path.join(run, "checkpoint-4")
+    assert manager.steps() == [2, 4, 10]  # by step, not by name; nothing incomplete
+    assert [step for step in range(1, 9) if manager.should_save(step)] == [2, 4, 6, 8]
+    assert not CheckpointManager(run, model=None, strategy=one_process).should_save(4)  # no interval
+    assert manager.resume_path(None, restarted=False) is None  # a fresh run
+    assert manager.resume_path(None, restarted=True) == manager.path(10)  # restarted by torchrun: its own newest
+    assert manager.resume_path(run, restarted=False) == manager.path(10)  # a run directory: its newest
+    assert manager.resume_path(manager.path(2), restarted=True) == manager.path(2)  # a checkpoint: itself
+    assert CheckpointManager(str(tmp_path / "new"), model=None, strategy=one_process).resume_path(
+        None, restarted=True) is None  # restarted before its first save: from the start

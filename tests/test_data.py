@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from twinkle_strategy.train.data import (
     IGNORE_INDEX,
@@ -10,6 +11,7 @@ from twinkle_strategy.train.data import (
     DatasetError,
     DatasetSpec,
     SFTDataset,
+    StepSampler,
     load_jsonl,
 )
 from twinkle_strategy.train.tiny_models import build_tokenizer
@@ -146,3 +148,11 @@ def test_several_datasets_and_swift_sample_counts(tokenizer, tmp_path):
 def test_bad_sample_count(spec):
     with pytest.raises(DatasetError, match="after '#' comes the number of examples to use"):
         DatasetSpec.parse(spec)
+
+
+def test_each_step_trains_on_its_own_rows_of_a_seeded_permutation_per_epoch():
+    sampler = StepSampler(10, per_step=4, seed=3)
+    assert sampler.steps_per_epoch == 2  # the last partial global batch of an epoch is dropped
+    epoch0, epoch1 = (torch.randperm(10, generator=torch.Generator().manual_seed(3 + e)).tolist() for e in (0, 1))
+    assert [sampler.rows(step) for step in range(4)] == [epoch0[:4], epoch0[4:8], epoch1[:4], epoch1[4:8]]
+    assert sampler.rows(1) == epoch0[4:8]  # any step, in any order

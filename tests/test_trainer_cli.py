@@ -170,6 +170,49 @@ def test_swift_style_flags_map_to_recipe_keys():
         assert flag in help_text
 
 
+def test_run_directories_are_versioned_and_a_restart_continues_the_newest(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from twinkle_strategy.train.arguments import TrainingArguments
+    from twinkle_strategy.train.run_dir import make_run_dir, newest_run_dir, open_run_dir
+
+    out = tmp_path / "out"
+    assert make_run_dir(str(out), add_version=False) == str(out) and newest_run_dir(str(out)) is None
+    assert Path(make_run_dir(str(out), add_version=True)).name.startswith("v0-")
+    for name in ("v0-20260101-000000", "v9-20260101-000000", "notes"):
+        (out / name).mkdir(parents=True)
+    assert Path(make_run_dir(str(out), add_version=True)).name.startswith("v10-")
+    assert newest_run_dir(str(out)) == str(out / "v9-20260101-000000")
+    one_process = SimpleNamespace(device=torch.device("cpu"), is_main_process=True, world_size=1, ep_size=1,
+                                  memory_efficient_init=False)
+    args = TrainingArguments(output_dir=str(out))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # torchrun restarted the workers: the same run goes on
+    run = open_run_dir(args, one_process)
+    assert run.restarted and run.path == str(out / "v9-20260101-000000")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    run = open_run_dir(args, one_process)
+    assert not run.restarted and Path(run.path).name.startswith("v10-")
+    written = json.loads((Path(run.path) / "args.json").read_text())
+    assert written["training_args"]["output_dir"] == str(out) and written["world_size"] == 1
+
+
+def test_train_state_keeps_steps_as_integers_through_a_checkpoint():
+    from twinkle_strategy.train.state import TrainState
+
+    state = TrainState(max_steps=6, steps_per_epoch=4, global_batch=8)
+    for step in (1, 2):
+        state.global_step = step
+        state.log(step, {"loss": 1.0 / step, "global_step/max_steps": f"{step}/6"})
+    saved = json.loads(json.dumps(state.saved_at(2)))  # as trainer_state.json holds it
+    resumed = TrainState(max_steps=6, steps_per_epoch=4, global_batch=8)
+    resumed.resume(saved)
+    assert (resumed.start_step, resumed.global_step, resumed.epoch, resumed.logged_steps) == (2, 2, 0.5, [1, 2])
+    assert resumed.log_history == state.log_history
+    older = TrainState(max_steps=6, steps_per_epoch=4, global_batch=8)
+    older.resume({k: v for k, v in saved.items() if k != "log_steps"})  # saved before log_steps existed
+    assert older.logged_steps == [1, 2]
+
+
 @pytest.mark.parametrize("recipe", sorted((REPO / "yaml").glob("*.yaml")), ids=lambda p: p.name)
 def test_shipped_recipes_are_valid(recipe):
     from twinkle_strategy.train.recipe import load_recipe

@@ -184,9 +184,13 @@ def config_from_text(text: str, file: str = "config.json"):
         with open(os.path.join(directory, "config.json"), "w") as f:
             f.write(text)
         try:
-            return load_config(directory)
+            config = load_config(directory)
         except CheckpointError as exc:  # name the user's file, not our temporary copy
             raise CheckpointError(str(exc).replace(directory, file)) from exc.__cause__
+    # Named as from_pretrained names it, not after our temporary copy: PEFT records it in adapter_config.json
+    # (base_model_name_or_path) and, saving an adapter, reads its config.json to check the vocabulary.
+    config.name_or_path = os.path.dirname(file)
+    return config
 
 
 def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):

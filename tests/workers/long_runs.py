@@ -52,7 +52,7 @@ def make_trainer(args, dataset, collator, tokenizer, *, lora: bool, **train_kwar
                                    learning_rate=1e-3, seed=3, **train_kwargs)
     trainer = Trainer(model=model, strategy=strategy, args=train_args, train_dataset=dataset,
                       data_collator=collator, processing_class=tokenizer)
-    trainer._setup()
+    trainer.setup()
     return trainer
 
 
@@ -83,8 +83,7 @@ def aux_case(args, dataset, collator, tokenizer) -> dict:
     strategy = trainer.strategy
     grads = {n: gather_full_tensor(n, p.grad, strategy.ep_plan)
              for n, p in trainer.model.named_parameters()}
-    per_step = trainer._global_batch_size()
-    ref = reference(args.model, collator([dataset[i] for i in trainer._order[:per_step]]))
+    ref = reference(args.model, collator([dataset[i] for i in trainer.sampler.rows(0)]))  # step 0's global batch
     worst, where = 0.0, None
     for name, grad in ref["grads"].items():
         diff = float((grads[name] - grad).abs().max())

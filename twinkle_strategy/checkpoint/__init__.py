@@ -1,6 +1,7 @@
 """Checkpoints in both directions.
 
 training.py         what a training run writes and resumes from (``checkpoint-{step}/``), on any layout
+manager.py          a run's checkpoints: paths, the save interval, rotation, the newest complete one to resume from
 files.py            safetensors files read by header and byte range, never whole
 writer.py           safetensors files planned on every rank and written in parallel, each rank its own bytes
 layout.py           how a model's tensors are made from a hub checkpoint's tensors (transformers' conversion
@@ -12,15 +13,18 @@ optimizer_files.py  optimizer state and adapter weights by full tensor, for resu
 durable.py          directories that exist under their final name only when complete (staged, fsynced, renamed)
 """
 
+from twinkle_strategy.checkpoint.manager import (  # noqa: F401
+    CheckpointManager,
+    latest_checkpoint,
+    rotate_checkpoints,
+)
 from twinkle_strategy.checkpoint.training import (  # noqa: F401
     STATE_FILE,
     CheckpointSaveError,
     ResumeError,
     SaveReport,
     is_peft_model,
-    latest_checkpoint,
     load_checkpoint,
-    rotate_checkpoints,
     save_checkpoint,
     trainable_names,
 )

@@ -24,13 +24,10 @@ older checkpoints are rotated away only after that rename is durable.
 from __future__ import annotations
 
 import dataclasses
-import glob
 import json
 import logging
 import os
 import random
-import re
-import shutil
 import time
 
 import torch
@@ -40,7 +37,6 @@ from torch import nn
 from twinkle_strategy.checkpoint.durable import (
     abandon_staging,
     fsync_path,
-    is_incomplete,
     publish,
     raise_if_incomplete,
     staging_path,
@@ -86,6 +82,7 @@ def trainable_names(model: nn.Module) -> set[str]:
 class SaveReport:
     """What one rank did while saving a checkpoint."""
 
+    path: str
     rank: int
     seconds: float
     bytes_written: int  # into the checkpoint's files, by this rank
@@ -97,7 +94,7 @@ class SaveReport:
 
     def log_line(self) -> str:
         mib = 2**20
-        return (f"saved checkpoint in {self.seconds:.2f}s: rank {self.rank} wrote {self.bytes_written / mib:.1f} MiB "
+        return (f"saved {self.path} in {self.seconds:.2f}s: rank {self.rank} wrote {self.bytes_written / mib:.1f} MiB "
                 f"of its {self.shard_bytes / mib:.1f} MiB shard, received {self.bytes_received / mib:.1f} MiB, "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB "
                 f"(+{(self.peak_rss_bytes - self.rss_before_bytes) / mib:.0f} MiB during the save)")
@@ -177,7 +174,7 @@ def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer
     step_done(on_rank0(commit), "finalising")
     shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
                 for p in model.parameters())
-    report = SaveReport(rank=rank, seconds=time.perf_counter() - start, bytes_written=stats.bytes_written,
+    report = SaveReport(path=path, rank=rank, seconds=time.perf_counter() - start, bytes_written=stats.bytes_written,
                         bytes_received=stats.bytes_received, shard_bytes=shard, rss_before_bytes=rss_before,
                         peak_rss_bytes=peak_rss_since_reset(), gathered=stats.gathered)
     if rank == 0:
@@ -231,33 +228,3 @@ _EXPECT_HINTS = {
                      "per_device_train_batch_size on half the ranks."),
     "peft": "Resume a LoRA run with the same LoRA configuration, and a full run without one.",
 }
-
-
-def latest_checkpoint(run_dir: str) -> str | None:
-    """The complete checkpoint with the highest step in ``run_dir`` (``.tmp`` leftovers are ignored)."""
-    found = []
-    for path in glob.glob(os.path.join(run_dir, "checkpoint-*")):
-        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
-        if m and os.path.isfile(os.path.join(path, STATE_FILE)) and not is_incomplete(path):
-            found.append((int(m.group(1)), path))
-    return max(found)[1] if found else None
-
-
-def rotate_checkpoints(run_dir: str, keep: int | None) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints; call it after a save returned (it is durable)."""
-    if not keep:
-        return
-    complete = []
-    for path in glob.glob(os.path.join(run_dir, "checkpoint-*")):
-        m = re.fullmatch(r"checkpoint-(\d+)", os.path.basename(path))
-        if m and os.path.isfile(os.path.join(path, STATE_FILE)) and not is_incomplete(path):
-            complete.append((int(m.group(1)), path))
-    for _, path in sorted(complete)[:-keep]:
-        # Renamed first: a kill during the removal must not leave a half-deleted checkpoint-N behind.
-        # Only rank 0 rotates, so a failure here must not raise (the others would wait for it): it is logged.
-        try:
-            shutil.rmtree(path + ".old", ignore_errors=True)
-            os.rename(path, path + ".old")
-            shutil.rmtree(path + ".old", ignore_errors=True)
-        except OSError as exc:
-            logger.warning("could not remove the old checkpoint %s: %s", path, exc)

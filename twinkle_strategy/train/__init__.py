@@ -7,8 +7,12 @@ cli.py          ``twinkle-sft``: recipes or swift-style flags, checks before lau
 launcher.py     torchrun commands, free ports, per-node logging of the launched processes
 preflight.py    dataset, model and output checks run on the launching machine
 run.py          one rank's job: recipe -> model, data, strategy, Trainer
-trainer.py      the training loop, logging.jsonl, checkpoints, resume
-data.py         JSONL chat/query-response datasets, tokenisation, distributed sampling
+trainer.py      the training loop: set-up, steps, log lines, saves (through checkpoint.manager), resume
+arguments.py    TrainingArguments
+state.py        TrainState: where the run stands (integer steps, log history), saved in every checkpoint
+run_dir.py      the run directory: v{N}-{time}, the one a torchrun restart continues, args.json, logging.jsonl
+preemption.py   SIGTERM: a checkpoint at the next step boundary, then exit
+data.py         JSONL chat/query-response datasets, tokenisation, the rows of each step (StepSampler)
 rank_logs.py    per-rank log files and the failure summary
 tiny_models.py  the embedded tiny MoE checkpoints (``tiny://``) used by the demo and the tests
 """

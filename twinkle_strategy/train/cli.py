@@ -42,12 +42,13 @@ import sys
 from twinkle_strategy import config
 from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.launcher import free_port, run_logged, torchrun_command
 from twinkle_strategy.train.preflight import check_before_launch
 from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, logs_dir, record_error
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
 from twinkle_strategy.train.run import prepare_model_path, run_recipe
-from twinkle_strategy.train.trainer import TrainingArguments, make_run_dir
+from twinkle_strategy.train.run_dir import make_run_dir
 
 # swift sft flag -> recipe key, help
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
@@ -184,7 +185,7 @@ def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], nod
           file=sys.stderr, flush=True)
     if not run_logged(commands, run_dir, ranks, node_ranks):
         return 1
-    if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints
+    if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints; its trainer does not print them
         print(f"run directory: {run_dir}\nlast checkpoint: {latest_checkpoint(run_dir)}", flush=True)
     return 0
 
@@ -197,7 +198,7 @@ def _worker_main(argv: list[str]) -> int:
     try:
         recipe = parse(argv)
         recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
-        run_recipe(recipe, run_dir)
+        run_recipe(recipe, run_dir, print_summary=not run_dir)  # a launcher that named run_dir prints it at the end
     except BaseException as exc:
         if run_dir:
             record_error(run_dir, rank, exc)

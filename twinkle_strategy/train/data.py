@@ -293,3 +293,27 @@ class DataCollatorForSFT:
             labels[i, :n] = torch.tensor(f["labels"])
             mask[i, :n] = 1
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+class StepSampler:
+    """The dataset rows each optimizer step trains on, the same on every rank whatever the number of ranks.
+
+    Each epoch is a permutation of the dataset seeded with ``seed + epoch``, cut into consecutive global
+    batches of ``per_step`` rows (a last partial batch is dropped). A rank takes its share of each
+    micro-batch of a step (see :meth:`Trainer._micro_batches`).
+    """
+
+    def __init__(self, num_rows: int, *, per_step: int, seed: int) -> None:
+        self.num_rows, self.per_step, self.seed = num_rows, per_step, seed
+        self.steps_per_epoch = num_rows // per_step
+        self._epoch: int | None = None
+        self._order: list[int] = []
+
+    def rows(self, step: int) -> list[int]:
+        """Dataset indices of step ``step``'s global batch (0-based step), micro-batch after micro-batch."""
+        epoch, index = divmod(step, self.steps_per_epoch)
+        if self._epoch != epoch:  # one permutation per epoch, not per step
+            generator = torch.Generator().manual_seed(self.seed + epoch)
+            self._order = torch.randperm(self.num_rows, generator=generator).tolist()
+            self._epoch = epoch
+        return self._order[index * self.per_step:(index + 1) * self.per_step]

@@ -7,32 +7,17 @@ all ranks learn of it in the same step, even when only some received the
 signal, then save a checkpoint of that step together and exit 0.
 
 ``launch.max_restarts`` restarts failed workers in place (torchrun's
-``--max-restarts``); a restarted worker sees ``TORCHELASTIC_RESTART_COUNT`` > 0
-and resumes from the newest complete checkpoint of its run directory.
+``--max-restarts``); a restarted worker continues its run directory
+(:mod:`twinkle_strategy.train.run_dir`) from its newest complete checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import os
-import re
 import signal
 import threading
 
 logger = logging.getLogger(__name__)
-
-
-def restart_count() -> int:
-    """How many times torchrun has restarted this worker group (0 for a first start)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
-def newest_run_dir(output_dir: str) -> str | None:
-    """The ``v{N}-...`` run directory with the highest N in ``output_dir`` (the one a restart continues)."""
-    if not os.path.isdir(output_dir):
-        return None
-    runs = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := re.match(r"v(\d+)-", name))]
-    return os.path.join(output_dir, max(runs)[1]) if runs else None
 
 
 class PreemptionFlag:

@@ -30,6 +30,7 @@ RUN_DIR_ENV = "TWINKLE_RUN_DIR"  # the run directory a launcher chose for its wo
 # A traceback's first line; torch.distributed's excepthook prefixes each line with "[rank<R>]: ".
 TRACEBACK_START = re.compile(rb"(\[rank\d+\]: )?Traceback \(most recent call last\)")
 AGENT_LOG_TAIL_LINES = 20
+HEADER_START = b"rank "  # of a rank log's first line: "rank R of W (node N, local rank L), pid P: command"
 
 
 def logs_dir(run_dir: str) -> str:
@@ -84,7 +85,9 @@ class LogFollower:
     """Copies one rank's log to ``out`` as it grows, until the rank's fatal traceback.
 
     That traceback is left to the failure summary, which shows it once. A traceback the
-    rank prints and survives (no error record yet) is copied like any other output.
+    rank prints and survives (no error record yet) is copied like any other output. The
+    log's first line, which rank and process wrote it, is left out: the launcher has just
+    said whose output follows.
     """
 
     def __init__(self, run_dir: str, rank: int, out: BinaryIO):
@@ -94,6 +97,7 @@ class LogFollower:
         self.offset = 0
         self.pending = b""
         self.stopped = False
+        self.header_seen = False
 
     def poll(self) -> None:
         if self.stopped or not os.path.exists(self.path):
@@ -108,6 +112,10 @@ class LogFollower:
             if TRACEBACK_START.match(piece) and os.path.exists(self.error_record):
                 self.stopped = True
                 break
+            if not self.header_seen:
+                self.header_seen = True
+                if piece.startswith(HEADER_START):
+                    continue
             self.out.write(piece)
         self.out.flush()
 

@@ -18,7 +18,7 @@ import yaml
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
 from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.train.trainer import TrainingArguments
+from twinkle_strategy.train.arguments import TrainingArguments
 
 
 @dataclasses.dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 
@@ -42,10 +43,11 @@ def lora_config(recipe: Recipe):
     )
 
 
-def build_training(recipe: Recipe, run_dir: str | None = None):
+def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True):
     """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python.
 
     ``run_dir``: the run directory the launcher chose (default: a new ``v{N}-{time}`` under train.output_dir).
+    ``print_summary``: the trainer prints the run directory and last checkpoint at the end.
     """
     from transformers import AutoTokenizer
 
@@ -57,18 +59,23 @@ def build_training(recipe: Recipe, run_dir: str | None = None):
         from peft import get_peft_model
 
         torch.manual_seed(recipe.train.seed)  # same fresh adapter whatever the number of nodes
-        model = get_peft_model(model, lora_config(recipe))
+        with warnings.catch_warnings():
+            # PeftModel.__init__ (peft 0.21) reads transformers' deprecated `is_gradient_checkpointing`: a
+            # FutureWarning about a call neither we nor the user make (the value it reads is unchanged).
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            model = get_peft_model(model, lora_config(recipe))
     data = recipe.data
     dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing, strict=data.strict,
                                     seed=recipe.train.seed)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
                       data_collator=DataCollatorForSFT(tokenizer.pad_token_id), processing_class=tokenizer,
-                      run_dir=run_dir)
+                      run_dir=run_dir, print_summary=print_summary)
     return trainer, strategy
 
 
-def run_recipe(recipe: Recipe, run_dir: str | None = None) -> list[dict]:
-    trainer, strategy = build_training(recipe, run_dir)
+def run_recipe(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True) -> list[dict]:
+    trainer, strategy = build_training(recipe, run_dir, print_summary=print_summary)
     try:
         return trainer.train()
     finally:

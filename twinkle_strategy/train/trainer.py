@@ -12,30 +12,21 @@ result does not depend on how the batch is split across ranks.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import datetime
-import json
 import logging
 import math
-import os
-import re
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.checkpoint import (
-    is_peft_model,
-    latest_checkpoint,
-    load_checkpoint,
-    rotate_checkpoints,
-    save_checkpoint,
-)
+from twinkle_strategy.checkpoint import CheckpointManager, is_peft_model
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.distributed.liveness import StatusBoard
-from twinkle_strategy.distributed.messages import broadcast_object
 from twinkle_strategy.distributed.runtime import peak_rss_bytes
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
@@ -43,70 +34,18 @@ from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, updat
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
+from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.data import StepSampler
 from twinkle_strategy.train.metrics import StepWindow
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
-from twinkle_strategy.train.preemption import PreemptionFlag, newest_run_dir, restart_count
+from twinkle_strategy.train.preemption import PreemptionFlag
+from twinkle_strategy.train.run_dir import append_log, open_run_dir, rewrite_log
+from twinkle_strategy.train.state import TrainState
 from twinkle_strategy.train.throughput import FlopsModel, device_peak_tflops
 
+__all__ = ["Trainer", "TrainingArguments", "TrainState"]
+
 logger = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class TrainingArguments:
-    output_dir: str = "output"
-    add_version: bool = True  # write into output_dir/v{N}-{YYYYMMDD-HHMMSS}, like swift
-    num_train_epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides num_train_epochs
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    lr_scheduler_type: str = "cosine"  # cosine | linear | constant
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    logging_steps: int = 5
-    save_steps: int = 0  # 0: save only at the end
-    save_total_limit: int | None = None
-    save_only_model: bool = False  # skip optimizer state (smaller, but not resumable exactly)
-    max_shard_size: str = "5GB"  # largest safetensors file of a saved model, as save_pretrained's
-    resume_from_checkpoint: str | None = None  # a checkpoint-* directory, or a run directory (latest is used)
-    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (EP dispatch replayed)
-    # The model's own load-balancing loss, its token fractions counted over the global batch; 0 = off.
-    router_aux_loss_coef: float = 0.0
-    # Aux-loss-free balancing of routers with e_score_correction_bias (DeepSeek-V3): bias step size; 0 = off.
-    load_balance_coeff: float = 0.0
-    peak_tflops: float = 0.0  # the device's peak for mfu; 0: known devices (H100, H200, Ascend 910B) only
-
-    def __post_init__(self) -> None:
-        if self.lr_scheduler_type not in ("cosine", "linear", "constant"):
-            raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}; use 'cosine', 'linear' or 'constant'")
-        for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("router_aux_loss_coef", "load_balance_coeff", "peak_tflops"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0 (0 turns it off), got {getattr(self, name)}")
-
-
-def make_run_dir(output_dir: str, add_version: bool) -> str:
-    """``output_dir/v{N}-{timestamp}`` with N one more than the highest existing version."""
-    if not add_version:
-        return output_dir
-    versions = [int(m.group(1)) for name in (os.listdir(output_dir) if os.path.isdir(output_dir) else [])
-                if (m := re.match(r"v(\d+)-", name))]
-    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return os.path.join(output_dir, f"v{max(versions, default=-1) + 1}-{stamp}")
-
-
-def _broadcast(obj):
-    if not dist.is_initialized():
-        return obj
-    return broadcast_object(obj, src=0)  # byte tensors on the backend's device: HCCL has no object collectives
 
 
 def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
@@ -125,20 +64,20 @@ def _expert_load_or_none(model, *, ep_size: int) -> ExpertLoad | None:
         return None
 
 
-def _rewrite_log(path: str, entries: list[dict]) -> None:
-    """logging.jsonl holding exactly ``entries`` (written aside, then renamed over the old one)."""
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(entry) + "\n" for entry in entries)
-    os.replace(path + ".tmp", path)
-
-
 def _format_seconds(s: float) -> str:
     return str(datetime.timedelta(seconds=int(s)))
 
 
 class Trainer:
+    """``train()`` runs :meth:`setup` (once), then the steps from ``state.start_step`` to ``state.max_steps``.
+
+    ``run_dir``: the run directory a launcher chose (default: a new ``v{N}-{time}`` under ``args.output_dir``).
+    ``print_summary``: print the run directory and the last checkpoint at the end (twinkle-sft's launcher turns
+    it off in its workers: it prints them itself once every rank has finished).
+    """
+
     def __init__(self, model, strategy, args: TrainingArguments, train_dataset, data_collator,
-                 processing_class=None, run_dir: str | None = None):
+                 processing_class=None, run_dir: str | None = None, *, print_summary: bool = True):
         self.model = model
         self.strategy = strategy
         self.args = args
@@ -146,76 +85,107 @@ class Trainer:
         self.data_collator = data_collator
         self.processing_class = processing_class
         self.run_dir = run_dir
-        self.log_history: list[dict] = []
+        self.print_summary = print_summary
+        # Set by setup():
+        self.state: TrainState | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler = None
+        self.checkpoints: CheckpointManager | None = None
+        self.sampler: StepSampler | None = None
+        self.flops: FlopsModel | None = None
+        self.expert_load: ExpertLoad | None = None
+        self.balancing: BalancingLoss | None = None
+        self.correction_biases: list = []
+        self.save_report = None  # of this rank's last save
+        self._aux_checked = False
+        self._board: StatusBoard | None = None
         self._preemption: PreemptionFlag | None = None
 
+    @property
+    def log_history(self) -> list[dict]:
+        return self.state.log_history if self.state is not None else []
+
+    @property
+    def start_step(self) -> int:
+        return self.state.start_step if self.state is not None else 0
+
     # ------------------------------------------------------------------ set-up
-    def _setup(self):
+    def setup(self) -> TrainState:
+        """Wrap the model, build the optimizer and scheduler, open the run directory, resume (collective, once)."""
+        if self.state is not None:
+            return self.state
         strategy, args = self.strategy, self.args
         strategy.setup()
         # Before anything expensive: a save hours from now needs every rank to see the same output_dir.
         check_shared_directory(args.output_dir, what="output_dir")
+        self._wrap_model()
+        self._make_optimizer()
+        self.sampler = self._make_sampler()
+        max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs *
+                                                                        self.sampler.steps_per_epoch)
+        self._make_scheduler(max_steps)
+        run = open_run_dir(args, strategy, self.run_dir)
+        self.run_dir = run.path
+        self.checkpoints = self._checkpoint_manager(run.path)
+        state = TrainState(max_steps=max_steps, steps_per_epoch=self.sampler.steps_per_epoch,
+                           global_batch=self.sampler.per_step)
+        path = self.checkpoints.resume_path(args.resume_from_checkpoint, restarted=run.restarted)
+        if path:
+            self._resume(state, path, same_run=not args.resume_from_checkpoint)
+        self.state = state
+        return state
+
+    def _wrap_model(self) -> None:
         wrapped = isinstance(self.model, FSDPModule)
-        self._prepare_moe_training(ep_size=strategy.ep_size if wrapped else 1)
+        self._prepare_moe_training(ep_size=self.strategy.ep_size if wrapped else 1)
         if not wrapped:
-            self.model, _ = strategy.wrap_model(self.model)
-        self.flops = FlopsModel.of(self.model, ep_size=strategy.ep_size)
+            self.model, _ = self.strategy.wrap_model(self.model)
+        self.flops = FlopsModel.of(self.model, ep_size=self.strategy.ep_size)
+
+    def _make_optimizer(self) -> None:
+        args = self.args
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters")
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay,
                                            betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
-        self.world_size = strategy.world_size
-        self.global_batch = args.per_device_train_batch_size * self.world_size
-        per_step = self.global_batch * args.gradient_accumulation_steps
-        self.steps_per_epoch = len(self.train_dataset) // per_step
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"the dataset has {len(self.train_dataset)} examples, fewer than one optimizer step needs "
-                f"({args.per_device_train_batch_size} per device x {self.world_size} ranks x "
-                f"{args.gradient_accumulation_steps} accumulation steps = {per_step}); lower the batch size"
-            )
-        self.max_steps = args.max_steps if args.max_steps > 0 else math.ceil(args.num_train_epochs *
-                                                                              self.steps_per_epoch)
-        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * self.max_steps)
+
+    def _make_scheduler(self, max_steps: int) -> None:
+        args = self.args
+        warmup = args.warmup_steps or math.ceil(args.warmup_ratio * max_steps)
         from transformers import get_scheduler
 
         self.scheduler = get_scheduler(args.lr_scheduler_type, self.optimizer, num_warmup_steps=warmup,
-                                       num_training_steps=self.max_steps)
-        # torchrun counts restarts per node, and only on the node whose workers failed: ask every rank.
-        restarted = bool(_all_reduce_sum(torch.tensor(float(restart_count() > 0), device=strategy.device)) > 0)
-        if restarted and self.run_dir is None and args.add_version:
-            self.run_dir = newest_run_dir(args.output_dir)  # a restarted worker continues its run, not a new one
-        # Rank 0's choice for everyone: with several real nodes, each node's launcher may have named its own.
-        self.run_dir = _broadcast((self.run_dir or make_run_dir(args.output_dir, args.add_version))
-                                  if strategy.is_main_process else None)
-        if strategy.is_main_process:
-            os.makedirs(self.run_dir, exist_ok=True)
-            with open(os.path.join(self.run_dir, "args.json"), "w") as f:
-                json.dump({"training_args": dataclasses.asdict(args), "world_size": self.world_size,
-                           "ep_size": strategy.ep_size, "memory_efficient_init": strategy.memory_efficient_init},
-                          f, indent=2)
-        self.start_step = 0
-        path = args.resume_from_checkpoint
-        if not path and restarted:
-            # torchrun restarted this worker (launch.max_restarts): continue from the newest complete checkpoint.
-            path = _broadcast(latest_checkpoint(self.run_dir) if strategy.is_main_process else None)
-            if path is None and strategy.is_main_process:
-                logger.warning("restarted: no complete checkpoint in %s yet, training from the start", self.run_dir)
-        if path:
-            self._resume(path, same_run=not args.resume_from_checkpoint)
+                                       num_training_steps=max_steps)
 
-    def _resume(self, path: str, *, same_run: bool) -> None:
-        if not os.path.basename(os.path.normpath(path)).startswith("checkpoint-"):
-            path = latest_checkpoint(path) or path
-        state = load_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
-                                expect={"global_batch": self._global_batch_size(), "peft": is_peft_model(self.model)})
-        self.start_step = state["global_step"]
-        self.log_history = state.get("log_history", [])
+    def _make_sampler(self) -> StepSampler:
+        args, world = self.args, self.strategy.world_size
+        per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
+        sampler = StepSampler(len(self.train_dataset), per_step=per_step, seed=args.seed)
+        if sampler.steps_per_epoch == 0:
+            raise ValueError(
+                f"the dataset has {len(self.train_dataset)} examples, fewer than one optimizer step needs "
+                f"({args.per_device_train_batch_size} per device x {world} ranks x "
+                f"{args.gradient_accumulation_steps} accumulation steps = {per_step}); lower the batch size"
+            )
+        return sampler
+
+    def _checkpoint_manager(self, run_dir: str) -> CheckpointManager:
+        args = self.args
+        return CheckpointManager(
+            run_dir, model=self.model, strategy=self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
+            tokenizer=self.processing_class, interval=args.save_steps, keep_latest=args.save_total_limit,
+            save_optimizer=not args.save_only_model, max_file_bytes=file_size_bytes(args.max_shard_size),
+            chunk_bytes=self.strategy.init_bucket_bytes)
+
+    def _resume(self, state: TrainState, path: str, *, same_run: bool) -> None:
+        saved = self.checkpoints.load(path, expect={"global_batch": state.global_batch,
+                                                    "peft": is_peft_model(self.model)})
+        state.resume(saved)
         if self.strategy.is_main_process:
             if same_run:  # drop what the interrupted attempt logged after its checkpoint: those steps run again
-                _rewrite_log(os.path.join(self.run_dir, "logging.jsonl"), self.log_history)
-            logger.info("resumed from %s at step %d", path, self.start_step)
+                rewrite_log(self.run_dir, state.log_history)
+            logger.info("resumed from %s at step %d", path, state.start_step)
 
     def _prepare_moe_training(self, *, ep_size: int) -> None:
         """Expert-load counting, the global-batch balancing loss, aux-loss-free biases, activation checkpointing."""
@@ -232,29 +202,20 @@ class Trainer:
         if args.gradient_checkpointing:
             apply_activation_checkpointing(find_decoder_layers(model))
 
-    def _global_batch_size(self) -> int:
-        """Samples per optimizer step; with the seed it decides which samples each step sees."""
-        return self.global_batch * self.args.gradient_accumulation_steps
-
-    def _layout(self) -> dict:
-        return {"world_size": self.world_size, "ep_size": self.strategy.ep_size,
-                "nodes": self.strategy.topology.num_nodes, "global_batch": self._global_batch_size()}
+    def _parallel_shape(self) -> dict:
+        """What a checkpoint records of the run that saved it (resume checks the global batch)."""
+        return {"world_size": self.strategy.world_size, "ep_size": self.strategy.ep_size,
+                "nodes": self.strategy.topology.num_nodes, "global_batch": self.state.global_batch}
 
     def _micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches of optimizer step ``step``: a seeded permutation per epoch."""
+        """This rank's micro-batches of optimizer step ``step``: its share of each micro-batch of the global batch."""
         args, rank = self.args, self.strategy.rank
-        epoch, index = divmod(step, self.steps_per_epoch)
-        if getattr(self, "_order_epoch", None) != epoch:  # one permutation per epoch, not per step
-            generator = torch.Generator().manual_seed(args.seed + epoch)
-            self._order = torch.randperm(len(self.train_dataset), generator=generator).tolist()
-            self._order_epoch = epoch
-        order = self._order
+        per_device = args.per_device_train_batch_size
+        rows = self.sampler.rows(step)
         batches = []
         for micro in range(args.gradient_accumulation_steps):
-            base = (index * args.gradient_accumulation_steps + micro) * self.global_batch
-            begin = base + rank * args.per_device_train_batch_size
-            ids = order[begin:begin + args.per_device_train_batch_size]
-            batches.append(self.data_collator([self.train_dataset[i] for i in ids]))
+            begin = (micro * self.strategy.world_size + rank) * per_device
+            batches.append(self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]]))
         return batches
 
     # ---------------------------------------------------------------- training
@@ -307,7 +268,7 @@ class Trainer:
                 self._aux_checked = True
             router = router if router is not None else local.reduced()
             aux = self.balancing.loss_part(local, router)
-        ((loss + self.args.router_aux_loss_coef * aux) * self.world_size).backward()
+        ((loss + self.args.router_aux_loss_coef * aux) * self.strategy.world_size).backward()
         return loss.detach(), aux.detach(), router
 
     @torch.no_grad()
@@ -330,49 +291,50 @@ class Trainer:
         return total.reduced()
 
     def train(self) -> list[dict]:
-        self._setup()
+        state = self.setup()
         args, strategy = self.args, self.strategy
-        main = strategy.is_main_process
         progress = None
-        if main:
+        if strategy.is_main_process:
             from tqdm.auto import tqdm
 
-            progress = tqdm(total=self.max_steps, initial=self.start_step, desc="Train", dynamic_ncols=True)
-        start_time = time.time()
+            progress = tqdm(total=state.max_steps, initial=state.start_step, desc="Train", dynamic_ncols=True)
         peak = args.peak_tflops or device_peak_tflops(strategy.device)
-        window = StepWindow(self.flops, world_size=self.world_size, peak_tflops=peak, with_aux=self.balancing is not None)
-        last, final = None, None
-        self.load_history: list[tuple[int, list]] = []
+        window = StepWindow(self.flops, world_size=strategy.world_size, peak_tflops=peak,
+                            with_aux=self.balancing is not None)
         self._board = StatusBoard("train")
         self._preemption = PreemptionFlag()
         try:
-            for step in range(self.start_step, self.max_steps):
-                result = self._guarded(f"step{step + 1}", self.training_step, step)
-                global_step = step + 1
-                window.add(result)
-                if progress is not None:
-                    progress.update(1)
-                if global_step % args.logging_steps == 0 or global_step == self.max_steps or global_step == 1 \
-                        or result["preempted"]:
-                    last = self._log(global_step, window, start_time)
-                if result["preempted"]:  # every rank saw the same flag: save this step together, then stop
-                    final = self._guarded(f"save{global_step}", self.save, global_step)
-                    break
-                if args.save_steps and global_step % args.save_steps == 0 and global_step != self.max_steps:
-                    self._guarded(f"save{global_step}", self.save, global_step)
-            else:
-                final = self._guarded(f"save{self.max_steps}", self.save, self.max_steps) \
-                    if self.max_steps > self.start_step else None
+            with _lines_above(progress):
+                final = self._run_steps(state, window, progress)
         finally:
             self._preemption.restore()
-        if progress is not None:
-            progress.close()
-        if main:
+            if progress is not None:
+                progress.close()
+        if strategy.is_main_process:
             self._plot()
-            logger.info("training %s: %s, last checkpoint %s",
-                        "stopped by SIGTERM" if self._preemption.requested else "finished", last, final)
-            print(f"run directory: {self.run_dir}\nlast checkpoint: {final}", flush=True)
-        return self.log_history
+            if self._preemption.requested:
+                logger.info("stopped by SIGTERM after step %d of %d", state.global_step, state.max_steps)
+            if self.print_summary:
+                print(f"run directory: {self.run_dir}\nlast checkpoint: {final}", flush=True)
+        return state.log_history
+
+    def _run_steps(self, state: TrainState, window: StepWindow, progress) -> str | None:
+        """The steps from ``state.global_step`` on, logging and saving; the path of the last checkpoint saved."""
+        args, start_time = self.args, time.time()
+        for step in range(state.global_step, state.max_steps):
+            result = self._guarded(f"step{step + 1}", self.training_step, step)
+            state.global_step = step + 1
+            window.add(result)
+            if progress is not None:
+                progress.update(1)
+            last = state.global_step == state.max_steps
+            if state.global_step % args.logging_steps == 0 or last or state.global_step == 1 or result["preempted"]:
+                self._log(window, start_time)
+            if result["preempted"] or last:  # preempted: every rank saw the same flag, so they save together
+                return self._guarded(f"save{state.global_step}", self.save, state.global_step)
+            if self.checkpoints.should_save(state.global_step):
+                self._guarded(f"save{state.global_step}", self.save, state.global_step)
+        return None  # nothing left to train: resumed at max_steps
 
     def _guarded(self, phase: str, fn, *args):
         """Run a collective phase; if a peer dies or hangs, raise an error naming the silent ranks."""
@@ -386,57 +348,70 @@ class Trainer:
         self._board.finished(phase)
         return result
 
-    def _log(self, global_step: int, window: StepWindow, start_time: float) -> dict:
+    def _log(self, window: StepWindow, start_time: float) -> dict:
+        state = self.state
+        step = state.global_step
         fields, counts = window.take()
         if counts is not None:
-            self.load_history.append((global_step, counts.tolist()))
-        loss, norm = fields["loss"], fields["grad_norm"]
+            state.expert_load_history.append((step, counts.tolist()))
         elapsed = time.time() - start_time
-        done = global_step - self.start_step
-        speed = elapsed / max(done, 1)
+        speed = elapsed / max(step - state.start_step, 1)
         if self.strategy.device.type == "cuda":
             memory = torch.cuda.max_memory_allocated() / 2**30
         else:
             memory = peak_rss_bytes() / 2**30
         entry = {
-            "loss": round(loss, 6),
-            "grad_norm": round(norm, 6),
+            "loss": round(fields["loss"], 6),
+            "grad_norm": round(fields["grad_norm"], 6),
             "learning_rate": self.scheduler.get_last_lr()[0],
-            "epoch": round(global_step / self.steps_per_epoch, 4),
-            "global_step/max_steps": f"{global_step}/{self.max_steps}",
-            "percentage": f"{100 * global_step / self.max_steps:.2f}%",
+            "epoch": round(state.epoch, 4),
+            "global_step/max_steps": f"{step}/{state.max_steps}",
+            "percentage": f"{100 * step / state.max_steps:.2f}%",
             "elapsed_time": _format_seconds(elapsed),
-            "remaining_time": _format_seconds(speed * (self.max_steps - global_step)),
+            "remaining_time": _format_seconds(speed * (state.max_steps - step)),
             "memory(GiB)": round(memory, 3),
             "train_speed(s/it)": round(speed, 6),
             **fields["extra"],
         }
-        self.log_history.append(entry)
+        state.log(step, entry)
         if self.strategy.is_main_process:
-            print(entry, flush=True)
-            with open(os.path.join(self.run_dir, "logging.jsonl"), "a") as f:
-                f.write(json.dumps(entry) + "\n")
+            _print_line(str(entry))
+            append_log(self.run_dir, entry)
         return entry
 
     def save(self, global_step: int) -> str:
-        path = os.path.join(self.run_dir, f"checkpoint-{global_step}")
-        state = {"global_step": global_step, "max_steps": self.max_steps, "log_history": self.log_history,
-                 "peft": is_peft_model(self.model), **self._layout()}
-        self.save_report = save_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer,
-                                           scheduler=self.scheduler, trainer_state=state, tokenizer=self.processing_class,
-                                           save_optimizer=not self.args.save_only_model,
-                                           max_file_bytes=file_size_bytes(self.args.max_shard_size),
-                                           chunk_bytes=self.strategy.init_bucket_bytes)
-        if self.strategy.is_main_process:
-            rotate_checkpoints(self.run_dir, self.args.save_total_limit)
-            logger.info("saved %s", path)
-        return path
+        """Save ``checkpoint-{global_step}`` in the run directory (collective); its path."""
+        trainer_state = {**self.state.saved_at(global_step), "peft": is_peft_model(self.model),
+                         **self._parallel_shape()}
+        self.save_report = self.checkpoints.save(global_step, trainer_state)
+        return self.checkpoints.path(global_step)
 
     def _plot(self) -> None:
-        steps = [int(e["global_step/max_steps"].split("/")[0]) for e in self.log_history]
-        out = plot_loss(self.run_dir, steps, [e["loss"] for e in self.log_history])
+        state = self.state
+        out = plot_loss(self.run_dir, state.logged_steps, [e["loss"] for e in state.log_history])
         if out:
             print(f"loss curve: {out}", flush=True)
-        out = plot_expert_load(self.run_dir, [s for s, _ in self.load_history], [c for _, c in self.load_history])
+        load = state.expert_load_history
+        out = plot_expert_load(self.run_dir, [s for s, _ in load], [c for _, c in load])
         if out:
             print(f"expert load: {out}", flush=True)
+
+
+def _print_line(text: str) -> None:
+    """``text`` on stdout, on its own line above the progress bar (which is redrawn below it)."""
+    from tqdm.auto import tqdm
+
+    tqdm.write(text)
+    sys.stdout.flush()
+
+
+@contextlib.contextmanager
+def _lines_above(progress):
+    """While the progress bar shows, the package's log lines go above it, as :func:`_print_line` does."""
+    if progress is None:
+        yield
+        return
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    with logging_redirect_tqdm([logging.getLogger("twinkle_strategy")]):
+        yield
