@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The smoke subset on the oldest versions setup.py allows (constraints-oldest.txt), in their own virtualenv
-# (built once per machine, outside the checkout: scripts/oldest_env.sh). Run by .ci/run after scripts/test.sh.
+# (built once per machine, outside the checkout: scripts/oldest_env.sh). Run by scripts/test.sh after the whole suite.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
