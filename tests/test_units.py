@@ -5,7 +5,7 @@ import torch
 
 from twinkle_strategy.errors import ParallelConfigError, TopologyError
 from twinkle_strategy.fsdp import mixed_precision_policy
-from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.moe.expert_axis import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.runtime import LaunchEnv, RankRecord, validate_topology
 

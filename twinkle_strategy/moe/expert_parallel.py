@@ -25,7 +25,7 @@ from twinkle_strategy.errors import ModelStructureError, ParallelConfigError
 from twinkle_strategy.moe.contracts import PRE_ROUTED, set_local_expert_counts
 from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks, model_family, unwrap_experts
 from twinkle_strategy.moe.dispatch import dispatch_pre_routed, dispatch_routed
-from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.moe.expert_axis import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
 
 

@@ -235,7 +235,7 @@ class Trainer:
         """Samples per optimizer step; with the seed it decides which samples each step sees."""
         return self.global_batch * self.args.gradient_accumulation_steps
 
-    def _layout(self) -> dict:
+    def _parallel_sizes(self) -> dict:
         return {"world_size": self.world_size, "ep_size": self.strategy.ep_size,
                 "nodes": self.strategy.topology.num_nodes, "global_batch": self._global_batch_size()}
 
@@ -424,7 +424,7 @@ class Trainer:
 
         path = os.path.join(self.run_dir, f"checkpoint-{global_step}")
         state = {"global_step": global_step, "max_steps": self.max_steps, "log_history": self.log_history,
-                 "peft": is_peft_model(self.model), **self._layout()}
+                 "peft": is_peft_model(self.model), **self._parallel_sizes()}
         self.save_report = save_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer,
                                            scheduler=self.scheduler, trainer_state=state, tokenizer=self.processing_class,
                                            save_optimizer=not self.args.save_only_model,
