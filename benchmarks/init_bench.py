@@ -450,7 +450,7 @@ def build_checkpoint(model_mb: float, path: str, shard_mb: float | None = None, 
     With ``model_layout``, also a copy in the model's own layout (fused expert tensors) next to it, for
     readers without conversion rules (DCP's HuggingFaceStorageReader).
     """
-    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+    from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
     hidden, inter, experts, vocab = 512, 512, 8, 4096
     per_layer = (experts * 3 * hidden * inter + 4 * hidden * hidden) * 4

@@ -40,7 +40,7 @@ METHODS = ("fsdp2", "ours_ep2", "ours_ep2_ac", "ours_ep4", "ours_ep4_ac")
 
 
 def build_model(path: str, *, hidden: int, layers: int, experts: int) -> dict:
-    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+    from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
     save_tiny_checkpoint("qwen3_moe", path, seed=0, vocab_size=1024, num_experts=experts, hidden_size=hidden,
                          intermediate_size=hidden // 2, num_layers=layers)

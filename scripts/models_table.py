@@ -3,7 +3,7 @@
 A family is a class behind ``AutoModelForCausalLM`` or ``AutoModelForImageTextToText``
 whose modeling code has an ``experts`` module. For each one:
 
-1. a tiny checkpoint (``twinkle_strategy.train.tiny_models.tiny_config``: written by
+1. a tiny checkpoint (``twinkle_strategy.testing.tiny_models.tiny_config``: written by
    hand for the families the tests run, the config's own defaults shrunk for
    the others);
 2. what expert parallelism reads from its code: the experts module, the call
@@ -43,7 +43,7 @@ def _is_multimodal(config_class) -> bool:
     return bool({"text_config", "vision_config"} & set(getattr(config_class, "sub_configs", None) or {}))
 
 
-# Vision-language checkpoints with a hand-written tiny config (twinkle_strategy.train.tiny_models), by model_type.
+# Vision-language checkpoints with a hand-written tiny config (twinkle_strategy.testing.tiny_models), by model_type.
 VISION_LANGUAGE_TINY = {"qwen3_5_moe": "qwen3_5_moe_vl", "qwen3_vl_moe": "qwen3_vl_moe"}
 
 
@@ -100,7 +100,7 @@ def inspect_family(model_type: str, class_name: str, root: Path) -> dict:
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.loading import model_class_for
     from twinkle_strategy.moe.discovery import find_moe_blocks
-    from twinkle_strategy.train.tiny_models import tiny_config
+    from twinkle_strategy.testing.tiny_models import tiny_config
 
     row = dict(model_type=model_type, model_class=class_name)
     if _is_multimodal(CONFIG_MAPPING[model_type]) and model_type not in VISION_LANGUAGE_TINY:

@@ -15,7 +15,7 @@ from twinkle_strategy.checkpoint.layout import PER_EXPERT, WHOLE
 from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.init.skeleton import CheckpointTensor, WeightsNotLoadedError
 from twinkle_strategy.loading import load_config, meta_skeleton, model_class_for, open_streaming_model
-from twinkle_strategy.train.tiny_models import FAMILIES
+from twinkle_strategy.testing.families import FAMILIES
 
 
 def reference_state(path):

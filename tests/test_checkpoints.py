@@ -22,7 +22,7 @@ LIMIT = 600
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A ~30 MB Qwen3-MoE in the hub layout (per-expert keys), in several files, with the demo tokenizer."""
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("ckpt") / "model"), DATASET, hidden_size=256,
                               intermediate_size=256, num_layers=4, max_shard_size="8MB")

@@ -12,7 +12,7 @@ from twinkle_strategy.train.data import (
     SFTDataset,
     load_jsonl,
 )
-from twinkle_strategy.train.tiny_models import build_tokenizer
+from twinkle_strategy.train.demo_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

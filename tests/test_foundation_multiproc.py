@@ -3,7 +3,8 @@
 import pytest
 from multinode import launch
 
-from twinkle_strategy.train.tiny_models import FAMILIES, save_tiny_checkpoint
+from twinkle_strategy.testing.families import FAMILIES
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 
 def test_ep_fsdp_matches_single_process(tiny_checkpoints, tmp_path):

@@ -9,7 +9,7 @@ DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("model") / "demo"), DATASET)
 
@@ -170,7 +170,7 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
     """The swift plugin's path: transformers' gradient_checkpointing_enable, made to use our contexts."""
     from twinkle_strategy.moe.load import ExpertLoad
     from twinkle_strategy.moe.recompute import checkpoint_contexts, replay_in_transformers_checkpointing
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     counts, grads = [], []
@@ -193,8 +193,8 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
 
 
 def test_active_parameters_count_only_the_routed_experts_a_token_uses():
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
     from twinkle_strategy.train.throughput import FlopsModel, throughput
-    from twinkle_strategy.train.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen3_moe")
     config = model.config
@@ -215,7 +215,7 @@ def test_active_parameters_count_only_the_routed_experts_a_token_uses():
 def test_aux_loss_free_bias_moves_towards_balance_and_other_losses_are_refused():
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("deepseek_v3")
     biases = correction_biases(model)

@@ -39,7 +39,7 @@ def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory):
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
 

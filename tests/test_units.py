@@ -88,7 +88,7 @@ def test_refusals_name_what_differs():
 
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.moe.discovery import find_moe_blocks
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     llama4 = build_tiny_model("llama4")
     for layer in llama4.model.layers:  # a routed-call module where the block passes pre-routed tokens
@@ -117,7 +117,7 @@ def test_refusals_name_what_differs():
 def test_contracts_read_from_the_code():
     from twinkle_strategy.moe.contracts import PRE_ROUTED, ROUTED
     from twinkle_strategy.moe.discovery import find_moe_blocks
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     contracts = {f: find_moe_blocks(build_tiny_model(f))[0].contract for f in ("llama4", "nemotron_h", "longcat_flash")}
     assert contracts["llama4"].kind == PRE_ROUTED
@@ -138,7 +138,7 @@ def test_lora_expert_cut_matches_peft_delta(family, targets):
 
     from twinkle_strategy.moe.discovery import find_moe_blocks
     from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     def peft_model():
         torch.manual_seed(0)
@@ -179,7 +179,7 @@ def test_mixed_precision_rejects_unknown():
 
 def test_capture_holds_references_and_meta_keeps_ties():
     from twinkle_strategy.init.capture import capture_state, move_to_meta
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight

@@ -25,7 +25,7 @@ from transformers import AutoConfig  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.errors import TwinkleError  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
-from twinkle_strategy.train.tiny_models import VISION_LANGUAGE_FAMILIES  # noqa: E402
+from twinkle_strategy.testing.families import VISION_LANGUAGE_FAMILIES  # noqa: E402
 
 LORA_SEED = 7
 # LoRA on attention and on each family's fused expert tensors (PEFT target_parameters).

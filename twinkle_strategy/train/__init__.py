@@ -10,5 +10,5 @@ run.py          one rank's job: recipe -> model, data, strategy, Trainer
 trainer.py      the training loop, logging.jsonl, checkpoints, resume
 data.py         JSONL chat/query-response datasets, tokenisation, distributed sampling
 rank_logs.py    per-rank log files and the failure summary
-tiny_models.py  the embedded tiny MoE checkpoints (``tiny://``) used by the demo and the tests
+demo_model.py   the embedded demo model (``tiny://demo``): a tiny Qwen3-MoE and a tokenizer trained on the data
 """

@@ -17,7 +17,7 @@ def prepare_model_path(path: str, datasets: list[str]) -> str:
     if not path.startswith(TINY_PREFIX):
         return path
     from twinkle_strategy.train.data import DatasetSpec
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     name = path[len(TINY_PREFIX):] or "demo"
     target = os.path.abspath(os.path.join("output", "tiny", name))

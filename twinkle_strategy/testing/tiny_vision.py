@@ -17,6 +17,10 @@ from __future__ import annotations
 import json
 import os
 
+from twinkle_strategy.testing.families import VISION_LANGUAGE_FAMILIES
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint, tiny_config
+from twinkle_strategy.train.demo_model import build_once, build_tokenizer
+
 # The config attribute holding each vision token's id, and the token's text (as in Qwen's tokenizers).
 VISION_TOKENS = {
     "vision_start_token_id": "<|vision_start|>",
@@ -40,15 +44,13 @@ def vision_token_ids(config) -> dict[str, int]:
 
 
 def build_vl_tokenizer(texts: list[str], token_ids: dict[str, int]):
-    """The tiny ChatML BPE tokenizer of ``tiny_models`` plus the vision tokens at ``token_ids``.
+    """The demo's tiny ChatML BPE tokenizer (:mod:`twinkle_strategy.train.demo_model`) plus the vision tokens at ``token_ids``.
 
     The ids are far beyond the BPE's vocabulary: they are written into the tokenizer's vocabulary
     as they are (``tokenizers`` allows gaps), as special tokens so that text never splits them.
     """
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
-
-    from twinkle_strategy.train.tiny_models import build_tokenizer
 
     base = build_tokenizer(texts)
     spec = json.loads(base.backend_tokenizer.to_str())
@@ -115,14 +117,6 @@ def prepare_vl_demo_model(path: str, dataset_path: str, family: str = "qwen3_vl_
     """A tiny ``family`` (``qwen3_vl_moe`` or ``qwen3_5_moe_vl``) checkpoint saved from its vision-language
     class, with its processor and a tokenizer trained on ``dataset_path``'s texts. Written once to
     ``path`` (through a temporary directory, so an interrupted build leaves nothing half-written)."""
-
-    from twinkle_strategy.train.tiny_models import (
-        VISION_LANGUAGE_FAMILIES,
-        build_once,
-        save_tiny_checkpoint,
-        tiny_config,
-    )
-
     if family not in VISION_LANGUAGE_FAMILIES:
         raise ValueError(f"prepare_vl_demo_model: family {family!r} is not vision-language; "
                          f"choose one of {VISION_LANGUAGE_FAMILIES}")
