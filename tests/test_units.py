@@ -263,3 +263,12 @@ def test_expert_axis_row_runs_are_the_cut(axis, shape):
                 assert all(a < b for a, b in runs)
     if axis.zero_experts and axis.outer == 1:  # a whole LongCat cut is two runs: its experts, its zero slots
         assert len(axis.row_runs(2, 2, 0, axis.local_shape(shape, 2)[0])) == 2
+
+
+def test_shorten_names_the_first_few_and_counts_the_rest():
+    from twinkle_strategy.errors import shorten
+
+    assert shorten(["'a'", "'b'"], 3) == "'a', 'b'"
+    assert shorten(["'a'", "'b'", "'c'", "'d'", "'e'"], 3) == "'a', 'b', 'c' and 2 more"
+    assert shorten(("x", "y", "z"), 1, "; ") == "x; and 2 more"
+    assert shorten([], 3) == ""

@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch.distributed as dist
 
-from twinkle_strategy.errors import RanksFailedError
+from twinkle_strategy.errors import RanksFailedError, shorten
 from twinkle_strategy.messages import all_gather_objects
 from twinkle_strategy.runtime import global_rank
 
@@ -34,10 +34,9 @@ def raise_together(error: BaseException | str | None, what: str,
         gathered = [(0, message)]
     failures = [(rank, msg) for rank, msg in gathered if msg is not None]
     if failures:
-        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures[:8])
-        more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
+        detail = shorten((f"rank {rank}: {msg}" for rank, msg in failures), 8, "; ")
         advice = f"; {advice}" if advice else ""
-        err = error_class(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{more}{advice}", failures)
+        err = error_class(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{advice}", failures)
         if isinstance(error, BaseException):
             raise err from error
         raise err

@@ -26,7 +26,7 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
-from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
+from twinkle_strategy.errors import CheckpointError, shorten  # noqa: F401  (raised here, importable from here)
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
 
@@ -207,9 +207,8 @@ def raise_for_loading_info(path: str, info: dict) -> None:
         problems.append(f"tensor '{key}' is missing from the checkpoint")
     problems += unexpected_problems(info.get("unexpected_keys", ()))
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise CheckpointError(
-            f"checkpoint {path} does not match its config.json: {shown}. "
+            f"checkpoint {path} does not match its config.json: {shorten(problems, 5, '; ')}. "
             "Re-export the checkpoint, or fix config.json so the shapes agree"
         )
 
@@ -219,7 +218,7 @@ def unexpected_problems(keys) -> list[str]:
     keys = sorted(keys)
     if not keys:
         return []
-    shown = ", ".join(f"'{k}'" for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    shown = shorten((f"'{k}'" for k in keys), 3)
     return [f"checkpoint tensor(s) {shown} belong to no tensor of the model, which would drop them (does "
             "config.json describe this checkpoint? is it the checkpoint of another model class?)"]
 

@@ -27,7 +27,7 @@ import time
 import torch
 
 from twinkle_strategy.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
-from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.errors import CheckpointError, shorten
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -143,7 +143,7 @@ def _check_layout(file: str, entries: list, *, data_start: int, size: int) -> No
     data_size = size - data_start
     if position > data_size:
         past = sorted((e for e in entries if e[4] > data_size), key=lambda e: e[3])  # the first one cut first
-        shown = ", ".join(f"'{e[0]}'" for e in past[:3]) + (f" and {len(past) - 3} more" if len(past) > 3 else "")
+        shown = shorten((f"'{e[0]}'" for e in past), 3)
         raise CheckpointError(f"checkpoint file {file} is truncated: it has {size} bytes but its tensors need "
                               f"{data_start + position}; tensor(s) {shown} lie past the end. Re-download or re-export it")
     if position < data_size:

@@ -41,7 +41,7 @@ import types
 import torch
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.errors import CheckpointError, shorten
 
 logger = logging.getLogger(__name__)
 
@@ -262,15 +262,14 @@ class CheckpointLayout:
         keys = recipe.checkpoint_keys
         missing = [k for k in (self.expected_checkpoint_keys(name) or {}) if k not in self.index]
         if missing:
-            shown = ", ".join(f"'{k}'" for k in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
-                                                                 else "")
+            shown = shorten((f"'{k}'" for k in missing), 4)
             return f"model parameter '{name}' {want} needs checkpoint tensor(s) {shown}, which are missing"
         if len(keys) == 1:
             got = self.index.tensors[keys[0]].shape
             return (f"tensor '{name}' has shape {got} in the checkpoint but the model expects {want}"
                     + (f" (checkpoint key '{keys[0]}')" if keys[0] != name else ""))
         return (f"model parameter '{name}' expects shape {want} but cannot be made from checkpoint tensors "
-                f"{keys[:3]}{'...' if len(keys) > 3 else ''}: {failure}")
+                f"{shorten((repr(k) for k in keys), 3)}: {failure}")
 
     def expected_checkpoint_keys(self, name: str, shape: tuple | None = None) -> dict[str, tuple] | None:
         """The checkpoint keys (and shapes) that model tensor ``name`` is saved as, by the reverse rules."""
@@ -452,6 +451,5 @@ def problem_mentions(problem: str, name: str) -> bool:
 
 def raise_for_problems(path: str, problems: list[str]) -> None:
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shown}. "
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shorten(problems, 5, '; ')}. "
                               "Re-export the checkpoint, or fix config.json so the shapes agree")

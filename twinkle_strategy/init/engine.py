@@ -20,6 +20,7 @@ from torch import nn
 from twinkle_strategy.checkpoint.quantized import is_quantized_release
 from twinkle_strategy.checkpoint.wire import DecodingSink
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
+from twinkle_strategy.errors import shorten
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.liveness import StatusBoard
@@ -62,8 +63,8 @@ class InitReport:
     def log_line(self) -> str:
         mib = 1024 * 1024
         read = (f"read {self.bytes_read / mib:.1f} MiB from the checkpoint in {self.read_seconds:.2f}s"
-                + (f" ({len(self.whole_tensors)} tensors whole: {', '.join(self.whole_tensors[:3])}"
-                   f"{'...' if len(self.whole_tensors) > 3 else ''})" if self.whole_tensors else "") + ", "
+                + (f" ({len(self.whole_tensors)} tensors whole: {shorten(self.whole_tensors, 3)})"
+                   if self.whole_tensors else "") + ", "
                 if self.is_source else "")
         return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
                 f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "

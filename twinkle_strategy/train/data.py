@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from twinkle_strategy.errors import DatasetError, RowError
+from twinkle_strategy.errors import DatasetError, RowError, shorten
 from twinkle_strategy.runtime import global_rank
 
 logger = logging.getLogger(__name__)
@@ -249,9 +249,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
 
 def skipped_rows_warning(skipped: list[SkippedRow], rows: int, examples: int) -> str:
-    shown = "; ".join(str(s) for s in skipped[:SHOWN_SKIPPED_ROWS])
-    more = f"; and {len(skipped) - SHOWN_SKIPPED_ROWS} more" if len(skipped) > SHOWN_SKIPPED_ROWS else ""
-    return (f"skipped {len(skipped)} of {rows} dataset rows that cannot become a training example ({shown}{more}); "
+    shown = shorten(skipped, SHOWN_SKIPPED_ROWS, "; ")
+    return (f"skipped {len(skipped)} of {rows} dataset rows that cannot become a training example ({shown}); "
             f"training on {examples} examples. Set data.strict=true (--strict true) to stop at the first bad row")
 
 
