@@ -227,9 +227,10 @@ def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
 
 
 def test_check_need_names_the_tensor():
+    from twinkle_strategy.dtypes import TensorSpec
     from twinkle_strategy.init.plan import NOT_EXPERT, Need, check_need
 
-    w, b = ((4, 3), torch.float32), ((4,), torch.bfloat16)  # what the source holds: shape and dtype before EP
+    w, b = TensorSpec((4, 3), torch.float32), TensorSpec((4,), torch.bfloat16)  # what the source holds, before EP
     assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), w, None, 0) is None
     assert "tensor 'x' is not in the model on source rank 2" in check_need(
         Need("x", NOT_EXPERT, None, (1,), torch.float32), None, None, 2)

@@ -41,6 +41,7 @@ import types
 import torch
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError, shorten
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,7 @@ class TensorRecipe:
     transform: object  # a transformers WeightRenaming or WeightConverter, used as a template (copied per read)
     first_target: str  # the model key transformers files this rule under
     sources: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # source pattern -> checkpoint keys
-    targets: dict[str, tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=dict)
+    targets: dict[str, TensorSpec] = dataclasses.field(default_factory=dict)
     mode: str = WHOLE
 
     @property
@@ -125,7 +126,7 @@ class _ShapeOnlyModel:
     that region, so lookups answer with region-shaped meta tensors.
     """
 
-    def __init__(self, config, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None):
+    def __init__(self, config, shapes: dict[str, TensorSpec], rows: int | None = None):
         self.config = config
         self._shapes, self._rows = shapes, rows
 
@@ -137,7 +138,7 @@ class _ShapeOnlyModel:
 
 
 def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[str, torch.Tensor]]], *, config,
-                   shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None
+                   shapes: dict[str, TensorSpec], rows: int | None = None
                    ) -> dict[str, torch.Tensor]:
     """Run a transformers rule (``transform``, a template: copied) on checkpoint ``pieces`` (source pattern ->
     ``(key, tensor)`` in order) exactly as from_pretrained does; ``shapes`` answers the rule's shape lookups.
@@ -168,15 +169,15 @@ class CheckpointLayout:
     """
 
     def __init__(self, index: SafetensorsIndex, model, path: str = "",
-                 model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+                 model_tensors: dict[str, TensorSpec] | None = None):
         """``model_tensors`` (name -> shape, dtype) overrides the model's own, e.g. the pre-EP shapes of a
         model whose experts are already cut."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
 
         self.index, self.path = index, path
         self.config = model.config
-        self.model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = model_tensors or {
-            k: (tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
+        self.model_tensors: dict[str, TensorSpec] = model_tensors or {
+            k: TensorSpec.of(v) for k, v in model.state_dict(keep_vars=True).items()}
         self.ignored_unexpected = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None)
                                                            or [])]
         rules = _conversion_rules(model)
@@ -230,7 +231,7 @@ class CheckpointLayout:
             common = max(set(shapes), key=shapes.count)
             odd = [k for k, s in zip(keys, shapes) if s != common]
             if odd:
-                target_shape = self.model_tensors[recipe.first_target][0]
+                target_shape = self.model_tensors[recipe.first_target].shape
                 for key in odd[:3]:
                     self._problems.append(
                         f"checkpoint tensor '{key}' has shape {self.index.tensors[key].shape} but the "
@@ -246,19 +247,19 @@ class CheckpointLayout:
         for name, value in produced.items():
             if name not in self.model_tensors:
                 continue
-            if tuple(value.shape) != self.model_tensors[name][0]:
+            if tuple(value.shape) != self.model_tensors[name].shape:
                 self._problems.append(self._diagnose(recipe, name, f"they give shape {tuple(value.shape)}"))
                 continue
             recipe.targets[name] = self.model_tensors[name]
             self.recipes[name] = recipe
         recipe.mode = _row_mode(recipe.transform)
-        if recipe.mode == PER_EXPERT and any(len(keys) != want[0] for keys in recipe.sources.values()
-                                             for want, _ in recipe.targets.values()):
+        if recipe.mode == PER_EXPERT and any(len(keys) != spec.shape[0] for keys in recipe.sources.values()
+                                             for spec in recipe.targets.values()):
             recipe.mode = WHOLE
 
     def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> str:
         """Name what is wrong with the checkpoint tensors of model tensor ``name``: missing keys, else shapes."""
-        want = self.model_tensors[name][0]
+        want = self.model_tensors[name].shape
         keys = recipe.checkpoint_keys
         missing = [k for k in (self.expected_checkpoint_keys(name) or {}) if k not in self.index]
         if missing:
@@ -275,14 +276,14 @@ class CheckpointLayout:
         """The checkpoint keys (and shapes) that model tensor ``name`` is saved as, by the reverse rules."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        shape_dtype = self.model_tensors.get(name)
-        if shape_dtype is None:
+        spec = self.model_tensors.get(name)
+        if spec is None:
             return None
-        shape = shape or shape_dtype[0]
+        shape = shape or spec.shape
         shim = types.SimpleNamespace(_weight_conversions=list(self.rules), config=self.config,
                                      get_parameter=_ShapeOnlyModel(self.config, self.model_tensors).get_parameter)
         try:
-            out = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=shape_dtype[1], device="meta")})
+            out = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=spec.dtype, device="meta")})
         except Exception:  # noqa: BLE001 - only used to word an error message better
             return None
         return {k: tuple(v.shape) for k, v in out.items()}
@@ -341,7 +342,7 @@ class CheckpointLayout:
 
     # ------------------------------------------------------------------ writing (the same rules, reversed)
     @classmethod
-    def for_saving(cls, model, model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "CheckpointLayout":
+    def for_saving(cls, model, model_tensors: dict[str, TensorSpec]) -> "CheckpointLayout":
         """The checkpoint ``model`` is saved as: transformers' rules reversed, as ``save_pretrained`` applies them.
 
         The rules are those that matched when the model was loaded (so a checkpoint comes back in its own
@@ -362,7 +363,7 @@ class CheckpointLayout:
                                      get_parameter=shapes.get_parameter)
         saved = revert_weight_conversion(shim, {name: torch.empty(shape, dtype=dtype, device="meta")
                                                 for name, (shape, dtype) in model_tensors.items()})
-        layout = cls(DeclaredTensors({k: (tuple(v.shape), v.dtype) for k, v in saved.items()}), model,
+        layout = cls(DeclaredTensors({k: TensorSpec.of(v) for k, v in saved.items()}), model,
                      model_tensors=model_tensors)
         lost = sorted(set(model_tensors) - set(layout.recipes))
         if layout._problems or lost:
@@ -370,9 +371,9 @@ class CheckpointLayout:
                                   f"{'; '.join(layout._problems[:3]) or f'no checkpoint tensor is made of {lost[:3]}'}")
         return layout
 
-    def saved_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def saved_tensors(self) -> dict[str, TensorSpec]:
         """Checkpoint key -> shape and dtype, of every tensor a save writes."""
-        return {key: (tuple(t.shape), t.dtype) for key, t in self.index.tensors.items()}
+        return {key: TensorSpec.of(t) for key, t in self.index.tensors.items()}
 
     def row_readable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` are read as rows (else the rule needs the whole tensor)."""
@@ -433,9 +434,8 @@ class CheckpointLayout:
 class DeclaredTensors:
     """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write."""
 
-    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        self.tensors = {k: types.SimpleNamespace(shape=tuple(shape), dtype=dtype) for k, (shape, dtype) in
-                        tensors.items()}
+    def __init__(self, tensors: dict[str, TensorSpec]):
+        self.tensors = {k: TensorSpec(tuple(shape), dtype) for k, (shape, dtype) in tensors.items()}
         self.bytes_read, self.read_seconds = 0, 0.0
 
     def __contains__(self, key: str) -> bool:

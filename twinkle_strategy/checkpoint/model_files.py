@@ -15,13 +15,14 @@ from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import CheckpointLayout
 from twinkle_strategy.checkpoint.sharded_io import IOStats, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.runtime import global_rank
 
 DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-def _model_tensors(regions) -> dict:
-    return {r.name: (r.full_shape, r.need.dtype) for r in regions}
+def _model_tensors(regions) -> dict[str, TensorSpec]:
+    return {r.name: TensorSpec(r.full_shape, r.need.dtype) for r in regions}
 
 
 def plan_model_files(model: nn.Module, ep_plan, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES

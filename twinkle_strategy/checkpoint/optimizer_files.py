@@ -28,6 +28,7 @@ from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.dtensor import local_tensor
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import ResumeError
 
 OPTIMIZER_PREFIX = "optimizer"
@@ -53,7 +54,7 @@ class OptimizerFiles:
                     self.tensor_keys.setdefault(name, []).append(key)
                 else:
                     self.scalars.setdefault(name, {})[key] = float(value)
-        tensors = {f"{name}:{key}": (self.regions[name].full_shape, self._state(name, key).dtype)
+        tensors = {f"{name}:{key}": TensorSpec(self.regions[name].full_shape, self._state(name, key).dtype)
                    for name, keys in self.tensor_keys.items() for key in keys}
         self.plan: FilePlan = plan_files(tensors, max_file_bytes, prefix=OPTIMIZER_PREFIX)
 
@@ -142,7 +143,7 @@ class TrainableFiles:
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         self.regions = regions_of(model, ep_plan, names=names)
         self.ep_plan = ep_plan
-        self.plan = plan_files({r.name: (r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
+        self.plan = plan_files({r.name: TensorSpec(r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
                                prefix=TRAINABLE_PREFIX)
 
     def create(self, directory: str) -> None:

@@ -35,6 +35,7 @@ import math
 
 import torch
 
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError
 
 FP8_BLOCK, FP4_BLOCK, MXFP4 = "fp8_block", "fp4_block", "mxfp4"
@@ -196,22 +197,22 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Codec:
     """How the bytes read for rows of one quantized weight become float32 values (picklable, no file).
 
-    ``parts`` are the tensors read, in order (data, then scale): their dtype and shape.
+    ``parts`` are the tensors read, in order (data, then scale).
     """
 
     kind: str
-    parts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    parts: tuple[TensorSpec, ...]
     block: tuple[int, int] = (1, 1)
     first_row: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.parts)
+        return sum(part.nbytes for part in self.parts)
 
     def split(self, data: torch.Tensor) -> list[torch.Tensor]:
         """``data`` (uint8, the parts end to end) as the parts, without a copy."""
         out, at = [], 0
-        for dtype, shape in self.parts:
+        for shape, dtype in self.parts:
             size = math.prod(shape) * dtype.itemsize
             piece = data[at:at + size]
             out.append(piece.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype,
@@ -319,7 +320,7 @@ class QuantizedIndex:
         a, b = rows if rows is not None else (0, logical.shape[0])
         data, scale = self.stored.tensors[logical.data_key], self.stored.tensors[logical.scale_key]
         s0, s1 = _scale_rows(logical, a, b)
-        parts = ((data.dtype, (b - a,) + data.shape[1:]), (scale.dtype, (s1 - s0,) + scale.shape[1:]))
+        parts = (TensorSpec((b - a,) + data.shape[1:], data.dtype), TensorSpec((s1 - s0,) + scale.shape[1:], scale.dtype))
         return Codec(logical.kind, parts, logical.block, a)
 
     def read_parts(self, key: str, rows: tuple[int, int] | None = None) -> tuple[Codec | None, list[torch.Tensor]]:

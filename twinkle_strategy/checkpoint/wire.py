@@ -23,6 +23,7 @@ import torch
 
 from twinkle_strategy.checkpoint.layout import PER_EXPERT, ROWS, convert_pieces
 from twinkle_strategy.checkpoint.quantized import Codec, QuantizedIndex
+from twinkle_strategy.dtypes import TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,21 +34,19 @@ class Piece:
     key: str
     rows: tuple[int, int] | None  # rows of the checkpoint tensor; None: all of it (a whole expert)
     codec: Codec | None
-    plain: tuple[torch.dtype, tuple[int, ...]] | None = None
+    plain: TensorSpec | None = None
 
     @property
     def nbytes(self) -> int:
         if self.codec is not None:
             return self.codec.nbytes
-        dtype, shape = self.plain
-        return math.prod(shape) * dtype.itemsize
+        return self.plain.nbytes
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The piece's values in the model's dtype (cast at once, as from_pretrained does)."""
         if self.codec is not None:
             return self.codec.decode(self.codec.split(data)).to(dtype)
-        stored_dtype, shape = self.plain
-        return data.view(stored_dtype).reshape(shape).to(dtype)
+        return data.view(self.plain.dtype).reshape(self.plain.shape).to(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,7 +67,7 @@ class WireForm:
     dtype: torch.dtype  # the model's dtype
     transform: object  # the transformers rule, as a template
     first_target: str
-    shapes: dict  # model tensor -> (shape, dtype): what the rule may look up
+    shapes: dict[str, TensorSpec]  # model tensors: what the rule may look up
     chunks: tuple[WireChunk, ...]
 
     @property
@@ -129,7 +128,7 @@ def _piece(index: QuantizedIndex, pattern: str, key: str, rows) -> Piece:
         return Piece(pattern, key, rows, codec)
     stored = index.tensors[key]
     shape = stored.shape if rows is None else (rows[1] - rows[0],) + tuple(stored.shape[1:])
-    return Piece(pattern, key, rows, None, (stored.dtype, tuple(shape)))
+    return Piece(pattern, key, rows, None, TensorSpec(tuple(shape), stored.dtype))
 
 
 def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_bytes: int) -> list[tuple[int, int]]:

@@ -30,6 +30,7 @@ import struct
 import torch
 
 from twinkle_strategy.checkpoint.files import DTYPE_NAMES, INDEX_FILE
+from twinkle_strategy.dtypes import TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,7 +66,7 @@ class FilePlan:
                 "weight_map": {key: t.file for key, t in sorted(self.tensors.items())}}
 
 
-def plan_files(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], max_file_bytes: int,
+def plan_files(tensors: dict[str, TensorSpec], max_file_bytes: int,
                prefix: str = "model") -> FilePlan:
     """Assign ``tensors`` (key -> shape, dtype) to files of at most ``max_file_bytes`` (a bigger tensor gets a
     file of its own), in transformers' key order, and lay out each file's header and data."""

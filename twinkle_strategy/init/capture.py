@@ -22,6 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.init.plan import Need, checkpoint_runs, region_of, runs_within
 from twinkle_strategy.init.skeleton import CheckpointTensor
 from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
@@ -56,12 +57,12 @@ class Capture:
         """Model tensors a conversion rule forced to read whole instead of by rows."""
         return sorted(set().union(*(layout.materialized_whole for layout in self.layouts)) | self._cut_after_reading)
 
-    def describe(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+    def describe(self, name: str) -> TensorSpec | None:
         """Shape and dtype (before EP) of what the source holds for ``name``, or None."""
         tensor = self.tensors.get(name)
         if tensor is None:
             tensor = self.placeholders.get(name)
-        return None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+        return None if tensor is None else TensorSpec.of(tensor)
 
     def region_chunks(self, need: Need, ep_plan, chunk_bytes: int) -> Iterator[torch.Tensor]:
         """``need``'s region as consecutive chunks of rows of at most ``chunk_bytes`` (at least one row).
