@@ -74,9 +74,9 @@ def moe_families() -> list[tuple[str, str]]:
 
 def _needed(contract, tensor_names: list[str]) -> str:
     """What serving the family took, in words."""
-    from twinkle_strategy.moe.contracts import PRE_ROUTED
+    from twinkle_strategy.moe.contracts import CallKind
 
-    if contract.kind == PRE_ROUTED:
+    if contract.kind == CallKind.PRE_ROUTED:
         return ("pre-routed dispatch: the block repeats every token per expert, scaled by its score; only "
                 "non-zero (token, expert) rows travel, padded per local expert for the module's forward")
     needs = []
@@ -129,7 +129,7 @@ def inspect_family(model_type: str, class_name: str, root: Path) -> dict:
         return row
     names = [t.fqn for b in blocks for t in b.tensors]
     shapes = {n.rsplit(".", 1)[-1]: tuple(model.get_parameter(n).shape) for n in names}
-    row.update(contract=blocks[0].contract.kind, zero_experts=blocks[0].contract.zero_experts,
+    row.update(contract=blocks[0].contract.kind.value, zero_experts=blocks[0].contract.zero_experts,
                tensors=shapes, needed=_needed(blocks[0].contract, names))
     row["fp32_kept"] = _fp32_kept(config, model_class)
     path = root / model_type

@@ -11,7 +11,7 @@ import torch
 from conftest import LAYOUT_CHECKPOINTS
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.layout import PER_EXPERT, WHOLE
+from twinkle_strategy.checkpoint.layout import RowMode
 from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.init.skeleton import CheckpointTensor, WeightsNotLoadedError
 from twinkle_strategy.loading import load_config, meta_skeleton, model_class_for, open_streaming_model
@@ -37,9 +37,9 @@ def test_every_tensor_and_any_rows_equal_from_pretrained(tiny_checkpoints, name)
     assert set(placeholders) <= set(state) and placeholders
     # Fused expert tensors stored per expert in the hub layout are read expert by expert; nothing is read whole.
     per_expert_keys = any(".experts.0." in k for k in layout.index.tensors)
-    assert per_expert_keys == any(layout.recipes[k].mode == PER_EXPERT for k in placeholders
+    assert per_expert_keys == any(layout.recipes[k].mode == RowMode.PER_EXPERT for k in placeholders
                                   if "experts.gate_up_proj" in k)
-    assert all(recipe.mode != WHOLE for recipe in layout.recipes.values())
+    assert all(recipe.mode != RowMode.WHOLE for recipe in layout.recipes.values())
     for key in placeholders:
         want = state[key]
         assert torch.equal(layout.read_rows(key), want), key
@@ -66,7 +66,7 @@ def test_qwen3_vl_moe_hub_layout_is_transposed_on_read(tiny_checkpoints, tmp_pat
     state = reference_state(tiny_checkpoints / "qwen3_vl_moe")
     _, layout, placeholders = open_layout(path)
     experts = [k for k in placeholders if k.endswith("experts.gate_up_proj")]
-    assert experts and all(layout.recipes[k].mode != WHOLE for k in experts)
+    assert experts and all(layout.recipes[k].mode != RowMode.WHOLE for k in experts)
     for key in placeholders:
         assert torch.equal(layout.read_rows(key), state[key]), key
         if key in experts:
@@ -78,7 +78,7 @@ def test_rules_that_cannot_be_read_by_rows_are_read_whole_and_reported(tiny_chec
     state = reference_state(tiny_checkpoints / "mixtral")
     _, layout, placeholders = open_layout(tiny_checkpoints / "mixtral")
     key = "model.layers.0.mlp.experts.gate_up_proj"
-    layout.recipes[key].mode = WHOLE  # as for e.g. a Concatenate(dim=0) rule
+    layout.recipes[key].mode = RowMode.WHOLE  # as for e.g. a Concatenate(dim=0) rule
     assert torch.equal(layout.read_rows(key, (2, 5)), state[key][2:5])
     assert layout.materialized_whole == {key}
 

@@ -115,13 +115,13 @@ def test_refusals_name_what_differs():
 
 
 def test_contracts_read_from_the_code():
-    from twinkle_strategy.moe.contracts import PRE_ROUTED, ROUTED
+    from twinkle_strategy.moe.contracts import CallKind
     from twinkle_strategy.moe.discovery import find_moe_blocks
     from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     contracts = {f: find_moe_blocks(build_tiny_model(f))[0].contract for f in ("llama4", "nemotron_h", "longcat_flash")}
-    assert contracts["llama4"].kind == PRE_ROUTED
-    assert contracts["nemotron_h"].kind == ROUTED and contracts["nemotron_h"].zero_experts == 0
+    assert contracts["llama4"].kind == CallKind.PRE_ROUTED
+    assert contracts["nemotron_h"].kind == CallKind.ROUTED and contracts["nemotron_h"].zero_experts == 0
     assert (contracts["longcat_flash"].num_experts, contracts["longcat_flash"].zero_experts) == (8, 4)
     assert contracts["longcat_flash"].min_top_k == 2
 

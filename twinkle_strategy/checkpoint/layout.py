@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
 import logging
 import re
 import types
@@ -46,7 +47,13 @@ from twinkle_strategy.errors import CheckpointError, shorten
 
 logger = logging.getLogger(__name__)
 
-ROWS, PER_EXPERT, WHOLE = "rows", "per_expert", "whole"
+
+class RowMode(str, enum.Enum):
+    """How rows ``[a, b)`` of a model tensor are read from the checkpoint tensors it is made of."""
+
+    ROWS = "rows"  # the same rows of every source tensor
+    PER_EXPERT = "per_expert"  # experts a..b-1: their whole per-expert tensors
+    WHOLE = "whole"  # the rule needs whole tensors: read whole, convert, then cut
 
 
 @dataclasses.dataclass
@@ -57,7 +64,7 @@ class TensorRecipe:
     first_target: str  # the model key transformers files this rule under
     sources: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # source pattern -> checkpoint keys
     targets: dict[str, TensorSpec] = dataclasses.field(default_factory=dict)
-    mode: str = WHOLE
+    mode: RowMode = RowMode.WHOLE
 
     @property
     def checkpoint_keys(self) -> list[str]:
@@ -96,16 +103,16 @@ def as_transformers_classes(model):
             module.__class__ = cls
 
 
-def _row_mode(transform) -> str:
+def _row_mode(transform) -> RowMode:
     """How rows of dim 0 of the rule's output relate to its inputs (see the module docstring)."""
     from transformers import core_model_loading as rules
 
     if not isinstance(transform, rules.WeightConverter):
-        return ROWS
+        return RowMode.ROWS
     ops = list(transform.operations)
-    mode = ROWS
+    mode = RowMode.ROWS
     if ops and isinstance(ops[0], rules.MergeModulelist) and ops[0].dim == 0:
-        mode, ops = PER_EXPERT, ops[1:]
+        mode, ops = RowMode.PER_EXPERT, ops[1:]
     # (by name: not every transformers 5.x has every operation, e.g. Split is newer than 5.19)
     along_a_dim = tuple(getattr(rules, name) for name in ("Concatenate", "Chunk", "Split", "Interleave")
                         if hasattr(rules, name))
@@ -114,7 +121,7 @@ def _row_mode(transform) -> str:
             continue
         if isinstance(op, rules.Transpose) and op.dim0 > 0 and op.dim1 > 0:
             continue
-        return WHOLE
+        return RowMode.WHOLE
     return mode
 
 
@@ -253,9 +260,9 @@ class CheckpointLayout:
             recipe.targets[name] = self.model_tensors[name]
             self.recipes[name] = recipe
         recipe.mode = _row_mode(recipe.transform)
-        if recipe.mode == PER_EXPERT and any(len(keys) != spec.shape[0] for keys in recipe.sources.values()
-                                             for spec in recipe.targets.values()):
-            recipe.mode = WHOLE
+        if recipe.mode == RowMode.PER_EXPERT and any(len(keys) != spec.shape[0] for keys in recipe.sources.values()
+                                                     for spec in recipe.targets.values()):
+            recipe.mode = RowMode.WHOLE
 
     def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> str:
         """Name what is wrong with the checkpoint tensors of model tensor ``name``: missing keys, else shapes."""
@@ -313,19 +320,19 @@ class CheckpointLayout:
         shape, dtype = recipe.targets[name]
         if rows is not None and not shape:
             rows = None
-        mode = recipe.mode if rows is not None else WHOLE
-        if mode == WHOLE and rows is not None:
+        mode = recipe.mode if rows is not None else RowMode.WHOLE
+        if mode == RowMode.WHOLE and rows is not None:
             self.materialized_whole.add(name)
         if rows is not None and rows[0] == rows[1]:
             return torch.empty((0,) + tuple(shape[1:]), dtype=dtype)
-        if mode == PER_EXPERT:
+        if mode == RowMode.PER_EXPERT:
             a, b = rows
             pieces = {p: [self._read(k, None, dtype) for k in keys[a:b]] for p, keys in recipe.sources.items()}
         else:
-            pieces = {p: [self._read(k, rows if mode == ROWS else None, dtype) for k in keys]
+            pieces = {p: [self._read(k, rows if mode == RowMode.ROWS else None, dtype) for k in keys]
                       for p, keys in recipe.sources.items()}
-        out = self._convert(recipe, pieces, rows=(rows[1] - rows[0]) if mode != WHOLE and rows else None)[name]
-        if mode == WHOLE and rows is not None:
+        out = self._convert(recipe, pieces, rows=(rows[1] - rows[0]) if mode != RowMode.WHOLE and rows else None)[name]
+        if mode == RowMode.WHOLE and rows is not None:
             out = out[rows[0]:rows[1]]
         return out.to(dtype).contiguous()
 
@@ -377,12 +384,12 @@ class CheckpointLayout:
 
     def row_readable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` are read as rows (else the rule needs the whole tensor)."""
-        return self.recipes[name].mode != WHOLE
+        return self.recipes[name].mode != RowMode.WHOLE
 
     def row_writable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` map to rows (or whole pieces) of checkpoint tensors."""
         recipe = self.recipes[name]
-        return recipe.mode != WHOLE and len(recipe.targets) == 1
+        return recipe.mode != RowMode.WHOLE and len(recipe.targets) == 1
 
     def checkpoint_pieces(self, name: str, region: torch.Tensor, rows: tuple[int, int] | None
                           ) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
@@ -408,7 +415,7 @@ class CheckpointLayout:
         # The reversed rule's targets are the forward rule's sources, in the same order.
         source_of = dict(zip(backward.target_patterns, forward.source_patterns))
         ops = list(backward.operations)
-        per_expert = recipe.mode == PER_EXPERT and ops and isinstance(ops[-1], SplitModulelist)
+        per_expert = recipe.mode == RowMode.PER_EXPERT and ops and isinstance(ops[-1], SplitModulelist)
         if per_expert:
             ops = ops[:-1]  # split the experts here, so each gets its own checkpoint key (expert a + i)
         collected: dict = {backward.source_patterns[0]: [region]}

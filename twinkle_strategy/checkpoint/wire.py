@@ -21,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from twinkle_strategy.checkpoint.layout import PER_EXPERT, ROWS, convert_pieces
+from twinkle_strategy.checkpoint.layout import RowMode, convert_pieces
 from twinkle_strategy.checkpoint.quantized import Codec, QuantizedIndex
 from twinkle_strategy.dtypes import TensorSpec
 
@@ -95,7 +95,7 @@ def plan_wire_form(layout, name: str, runs: list[tuple[int, int]], *, chunk_byte
     index = layout.index
     recipe = layout.recipes[name]
     shape, dtype = recipe.targets[name]
-    if not isinstance(index, QuantizedIndex) or recipe.mode not in (ROWS, PER_EXPERT) or len(recipe.targets) != 1:
+    if not isinstance(index, QuantizedIndex) or recipe.mode == RowMode.WHOLE or len(recipe.targets) != 1:
         return None
     total = sum(b - a for a, b in runs)
     if not any(index.tensors[k].quantized for k in recipe.checkpoint_keys) or not total:
@@ -115,7 +115,7 @@ def _pieces(index: QuantizedIndex, recipe, rows: tuple[int, int]) -> tuple[Piece
     per-expert tensors (experts ``a..b-1``)."""
     out = []
     for pattern, keys in recipe.sources.items():
-        if recipe.mode == PER_EXPERT:
+        if recipe.mode == RowMode.PER_EXPERT:
             out += [_piece(index, pattern, key, None) for key in keys[rows[0]:rows[1]]]
         else:
             out += [_piece(index, pattern, key, rows) for key in keys]
@@ -142,14 +142,14 @@ def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_by
 
 
 def _rows_per_scale_row(index: QuantizedIndex, recipe) -> int:
-    if recipe.mode == PER_EXPERT:  # a row is an expert, whose tensors travel whole with all their scales
+    if recipe.mode == RowMode.PER_EXPERT:  # a row is an expert, whose tensors travel whole with all their scales
         return 1
     return max((index.tensors[k].block[0] for k in recipe.checkpoint_keys if index.tensors[k].quantized), default=1)
 
 
 def _bytes_per_row(index: QuantizedIndex, recipe) -> int:
     """About what one row of the region is as stored (one expert's tensors; a row and a scale row)."""
-    if recipe.mode == PER_EXPERT:
+    if recipe.mode == RowMode.PER_EXPERT:
         return max(sum(_piece(index, p, keys[0], None).nbytes for p, keys in recipe.sources.items()), 1)
     return max(sum(_piece(index, p, k, (0, 1)).nbytes for p, keys in recipe.sources.items() for k in keys), 1)
 

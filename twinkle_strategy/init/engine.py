@@ -19,7 +19,7 @@ from torch import nn
 
 from twinkle_strategy.checkpoint.quantized import is_quantized_release
 from twinkle_strategy.checkpoint.wire import DecodingSink
-from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
+from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport
 from twinkle_strategy.errors import shorten
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
@@ -86,7 +86,7 @@ def distribute(
     ep_plan: ExpertParallelPlan | None,
     node: NodeLink,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    transport_kind: str = "p2p",
+    transport_kind: InitTransport | str = InitTransport.P2P,
     verify: bool = False,
     show_progress: bool = False,
 ) -> InitReport:

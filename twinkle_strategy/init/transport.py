@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy import fail_together, messages
-from twinkle_strategy.config import INIT_TRANSPORTS
+from twinkle_strategy.config import INIT_TRANSPORTS, InitTransport
 from twinkle_strategy.errors import DistributedInitError
 from twinkle_strategy.init import staging
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
@@ -94,7 +94,7 @@ class Outcome:
 
 
 def move_streams(
-    kind: str,
+    kind: InitTransport | str,
     readers: list[StreamReader] | None,
     writer: StreamWriter,
     *,
@@ -130,7 +130,7 @@ def move_streams(
         return Outcome()
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
-    move = _move_p2p if kind == "p2p" else _move_scatter
+    move = _move_p2p if kind == InitTransport.P2P else _move_scatter
     return move(readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
                 between_rounds=between_rounds)
 

@@ -7,7 +7,7 @@ import os
 import torch
 
 from twinkle_strategy.dtypes import float_dtype
-from twinkle_strategy.train.recipe import Recipe
+from twinkle_strategy.train.recipe import Recipe, TunerType
 
 TINY_PREFIX = "tiny://"
 
@@ -55,7 +55,7 @@ def build_training(recipe: Recipe, run_dir: str | None = None):
     model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype))
     tokenizer = strategy.node_local_object(
         lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path)))
-    if recipe.tuner.type == "lora":
+    if recipe.tuner.type == TunerType.LORA:
         from peft import get_peft_model
 
         torch.manual_seed(recipe.train.seed)  # same fresh adapter whatever the number of nodes
