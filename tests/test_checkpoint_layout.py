@@ -162,3 +162,20 @@ def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_r
         assert torch.equal(chunk, want)
     assert name not in capture._whole
     assert capture.bytes_read == want.numel() * want.element_size()
+
+
+def test_the_three_checkpoint_indexes_are_checkpoint_indexes(tiny_checkpoints):
+    from twinkle_strategy.checkpoint.files import CheckpointIndex
+    from twinkle_strategy.checkpoint.layout import DeclaredTensors
+    from twinkle_strategy.checkpoint.quantized import QuantFormat, QuantizedIndex
+    from twinkle_strategy.dtypes import TensorSpec
+
+    stored = SafetensorsIndex.from_directory(str(tiny_checkpoints / "qwen3_moe"))
+    declared = DeclaredTensors({"w": TensorSpec((2, 3), torch.float32)})
+    for index in (stored, QuantizedIndex(stored, QuantFormat("mxfp4", None)), declared):
+        assert isinstance(index, CheckpointIndex), type(index).__name__
+        key = next(iter(index.tensors))
+        assert key in index and isinstance(index.tensors[key].dtype, torch.dtype)
+    with pytest.raises(CheckpointError, match="'w' is declared for a save, not written yet"):
+        declared.read("w")
+    stored.close()

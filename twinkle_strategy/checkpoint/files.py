@@ -23,6 +23,8 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -35,6 +37,41 @@ SINGLE_FILE = "model.safetensors"
 _DTYPES, DTYPE_NAMES = SAFETENSORS_DTYPES, SAFETENSORS_NAMES  # (dtypes.py holds them; these names are used here)
 # Every dtype the safetensors format defines (0.8): a name outside it means a corrupt header, not a new format.
 _SPEC_DTYPES = set(_DTYPES) | {"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0"}
+
+
+class TensorHeader(Protocol):
+    """What a checkpoint index knows of one tensor without reading it."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+@runtime_checkable
+class CheckpointIndex(Protocol):
+    """A checkpoint's tensors by name, as :class:`~twinkle_strategy.checkpoint.layout.CheckpointLayout` reads them.
+
+    Three kinds: :class:`SafetensorsIndex` (files on disk), ``QuantizedIndex`` (a quantized release seen as
+    its dequantized values) and ``DeclaredTensors`` (the checkpoint a save is about to write: headers only).
+    """
+
+    tensors: Mapping[str, TensorHeader]
+
+    @property
+    def bytes_read(self) -> int: ...  # tensor data read so far
+
+    @property
+    def read_seconds(self) -> float: ...
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``key`` (rows ``[a, b)`` of dim 0 only, if given) as a new CPU tensor."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)

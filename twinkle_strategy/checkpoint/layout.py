@@ -41,7 +41,7 @@ import types
 
 import torch
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.files import CheckpointIndex
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError, shorten
 
@@ -175,7 +175,7 @@ class CheckpointLayout:
     rows of a model tensor.
     """
 
-    def __init__(self, index: SafetensorsIndex, model, path: str = "",
+    def __init__(self, index: CheckpointIndex, model, path: str = "",
                  model_tensors: dict[str, TensorSpec] | None = None):
         """``model_tensors`` (name -> shape, dtype) overrides the model's own, e.g. the pre-EP shapes of a
         model whose experts are already cut."""
@@ -439,7 +439,10 @@ class CheckpointLayout:
 
 
 class DeclaredTensors:
-    """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write."""
+    """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write.
+
+    A :class:`~twinkle_strategy.checkpoint.files.CheckpointIndex` with nothing to read yet.
+    """
 
     def __init__(self, tensors: dict[str, TensorSpec]):
         self.tensors = {k: TensorSpec(tuple(shape), dtype) for k, (shape, dtype) in tensors.items()}
@@ -447,6 +450,9 @@ class DeclaredTensors:
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        raise CheckpointError(f"tensor '{key}' is declared for a save, not written yet: there is nothing to read")
 
     def close(self) -> None:
         pass

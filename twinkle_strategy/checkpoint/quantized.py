@@ -265,9 +265,8 @@ class LogicalTensor:
 class QuantizedIndex:
     """A quantized safetensors checkpoint seen as the checkpoint of its dequantized values.
 
-    Same reading interface as :class:`twinkle_strategy.checkpoint.files.SafetensorsIndex`
-    (``tensors``, ``read``, ``bytes_read``): ``read`` of a quantized weight
-    returns float32 values, reading only the quantized rows asked for and the
+    A :class:`twinkle_strategy.checkpoint.files.CheckpointIndex` over the stored one (``index``): ``read``
+    of a quantized weight returns float32 values, reading only the quantized rows asked for and the
     scale rows they need. Pairs each weight with its scale by transformers'
     FP8 quantizer renames, and checks every pair's shapes before any read.
     """
