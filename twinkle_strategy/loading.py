@@ -26,6 +26,7 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
+from twinkle_strategy.checkpoint.layout import Problem, raise_for_problems
 from twinkle_strategy.errors import CheckpointError, shorten  # noqa: F401  (raised here, importable from here)
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
@@ -201,26 +202,22 @@ def raise_for_loading_info(path: str, info: dict) -> None:
     (``from_pretrained(..., output_loading_info=True, ignore_mismatched_sizes=True)``)."""
     problems = []
     for key, ckpt_shape, model_shape in sorted(info.get("mismatched_keys", ())):
-        problems.append(f"tensor '{key}' has shape {tuple(ckpt_shape)} in the checkpoint but the model "
-                        f"expects {tuple(model_shape)}")
+        problems.append(Problem(f"tensor '{key}' has shape {tuple(ckpt_shape)} in the checkpoint but the model "
+                                f"expects {tuple(model_shape)}", key))
     for key in sorted(info.get("missing_keys", ())):
-        problems.append(f"tensor '{key}' is missing from the checkpoint")
+        problems.append(Problem(f"tensor '{key}' is missing from the checkpoint", key))
     problems += unexpected_problems(info.get("unexpected_keys", ()))
-    if problems:
-        raise CheckpointError(
-            f"checkpoint {path} does not match its config.json: {shorten(problems, 5, '; ')}. "
-            "Re-export the checkpoint, or fix config.json so the shapes agree"
-        )
+    raise_for_problems(path, problems)
 
 
-def unexpected_problems(keys) -> list[str]:
+def unexpected_problems(keys) -> list[Problem]:
     """Checkpoint tensors the model would silently drop, as one problem (training would lose them on save)."""
     keys = sorted(keys)
     if not keys:
         return []
     shown = shorten((f"'{k}'" for k in keys), 3)
-    return [f"checkpoint tensor(s) {shown} belong to no tensor of the model, which would drop them (does "
-            "config.json describe this checkpoint? is it the checkpoint of another model class?)"]
+    return [Problem(f"checkpoint tensor(s) {shown} belong to no tensor of the model, which would drop them (does "
+                    "config.json describe this checkpoint? is it the checkpoint of another model class?)")]
 
 
 # from_pretrained keyword arguments that mean the same to from_config: passed on when building the skeleton.
@@ -262,7 +259,7 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     missing, unexpected or wrong-shaped tensor, by checkpoint key.
     """
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
-    from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+    from twinkle_strategy.checkpoint.layout import CheckpointLayout
     from twinkle_strategy.checkpoint.quantized import (
         QuantizedIndex,
         drop_quantization_config,

@@ -56,6 +56,17 @@ class RowMode(str, enum.Enum):
     WHOLE = "whole"  # the rule needs whole tensors: read whole, convert, then cut
 
 
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One reason a checkpoint does not fit the model, as the error words it."""
+
+    message: str
+    tensor: str | None = None  # the model tensor it is about; None: the checkpoint as a whole
+
+    def __str__(self) -> str:
+        return self.message
+
+
 @dataclasses.dataclass
 class TensorRecipe:
     """How transformers builds one model tensor (or several, for a one-to-many rule) from checkpoint tensors."""
@@ -211,7 +222,7 @@ class CheckpointLayout:
         # The rules that matched, kept for saving in the checkpoint's own layout.
         self.rules = [r for r in rules if r.was_used()]
         self.recipes: dict[str, TensorRecipe] = {}  # every model key a recipe produces -> its recipe
-        self._problems: list[str] = []
+        self._problems: list[Problem] = []
         for recipe in recipes.values():
             self._plan(recipe)
         self.materialized_whole: set[str] = set()
@@ -240,10 +251,10 @@ class CheckpointLayout:
             if odd:
                 target_shape = self.model_tensors[recipe.first_target].shape
                 for key in odd[:3]:
-                    self._problems.append(
+                    self._problems.append(Problem(
                         f"checkpoint tensor '{key}' has shape {self.index.tensors[key].shape} but the "
                         f"{len(keys) - len(odd)} other tensors that form model parameter '{recipe.first_target}' "
-                        f"{target_shape} have {common}")
+                        f"{target_shape} have {common}", recipe.first_target))
                 return
         # 2. What the rule produces, computed on meta tensors: names and shapes, no bytes read.
         try:
@@ -264,8 +275,11 @@ class CheckpointLayout:
                                                      for spec in recipe.targets.values()):
             recipe.mode = RowMode.WHOLE
 
-    def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> str:
+    def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> Problem:
         """Name what is wrong with the checkpoint tensors of model tensor ``name``: missing keys, else shapes."""
+        return Problem(self._diagnosis(recipe, name, failure), name)
+
+    def _diagnosis(self, recipe: TensorRecipe, name: str, failure: str) -> str:
         want = self.model_tensors[name].shape
         keys = recipe.checkpoint_keys
         missing = [k for k in (self.expected_checkpoint_keys(name) or {}) if k not in self.index]
@@ -295,18 +309,17 @@ class CheckpointLayout:
             return None
         return {k: tuple(v.shape) for k, v in out.items()}
 
-    def problems(self, required: list[str]) -> list[str]:
+    def problems(self, required: list[str]) -> list[Problem]:
         """Why this checkpoint cannot provide the model tensors ``required``: wrong shapes, missing keys."""
         found = list(self._problems)
+        named = {p.tensor for p in self._problems}
         for name in required:
-            if name in self.recipes:
-                continue
-            if any(problem_mentions(p, name) for p in self._problems):
+            if name in self.recipes or name in named:
                 continue
             expected = self.expected_checkpoint_keys(name)
             keys = [k for k in (expected or {}) if k != name]
-            found.append(f"tensor '{name}' is missing from the checkpoint"
-                         + (f" (checkpoint key {', '.join(repr(k) for k in keys[:2])})" if keys else ""))
+            found.append(Problem(f"tensor '{name}' is missing from the checkpoint"
+                                 + (f" (checkpoint key {', '.join(repr(k) for k in keys[:2])})" if keys else ""), name))
         return found
 
     def unexpected_keys(self) -> list[str]:
@@ -374,8 +387,9 @@ class CheckpointLayout:
                      model_tensors=model_tensors)
         lost = sorted(set(model_tensors) - set(layout.recipes))
         if layout._problems or lost:
+            why = shorten(layout._problems, 3, "; ") or f"no checkpoint tensor is made of {shorten(lost, 3)}"
             raise CheckpointError(f"cannot save {type(model).__name__} in the layout transformers' rules give it: "
-                                  f"{'; '.join(layout._problems[:3]) or f'no checkpoint tensor is made of {lost[:3]}'}")
+                                  f"{why}")
         return layout
 
     def saved_tensors(self) -> dict[str, TensorSpec]:
@@ -458,11 +472,7 @@ class DeclaredTensors:
         pass
 
 
-def problem_mentions(problem: str, name: str) -> bool:
-    return f"'{name}'" in problem
-
-
-def raise_for_problems(path: str, problems: list[str]) -> None:
+def raise_for_problems(path: str, problems: list[Problem]) -> None:
     if problems:
         raise CheckpointError(f"checkpoint {path} does not match its config.json: {shorten(problems, 5, '; ')}. "
                               "Re-export the checkpoint, or fix config.json so the shapes agree")
