@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
 from twinkle_strategy.checkpoint.layout import Problem, raise_for_problems
@@ -293,7 +294,7 @@ def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
                                                  **init_kwargs))
 
 
-def share_weight_conversions(model, topology, node_group) -> None:
+def share_weight_conversions(model: nn.Module, topology, node_group) -> None:
     """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective),
     and whether it streams a quantized release (then the init agrees on what travels quantized).
 

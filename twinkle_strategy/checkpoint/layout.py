@@ -40,6 +40,7 @@ import re
 import types
 
 import torch
+from torch import nn
 
 from twinkle_strategy.checkpoint.files import CheckpointIndex
 from twinkle_strategy.dtypes import TensorSpec
@@ -82,7 +83,7 @@ class TensorRecipe:
         return [key for keys in self.sources.values() for key in keys]
 
 
-def _conversion_rules(model):
+def _conversion_rules(model: nn.Module):
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     with as_transformers_classes(model):
@@ -90,7 +91,7 @@ def _conversion_rules(model):
 
 
 @contextlib.contextmanager
-def as_transformers_classes(model):
+def as_transformers_classes(model: nn.Module):
     """Show transformers each FSDP2-sharded model with its own class while it collects the conversion rules.
 
     ``fully_shard`` swaps a module's class for a generated ``FSDP<Class>`` defined in a torch module, which
@@ -186,7 +187,7 @@ class CheckpointLayout:
     rows of a model tensor.
     """
 
-    def __init__(self, index: CheckpointIndex, model, path: str = "",
+    def __init__(self, index: CheckpointIndex, model: nn.Module, path: str = "",
                  model_tensors: dict[str, TensorSpec] | None = None):
         """``model_tensors`` (name -> shape, dtype) overrides the model's own, e.g. the pre-EP shapes of a
         model whose experts are already cut."""
@@ -362,7 +363,7 @@ class CheckpointLayout:
 
     # ------------------------------------------------------------------ writing (the same rules, reversed)
     @classmethod
-    def for_saving(cls, model, model_tensors: dict[str, TensorSpec]) -> "CheckpointLayout":
+    def for_saving(cls, model: nn.Module, model_tensors: dict[str, TensorSpec]) -> "CheckpointLayout":
         """The checkpoint ``model`` is saved as: transformers' rules reversed, as ``save_pretrained`` applies them.
 
         The rules are those that matched when the model was loaded (so a checkpoint comes back in its own

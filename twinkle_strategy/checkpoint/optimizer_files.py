@@ -30,6 +30,7 @@ from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, pla
 from twinkle_strategy.dtensor import local_tensor
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import ResumeError
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 OPTIMIZER_PREFIX = "optimizer"
 TRAINABLE_PREFIX = "trainable"
@@ -39,7 +40,7 @@ SCALARS_FILE = "optimizer.json"
 class OptimizerFiles:
     """What a save of ``optimizer``'s state writes, planned the same way on every rank."""
 
-    def __init__(self, model: nn.Module, optimizer, ep_plan, max_file_bytes: int):
+    def __init__(self, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
         self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
         params = self.params = dict(model.named_parameters())
         name_of = {id(p): n for n, p in params.items()}
@@ -93,7 +94,8 @@ class OptimizerFiles:
         return error or finished
 
 
-def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, stats: IOStats) -> None:
+def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None,
+                         stats: IOStats) -> None:
     """Give ``optimizer`` the saved state, each rank reading the rows of its own (possibly new) shards."""
     with open(os.path.join(directory, SCALARS_FILE)) as f:
         saved = json.load(f)
@@ -139,7 +141,7 @@ def _files(directory: str) -> list[str]:
 class TrainableFiles:
     """The trainable weights of an adapter run (LoRA), by full tensor: what resume reads back on any layout."""
 
-    def __init__(self, model: nn.Module, ep_plan, max_file_bytes: int):
+    def __init__(self, model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         self.regions = regions_of(model, ep_plan, names=names)
         self.ep_plan = ep_plan
@@ -158,7 +160,7 @@ class TrainableFiles:
         return error or finished
 
 
-def read_trainable_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
+def read_trainable_files(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, stats: IOStats) -> None:
     files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
                    if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
     index = SafetensorsIndex(files)

@@ -35,6 +35,7 @@ import enum
 import math
 
 import torch
+from torch import nn
 
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError
@@ -110,14 +111,14 @@ def drop_quantization_config(config) -> bool:
     return quantized
 
 
-def mark_quantized_release(model, quantized: bool):
+def mark_quantized_release(model: nn.Module, quantized: bool):
     """Remember on ``model`` that it streams from a quantized release (every rank knows it from the config):
     only then does the init agree on which regions travel as stored, one collective more."""
     setattr(model, RELEASE_ATTR, quantized)
     return model
 
 
-def is_quantized_release(model) -> bool:
+def is_quantized_release(model: nn.Module) -> bool:
     return bool(getattr(model, RELEASE_ATTR, False))
 
 
@@ -271,7 +272,7 @@ class QuantizedIndex:
     FP8 quantizer renames, and checks every pair's shapes before any read.
     """
 
-    def __init__(self, index, fmt: QuantFormat, model=None):
+    def __init__(self, index, fmt: QuantFormat, model: nn.Module | None = None):
         self.stored, self.fmt = index, fmt
         self.tensors: dict[str, LogicalTensor] = {}
         scales = _scale_keys(index, fmt, model)
@@ -369,7 +370,7 @@ def _check_scale_shape(key, shape, scale_key, got, want, block) -> None:
             f"{tuple(block)} needs {tuple(want)}; the checkpoint is truncated or corrupt: download it again")
 
 
-def _scale_keys(index, fmt: QuantFormat, model) -> dict[str, str]:
+def _scale_keys(index, fmt: QuantFormat, model: nn.Module | None) -> dict[str, str]:
     """Weight key -> its scale key, by the quantizer's own naming (transformers' renames for FP8)."""
     if fmt.method == QuantMethod.MXFP4:
         return {k[:-len("_scales")] + "_blocks": k for k in index.tensors
@@ -385,7 +386,7 @@ def _scale_keys(index, fmt: QuantFormat, model) -> dict[str, str]:
     return {weight: scale for weight, scale in out.items() if weight in index.tensors}
 
 
-def _fp8_scale_renames(model) -> list:
+def _fp8_scale_renames(model: nn.Module | None) -> list:
     """transformers' FP8 quantizer renames of scale keys (DeepSeek-V4's ``.scale``, Mistral's ``.qscale_weight``)."""
     from transformers.core_model_loading import WeightRenaming
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer

@@ -182,7 +182,7 @@ def _as_values(all_needs, mine):
     return [[None] * len(needs) for needs in all_needs or []], [None] * len(mine)
 
 
-def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: int, stats):
+def _wire_forms(all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink, bucket_bytes: int, stats):
     """The source decides which regions travel as stored (quantized) and tells each rank (None: as values).
 
     Returns every rank's forms (source; None elsewhere) and this rank's own.
@@ -195,7 +195,7 @@ def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: in
     return forms, mine
 
 
-def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] | None:
+def _plan(mine, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink, stats) -> list[list[Need]] | None:
     """The source learns what each of its ranks needs and checks it can serve it; fail together."""
     topology = node.topology
     source, is_source = topology.source_rank, topology.is_source
@@ -218,8 +218,8 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     return all_needs
 
 
-def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink, bucket_bytes, transport_kind,
-              stats, show_progress) -> transport.Outcome:
+def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallelPlan | None, node: NodeLink,
+              bucket_bytes, transport_kind, stats, show_progress) -> transport.Outcome:
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally.
 
     ``sinks`` are this rank's shards, or decoders into them for regions that travel quantized.
@@ -264,7 +264,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink
     return outcome
 
 
-def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
+def _copy_own_shards(mine, capture, ep_plan: ExpertParallelPlan | None, chunk_bytes, progress):
     """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
     for need, local in mine:
         rows_done = 0
@@ -289,7 +289,8 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool = True) -> str | None:
+def _verify(mine, all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink,
+            compare: bool = True) -> str | None:
     """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again.
 
     Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
@@ -312,7 +313,8 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool 
     return None
 
 
-def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
+def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan: ExpertParallelPlan | None,
+            chunk_bytes: int) -> StreamReader:
     """A rank's stream: each region's values, or as stored where its wire form says so.
 
     No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from transformers import PretrainedConfig
+    from transformers import PretrainedConfig, PreTrainedModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,7 @@ def model_from_config(config, seed: int = 0, dtype: torch.dtype = torch.float32)
     return model_class_for(config).from_config(config, dtype=dtype)
 
 
-def save_model(model, path: str, tokenizer=None, max_shard_size: str | None = None) -> str:
+def save_model(model: PreTrainedModel, path: str, tokenizer=None, max_shard_size: str | None = None) -> str:
     """``model`` (and ``tokenizer``) as a safetensors checkpoint under ``path``.
 
     transformers writes the hub layout (per-expert keys, renamed keys), as released checkpoints have it;

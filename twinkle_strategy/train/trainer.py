@@ -23,6 +23,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.checkpoint import (
@@ -42,6 +43,7 @@ from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.runtime import peak_rss_bytes
+from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.metrics import StepWindow
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag, newest_run_dir, restart_count
@@ -114,7 +116,7 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _expert_load_or_none(model, *, ep_size: int) -> ExpertLoad | None:
+def _expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
     """Expert-load counting for an MoE model whose experts call we know; None otherwise (dense models, and
     families EP refuses, which still train with ep_size=1 but log no moe_load_imbalance)."""
     try:
@@ -136,8 +138,8 @@ def _format_seconds(s: float) -> str:
 
 
 class Trainer:
-    def __init__(self, model, strategy, args: TrainingArguments, train_dataset, data_collator,
-                 processing_class=None, run_dir: str | None = None):
+    def __init__(self, model: nn.Module, strategy: NativeFSDPStrategy, args: TrainingArguments, train_dataset,
+                 data_collator, processing_class=None, run_dir: str | None = None):
         self.model = model
         self.strategy = strategy
         self.args = args
