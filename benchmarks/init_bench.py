@@ -704,10 +704,10 @@ def chart(rows: list[dict], path: str, nnodes: int) -> None:
               ("in_over_shard_max", "bytes in (network + disk) / shard\nnon-source rank"),
               ("calls_max", "collective calls per rank"), ("rss_nonsource_mb", "peak RSS non-source (MiB)"))
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         bars = ax.bar(names, [r[key] for r in rows],
                       color=["tab:green" if n == OURS_BEST else "tab:gray" for n in names])
-        for bar, r in zip(bars, rows):
+        for bar, r in zip(bars, rows, strict=True):
             if r["status"] != "correct":
                 bar.set_color("tab:red")
         ax.bar_label(bars, fmt="%.3g", fontsize=8)

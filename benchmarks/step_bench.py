@@ -160,7 +160,7 @@ def run_all(args, work: str, model: str) -> list[dict]:
     method the round with the fastest step is kept, with the range of step times."""
     rounds = [run_round(args, work, model, index) for index in range(args.repeat)]
     rows = []
-    for position, method in enumerate(args.methods.split(",")):
+    for position, _method in enumerate(args.methods.split(",")):
         runs = [r[position] for r in rounds]
         done = [r for r in runs if "step_s" in r]
         best = min(done, key=lambda r: r["step_s"]) if done else runs[0]

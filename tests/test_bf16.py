@@ -198,7 +198,7 @@ def test_fsdp_units_never_mix_dtypes(family):
     units = kept_dtype_units(model, kept)
     groups = fsdp_groups(model, units)
     assert all(len(group) <= 1 for group in groups), family
-    assert [group for group, (_, keeps) in zip(groups, units) if keeps] == [{torch.float32}] * sum(
+    assert [group for group, (_, keeps) in zip(groups, units, strict=False) if keeps] == [{torch.float32}] * sum(
         keeps for _, keeps in units), family
 
 

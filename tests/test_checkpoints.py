@@ -64,7 +64,7 @@ def test_saved_checkpoint_is_a_plain_hf_checkpoint_of_the_trained_model(model_di
         with safe_open(str(checkpoint / name), "pt") as f:  # the safetensors library reads every file
             assert f.keys()
     # Nothing was gathered to write it: every rank wrote its own rows and received nothing.
-    for rank, data in ranks.items():
+    for data in ranks.values():
         report = data["save_reports"]["3"]
         assert report["bytes_received"] == 0 and report["gathered"] == [], report
         assert report["bytes_written"] >= report["shard_bytes"] > 0, report

@@ -8,7 +8,7 @@ some ranks only (reading a checkpoint, writing one, checking shapes) ends with
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch.distributed as dist
 

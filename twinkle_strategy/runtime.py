@@ -14,7 +14,7 @@ import datetime
 import os
 import resource
 import socket
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -74,7 +74,7 @@ class LaunchEnv:
     node_rank: int  # torchrun's GROUP_RANK: index of this process's agent (= node)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
         env = os.environ if environ is None else environ
         if "RANK" not in env or "WORLD_SIZE" not in env:
             # Not launched by torchrun: a single process job.

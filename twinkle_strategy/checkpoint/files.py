@@ -207,7 +207,7 @@ class SafetensorsIndex:
         self._fds: dict[str, int] = {}
 
     @classmethod
-    def from_directory(cls, path: str) -> "SafetensorsIndex":
+    def from_directory(cls, path: str) -> SafetensorsIndex:
         from twinkle_strategy.checkpoint.durable import raise_if_incomplete
 
         raise_if_incomplete(path)

@@ -239,16 +239,16 @@ class CheckpointLayout:
     def _convert(self, recipe: TensorRecipe, tensors: dict[str, list[torch.Tensor]], rows: int | None = None
                  ) -> dict[str, torch.Tensor]:
         """Run the rule on ``tensors`` (per source pattern, in order) exactly as from_pretrained does."""
-        keyed = {p: list(zip(recipe.sources[p], pieces)) for p, pieces in tensors.items()}
+        keyed = {p: list(zip(recipe.sources[p], pieces, strict=False)) for p, pieces in tensors.items()}
         return convert_pieces(recipe.transform, recipe.first_target, keyed, config=self.config,
                               shapes=self.model_tensors, rows=rows)
 
     def _plan(self, recipe: TensorRecipe) -> None:
         # 1. Pieces merged into one tensor must agree (a wrong-shaped expert is named here, by its key).
-        for pattern, keys in recipe.sources.items():
+        for keys in recipe.sources.values():
             shapes = [self.index.tensors[k].shape for k in keys]
             common = max(set(shapes), key=shapes.count)
-            odd = [k for k, s in zip(keys, shapes) if s != common]
+            odd = [k for k, s in zip(keys, shapes, strict=True) if s != common]
             if odd:
                 target_shape = self.model_tensors[recipe.first_target].shape
                 for key in odd[:3]:
@@ -363,7 +363,7 @@ class CheckpointLayout:
 
     # ------------------------------------------------------------------ writing (the same rules, reversed)
     @classmethod
-    def for_saving(cls, model: nn.Module, model_tensors: dict[str, TensorSpec]) -> "CheckpointLayout":
+    def for_saving(cls, model: nn.Module, model_tensors: dict[str, TensorSpec]) -> CheckpointLayout:
         """The checkpoint ``model`` is saved as: transformers' rules reversed, as ``save_pretrained`` applies them.
 
         The rules are those that matched when the model was loaded (so a checkpoint comes back in its own
@@ -428,7 +428,7 @@ class CheckpointLayout:
         forward = recipe.transform
         backward = forward.reverse_transform()
         # The reversed rule's targets are the forward rule's sources, in the same order.
-        source_of = dict(zip(backward.target_patterns, forward.source_patterns))
+        source_of = dict(zip(backward.target_patterns, forward.source_patterns, strict=False))
         ops = list(backward.operations)
         per_expert = recipe.mode == RowMode.PER_EXPERT and ops and isinstance(ops[-1], SplitModulelist)
         if per_expert:

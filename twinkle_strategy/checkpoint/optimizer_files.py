@@ -103,7 +103,7 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: E
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ResumeError(f"{directory}: the optimizer was saved with {len(saved['param_groups'])} parameter "
                           f"groups, this one has {len(optimizer.param_groups)}")
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
         missing = sorted(set(saved_group["params"]) - set(params))
         if missing:
             raise ResumeError(f"{directory}: optimizer state of parameter '{missing[0]}', which this model does "

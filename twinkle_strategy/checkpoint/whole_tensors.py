@@ -24,7 +24,7 @@ by paired point-to-point transfers, which every backend has.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -138,7 +138,7 @@ def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_by
     step = max(chunk_bytes // _bytes_per_row(index, recipe) // align, 1) * align
     first_cut = (rows[0] // align + 1) * align + step - align
     edges = [rows[0], *range(first_cut, rows[1], step), rows[1]]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=False))
 
 
 def _rows_per_scale_row(index: QuantizedIndex, recipe) -> int:

@@ -86,7 +86,7 @@ def plan_files(tensors: dict[str, TensorSpec], max_file_bytes: int,
     names = [f"{prefix}.safetensors"] if count == 1 else \
         [f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     headers, sizes, placed = {}, {}, {}
-    for name, keys in zip(names, groups):
+    for name, keys in zip(names, groups, strict=True):
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for key in keys:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn

@@ -119,7 +119,7 @@ def distribute(
         t = finish(phase, start)
         phase = "transfer"
         sinks = [local if form is None else DecodingSink(local, form, model.config)
-                 for (_, local), form in zip(mine, my_forms)]
+                 for (_, local), form in zip(mine, my_forms, strict=False)]
         outcome = _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node,
                             bucket_bytes=bucket_bytes, transport_kind=transport_kind, stats=stats,
                             show_progress=show_progress)
@@ -230,7 +230,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallel
     chunk_bytes = max(bucket_bytes // READ_CHUNKS_PER_BUCKET, 1)
     writer = StreamWriter(sinks)
     readers = ([_reader(needs, rank_forms, capture=capture, ep_plan=ep_plan, chunk_bytes=chunk_bytes)
-                for needs, rank_forms in zip(all_needs, forms)] if is_source else None)
+                for needs, rank_forms in zip(all_needs, forms, strict=False)] if is_source else None)
     progress = None
     if show_progress and is_source:
         from tqdm.auto import tqdm
@@ -301,8 +301,8 @@ def _verify(mine, all_needs, capture, *, ep_plan: ExpertParallelPlan | None, nod
     if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]
-    for rank, needs, got in zip(node_ranks, all_needs, gathered):
-        for need, checksum in zip(needs, got):
+    for rank, needs, got in zip(node_ranks, all_needs, gathered, strict=False):
+        for need, checksum in zip(needs, got, strict=False):
             expected = _checksum(capture.region_chunks(need, ep_plan, 64 * 2**20))
             if checksum != expected:
                 region = f"rows {need.rows[0]}:{need.rows[1]}" if need.rows else "whole tensor"
@@ -320,6 +320,7 @@ def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan: Expert
     No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
     """
     regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
-               else (lambda need=need, form=form: capture.wire_chunks(need, form)) for need, form in zip(needs, forms)]
-    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms)]
+               else (lambda need=need, form=form: capture.wire_chunks(need, form))
+               for need, form in zip(needs, forms, strict=False)]
+    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms, strict=False)]
     return StreamReader(regions, sizes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

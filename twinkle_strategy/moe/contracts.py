@@ -88,7 +88,7 @@ def _is_llama4_text_experts_forward(cls: type) -> bool:
     return inspect.unwrap(cls.forward) is inspect.unwrap(Llama4TextExperts.forward)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def experts_call_arities(block_class: type, attr: str) -> frozenset[int]:
     """How many arguments the block's code passes in each ``self.<attr>(...)`` call.
 

@@ -40,7 +40,7 @@ class ExpertLoad:
         self.counts: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
         self.active = True
-        for layer, (block, size) in enumerate(zip(blocks, sizes)):
+        for layer, (block, size) in enumerate(zip(blocks, sizes, strict=False)):
             hook = functools.partial(self._count, layer, block.contract.kind, size)
             block.experts.register_forward_pre_hook(hook, with_kwargs=True)
 

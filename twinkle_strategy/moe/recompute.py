@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-_ACTIVE: contextvars.ContextVar["ForwardRecord | None"] = contextvars.ContextVar("twinkle_forward_record",
+_ACTIVE: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("twinkle_forward_record",
                                                                                  default=None)
 
 

@@ -49,7 +49,7 @@ class DatasetSpec:
     sample: int | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "DatasetSpec":
+    def parse(cls, text: str) -> DatasetSpec:
         # Like swift: split at the last '#', unless the whole text names an existing file.
         if "#" not in text or os.path.exists(text):
             return cls(text)
@@ -221,7 +221,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_jsonl(cls, datasets: str | list[str], tokenizer, max_length: int = 512, packing: bool = False,
-                   strict: bool = False, seed: int = 42) -> "SFTDataset":
+                   strict: bool = False, seed: int = 42) -> SFTDataset:
         """One or more JSONL files (``path`` or swift's ``path#N``), concatenated in order.
 
         Every rank builds the same dataset: sampling is seeded with ``seed``.
