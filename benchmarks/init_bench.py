@@ -450,7 +450,7 @@ def build_checkpoint(model_mb: float, path: str, shard_mb: float | None = None, 
     With ``model_layout``, also a copy in the model's own layout (fused expert tensors) next to it, for
     readers without conversion rules (DCP's HuggingFaceStorageReader).
     """
-    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+    from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
     hidden, inter, experts, vocab = 512, 512, 8, 4096
     per_layer = (experts * 3 * hidden * inter + 4 * hidden * hidden) * 4
@@ -704,10 +704,10 @@ def chart(rows: list[dict], path: str, nnodes: int) -> None:
               ("in_over_shard_max", "bytes in (network + disk) / shard\nnon-source rank"),
               ("calls_max", "collective calls per rank"), ("rss_nonsource_mb", "peak RSS non-source (MiB)"))
     fig, axes = plt.subplots(2, 3, figsize=(14, 7.5))
-    for ax, (key, title) in zip(axes.flat, panels):
+    for ax, (key, title) in zip(axes.flat, panels, strict=False):
         bars = ax.bar(names, [r[key] for r in rows],
                       color=["tab:green" if n == OURS_BEST else "tab:gray" for n in names])
-        for bar, r in zip(bars, rows):
+        for bar, r in zip(bars, rows, strict=True):
             if r["status"] != "correct":
                 bar.set_color("tab:red")
         ax.bar_label(bars, fmt="%.3g", fontsize=8)

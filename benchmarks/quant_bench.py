@@ -86,7 +86,7 @@ def worker_main(args) -> None:
 # --------------------------------------------------------------------------- driver
 def build_release(model_mb: float, path: str, shard_mb: float) -> dict:
     """A Qwen3-MoE FP8 release of about ``model_mb`` MiB in bf16 (128 x 128 blocks, float32 scales)."""
-    from twinkle_strategy.train.tiny_models import save_tiny_quantized_checkpoint
+    from twinkle_strategy.testing.releases import save_tiny_quantized_checkpoint
 
     hidden, inter, experts, vocab = 512, 512, 8, 4096
     if model_mb < 100:

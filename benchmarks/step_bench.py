@@ -40,7 +40,7 @@ METHODS = ("fsdp2", "ours_ep2", "ours_ep2_ac", "ours_ep4", "ours_ep4_ac")
 
 
 def build_model(path: str, *, hidden: int, layers: int, experts: int) -> dict:
-    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+    from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
     save_tiny_checkpoint("qwen3_moe", path, seed=0, vocab_size=1024, num_experts=experts, hidden_size=hidden,
                          intermediate_size=hidden // 2, num_layers=layers)
@@ -160,7 +160,7 @@ def run_all(args, work: str, model: str) -> list[dict]:
     method the round with the fastest step is kept, with the range of step times."""
     rounds = [run_round(args, work, model, index) for index in range(args.repeat)]
     rows = []
-    for position, method in enumerate(args.methods.split(",")):
+    for position, _method in enumerate(args.methods.split(",")):
         runs = [r[position] for r in rounds]
         done = [r for r in runs if "step_s" in r]
         best = min(done, key=lambda r: r["step_s"]) if done else runs[0]

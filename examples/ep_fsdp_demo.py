@@ -66,8 +66,8 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
+    from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
     from twinkle_strategy.train.launcher import run_simulated_nodes
-    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
 
     if args.model is None:
         args.model = os.path.join(args.output_dir, "tiny-qwen3-moe")

@@ -18,7 +18,7 @@ DATASET=${DATASET:-examples/data/demo_sft.jsonl}
 if [ -z "${MODEL:-}" ]; then
   # The embedded demo: a tiny Qwen3-MoE with a BPE tokenizer trained on the demo dataset (ChatML template).
   MODEL=output/tiny/demo
-  python -c "from twinkle_strategy.train.tiny_models import prepare_demo_model as p; p('$MODEL', '$DATASET')"
+  python -c "from twinkle_strategy.train.demo_model import prepare_demo_model as p; p('$MODEL', '$DATASET')"
   DEMO_ARGS=(--template qwen3_nothinking --torch_dtype float32 --max_steps 20 --learning_rate 5e-3
              --lora_rank 4 --lora_alpha 8 --per_device_train_batch_size 2)
   export NPROC_PER_NODE=${NPROC_PER_NODE:-2} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

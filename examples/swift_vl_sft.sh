@@ -23,10 +23,10 @@ if [ -z "${MODEL:-}" ]; then
   # vision-language MoE saved from its image-text-to-text class with a real Qwen3VLProcessor.
   FAMILY=${FAMILY:-qwen3_vl_moe}
   if [ -z "${DATASET:-}" ]; then
-    DATASET=$(python -c "from twinkle_strategy.train.tiny_vision import write_vl_demo_dataset as w; print(w('output/tiny/vl_data'))")
+    DATASET=$(python -c "from twinkle_strategy.testing.tiny_vision import write_vl_demo_dataset as w; print(w('output/tiny/vl_data'))")
   fi
   MODEL=output/tiny/${FAMILY}_demo
-  python -c "from twinkle_strategy.train.tiny_vision import prepare_vl_demo_model as p; p('$MODEL', '$DATASET', family='$FAMILY')"
+  python -c "from twinkle_strategy.testing.tiny_vision import prepare_vl_demo_model as p; p('$MODEL', '$DATASET', family='$FAMILY')"
   DEMO_ARGS=(--torch_dtype float32 --max_steps 20 --learning_rate 5e-3
              --lora_rank 4 --lora_alpha 8 --per_device_train_batch_size 2)
   export NPROC_PER_NODE=${NPROC_PER_NODE:-2} OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}

@@ -26,7 +26,7 @@ def main():
     from transformers import AutoModelForCausalLM
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+    from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
     assert torch.cuda.is_available(), "no GPU"
     path = save_tiny_checkpoint("qwen3_moe", tempfile.mkdtemp(), seed=0)

@@ -3,7 +3,7 @@
 A family is a class behind ``AutoModelForCausalLM`` or ``AutoModelForImageTextToText``
 whose modeling code has an ``experts`` module. For each one:
 
-1. a tiny checkpoint (``twinkle_strategy.train.tiny_models.tiny_config``: written by
+1. a tiny checkpoint (``twinkle_strategy.testing.tiny_models.tiny_config``: written by
    hand for the families the tests run, the config's own defaults shrunk for
    the others);
 2. what expert parallelism reads from its code: the experts module, the call
@@ -43,7 +43,7 @@ def _is_multimodal(config_class) -> bool:
     return bool({"text_config", "vision_config"} & set(getattr(config_class, "sub_configs", None) or {}))
 
 
-# Vision-language checkpoints with a hand-written tiny config (twinkle_strategy.train.tiny_models), by model_type.
+# Vision-language checkpoints with a hand-written tiny config (twinkle_strategy.testing.tiny_models), by model_type.
 VISION_LANGUAGE_TINY = {"qwen3_5_moe": "qwen3_5_moe_vl", "qwen3_vl_moe": "qwen3_vl_moe"}
 
 
@@ -74,9 +74,9 @@ def moe_families() -> list[tuple[str, str]]:
 
 def _needed(contract, tensor_names: list[str]) -> str:
     """What serving the family took, in words."""
-    from twinkle_strategy.moe.contracts import PRE_ROUTED
+    from twinkle_strategy.moe.contracts import CallKind
 
-    if contract.kind == PRE_ROUTED:
+    if contract.kind == CallKind.PRE_ROUTED:
         return ("pre-routed dispatch: the block repeats every token per expert, scaled by its score; only "
                 "non-zero (token, expert) rows travel, padded per local expert for the module's forward")
     needs = []
@@ -100,7 +100,7 @@ def inspect_family(model_type: str, class_name: str, root: Path) -> dict:
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.loading import model_class_for
     from twinkle_strategy.moe.discovery import find_moe_blocks
-    from twinkle_strategy.train.tiny_models import tiny_config
+    from twinkle_strategy.testing.tiny_models import tiny_config
 
     row = dict(model_type=model_type, model_class=class_name)
     if _is_multimodal(CONFIG_MAPPING[model_type]) and model_type not in VISION_LANGUAGE_TINY:
@@ -129,7 +129,7 @@ def inspect_family(model_type: str, class_name: str, root: Path) -> dict:
         return row
     names = [t.fqn for b in blocks for t in b.tensors]
     shapes = {n.rsplit(".", 1)[-1]: tuple(model.get_parameter(n).shape) for n in names}
-    row.update(contract=blocks[0].contract.kind, zero_experts=blocks[0].contract.zero_experts,
+    row.update(contract=blocks[0].contract.kind.value, zero_experts=blocks[0].contract.zero_experts,
                tensors=shapes, needed=_needed(blocks[0].contract, names))
     row["fp32_kept"] = _fp32_kept(config, model_class)
     path = root / model_type

@@ -5,7 +5,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from twinkle_strategy.train.tiny_models import FAMILIES, LAYOUT_FAMILIES, save_tiny_checkpoint  # noqa: E402
+from twinkle_strategy.testing.families import FAMILIES, LAYOUT_FAMILIES  # noqa: E402
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint  # noqa: E402
 
 # Checkpoints split into several files (with model.safetensors.index.json): a few tensors per file.
 SHARD = "40KB"

@@ -27,7 +27,7 @@ def overlap(header: dict) -> str:
     """The second of two neighbouring tensors of equal size gets the first one's bytes; returns its key."""
     keys = _by_offset(header)
     size = {k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0] for k in keys}
-    first, second = next((a, b) for a, b in zip(keys, keys[1:]) if size[a] == size[b] > 0)
+    first, second = next((a, b) for a, b in zip(keys, keys[1:], strict=False) if size[a] == size[b] > 0)
     header[second]["data_offsets"] = list(header[first]["data_offsets"])
     return second
 

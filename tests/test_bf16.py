@@ -29,7 +29,7 @@ import torch
 from multinode import launch
 from roundtrip_checks import check_roundtrips
 
-from twinkle_strategy.train.tiny_models import build_tiny_model, save_tiny_checkpoint
+from twinkle_strategy.testing.tiny_models import build_tiny_model, save_tiny_checkpoint
 
 U = 2.0 ** -8  # bf16 unit roundoff (8 significand bits with the implicit one)
 LOGIT_TOLERANCE, LOSS_TOLERANCE, NORM_TOLERANCE = 16 * U, U, 8 * U
@@ -190,7 +190,7 @@ def test_fsdp_units_never_mix_dtypes(family):
     from twinkle_strategy.fsdp import kept_dtype_units
     from twinkle_strategy.kept_dtypes import kept_parameters
     from twinkle_strategy.loading import meta_skeleton
-    from twinkle_strategy.train.tiny_models import tiny_config
+    from twinkle_strategy.testing.tiny_models import tiny_config
 
     model = meta_skeleton(tiny_config(family), torch.bfloat16)
     kept = kept_parameters(model, torch.bfloat16)
@@ -198,7 +198,7 @@ def test_fsdp_units_never_mix_dtypes(family):
     units = kept_dtype_units(model, kept)
     groups = fsdp_groups(model, units)
     assert all(len(group) <= 1 for group in groups), family
-    assert [group for group, (_, keeps) in zip(groups, units) if keeps] == [{torch.float32}] * sum(
+    assert [group for group, (_, keeps) in zip(groups, units, strict=False) if keeps] == [{torch.float32}] * sum(
         keeps for _, keeps in units), family
 
 
@@ -209,7 +209,7 @@ def test_a_module_holding_both_dtypes_itself_is_refused_naming_it():
     from twinkle_strategy.fsdp import kept_dtype_units
     from twinkle_strategy.kept_dtypes import kept_parameters
     from twinkle_strategy.loading import meta_skeleton
-    from twinkle_strategy.train.tiny_models import tiny_config
+    from twinkle_strategy.testing.tiny_models import tiny_config
 
     model = meta_skeleton(tiny_config("inkling_text"), torch.bfloat16)
     with pytest.raises(ModelStructureError, match=r"module 'model\.layers\.0\.mlp\.gate' \(\w+\) holds parameters "

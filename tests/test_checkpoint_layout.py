@@ -11,11 +11,11 @@ import torch
 from conftest import LAYOUT_CHECKPOINTS
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.layout import PER_EXPERT, WHOLE
+from twinkle_strategy.checkpoint.layout import RowMode
 from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.init.skeleton import CheckpointTensor, WeightsNotLoadedError
 from twinkle_strategy.loading import load_config, meta_skeleton, model_class_for, open_streaming_model
-from twinkle_strategy.train.tiny_models import FAMILIES
+from twinkle_strategy.testing.families import FAMILIES
 
 
 def reference_state(path):
@@ -37,9 +37,9 @@ def test_every_tensor_and_any_rows_equal_from_pretrained(tiny_checkpoints, name)
     assert set(placeholders) <= set(state) and placeholders
     # Fused expert tensors stored per expert in the hub layout are read expert by expert; nothing is read whole.
     per_expert_keys = any(".experts.0." in k for k in layout.index.tensors)
-    assert per_expert_keys == any(layout.recipes[k].mode == PER_EXPERT for k in placeholders
+    assert per_expert_keys == any(layout.recipes[k].mode == RowMode.PER_EXPERT for k in placeholders
                                   if "experts.gate_up_proj" in k)
-    assert all(recipe.mode != WHOLE for recipe in layout.recipes.values())
+    assert all(recipe.mode != RowMode.WHOLE for recipe in layout.recipes.values())
     for key in placeholders:
         want = state[key]
         assert torch.equal(layout.read_rows(key), want), key
@@ -66,7 +66,7 @@ def test_qwen3_vl_moe_hub_layout_is_transposed_on_read(tiny_checkpoints, tmp_pat
     state = reference_state(tiny_checkpoints / "qwen3_vl_moe")
     _, layout, placeholders = open_layout(path)
     experts = [k for k in placeholders if k.endswith("experts.gate_up_proj")]
-    assert experts and all(layout.recipes[k].mode != WHOLE for k in experts)
+    assert experts and all(layout.recipes[k].mode != RowMode.WHOLE for k in experts)
     for key in placeholders:
         assert torch.equal(layout.read_rows(key), state[key]), key
         if key in experts:
@@ -78,7 +78,7 @@ def test_rules_that_cannot_be_read_by_rows_are_read_whole_and_reported(tiny_chec
     state = reference_state(tiny_checkpoints / "mixtral")
     _, layout, placeholders = open_layout(tiny_checkpoints / "mixtral")
     key = "model.layers.0.mlp.experts.gate_up_proj"
-    layout.recipes[key].mode = WHOLE  # as for e.g. a Concatenate(dim=0) rule
+    layout.recipes[key].mode = RowMode.WHOLE  # as for e.g. a Concatenate(dim=0) rule
     assert torch.equal(layout.read_rows(key, (2, 5)), state[key][2:5])
     assert layout.materialized_whole == {key}
 
@@ -162,3 +162,20 @@ def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_r
         assert torch.equal(chunk, want)
     assert name not in capture._whole
     assert capture.bytes_read == want.numel() * want.element_size()
+
+
+def test_the_three_checkpoint_indexes_are_checkpoint_indexes(tiny_checkpoints):
+    from twinkle_strategy.checkpoint.files import CheckpointIndex
+    from twinkle_strategy.checkpoint.layout import DeclaredTensors
+    from twinkle_strategy.dtypes import TensorSpec
+    from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex
+
+    stored = SafetensorsIndex.from_directory(str(tiny_checkpoints / "qwen3_moe"))
+    declared = DeclaredTensors({"w": TensorSpec((2, 3), torch.float32)})
+    for index in (stored, QuantizedIndex(stored, QuantFormat("mxfp4", None)), declared):
+        assert isinstance(index, CheckpointIndex), type(index).__name__
+        key = next(iter(index.tensors))
+        assert key in index and isinstance(index.tensors[key].dtype, torch.dtype)
+    with pytest.raises(CheckpointError, match="'w' is declared for a save, not written yet"):
+        declared.read("w")
+    stored.close()

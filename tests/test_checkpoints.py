@@ -22,7 +22,7 @@ LIMIT = 600
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """A ~30 MB Qwen3-MoE in the hub layout (per-expert keys), in several files, with the demo tokenizer."""
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("ckpt") / "model"), DATASET, hidden_size=256,
                               intermediate_size=256, num_layers=4, max_shard_size="8MB")
@@ -64,7 +64,7 @@ def test_saved_checkpoint_is_a_plain_hf_checkpoint_of_the_trained_model(model_di
         with safe_open(str(checkpoint / name), "pt") as f:  # the safetensors library reads every file
             assert f.keys()
     # Nothing was gathered to write it: every rank wrote its own rows and received nothing.
-    for rank, data in ranks.items():
+    for data in ranks.values():
         report = data["save_reports"]["3"]
         assert report["bytes_received"] == 0 and report["gathered"] == [], report
         assert report["bytes_written"] >= report["shard_bytes"] > 0, report

@@ -14,7 +14,7 @@ from twinkle_strategy.train.data import (
     StepSampler,
     load_jsonl,
 )
-from twinkle_strategy.train.tiny_models import build_tokenizer
+from twinkle_strategy.train.demo_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -38,11 +38,11 @@ def test_labels_cover_only_assistant_turns(tokenizer, tmp_path):
     ds = SFTDataset.from_jsonl(path, tokenizer, max_length=512)
     assert len(ds) == 2
     ex = ds[0]
-    trained = tokenizer.decode([t for t, l in zip(ex["input_ids"], ex["labels"]) if l != IGNORE_INDEX])
+    trained = tokenizer.decode([t for t, l in zip(ex["input_ids"], ex["labels"], strict=False) if l != IGNORE_INDEX])
     assert trained == "2 plus 2 is 4.<|im_end|>\nhello world<|im_end|>\n"
     assert "system prompt" not in trained and "What is" not in trained
     ex = ds[1]
-    assert tokenizer.decode([t for t, l in zip(ex["input_ids"], ex["labels"]) if l != IGNORE_INDEX]) == \
+    assert tokenizer.decode([t for t, l in zip(ex["input_ids"], ex["labels"], strict=False) if l != IGNORE_INDEX]) == \
         "2 plus 2 is 4.<|im_end|>\n"
 
 

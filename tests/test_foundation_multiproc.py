@@ -3,7 +3,8 @@
 import pytest
 from multinode import launch
 
-from twinkle_strategy.train.tiny_models import FAMILIES, save_tiny_checkpoint
+from twinkle_strategy.testing.families import FAMILIES
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 
 def test_ep_fsdp_matches_single_process(tiny_checkpoints, tmp_path):
@@ -73,6 +74,6 @@ def test_uneven_nodes_fail_on_every_rank(tmp_path):
     assert all(rc != 0 for rc in result.returncodes), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2]
-    for rank, data in ranks.items():
+    for data in ranks.values():
         assert data["error_type"] == "TopologyError", data
         assert "LOCAL_WORLD_SIZE differs between nodes (node 0: 2, node 1: 1)" in data["error"], data

@@ -47,7 +47,7 @@ def populate_modelscope_cache(model_dir: Path, cache: Path, repo_id: str, files=
 def hub_caches(tmp_path_factory):
     from huggingface_hub import scan_cache_dir, snapshot_download
 
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     root = tmp_path_factory.mktemp("hubs")
     model = Path(prepare_demo_model(str(root / "model"), DATASET))

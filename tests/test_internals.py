@@ -50,12 +50,12 @@ class Tiny:
     def __init__(self, root: Path):
         self.root = root
 
-    @functools.lru_cache(maxsize=None)
+    @functools.cache  # noqa: B019 - one fixture object per test session, kept on purpose
     def model(self, family: str):
         return self.fresh(family)
 
     def fresh(self, family: str):
-        from twinkle_strategy.train.tiny_models import build_tiny_model
+        from twinkle_strategy.testing.tiny_models import build_tiny_model
 
         return build_tiny_model(family)
 
@@ -64,7 +64,7 @@ class Tiny:
         """The tiny Qwen3-MoE, saved in its hub layout (per-expert keys) and loaded by ``from_pretrained``."""
         from transformers import AutoModelForCausalLM
 
-        from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+        from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
         save_tiny_checkpoint("qwen3_moe", str(self.root / "qwen3_moe"))
         return AutoModelForCausalLM.from_pretrained(str(self.root / "qwen3_moe"), dtype=torch.float32)
@@ -181,7 +181,7 @@ def _merge_module_list(tiny):
     def convert(first, last):
         pieces = {pattern: [(f"model.layers.0.mlp.experts.{e}.{proj}_proj.weight", values[e])
                             for e in range(first, last)]
-                  for pattern, proj, values in zip(rule.source_patterns, ("gate", "up"), (gate, up))}
+                  for pattern, proj, values in zip(rule.source_patterns, ("gate", "up"), (gate, up), strict=True)}
         shapes = {target: ((last - first, 2 * inter, hidden), torch.float32)}
         return convert_pieces(rule, target, pieces, config=model.config, shapes=shapes)[target]
 
@@ -410,7 +410,7 @@ def _checkpointing_enable(tiny):
             continue
         seen = []
 
-        def wrap(method):
+        def wrap(method, seen=seen):
             def wrapped(*args, **kwargs):
                 seen.append(args[0] if args else kwargs)
                 return method(*args, **kwargs)
@@ -503,7 +503,7 @@ def _accelerate_prepared(tiny):
     assert "return model" in early, early
     model = nn.Linear(2, 2)
     hf.mark_accelerate_prepared(model)
-    assert getattr(model, "_is_accelerate_prepared") is True
+    assert model._is_accelerate_prepared is True
 
 
 # ------------------------------------------------------------------ torch

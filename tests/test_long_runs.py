@@ -9,7 +9,7 @@ DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("model") / "demo"), DATASET)
 
@@ -41,7 +41,7 @@ def test_moe_load_imbalance_is_a_single_process_count(long_runs):
 def test_activation_checkpointing_changes_nothing_but_memory(long_runs, tuner):
     for rank, data in long_runs.items():
         plain, checkpointed = data[f"{tuner}_gc0"]["steps"], data[f"{tuner}_gc1"]["steps"]
-        for a, b in zip(plain, checkpointed):
+        for a, b in zip(plain, checkpointed, strict=False):
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), (rank, plain, checkpointed)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-6), (rank, plain, checkpointed)
             assert b["counts"] == a["counts"]  # tokens counted once, not again in the recomputation
@@ -118,7 +118,7 @@ def test_killed_rank_restarts_and_sigterm_saves_and_resumes(tiny_model, tmp_path
                "stopped": (stopped, tmp_path / "stopped", lambda pids: [(pid, signal.SIGTERM) for pid in pids.values()])}
 
     def send_due_signals():
-        for name, (proc, out, targets) in list(pending.items()):
+        for name, (_proc, out, targets) in list(pending.items()):
             run_dir = the_run_dir(out)
             if run_dir is not None and (run_dir / "checkpoint-2" / "trainer_state.json").is_file():
                 for pid, sig in targets(rank_pids(run_dir, 2)):
@@ -174,7 +174,7 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
     )
     from twinkle_strategy.moe.load import ExpertLoad
     from twinkle_strategy.moe.recompute import checkpoint_contexts, replay_in_transformers_checkpointing
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     ids = torch.randint(0, 100, (2, 12), generator=torch.Generator().manual_seed(0))
     counts, grads = [], []
@@ -198,8 +198,8 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
 
 
 def test_active_parameters_count_only_the_routed_experts_a_token_uses():
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
     from twinkle_strategy.train.throughput import FlopsModel, throughput
-    from twinkle_strategy.train.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen3_moe")
     config = model.config
@@ -220,7 +220,7 @@ def test_active_parameters_count_only_the_routed_experts_a_token_uses():
 def test_aux_loss_free_bias_moves_towards_balance_and_other_losses_are_refused():
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("deepseek_v3")
     biases = correction_biases(model)
@@ -229,7 +229,7 @@ def test_aux_loss_free_bias_moves_towards_balance_and_other_losses_are_refused()
     counts[:, 0], counts[:, 1] = 9.0, 0.0  # expert 0 overloaded, expert 1 starved
     before = [bias.clone() for bias in biases]
     update_correction_bias(biases, counts, 0.01)
-    for bias, old in zip(biases, before):
+    for bias, old in zip(biases, before, strict=True):
         change = bias - old
         assert change[0] < 0 < change[1] and abs(float(change.sum())) < 1e-6, change
     with pytest.raises(ModelStructureError, match="load_balance_coeff"):

@@ -14,7 +14,7 @@ from conftest import LAYOUT_CHECKPOINTS
 from multinode import launch
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.train.tiny_models import FAMILIES
+from twinkle_strategy.testing.families import FAMILIES
 
 BUCKET = 4096
 

@@ -12,12 +12,8 @@ from multinode import launch
 from roundtrip_checks import check_roundtrips
 from test_bf16 import check_cases as check_bf16_cases
 
-from twinkle_strategy.train.tiny_models import (
-    MATRIX_FAMILIES,
-    REFUSED_FAMILIES,
-    VISION_LANGUAGE_FAMILIES,
-    save_tiny_checkpoint,
-)
+from twinkle_strategy.testing.families import MATRIX_FAMILIES, REFUSED_FAMILIES, VISION_LANGUAGE_FAMILIES
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 FAMILIES = MATRIX_FAMILIES + VISION_LANGUAGE_FAMILIES
 # Also run in bf16, against one process in bf16 (the checks of tests/test_bf16.py): the families of the matrix

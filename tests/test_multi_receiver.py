@@ -6,7 +6,7 @@ import shutil
 
 from multinode import launch
 
-from twinkle_strategy.train.tiny_models import save_tiny_checkpoint
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 BUCKET = 13312  # small: each receiver gets 4 or 5 buckets (rank 3 keeps 3 rows of each embedding less)
 STAGED_BUCKETS = 4  # the source's bound beyond its shards

@@ -32,7 +32,7 @@ def test_twinkle_sft_trains_in_one_process_without_torchrun(tmp_path):
 
 
 def test_a_plain_python_script_is_a_one_process_job(tmp_path):
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     model = prepare_demo_model(str(tmp_path / "model"), DATASET)
     proc = subprocess.run([sys.executable, str(WORKERS / "one_process.py"), "--model", model, "--dataset", DATASET,

@@ -19,7 +19,7 @@ from twinkle_strategy.quantized.formats import (
     quantize_fp8_blocks,
     unpack_e2m1,
 )
-from twinkle_strategy.train.tiny_models import (
+from twinkle_strategy.testing.releases import (
     save_tiny_deepseek_v4_release,
     save_tiny_mxfp4_release,
     save_tiny_quantized_checkpoint,

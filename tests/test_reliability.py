@@ -39,7 +39,7 @@ def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory):
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
 
@@ -108,7 +108,7 @@ def test_source_killed_mid_distribution(demo_model, tmp_path):
     assert 2 not in ranks  # killed with SIGKILL: it wrote nothing
     # torchrun stops a node's remaining workers once one fails; every rank that got to report names rank 2.
     assert ranks and any(r in ranks for r in (0, 1)), result.describe()
-    for rank, data in ranks.items():
+    for data in ranks.values():
         assert data["error_type"] == "DistributedInitError", data
         assert "memory_efficient_init failed" in data["error"], data["error"]
         # Rank 2 is named among the ranks that did not report back (its node peer may be, too:

@@ -12,7 +12,8 @@ from multinode import REPO, launch
 from test_bf16 import check_cases
 from test_bf16 import save_checkpoint as save_bf16_checkpoint
 
-from twinkle_strategy.train.tiny_models import prepare_demo_model, save_tiny_checkpoint
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
+from twinkle_strategy.train.demo_model import prepare_demo_model
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
@@ -106,7 +107,7 @@ def test_activation_checkpointing_changes_nothing(smoke):
     for rank, data in part(smoke, "checkpointing").items():
         plain, checkpointed = data["gc0"]["steps"], data["gc1"]["steps"]
         assert len(plain) == len(checkpointed) == 2
-        for a, b in zip(plain, checkpointed):
+        for a, b in zip(plain, checkpointed, strict=True):
             assert b["loss"] == pytest.approx(a["loss"], abs=1e-6), (rank, plain, checkpointed)
             assert b["grad_norm"] == pytest.approx(a["grad_norm"], abs=1e-6), (rank, plain, checkpointed)
             assert b["counts"] == a["counts"]  # tokens counted once, not again in the recomputation

@@ -4,6 +4,8 @@
 - No package imports another that imports it back, directly or through others, and no module either.
 - ``distributed/`` is the lowest layer; the package's own imports are made at module level.
 - Importing one module (``twinkle_strategy.errors``) does not load the library.
+- Nothing outside the fixtures (``twinkle_strategy.testing``: tiny families, quantized releases, test
+  matrices) imports them: not the library, not the application, not the integrations.
 - Every strategy option is accepted, under the same name and type, by the Python API, the recipe,
   ``twinkle-sft``'s flags and the ms-swift plugin: all of them are built from StrategyConfig.
 """
@@ -24,6 +26,7 @@ from twinkle_strategy.errors import StrategyConfigError
 
 PACKAGE = Path(__file__).resolve().parent.parent / "twinkle_strategy"
 APPLICATION = "twinkle_strategy.train"
+FIXTURES = "twinkle_strategy.testing"
 
 # A value other than the default for every option, by type (a new option needs no edit here).
 EXAMPLE_VALUES = {int: 2, float: 7.5, bool: True, str: None}
@@ -45,16 +48,32 @@ def _imported_modules(path: Path) -> set[str]:
     return found
 
 
+def _files_outside(*packages: str) -> list[Path]:
+    return [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in packages]
+
+
 def _library_files() -> list[Path]:
-    return [p for p in PACKAGE.rglob("*.py") if "train" not in p.relative_to(PACKAGE).parts]
+    return _files_outside("train", "testing")  # (the fixtures build on the demo model of the application)
+
+
+def _importers(files: list[Path], package: str) -> dict[str, list[str]]:
+    found = {str(p.relative_to(PACKAGE.parent)): sorted(m for m in _imported_modules(p)
+                                                        if m == package or m.startswith(package + "."))
+             for p in files}
+    return {path: modules for path, modules in found.items() if modules}
 
 
 def test_library_never_imports_the_application():
-    offenders = {str(p.relative_to(PACKAGE.parent)): sorted(m for m in _imported_modules(p) if m.startswith(APPLICATION))
-                 for p in _library_files()}
-    offenders = {path: modules for path, modules in offenders.items() if modules}
+    offenders = _importers(_library_files(), APPLICATION)
     assert not offenders, f"library modules import the application package: {offenders}"
     assert len(_library_files()) > 20  # the walk really saw the library
+
+
+def test_only_tests_benchmarks_and_scripts_import_the_fixtures():
+    offenders = _importers(_files_outside("testing"), FIXTURES)
+    assert not offenders, f"modules of the package import the test fixtures ({FIXTURES}): {offenders}"
+    fixtures = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] == "testing"]
+    assert len(fixtures) >= 4 and len(_files_outside("testing")) > 40  # the walk really saw both sides
 
 
 def test_the_check_sees_imports_inside_functions(tmp_path):
@@ -126,7 +145,7 @@ def test_no_package_and_no_module_imports_itself_back():
     cycle = _cycle(units)
     assert cycle is None, "packages import each other: " + "; ".join(
         f"{a} -> {b} ({sorted(f'{m} imports {t}' for m, ts in graph.items() for t in ts if _unit(m) == a and _unit(t) == b)})"
-        for a, b in zip(cycle, cycle[1:]))
+        for a, b in zip(cycle, cycle[1:], strict=False))
     cycle = _cycle(graph)
     assert cycle is None, "modules import each other: " + " -> ".join(cycle)
 

@@ -29,8 +29,8 @@ import pytest
 import torch
 from workers.swift_peft_logits import peft_logits
 
+from twinkle_strategy.train.demo_model import prepare_demo_model
 from twinkle_strategy.train.launcher import free_port
-from twinkle_strategy.train.tiny_models import prepare_demo_model
 
 REPO = Path(__file__).resolve().parent.parent
 # What every process of the swift virtualenv gets: this checkout's package first on the path.
@@ -332,7 +332,7 @@ VL_LORA_ARGS = ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8",
                 "--target_parameters", "mlp.experts.gate_up_proj", "mlp.experts.down_proj",
                 "--max_steps", str(VL_STEPS), "--save_steps", str(VL_STEPS), "--learning_rate", "1e-3"]
 BUILD_VL = """import sys
-from twinkle_strategy.train.tiny_vision import prepare_vl_demo_model, write_vl_demo_dataset
+from twinkle_strategy.testing.tiny_vision import prepare_vl_demo_model, write_vl_demo_dataset
 root, families = sys.argv[1], sys.argv[2:]
 data = write_vl_demo_dataset(root + "/data")
 for family in families:

@@ -252,9 +252,11 @@ def test_twinkle_sft_trains_a_vision_language_checkpoint_on_text(tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForImageTextToText
 
-    from twinkle_strategy.train.tiny_models import prepare_demo_model
+    from twinkle_strategy.testing.tiny_models import TINY_CONFIGS
+    from twinkle_strategy.train.demo_model import prepare_demo_model
 
-    model_dir = prepare_demo_model(str(tmp_path / "qwen3_5_moe_vl"), DATASET, family="qwen3_5_moe_vl")
+    model_dir = prepare_demo_model(str(tmp_path / "qwen3_5_moe_vl"), DATASET,
+                                   build_config=TINY_CONFIGS["qwen3_5_moe_vl"])
     out = tmp_path / "out"
     proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"model.path={model_dir}",
                     f"train.output_dir={out}", "train.max_steps=10", "train.logging_steps=1"], cwd=tmp_path)

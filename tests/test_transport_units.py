@@ -84,7 +84,7 @@ def test_sending_order_serves_a_few_receivers_at_a_time_in_order():
     started = [order.index(next(o for o in order if o[0] == r)) for r in (1, 2, 4, 5)]
     finished = [max(i for i, o in enumerate(order) if o[0] == r) for r in (1, 2, 4, 5)]
     for i in range(len(order)):  # never more than 2 streams begun and not finished
-        assert sum(s <= i < f for s, f in zip(started, finished)) <= 2
+        assert sum(s <= i < f for s, f in zip(started, finished, strict=True)) <= 2
 
 
 def test_the_board_names_the_ranks_that_failed_and_why():

@@ -7,7 +7,7 @@ from twinkle_strategy.distributed.node import RankRecord, validate_topology
 from twinkle_strategy.distributed.runtime import LaunchEnv
 from twinkle_strategy.errors import ParallelConfigError, TopologyError
 from twinkle_strategy.fsdp import mixed_precision_policy
-from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.moe.expert_axis import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
 
 
@@ -104,7 +104,7 @@ def test_refusals_name_what_differs():
 
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.moe.discovery import find_moe_blocks
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     llama4 = build_tiny_model("llama4")
     for layer in llama4.model.layers:  # a routed-call module where the block passes pre-routed tokens
@@ -131,13 +131,13 @@ def test_refusals_name_what_differs():
 
 
 def test_contracts_read_from_the_code():
-    from twinkle_strategy.moe.contracts import PRE_ROUTED, ROUTED
+    from twinkle_strategy.moe.contracts import CallKind
     from twinkle_strategy.moe.discovery import find_moe_blocks
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     contracts = {f: find_moe_blocks(build_tiny_model(f))[0].contract for f in ("llama4", "nemotron_h", "longcat_flash")}
-    assert contracts["llama4"].kind == PRE_ROUTED
-    assert contracts["nemotron_h"].kind == ROUTED and contracts["nemotron_h"].zero_experts == 0
+    assert contracts["llama4"].kind == CallKind.PRE_ROUTED
+    assert contracts["nemotron_h"].kind == CallKind.ROUTED and contracts["nemotron_h"].zero_experts == 0
     assert (contracts["longcat_flash"].num_experts, contracts["longcat_flash"].zero_experts) == (8, 4)
     assert contracts["longcat_flash"].min_top_k == 2
 
@@ -154,7 +154,7 @@ def test_lora_expert_cut_matches_peft_delta(family, targets):
 
     from twinkle_strategy.moe.discovery import find_moe_blocks
     from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     def peft_model():
         torch.manual_seed(0)
@@ -195,7 +195,7 @@ def test_mixed_precision_rejects_unknown():
 
 def test_capture_holds_references_and_meta_keeps_ties():
     from twinkle_strategy.init.capture import capture_state, move_to_meta
-    from twinkle_strategy.train.tiny_models import build_tiny_model
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
 
     model = build_tiny_model("qwen3_moe", tie_word_embeddings=True)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -239,13 +239,14 @@ def test_byte_streams_roundtrip_mixed_dtypes_any_bucket():
             if n == 0:
                 break
             writer.write(chunk[:n])
-        assert all(torch.equal(t, s) for t, s in zip(targets, sources))
+        assert all(torch.equal(t, s) for t, s in zip(targets, sources, strict=False))
 
 
 def test_check_need_names_the_tensor():
+    from twinkle_strategy.dtypes import TensorSpec
     from twinkle_strategy.shards.plan import NOT_EXPERT, Need, check_need
 
-    w, b = ((4, 3), torch.float32), ((4,), torch.bfloat16)  # what the source holds: shape and dtype before EP
+    w, b = TensorSpec((4, 3), torch.float32), TensorSpec((4,), torch.bfloat16)  # what the source holds, before EP
     assert check_need(Need("w", NOT_EXPERT, (0, 2), (4, 3), torch.float32), w, None, 0) is None
     assert "tensor 'x' is not in the model on source rank 2" in check_need(
         Need("x", NOT_EXPERT, None, (1,), torch.float32), None, None, 2)
@@ -279,3 +280,12 @@ def test_expert_axis_row_runs_are_the_cut(axis, shape):
                 assert all(a < b for a, b in runs)
     if axis.zero_experts and axis.outer == 1:  # a whole LongCat cut is two runs: its experts, its zero slots
         assert len(axis.row_runs(2, 2, 0, axis.local_shape(shape, 2)[0])) == 2
+
+
+def test_shorten_names_the_first_few_and_counts_the_rest():
+    from twinkle_strategy.errors import shorten
+
+    assert shorten(["'a'", "'b'"], 3) == "'a', 'b'"
+    assert shorten(["'a'", "'b'", "'c'", "'d'", "'e'"], 3) == "'a', 'b', 'c' and 2 more"
+    assert shorten(("x", "y", "z"), 1, "; ") == "x; and 2 more"
+    assert shorten([], 3) == ""

@@ -10,18 +10,40 @@ frozen dataclass: a strategy's options do not change after it is made.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import typing
-from typing import Any
+from typing import Any, Literal
 
 from twinkle_strategy.errors import StrategyConfigError
 
-MIXED_PRECISION = ("bf16", "fp16", "no")
+
+class MixedPrecision(str, enum.Enum):
+    """FSDP2's compute dtype (``mixed_precision``); gradients are reduced in fp32 either way."""
+
+    BF16 = "bf16"
+    FP16 = "fp16"
+    NO = "no"  # compute in the parameters' own dtypes
+
+
+class InitTransport(str, enum.Enum):
+    """How memory_efficient_init moves each node's shards from its source (``init_transport``)."""
+
+    P2P = "p2p"  # paired isend/irecv, exact bytes
+    SCATTER = "scatter"  # one collective per round, shorter streams padded
+
+
+# torch's names of devices and of the collective backends that go with them.
+DeviceType = Literal["cuda", "npu", "cpu"]
+Backend = Literal["nccl", "hccl", "gloo"]
+
+# The options' values as users write them (the fields below hold these strings).
+MIXED_PRECISION = tuple(mode.value for mode in MixedPrecision)
 # Spellings users write for the same three policies (YAML reads a bare `no` as false).
 _MIXED_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "fp32": "no", "float32": "no",
                             "false": "no", "False": "no", "none": "no", "None": "no"}
-INIT_TRANSPORTS = ("p2p", "scatter")
-DEVICE_TYPES = ("cuda", "npu", "cpu")
-BACKENDS = ("nccl", "hccl", "gloo")
+INIT_TRANSPORTS = tuple(kind.value for kind in InitTransport)
+DEVICE_TYPES = typing.get_args(DeviceType)
+BACKENDS = typing.get_args(Backend)
 DEFAULT_INIT_BUCKET_MB = 256.0
 
 

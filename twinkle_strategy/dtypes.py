@@ -1,6 +1,10 @@
-"""Dtype names in one place: the safetensors format's, and the ones users write in recipes and flags."""
+"""Dtype names in one place (the safetensors format's, and the ones users write in recipes and flags), and
+:class:`TensorSpec`, a tensor's shape and dtype without its bytes."""
 
 from __future__ import annotations
+
+import math
+from typing import NamedTuple
 
 import torch
 
@@ -31,3 +35,19 @@ def float_dtype(name: str) -> torch.dtype:
     if name not in FLOAT_DTYPES:
         raise TwinkleError(f"dtype {name!r} is not one of {sorted(FLOAT_DTYPES)}")
     return FLOAT_DTYPES[name]
+
+
+class TensorSpec(NamedTuple):
+    """A tensor's shape and dtype, without its bytes: what planning, checks and file layouts work from."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, tensor) -> TensorSpec:
+        """The spec of ``tensor`` (or of anything with a ``shape`` and a ``dtype``: a header entry, a placeholder)."""
+        return cls(tuple(tensor.shape), tensor.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize

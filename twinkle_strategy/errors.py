@@ -4,7 +4,12 @@ Each names what was expected, what was found, and how to fix it. They subclass V
 (through TwinkleError) because every one of them is caused by input (sizes, launch settings,
 checkpoints, data, a dead peer), not by a bug in this package. The training application's
 errors (recipes, data, preflight) live here too, so one ``except TwinkleError`` catches them all.
+:func:`shorten` words the lists they name.
 """
+
+from __future__ import annotations
+
+from collections.abc import Iterable
 
 
 class TwinkleError(ValueError):
@@ -102,3 +107,13 @@ class SwiftPluginError(TwinkleError):
 
 class OutputDirNotSharedError(TwinkleError):
     """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""
+
+
+def shorten(items: Iterable[object], n: int, sep: str = ", ") -> str:
+    """The first ``n`` of ``items`` joined by ``sep``, then how many are left out: ``a, b and 3 more``
+    (``a; b; and 3 more`` with ``sep="; "``), so a message names what is wrong without listing all of it."""
+    items = [str(item) for item in items]
+    shown = sep.join(items[:n])
+    if len(items) <= n:
+        return shown
+    return f"{shown}{sep.rstrip(', ')} and {len(items) - n} more"

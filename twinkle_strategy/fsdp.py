@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from twinkle_strategy.compat.transformers_internals import no_split_modules
+from twinkle_strategy.config import MixedPrecision
 from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.parallel import Meshes
 
-_NO_MIXED_PRECISION = {None, "no", "fp32", "float32"}
+_NO_MIXED_PRECISION = {None, MixedPrecision.NO, "fp32", "float32"}
 
 
-def mixed_precision_policy(mixed_precision: str | None) -> MixedPrecisionPolicy:
+def mixed_precision_policy(mixed_precision: MixedPrecision | str | None) -> MixedPrecisionPolicy:
     """Compute in ``mixed_precision`` (bf16/fp16), reduce gradients in fp32; 'no'/'fp32' keeps parameters' dtype."""
     if mixed_precision in _NO_MIXED_PRECISION:
         return MixedPrecisionPolicy()
@@ -106,7 +108,13 @@ def unshard_while_computing(model: nn.Module, units: list[nn.Module]) -> None:
 
 # Leaves each parameter in its own dtype, for compute and for the gradient reduction.
 KEEP_DTYPE_POLICY = MixedPrecisionPolicy()
-_KEPT, _OTHER = "kept", "other"
+
+
+class _Params(enum.Enum):
+    """The two kinds of parameters that may not share a unit."""
+
+    KEPT = "kept"  # kept in their own dtype (fp32-kept modules)
+    OTHER = "other"
 
 
 def kept_dtype_units(model: nn.Module, kept: set[int], *,
@@ -122,9 +130,9 @@ def kept_dtype_units(model: nn.Module, kept: set[int], *,
     units: list[tuple[nn.Module, bool]] = []
     opaque = {id(m) for m in experts_modules}  # units of their own already
 
-    def visit(module: nn.Module, name: str) -> set[str]:
+    def visit(module: nn.Module, name: str) -> set[_Params]:
         """The kinds of parameters under ``module`` that no unit below it holds yet."""
-        own = {_KEPT if id(p) in kept else _OTHER for p in module.parameters(recurse=False)}
+        own = {_Params.KEPT if id(p) in kept else _Params.OTHER for p in module.parameters(recurse=False)}
         below = {child: visit(child, f"{name}.{key}".lstrip(".")) for key, child in module.named_children()}
         kinds = own.union(*below.values())
         if len(kinds) > 1 and (id(module) in opaque or len(own) > 1):
@@ -132,21 +140,21 @@ def kept_dtype_units(model: nn.Module, kept: set[int], *,
         if id(module) in opaque or len(kinds) < 2:
             return set() if id(module) in opaque else kinds
         units.extend(_units_beside(own, below))
-        if own == {_KEPT}:
+        if own == {_Params.KEPT}:
             units.append((module, True))
             return set()
-        return {_OTHER}
+        return {_Params.OTHER}
 
     if kept:
         visit(model, "")
     return units
 
 
-def _units_beside(own: set[str], children: dict[nn.Module, set[str]]) -> list[tuple[nn.Module, bool]]:
+def _units_beside(own: set[_Params], children: dict[nn.Module, set[_Params]]) -> list[tuple[nn.Module, bool]]:
     """Of a module whose parameters mix both kinds: the children that must be units of their own."""
-    if own == {_KEPT}:  # the module will be a kept unit: every child holding others must be a unit first
-        return [(child, False) for child, left in children.items() if left == {_OTHER}]
-    return [(child, True) for child, left in children.items() if left == {_KEPT}]
+    if own == {_Params.KEPT}:  # the module will be a kept unit: every child holding others must be a unit first
+        return [(child, False) for child, left in children.items() if left == {_Params.OTHER}]
+    return [(child, True) for child, left in children.items() if left == {_Params.KEPT}]
 
 
 def _mixed_message(name: str, module: nn.Module, kept: set[int]) -> str:

@@ -24,13 +24,17 @@ from __future__ import annotations
 import os
 
 import torch
+from torch import nn
 
 from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
 from twinkle_strategy.checkpoint.files import SafetensorsIndex, checkpoint_files
-from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+from twinkle_strategy.checkpoint.layout import CheckpointLayout, Problem, raise_for_problems
 from twinkle_strategy.compat.transformers_internals import set_weight_conversions, weight_conversions
 from twinkle_strategy.distributed.node import broadcast_from_source
-from twinkle_strategy.errors import CheckpointError  # noqa: F401  (raised here, importable from here)
+from twinkle_strategy.errors import (
+    CheckpointError,  # noqa: F401  (raised here, importable from here)
+    shorten,  # noqa: F401  (raised here, importable from here)
+)
 from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
 from twinkle_strategy.quantized.formats import (
     QuantizedIndex,
@@ -215,27 +219,22 @@ def raise_for_loading_info(path: str, info: dict) -> None:
     (``from_pretrained(..., output_loading_info=True, ignore_mismatched_sizes=True)``)."""
     problems = []
     for key, ckpt_shape, model_shape in sorted(info.get("mismatched_keys", ())):
-        problems.append(f"tensor '{key}' has shape {tuple(ckpt_shape)} in the checkpoint but the model "
-                        f"expects {tuple(model_shape)}")
+        problems.append(Problem(f"tensor '{key}' has shape {tuple(ckpt_shape)} in the checkpoint but the model "
+                                f"expects {tuple(model_shape)}", key))
     for key in sorted(info.get("missing_keys", ())):
-        problems.append(f"tensor '{key}' is missing from the checkpoint")
+        problems.append(Problem(f"tensor '{key}' is missing from the checkpoint", key))
     problems += unexpected_problems(info.get("unexpected_keys", ()))
-    if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise CheckpointError(
-            f"checkpoint {path} does not match its config.json: {shown}. "
-            "Re-export the checkpoint, or fix config.json so the shapes agree"
-        )
+    raise_for_problems(path, problems)
 
 
-def unexpected_problems(keys) -> list[str]:
+def unexpected_problems(keys) -> list[Problem]:
     """Checkpoint tensors the model would silently drop, as one problem (training would lose them on save)."""
     keys = sorted(keys)
     if not keys:
         return []
-    shown = ", ".join(f"'{k}'" for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
-    return [f"checkpoint tensor(s) {shown} belong to no tensor of the model, which would drop them (does "
-            "config.json describe this checkpoint? is it the checkpoint of another model class?)"]
+    shown = shorten((f"'{k}'" for k in keys), 3)
+    return [Problem(f"checkpoint tensor(s) {shown} belong to no tensor of the model, which would drop them (does "
+                    "config.json describe this checkpoint? is it the checkpoint of another model class?)")]
 
 
 # from_pretrained keyword arguments that mean the same to from_config: passed on when building the skeleton.
@@ -296,7 +295,7 @@ def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):
                                                  **init_kwargs))
 
 
-def share_weight_conversions(model, topology, node_group) -> None:
+def share_weight_conversions(model: nn.Module, topology, node_group) -> None:
     """Give every rank of the node the conversion rules its source loaded the checkpoint with (collective),
     and whether it streams a quantized release (then the init agrees on what travels quantized).
 

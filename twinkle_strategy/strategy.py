@@ -253,7 +253,7 @@ class NativeFSDPStrategy:
             logger.info(self.init_report.log_line())
 
     @staticmethod
-    def _rebind_optimizer(optimizer, names_by_param, model):
+    def _rebind_optimizer(optimizer, names_by_param, model: nn.Module):
         # Swap the parameters inside the existing optimizer: its class, hyper-
         # parameters and groups stay as the user built them.
         if len(optimizer.state) > 0:

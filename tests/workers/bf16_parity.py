@@ -130,7 +130,7 @@ def strategy_for(mode: str, ep: int) -> NativeFSDPStrategy:
 
 def routed_otherwise(mine: list[torch.Tensor], ref: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per MoE layer, which of this rank's tokens chose another set of experts than in the reference."""
-    return [(got != want).any(dim=-1) for got, want in zip(mine, ref)]
+    return [(got != want).any(dim=-1) for got, want in zip(mine, ref, strict=False)]
 
 
 def run_case(path: str, family: str, mode: str, ep: int, world: int, rank: int) -> dict:

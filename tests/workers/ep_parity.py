@@ -118,8 +118,10 @@ def main():
             cases.append(dict(
                 family=family, ep=ep, init_diff=init_diff, init_where=init_where, own_experts_ok=own_experts_ok,
                 logit_diff=logit_diff,
-                loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses)), losses=losses, ref_losses=ref_losses,
-                norm_diff=max(abs(a - b) for a, b in zip(norms, ref_norms)), norms=norms, ref_norms=ref_norms,
+                loss_diff=max(abs(a - b) for a, b in zip(losses, ref_losses, strict=False)), losses=losses,
+                ref_losses=ref_losses,
+                norm_diff=max(abs(a - b) for a, b in zip(norms, ref_norms, strict=False)), norms=norms,
+                ref_norms=ref_norms,
                 final_diff=final_diff, final_where=final_where,
             ))
             del model, opt

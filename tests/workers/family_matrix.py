@@ -25,7 +25,7 @@ from transformers import AutoConfig  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.errors import TwinkleError  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
-from twinkle_strategy.train.tiny_models import VISION_LANGUAGE_FAMILIES  # noqa: E402
+from twinkle_strategy.testing.families import VISION_LANGUAGE_FAMILIES  # noqa: E402
 
 LORA_SEED = 7
 # LoRA on attention and on each family's fused expert tensors (PEFT target_parameters).
@@ -198,11 +198,13 @@ def main():
     cases, bf16_cases = [], []
     runs = [(f, False) for f in args.families.split(",") if f] + [(f, True) for f in args.lora.split(",") if f]
     for family, lora in runs:
-        run_recorded(lambda: served_case(os.path.join(args.ckpt_root, family), family, lora, world, rank),
+        run_recorded(lambda family=family, lora=lora: served_case(os.path.join(args.ckpt_root, family), family, lora,
+                                                                  world, rank),
                      cases, dict(family=family, lora=lora), args.keep_going, "cases")
     # bf16: one process in bf16 is the oracle (dtypes and bits after init, first-layer routing, bf16 tolerances).
     for family in filter(None, args.bf16.split(",")):
-        run_recorded(lambda: bf16_case(os.path.join(args.ckpt_root, family), family, "full", 2, world, rank),
+        run_recorded(lambda family=family: bf16_case(os.path.join(args.ckpt_root, family), family, "full", 2, world,
+                                                     rank),
                      bf16_cases, dict(family=family, mode="full"), args.keep_going, "bf16_cases")
     roundtrips = []
     for item in filter(None, args.roundtrip.split(",")):

@@ -52,7 +52,7 @@ def stored_bytes_bound(model, strategy, index: SafetensorsIndex, block) -> int:
     if not any(key.endswith("_scale_inv") for key in index.tensors):
         return None  # DeepSeek-V4 and MXFP4: the test checks the ratio of bytes instead
     total = 0
-    for need, local in needs_of(model, strategy.ep_plan):
+    for need, _local in needs_of(model, strategy.ep_plan):
         name = need.name
         if name in index.tensors and name + "_scale_inv" in index.tensors and need.rows is not None:
             a, b = need.rows

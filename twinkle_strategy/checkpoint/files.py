@@ -23,12 +23,14 @@ import os
 import struct
 import threading
 import time
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from twinkle_strategy.checkpoint.durable import raise_if_incomplete
 from twinkle_strategy.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
-from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.errors import CheckpointError, shorten
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -36,6 +38,41 @@ SINGLE_FILE = "model.safetensors"
 _DTYPES, DTYPE_NAMES = SAFETENSORS_DTYPES, SAFETENSORS_NAMES  # (dtypes.py holds them; these names are used here)
 # Every dtype the safetensors format defines (0.8): a name outside it means a corrupt header, not a new format.
 _SPEC_DTYPES = set(_DTYPES) | {"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0"}
+
+
+class TensorHeader(Protocol):
+    """What a checkpoint index knows of one tensor without reading it."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+@runtime_checkable
+class CheckpointIndex(Protocol):
+    """A checkpoint's tensors by name, as :class:`~twinkle_strategy.checkpoint.layout.CheckpointLayout` reads them.
+
+    Three kinds: :class:`SafetensorsIndex` (files on disk), ``QuantizedIndex`` (a quantized release seen as
+    its dequantized values) and ``DeclaredTensors`` (the checkpoint a save is about to write: headers only).
+    """
+
+    tensors: Mapping[str, TensorHeader]
+
+    @property
+    def bytes_read(self) -> int: ...  # tensor data read so far
+
+    @property
+    def read_seconds(self) -> float: ...
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``key`` (rows ``[a, b)`` of dim 0 only, if given) as a new CPU tensor."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +181,7 @@ def _check_layout(file: str, entries: list, *, data_start: int, size: int) -> No
     data_size = size - data_start
     if position > data_size:
         past = sorted((e for e in entries if e[4] > data_size), key=lambda e: e[3])  # the first one cut first
-        shown = ", ".join(f"'{e[0]}'" for e in past[:3]) + (f" and {len(past) - 3} more" if len(past) > 3 else "")
+        shown = shorten((f"'{e[0]}'" for e in past), 3)
         raise CheckpointError(f"checkpoint file {file} is truncated: it has {size} bytes but its tensors need "
                               f"{data_start + position}; tensor(s) {shown} lie past the end. Re-download or re-export it")
     if position < data_size:
@@ -171,7 +208,7 @@ class SafetensorsIndex:
         self._fds: dict[str, int] = {}
 
     @classmethod
-    def from_directory(cls, path: str) -> "SafetensorsIndex":
+    def from_directory(cls, path: str) -> SafetensorsIndex:
         raise_if_incomplete(path)
         files = checkpoint_files(path)
         if not files:

@@ -34,20 +34,39 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import enum
 import logging
 import re
-import types
 
 import torch
+from torch import nn
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.files import CheckpointIndex
 from twinkle_strategy.compat import transformers_internals as hf
 from twinkle_strategy.compat.transformers_internals import rule_class
-from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.dtypes import TensorSpec
+from twinkle_strategy.errors import CheckpointError, shorten
 
 logger = logging.getLogger(__name__)
 
-ROWS, PER_EXPERT, WHOLE = "rows", "per_expert", "whole"
+
+class RowMode(str, enum.Enum):
+    """How rows ``[a, b)`` of a model tensor are read from the checkpoint tensors it is made of."""
+
+    ROWS = "rows"  # the same rows of every source tensor
+    PER_EXPERT = "per_expert"  # experts a..b-1: their whole per-expert tensors
+    WHOLE = "whole"  # the rule needs whole tensors: read whole, convert, then cut
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One reason a checkpoint does not fit the model, as the error words it."""
+
+    message: str
+    tensor: str | None = None  # the model tensor it is about; None: the checkpoint as a whole
+
+    def __str__(self) -> str:
+        return self.message
 
 
 @dataclasses.dataclass
@@ -57,13 +76,13 @@ class TensorRecipe:
     transform: object  # a transformers WeightRenaming or WeightConverter, used as a template (copied per read)
     first_target: str  # the model key transformers files this rule under
     sources: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # source pattern -> checkpoint keys
-    targets: dict[str, tuple[tuple[int, ...], torch.dtype]] = dataclasses.field(default_factory=dict)
-    mode: str = WHOLE
+    targets: dict[str, TensorSpec] = dataclasses.field(default_factory=dict)
+    mode: RowMode = RowMode.WHOLE
 
     @property
     def per_expert(self) -> bool:
         """Rows ``[a, b)`` of the model tensor are experts ``a..b-1``, each made of whole per-expert tensors."""
-        return self.mode == PER_EXPERT
+        return self.mode == RowMode.PER_EXPERT
 
     def conversion(self) -> Conversion:
         """The rule, as a rank that has no checkpoint (only the pieces it was sent) runs it."""
@@ -74,13 +93,13 @@ class TensorRecipe:
         return [key for keys in self.sources.values() for key in keys]
 
 
-def _conversion_rules(model):
+def _conversion_rules(model: nn.Module):
     with as_transformers_classes(model):
         return hf.conversion_rules(model, add_legacy=True)
 
 
 @contextlib.contextmanager
-def as_transformers_classes(model):
+def as_transformers_classes(model: nn.Module):
     """Show transformers each FSDP2-sharded model with its own class while it collects the conversion rules.
 
     ``fully_shard`` swaps a module's class for a generated ``FSDP<Class>`` defined in a torch module, which
@@ -104,14 +123,14 @@ def as_transformers_classes(model):
             module.__class__ = cls
 
 
-def _row_mode(transform) -> str:
+def _row_mode(transform) -> RowMode:
     """How rows of dim 0 of the rule's output relate to its inputs (see the module docstring)."""
     if not isinstance(transform, rule_class("WeightConverter")):
-        return ROWS
+        return RowMode.ROWS
     ops = list(transform.operations)
-    mode = ROWS
+    mode = RowMode.ROWS
     if ops and isinstance(ops[0], rule_class("MergeModulelist")) and ops[0].dim == 0:
-        mode, ops = PER_EXPERT, ops[1:]
+        mode, ops = RowMode.PER_EXPERT, ops[1:]
     # (optional: not every transformers 5.x has every operation, e.g. Split is newer than 5.19)
     along_a_dim = tuple(c for c in (rule_class(name, optional=True) for name in ("Concatenate", "Chunk", "Split",
                                                                                   "Interleave")) if c is not None)
@@ -121,7 +140,7 @@ def _row_mode(transform) -> str:
             continue
         if isinstance(op, transpose) and op.dim0 > 0 and op.dim1 > 0:
             continue
-        return WHOLE
+        return RowMode.WHOLE
     return mode
 
 
@@ -133,7 +152,7 @@ class _ShapeOnlyModel:
     that region, so lookups answer with region-shaped meta tensors.
     """
 
-    def __init__(self, config, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None):
+    def __init__(self, config, shapes: dict[str, TensorSpec], rows: int | None = None):
         self.config = config
         self._shapes, self._rows = shapes, rows
 
@@ -145,7 +164,7 @@ class _ShapeOnlyModel:
 
 
 def convert_pieces(transform, first_target: str, pieces: dict[str, list[tuple[str, torch.Tensor]]], *, config,
-                   shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], rows: int | None = None
+                   shapes: dict[str, TensorSpec], rows: int | None = None
                    ) -> dict[str, torch.Tensor]:
     """Run a transformers rule (``transform``, a template: copied) on checkpoint ``pieces`` (source pattern ->
     ``(key, tensor)`` in order) exactly as from_pretrained does; ``shapes`` answers the rule's shape lookups.
@@ -170,7 +189,7 @@ class Conversion:
 
     transform: object  # a transformers WeightRenaming or WeightConverter, as a template
     first_target: str
-    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]  # what the rule may look up
+    shapes: dict[str, TensorSpec]  # what the rule may look up
 
     def __call__(self, pieces: dict[str, list[tuple[str, torch.Tensor]]], *, config, rows: int | None = None
                  ) -> dict[str, torch.Tensor]:
@@ -186,15 +205,15 @@ class CheckpointLayout:
     rows of a model tensor.
     """
 
-    def __init__(self, index: SafetensorsIndex, model, path: str = "",
-                 model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] | None = None):
+    def __init__(self, index: CheckpointIndex, model: nn.Module, path: str = "",
+                 model_tensors: dict[str, TensorSpec] | None = None):
         """``model_tensors`` (name -> shape, dtype) overrides the model's own, e.g. the pre-EP shapes of a
         model whose experts are already cut."""
         renaming, converter = rule_class("WeightRenaming"), rule_class("WeightConverter")
         self.index, self.path = index, path
         self.config = model.config
-        self.model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]] = model_tensors or {
-            k: (tuple(v.shape), v.dtype) for k, v in model.state_dict(keep_vars=True).items()}
+        self.model_tensors: dict[str, TensorSpec] = model_tensors or {
+            k: TensorSpec.of(v) for k, v in model.state_dict(keep_vars=True).items()}
         self.ignored_unexpected = [re.compile(p) for p in hf.keys_to_ignore_on_load_unexpected(model)]
         rules = _conversion_rules(model)
         renamings = [r for r in rules if isinstance(r, renaming)]
@@ -220,7 +239,7 @@ class CheckpointLayout:
         # The rules that matched, kept for saving in the checkpoint's own layout.
         self.rules = [r for r in rules if r.was_used()]
         self.recipes: dict[str, TensorRecipe] = {}  # every model key a recipe produces -> its recipe
-        self._problems: list[str] = []
+        self._problems: list[Problem] = []
         for recipe in recipes.values():
             self._plan(recipe)
         self.materialized_whole: set[str] = set()
@@ -236,23 +255,23 @@ class CheckpointLayout:
     def _convert(self, recipe: TensorRecipe, tensors: dict[str, list[torch.Tensor]], rows: int | None = None
                  ) -> dict[str, torch.Tensor]:
         """Run the rule on ``tensors`` (per source pattern, in order) exactly as from_pretrained does."""
-        keyed = {p: list(zip(recipe.sources[p], pieces)) for p, pieces in tensors.items()}
+        keyed = {p: list(zip(recipe.sources[p], pieces, strict=False)) for p, pieces in tensors.items()}
         return convert_pieces(recipe.transform, recipe.first_target, keyed, config=self.config,
                               shapes=self.model_tensors, rows=rows)
 
     def _plan(self, recipe: TensorRecipe) -> None:
         # 1. Pieces merged into one tensor must agree (a wrong-shaped expert is named here, by its key).
-        for pattern, keys in recipe.sources.items():
+        for keys in recipe.sources.values():
             shapes = [self.index.tensors[k].shape for k in keys]
             common = max(set(shapes), key=shapes.count)
-            odd = [k for k, s in zip(keys, shapes) if s != common]
+            odd = [k for k, s in zip(keys, shapes, strict=True) if s != common]
             if odd:
-                target_shape = self.model_tensors[recipe.first_target][0]
+                target_shape = self.model_tensors[recipe.first_target].shape
                 for key in odd[:3]:
-                    self._problems.append(
+                    self._problems.append(Problem(
                         f"checkpoint tensor '{key}' has shape {self.index.tensors[key].shape} but the "
                         f"{len(keys) - len(odd)} other tensors that form model parameter '{recipe.first_target}' "
-                        f"{target_shape} have {common}")
+                        f"{target_shape} have {common}", recipe.first_target))
                 return
         # 2. What the rule produces, computed on meta tensors: names and shapes, no bytes read.
         try:
@@ -263,58 +282,59 @@ class CheckpointLayout:
         for name, value in produced.items():
             if name not in self.model_tensors:
                 continue
-            if tuple(value.shape) != self.model_tensors[name][0]:
+            if tuple(value.shape) != self.model_tensors[name].shape:
                 self._problems.append(self._diagnose(recipe, name, f"they give shape {tuple(value.shape)}"))
                 continue
             recipe.targets[name] = self.model_tensors[name]
             self.recipes[name] = recipe
         recipe.mode = _row_mode(recipe.transform)
-        if recipe.mode == PER_EXPERT and any(len(keys) != want[0] for keys in recipe.sources.values()
-                                             for want, _ in recipe.targets.values()):
-            recipe.mode = WHOLE
+        if recipe.mode == RowMode.PER_EXPERT and any(len(keys) != spec.shape[0] for keys in recipe.sources.values()
+                                                     for spec in recipe.targets.values()):
+            recipe.mode = RowMode.WHOLE
 
-    def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> str:
+    def _diagnose(self, recipe: TensorRecipe, name: str, failure: str) -> Problem:
         """Name what is wrong with the checkpoint tensors of model tensor ``name``: missing keys, else shapes."""
-        want = self.model_tensors[name][0]
+        return Problem(self._diagnosis(recipe, name, failure), name)
+
+    def _diagnosis(self, recipe: TensorRecipe, name: str, failure: str) -> str:
+        want = self.model_tensors[name].shape
         keys = recipe.checkpoint_keys
         missing = [k for k in (self.expected_checkpoint_keys(name) or {}) if k not in self.index]
         if missing:
-            shown = ", ".join(f"'{k}'" for k in missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4
-                                                                 else "")
+            shown = shorten((f"'{k}'" for k in missing), 4)
             return f"model parameter '{name}' {want} needs checkpoint tensor(s) {shown}, which are missing"
         if len(keys) == 1:
             got = self.index.tensors[keys[0]].shape
             return (f"tensor '{name}' has shape {got} in the checkpoint but the model expects {want}"
                     + (f" (checkpoint key '{keys[0]}')" if keys[0] != name else ""))
         return (f"model parameter '{name}' expects shape {want} but cannot be made from checkpoint tensors "
-                f"{keys[:3]}{'...' if len(keys) > 3 else ''}: {failure}")
+                f"{shorten((repr(k) for k in keys), 3)}: {failure}")
 
     def expected_checkpoint_keys(self, name: str, shape: tuple | None = None) -> dict[str, tuple] | None:
         """The checkpoint keys (and shapes) that model tensor ``name`` is saved as, by the reverse rules."""
-        shape_dtype = self.model_tensors.get(name)
-        if shape_dtype is None:
+        spec = self.model_tensors.get(name)
+        if spec is None:
             return None
-        shape = shape or shape_dtype[0]
+        shape = shape or spec.shape
         shapes = _ShapeOnlyModel(self.config, self.model_tensors)
         try:
             out = hf.revert_weight_conversion(self.rules, self.config, shapes.get_parameter,
-                                              {name: torch.empty(shape, dtype=shape_dtype[1], device="meta")})
+                                              {name: torch.empty(shape, dtype=spec.dtype, device="meta")})
         except Exception:  # noqa: BLE001 - only used to word an error message better
             return None
         return {k: tuple(v.shape) for k, v in out.items()}
 
-    def problems(self, required: list[str]) -> list[str]:
+    def problems(self, required: list[str]) -> list[Problem]:
         """Why this checkpoint cannot provide the model tensors ``required``: wrong shapes, missing keys."""
         found = list(self._problems)
+        named = {p.tensor for p in self._problems}
         for name in required:
-            if name in self.recipes:
-                continue
-            if any(problem_mentions(p, name) for p in self._problems):
+            if name in self.recipes or name in named:
                 continue
             expected = self.expected_checkpoint_keys(name)
             keys = [k for k in (expected or {}) if k != name]
-            found.append(f"tensor '{name}' is missing from the checkpoint"
-                         + (f" (checkpoint key {', '.join(repr(k) for k in keys[:2])})" if keys else ""))
+            found.append(Problem(f"tensor '{name}' is missing from the checkpoint"
+                                 + (f" (checkpoint key {', '.join(repr(k) for k in keys[:2])})" if keys else ""), name))
         return found
 
     def unexpected_keys(self) -> list[str]:
@@ -328,19 +348,19 @@ class CheckpointLayout:
         shape, dtype = recipe.targets[name]
         if rows is not None and not shape:
             rows = None
-        mode = recipe.mode if rows is not None else WHOLE
-        if mode == WHOLE and rows is not None:
+        mode = recipe.mode if rows is not None else RowMode.WHOLE
+        if mode == RowMode.WHOLE and rows is not None:
             self.materialized_whole.add(name)
         if rows is not None and rows[0] == rows[1]:
             return torch.empty((0,) + tuple(shape[1:]), dtype=dtype)
-        if mode == PER_EXPERT:
+        if mode == RowMode.PER_EXPERT:
             a, b = rows
             pieces = {p: [self._read(k, None, dtype) for k in keys[a:b]] for p, keys in recipe.sources.items()}
         else:
-            pieces = {p: [self._read(k, rows if mode == ROWS else None, dtype) for k in keys]
+            pieces = {p: [self._read(k, rows if mode == RowMode.ROWS else None, dtype) for k in keys]
                       for p, keys in recipe.sources.items()}
-        out = self._convert(recipe, pieces, rows=(rows[1] - rows[0]) if mode != WHOLE and rows else None)[name]
-        if mode == WHOLE and rows is not None:
+        out = self._convert(recipe, pieces, rows=(rows[1] - rows[0]) if mode != RowMode.WHOLE and rows else None)[name]
+        if mode == RowMode.WHOLE and rows is not None:
             out = out[rows[0]:rows[1]]
         return out.to(dtype).contiguous()
 
@@ -357,7 +377,7 @@ class CheckpointLayout:
 
     # ------------------------------------------------------------------ writing (the same rules, reversed)
     @classmethod
-    def for_saving(cls, model, model_tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> "CheckpointLayout":
+    def for_saving(cls, model: nn.Module, model_tensors: dict[str, TensorSpec]) -> CheckpointLayout:
         """The checkpoint ``model`` is saved as: transformers' rules reversed, as ``save_pretrained`` applies them.
 
         The rules are those that matched when the model was loaded (so a checkpoint comes back in its own
@@ -373,26 +393,27 @@ class CheckpointLayout:
         saved = hf.revert_weight_conversion(rules, model.config, shapes.get_parameter,
                                             {name: torch.empty(shape, dtype=dtype, device="meta")
                                              for name, (shape, dtype) in model_tensors.items()})
-        layout = cls(DeclaredTensors({k: (tuple(v.shape), v.dtype) for k, v in saved.items()}), model,
+        layout = cls(DeclaredTensors({k: TensorSpec.of(v) for k, v in saved.items()}), model,
                      model_tensors=model_tensors)
         lost = sorted(set(model_tensors) - set(layout.recipes))
         if layout._problems or lost:
+            why = shorten(layout._problems, 3, "; ") or f"no checkpoint tensor is made of {shorten(lost, 3)}"
             raise CheckpointError(f"cannot save {type(model).__name__} in the layout transformers' rules give it: "
-                                  f"{'; '.join(layout._problems[:3]) or f'no checkpoint tensor is made of {lost[:3]}'}")
+                                  f"{why}")
         return layout
 
-    def saved_tensors(self) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    def saved_tensors(self) -> dict[str, TensorSpec]:
         """Checkpoint key -> shape and dtype, of every tensor a save writes."""
-        return {key: (tuple(t.shape), t.dtype) for key, t in self.index.tensors.items()}
+        return {key: TensorSpec.of(t) for key, t in self.index.tensors.items()}
 
     def row_readable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` are read as rows (else the rule needs the whole tensor)."""
-        return self.recipes[name].mode != WHOLE
+        return self.recipes[name].mode != RowMode.WHOLE
 
     def row_writable(self, name: str) -> bool:
         """Whether rows of model tensor ``name`` map to rows (or whole pieces) of checkpoint tensors."""
         recipe = self.recipes[name]
-        return recipe.mode != WHOLE and len(recipe.targets) == 1
+        return recipe.mode != RowMode.WHOLE and len(recipe.targets) == 1
 
     def checkpoint_pieces(self, name: str, region: torch.Tensor, rows: tuple[int, int] | None
                           ) -> list[tuple[str, torch.Tensor, tuple[int, int] | None]]:
@@ -414,9 +435,9 @@ class CheckpointLayout:
         forward = recipe.transform
         backward = forward.reverse_transform()
         # The reversed rule's targets are the forward rule's sources, in the same order.
-        source_of = dict(zip(backward.target_patterns, forward.source_patterns))
+        source_of = dict(zip(backward.target_patterns, forward.source_patterns, strict=False))
         ops = list(backward.operations)
-        per_expert = recipe.mode == PER_EXPERT and ops and isinstance(ops[-1], rule_class("SplitModulelist"))
+        per_expert = recipe.mode == RowMode.PER_EXPERT and ops and isinstance(ops[-1], rule_class("SplitModulelist"))
         if per_expert:
             ops = ops[:-1]  # split the experts here, so each gets its own checkpoint key (expert a + i)
         collected: dict = {backward.source_patterns[0]: [region]}
@@ -440,26 +461,26 @@ class CheckpointLayout:
 
 
 class DeclaredTensors:
-    """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write."""
+    """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write.
 
-    def __init__(self, tensors: dict[str, tuple[tuple[int, ...], torch.dtype]]):
-        self.tensors = {k: types.SimpleNamespace(shape=tuple(shape), dtype=dtype) for k, (shape, dtype) in
-                        tensors.items()}
+    A :class:`~twinkle_strategy.checkpoint.files.CheckpointIndex` with nothing to read yet.
+    """
+
+    def __init__(self, tensors: dict[str, TensorSpec]):
+        self.tensors = {k: TensorSpec(tuple(shape), dtype) for k, (shape, dtype) in tensors.items()}
         self.bytes_read, self.read_seconds = 0, 0.0
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
 
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        raise CheckpointError(f"tensor '{key}' is declared for a save, not written yet: there is nothing to read")
+
     def close(self) -> None:
         pass
 
 
-def problem_mentions(problem: str, name: str) -> bool:
-    return f"'{name}'" in problem
-
-
-def raise_for_problems(path: str, problems: list[str]) -> None:
+def raise_for_problems(path: str, problems: list[Problem]) -> None:
     if problems:
-        shown = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shown}. "
+        raise CheckpointError(f"checkpoint {path} does not match its config.json: {shorten(problems, 5, '; ')}. "
                               "Re-export the checkpoint, or fix config.json so the shapes agree")

@@ -16,15 +16,17 @@ from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_probl
 from twinkle_strategy.checkpoint.sharded_io import IOStats, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.runtime import global_rank
+from twinkle_strategy.dtypes import TensorSpec
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 DEFAULT_MAX_FILE_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 
-def _model_tensors(regions) -> dict:
-    return {r.name: (r.full_shape, r.need.dtype) for r in regions}
+def _model_tensors(regions) -> dict[str, TensorSpec]:
+    return {r.name: TensorSpec(r.full_shape, r.need.dtype) for r in regions}
 
 
-def plan_model_files(model: nn.Module, ep_plan, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+def plan_model_files(model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
                      ) -> tuple[CheckpointLayout, FilePlan, list]:
     """The save layout and file plan of ``model`` (the same on every rank: names, shapes and dtypes only)."""
     regions = regions_of(model, ep_plan)
@@ -38,8 +40,8 @@ def create_model_files(directory: str, plan: FilePlan) -> None:
     write_index(directory, plan)
 
 
-def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, *, regions, ep_plan,
-                      chunk_bytes: int, stats: IOStats) -> BaseException | None:
+def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, *, regions,
+                      ep_plan: ExpertParallelPlan | None, chunk_bytes: int, stats: IOStats) -> BaseException | None:
     """This rank's rows of every tensor, into the files :func:`create_model_files` made (collective)."""
     writer = ParallelFileWriter(directory, plan)
     error = write_regions(regions, layout, writer, ep_plan=ep_plan, chunk_bytes=chunk_bytes, stats=stats)
@@ -47,7 +49,7 @@ def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, 
     return error or finished
 
 
-def save_model_files(directory: str, model: nn.Module, *, ep_plan, stats: IOStats, step_done,
+def save_model_files(directory: str, model: nn.Module, *, ep_plan: ExpertParallelPlan | None, stats: IOStats, step_done,
                      max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = 32 * 2**20) -> None:
     """The whole collective save of ``model``'s weights into ``directory`` (which must exist).
 
@@ -75,7 +77,7 @@ def save_model_config(directory: str, model: nn.Module) -> None:
         model.generation_config.save_pretrained(directory)
 
 
-def read_model_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
+def read_model_files(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, stats: IOStats) -> None:
     """Fill this rank's shards of ``model`` from the Hugging Face checkpoint in ``directory`` (its own rows only).
 
     Any layout of nodes, ranks and ep_size can read what any other wrote.

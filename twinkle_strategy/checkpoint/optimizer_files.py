@@ -28,7 +28,9 @@ from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.dtensor import local_tensor
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import ResumeError
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 OPTIMIZER_PREFIX = "optimizer"
 TRAINABLE_PREFIX = "trainable"
@@ -38,7 +40,7 @@ SCALARS_FILE = "optimizer.json"
 class OptimizerFiles:
     """What a save of ``optimizer``'s state writes, planned the same way on every rank."""
 
-    def __init__(self, model: nn.Module, optimizer, ep_plan, max_file_bytes: int):
+    def __init__(self, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
         self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
         params = self.params = dict(model.named_parameters())
         name_of = {id(p): n for n, p in params.items()}
@@ -53,7 +55,7 @@ class OptimizerFiles:
                     self.tensor_keys.setdefault(name, []).append(key)
                 else:
                     self.scalars.setdefault(name, {})[key] = float(value)
-        tensors = {f"{name}:{key}": (self.regions[name].full_shape, self._state(name, key).dtype)
+        tensors = {f"{name}:{key}": TensorSpec(self.regions[name].full_shape, self._state(name, key).dtype)
                    for name, keys in self.tensor_keys.items() for key in keys}
         self.plan: FilePlan = plan_files(tensors, max_file_bytes, prefix=OPTIMIZER_PREFIX)
 
@@ -92,7 +94,8 @@ class OptimizerFiles:
         return error or finished
 
 
-def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, stats: IOStats) -> None:
+def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None,
+                         stats: IOStats) -> None:
     """Give ``optimizer`` the saved state, each rank reading the rows of its own (possibly new) shards."""
     with open(os.path.join(directory, SCALARS_FILE)) as f:
         saved = json.load(f)
@@ -100,7 +103,7 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan, s
     if len(saved["param_groups"]) != len(optimizer.param_groups):
         raise ResumeError(f"{directory}: the optimizer was saved with {len(saved['param_groups'])} parameter "
                           f"groups, this one has {len(optimizer.param_groups)}")
-    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"]):
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
         missing = sorted(set(saved_group["params"]) - set(params))
         if missing:
             raise ResumeError(f"{directory}: optimizer state of parameter '{missing[0]}', which this model does "
@@ -138,11 +141,11 @@ def _files(directory: str) -> list[str]:
 class TrainableFiles:
     """The trainable weights of an adapter run (LoRA), by full tensor: what resume reads back on any layout."""
 
-    def __init__(self, model: nn.Module, ep_plan, max_file_bytes: int):
+    def __init__(self, model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
         names = {n for n, p in model.named_parameters() if p.requires_grad}
         self.regions = regions_of(model, ep_plan, names=names)
         self.ep_plan = ep_plan
-        self.plan = plan_files({r.name: (r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
+        self.plan = plan_files({r.name: TensorSpec(r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
                                prefix=TRAINABLE_PREFIX)
 
     def create(self, directory: str) -> None:
@@ -157,7 +160,7 @@ class TrainableFiles:
         return error or finished
 
 
-def read_trainable_files(directory: str, model: nn.Module, ep_plan, stats: IOStats) -> None:
+def read_trainable_files(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, stats: IOStats) -> None:
     files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
                    if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
     index = SafetensorsIndex(files)

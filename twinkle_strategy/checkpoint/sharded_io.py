@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
 
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import raise_together
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.shards.plan import Need, checkpoint_runs, needs_of
 from twinkle_strategy.shards.whole_tensors import WholeTensors
 
@@ -46,7 +47,7 @@ class Region:
         return self.need.name
 
 
-def regions_of(model: nn.Module, ep_plan, names: set[str] | None = None) -> list[Region]:
+def regions_of(model: nn.Module, ep_plan: ExpertParallelPlan | None, names: set[str] | None = None) -> list[Region]:
     """This rank's regions of the model's persistent tensors (``names`` only, if given), in a fixed order."""
     values = dict(model.named_parameters())
     persistent = set(model.state_dict().keys())
@@ -96,8 +97,8 @@ class SameKeys:
         return [(name, region, rows)]
 
 
-def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, ep_plan, chunk_bytes: int,
-                  stats: IOStats, key_of: Callable[[str], str] = lambda name: name,
+def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, ep_plan: ExpertParallelPlan | None,
+                  chunk_bytes: int, stats: IOStats, key_of: Callable[[str], str] = lambda name: name,
                   local_of: Callable[[Region], torch.Tensor] | None = None) -> BaseException | None:
     """Write this rank's rows of every region; returns the first write error instead of raising.
 
@@ -144,8 +145,8 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, 
     return error
 
 
-def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], *, ep_plan,
-                 stats: IOStats, targets: dict[str, torch.Tensor] | None = None,
+def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], *,
+                 ep_plan: ExpertParallelPlan | None, stats: IOStats, targets: dict[str, torch.Tensor] | None = None,
                  whole: Callable[[str], bool] = lambda name: False) -> None:
     """Fill every region's local rows (or ``targets[name]``) from ``read(name, rows)`` of the full tensor.
 

@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import time
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -58,12 +59,22 @@ from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.distributed.fail_together import on_rank0, step_reporter
 from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import CheckpointSaveError, ResumeError
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 logger = logging.getLogger(__name__)
 
 STATE_FILE = "trainer_state.json"
 STATE_DIR = "trainer_state"
 CHUNK_BYTES = 32 * 2**20  # rows written (or read) at a time: what a save holds beyond the model's own shards
+
+
+class CheckpointedStrategy(Protocol):
+    """What saving and resuming ask of the strategy (:class:`~twinkle_strategy.NativeFSDPStrategy` is one)."""
+
+    ep_plan: ExpertParallelPlan | None
+
+    def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None
+                        ) -> dict[str, torch.Tensor]: ...
 
 
 def is_peft_model(model: nn.Module) -> bool:
@@ -100,9 +111,9 @@ class SaveReport:
                 f"(+{(self.peak_rss_bytes - self.rss_before_bytes) / mib:.0f} MiB during the save)")
 
 
-def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer_state: dict, tokenizer=None,
-                    save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                    chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
+def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
+                    trainer_state: dict, tokenizer=None, save_optimizer: bool = True,
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
     """Write ``path`` atomically (collective: every rank calls it); returns this rank's :class:`SaveReport`.
 
     Each step ends with a fail-together check instead of a plain barrier: if
@@ -182,7 +193,8 @@ def save_checkpoint(path: str, model, strategy, *, optimizer, scheduler, trainer
     return report
 
 
-def load_checkpoint(path: str, model, strategy, *, optimizer, scheduler, expect: dict) -> dict:
+def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
+                    expect: dict) -> dict:
     """Restore ``model``'s shards, the optimizer, scheduler and RNG from ``path``; return the trainer state.
 
     Works for any layout of nodes, ranks and ep_size: each rank reads the rows of its own shards.

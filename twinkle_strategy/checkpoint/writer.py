@@ -31,6 +31,7 @@ import torch
 
 from twinkle_strategy.checkpoint.files import DTYPE_NAMES, INDEX_FILE
 from twinkle_strategy.compat.transformers_internals import natural_order
+from twinkle_strategy.dtypes import TensorSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,7 +67,7 @@ class FilePlan:
                 "weight_map": {key: t.file for key, t in sorted(self.tensors.items())}}
 
 
-def plan_files(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], max_file_bytes: int,
+def plan_files(tensors: dict[str, TensorSpec], max_file_bytes: int,
                prefix: str = "model") -> FilePlan:
     """Assign ``tensors`` (key -> shape, dtype) to files of at most ``max_file_bytes`` (a bigger tensor gets a
     file of its own), in transformers' key order, and lay out each file's header and data."""
@@ -84,7 +85,7 @@ def plan_files(tensors: dict[str, tuple[tuple[int, ...], torch.dtype]], max_file
     names = [f"{prefix}.safetensors"] if count == 1 else \
         [f"{prefix}-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
     headers, sizes, placed = {}, {}, {}
-    for name, keys in zip(names, groups):
+    for name, keys in zip(names, groups, strict=True):
         header: dict = {"__metadata__": {"format": "pt"}}
         offset = 0
         for key in keys:

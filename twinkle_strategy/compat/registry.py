@@ -8,7 +8,7 @@ import importlib.metadata
 
 from twinkle_strategy.errors import InternalChangedError
 
-_REGISTRY: dict[str, "Internal"] = {}
+_REGISTRY: dict[str, Internal] = {}
 _WRAPPERS: dict[str, list[str]] = {}
 
 

@@ -28,7 +28,7 @@ def _require_on_pretrained_model(entry: Internal, attr: str) -> None:
         raise entry.changed()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _declared_by_pretrained_model(attr: str) -> bool:
     from transformers import PreTrainedModel
 

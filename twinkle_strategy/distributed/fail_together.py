@@ -10,13 +10,14 @@ ranks that are left name it from :mod:`twinkle_strategy.distributed.liveness`.
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch.distributed as dist
 
 from twinkle_strategy.distributed.messages import all_gather_objects
 from twinkle_strategy.distributed.runtime import global_rank
-from twinkle_strategy.errors import DistributedInitError, RanksFailedError
+from twinkle_strategy.errors import DistributedInitError, RanksFailedError, shorten
 
 StepDone = Callable[[BaseException | None, str], None]
 T = TypeVar("T")
@@ -37,10 +38,9 @@ def raise_together(error: BaseException | str | None, what: str,
         gathered = [(0, message)]
     failures = [(rank, msg) for rank, msg in gathered if msg is not None]
     if failures:
-        detail = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures[:8])
-        more = f" (and {len(failures) - 8} more ranks)" if len(failures) > 8 else ""
+        detail = shorten((f"rank {rank}: {msg}" for rank, msg in failures), 8, "; ")
         advice = f"; {advice}" if advice else ""
-        err = error_class(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{more}{advice}", failures)
+        err = error_class(f"{what} failed on rank(s) {[r for r, _ in failures]}: {detail}{advice}", failures)
         if isinstance(error, BaseException):
             raise err from error
         raise err

@@ -69,7 +69,7 @@ def all_gather_objects(obj, group=None) -> list:
     padded[:payload.numel()].copy_(payload)
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in sizes]
     dist.all_gather(parts, padded, group=group)
-    return [_decode(part[:size]) for part, size in zip(parts, sizes)]
+    return [_decode(part[:size]) for part, size in zip(parts, sizes, strict=True)]
 
 
 def broadcast_object(obj, src: int, group=None):
@@ -102,12 +102,12 @@ def gather_objects(obj, dst: int, group=None) -> list | None:
             wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, payload, dst, group=group)]))
         return None
     parts = [payload if rank == me else torch.empty(size, dtype=torch.uint8, device=device)
-             for rank, size in zip(ranks, sizes)]
+             for rank, size in zip(ranks, sizes, strict=False)]
     ops = [dist.P2POp(dist.irecv, part, rank, group=group)
-           for rank, part in zip(ranks, parts) if rank != me and part.numel()]
+           for rank, part in zip(ranks, parts, strict=False) if rank != me and part.numel()]
     if ops:
         wait_all(dist.batch_isend_irecv(ops))
-    return [obj if rank == me else _decode(part) for rank, part in zip(ranks, parts)]
+    return [obj if rank == me else _decode(part) for rank, part in zip(ranks, parts, strict=False)]
 
 
 def wait_all(works) -> None:
@@ -130,7 +130,7 @@ def scatter_objects(objs: list | None, src: int, group=None):
     dist.broadcast(sizes, src=src, group=group)
     if me == src:
         ops = [dist.P2POp(dist.isend, payload, rank, group=group)
-               for rank, payload in zip(ranks, payloads) if rank != me]
+               for rank, payload in zip(ranks, payloads, strict=False) if rank != me]
         if ops:
             wait_all(dist.batch_isend_irecv(ops))
         return objs[ranks.index(me)]

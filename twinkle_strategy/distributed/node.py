@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import socket
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist

@@ -71,7 +71,7 @@ class LaunchEnv:
     node_rank: int  # torchrun's GROUP_RANK: index of this process's agent (= node)
 
     @classmethod
-    def from_environ(cls, environ: dict[str, str] | None = None) -> "LaunchEnv":
+    def from_environ(cls, environ: dict[str, str] | None = None) -> LaunchEnv:
         env = os.environ if environ is None else environ
         if "RANK" not in env or "WORLD_SIZE" not in env:
             # Not launched by torchrun: a single process job.

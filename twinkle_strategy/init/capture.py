@@ -17,14 +17,16 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
 
 from twinkle_strategy.compat.torch_internals import buffer_slots, parameter_slots
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.init.skeleton import CheckpointTensor
 from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.wire import plan_wire_form, read_chunks
 from twinkle_strategy.shards.plan import Need, checkpoint_runs, region_of, runs_within
 
@@ -58,14 +60,14 @@ class Capture:
         """Model tensors a conversion rule forced to read whole instead of by rows."""
         return sorted(set().union(*(layout.materialized_whole for layout in self.layouts)) | self._cut_after_reading)
 
-    def describe(self, name: str) -> tuple[tuple[int, ...], torch.dtype] | None:
+    def describe(self, name: str) -> TensorSpec | None:
         """Shape and dtype (before EP) of what the source holds for ``name``, or None."""
         tensor = self.tensors.get(name)
         if tensor is None:
             tensor = self.placeholders.get(name)
-        return None if tensor is None else (tuple(tensor.shape), tensor.dtype)
+        return None if tensor is None else TensorSpec.of(tensor)
 
-    def region_chunks(self, need: Need, ep_plan, chunk_bytes: int) -> Iterator[torch.Tensor]:
+    def region_chunks(self, need: Need, ep_plan: ExpertParallelPlan | None, chunk_bytes: int) -> Iterator[torch.Tensor]:
         """``need``'s region as consecutive chunks of rows of at most ``chunk_bytes`` (at least one row).
 
         Never more than one chunk exists at a time on the reading side, so a
@@ -81,7 +83,7 @@ class Capture:
                 yield self.region(need, ep_plan, (lo, min(lo + step, shape[0])))
         self._served(need.name)
 
-    def expect(self, all_needs: list[list[Need]], ep_plan) -> None:
+    def expect(self, all_needs: list[list[Need]], ep_plan: ExpertParallelPlan | None) -> None:
         """Count the regions the node's ranks need from each tensor that is read whole (buffers, rules that
         need the whole tensor): it is read once, held while they are served, and released after the last."""
         for needs in all_needs:
@@ -89,7 +91,7 @@ class Capture:
                 if self._read_whole(need, ep_plan):
                     self._uses[need.name] = self._uses.get(need.name, 0) + 1
 
-    def _read_whole(self, need: Need, ep_plan) -> bool:
+    def _read_whole(self, need: Need, ep_plan: ExpertParallelPlan | None) -> bool:
         placeholder = self.placeholders.get(need.name)
         if need.name in self.tensors or placeholder is None:
             return False
@@ -104,7 +106,7 @@ class Capture:
                     del self._uses[name]
                     self._whole.pop(name, None)
 
-    def wire_form(self, need: Need, ep_plan, chunk_bytes: int):
+    def wire_form(self, need: Need, ep_plan: ExpertParallelPlan | None, chunk_bytes: int):
         """How ``need``'s region travels as the checkpoint stores it (quantized bytes and scales, fewer than its
         values), or None to send its values. See :mod:`twinkle_strategy.quantized.wire`."""
         placeholder = self.placeholders.get(need.name)
@@ -118,7 +120,8 @@ class Capture:
         """``need``'s region as stored, read piece by piece, for :meth:`wire_form`'s ``form``."""
         return read_chunks(self.placeholders[need.name].checkpoint, form)
 
-    def region(self, need: Need, ep_plan, part: tuple[int, int] | None = None) -> torch.Tensor:
+    def region(self, need: Need, ep_plan: ExpertParallelPlan | None, part: tuple[int, int] | None = None
+               ) -> torch.Tensor:
         """Rows ``part`` (all if None) of ``need``'s region: a view of a held tensor, or read from the checkpoint."""
         if need.name in self.tensors:
             region = region_of(self.tensors[need.name], need, ep_plan)

@@ -17,12 +17,12 @@ import zlib
 import torch
 from torch import nn
 
-from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB
+from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport
 from twinkle_strategy.distributed.fail_together import raise_init_together
 from twinkle_strategy.distributed.liveness import StatusBoard
 from twinkle_strategy.distributed.node import NodeLink, gather_to_source, scatter_from_source
 from twinkle_strategy.distributed.runtime import peak_rss_bytes
-from twinkle_strategy.errors import DistributedInitError
+from twinkle_strategy.errors import DistributedInitError, shorten
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
@@ -64,8 +64,8 @@ class InitReport:
     def log_line(self) -> str:
         mib = 1024 * 1024
         read = (f"read {self.bytes_read / mib:.1f} MiB from the checkpoint in {self.read_seconds:.2f}s"
-                + (f" ({len(self.whole_tensors)} tensors whole: {', '.join(self.whole_tensors[:3])}"
-                   f"{'...' if len(self.whole_tensors) > 3 else ''})" if self.whole_tensors else "") + ", "
+                + (f" ({len(self.whole_tensors)} tensors whole: {shorten(self.whole_tensors, 3)})"
+                   if self.whole_tensors else "") + ", "
                 if self.is_source else "")
         return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
                 f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
@@ -87,7 +87,7 @@ def distribute(
     ep_plan: ExpertParallelPlan | None,
     node: NodeLink,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    transport_kind: str = "p2p",
+    transport_kind: InitTransport | str = InitTransport.P2P,
     verify: bool = False,
     show_progress: bool = False,
 ) -> InitReport:
@@ -120,7 +120,7 @@ def distribute(
         t = finish(phase, start)
         phase = "transfer"
         sinks = [local if form is None else DecodingSink(local, form, model.config)
-                 for (_, local), form in zip(mine, my_forms)]
+                 for (_, local), form in zip(mine, my_forms, strict=False)]
         outcome = _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node,
                             bucket_bytes=bucket_bytes, transport_kind=transport_kind, stats=stats,
                             show_progress=show_progress)
@@ -176,7 +176,7 @@ def _as_values(all_needs, mine):
     return [[None] * len(needs) for needs in all_needs or []], [None] * len(mine)
 
 
-def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: int, stats):
+def _wire_forms(all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink, bucket_bytes: int, stats):
     """The source decides which regions travel as stored (quantized) and tells each rank (None: as values).
 
     Returns every rank's forms (source; None elsewhere) and this rank's own.
@@ -189,7 +189,7 @@ def _wire_forms(all_needs, capture, *, ep_plan, node: NodeLink, bucket_bytes: in
     return forms, mine
 
 
-def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] | None:
+def _plan(mine, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink, stats) -> list[list[Need]] | None:
     """The source learns what each of its ranks needs and checks it can serve it; fail together."""
     topology = node.topology
     source, is_source = topology.source_rank, topology.is_source
@@ -212,8 +212,8 @@ def _plan(mine, capture, *, ep_plan, node: NodeLink, stats) -> list[list[Need]] 
     return all_needs
 
 
-def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink, bucket_bytes, transport_kind,
-              stats, show_progress) -> transport.Outcome:
+def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallelPlan | None, node: NodeLink,
+              bucket_bytes, transport_kind, stats, show_progress) -> transport.Outcome:
     """Move the bytes inside the node, bucket by bucket; the source copies its own shards locally.
 
     ``sinks`` are this rank's shards, or decoders into them for regions that travel quantized.
@@ -224,7 +224,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink
     chunk_bytes = max(bucket_bytes // READ_CHUNKS_PER_BUCKET, 1)
     writer = StreamWriter(sinks)
     readers = ([_reader(needs, rank_forms, capture=capture, ep_plan=ep_plan, chunk_bytes=chunk_bytes)
-                for needs, rank_forms in zip(all_needs, forms)] if is_source else None)
+                for needs, rank_forms in zip(all_needs, forms, strict=False)] if is_source else None)
     progress = None
     if show_progress and is_source:
         from tqdm.auto import tqdm
@@ -258,7 +258,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan, node: NodeLink
     return outcome
 
 
-def _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress):
+def _copy_own_shards(mine, capture, ep_plan: ExpertParallelPlan | None, chunk_bytes, progress):
     """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
     for need, local in mine:
         rows_done = 0
@@ -283,7 +283,8 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool = True) -> str | None:
+def _verify(mine, all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink,
+            compare: bool = True) -> str | None:
     """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again.
 
     Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
@@ -294,8 +295,8 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool 
     if not topology.is_source or not compare:
         return None
     node_ranks = topology.node_ranks[topology.node_index]
-    for rank, needs, got in zip(node_ranks, all_needs, gathered):
-        for need, checksum in zip(needs, got):
+    for rank, needs, got in zip(node_ranks, all_needs, gathered, strict=False):
+        for need, checksum in zip(needs, got, strict=False):
             expected = _checksum(capture.region_chunks(need, ep_plan, 64 * 2**20))
             if checksum != expected:
                 region = f"rows {need.rows[0]}:{need.rows[1]}" if need.rows else "whole tensor"
@@ -306,12 +307,14 @@ def _verify(mine, all_needs, capture, *, ep_plan, node: NodeLink, compare: bool 
     return None
 
 
-def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan, chunk_bytes: int) -> StreamReader:
+def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan: ExpertParallelPlan | None,
+            chunk_bytes: int) -> StreamReader:
     """A rank's stream: each region's values, or as stored where its wire form says so.
 
     No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
     """
     regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
-               else (lambda need=need, form=form: capture.wire_chunks(need, form)) for need, form in zip(needs, forms)]
-    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms)]
+               else (lambda need=need, form=form: capture.wire_chunks(need, form))
+               for need, form in zip(needs, forms, strict=False)]
+    sizes = [need.nbytes if form is None else form.nbytes for need, form in zip(needs, forms, strict=False)]
     return StreamReader(regions, sizes)

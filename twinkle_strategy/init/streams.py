@@ -9,7 +9,7 @@ bucket's bytes into the local shards where they belong.
 
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -61,7 +61,7 @@ class StreamReader:
 
 def _checked_chunks(regions, sizes) -> Iterator[torch.Tensor]:
     """Every region's chunks in order, checking that each region produces exactly its size."""
-    for index, (region, size) in enumerate(zip(regions, sizes)):
+    for index, (region, size) in enumerate(zip(regions, sizes, strict=False)):
         produced = 0
         for chunk in region():
             produced += chunk.numel() * chunk.element_size()

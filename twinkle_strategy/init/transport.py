@@ -12,12 +12,12 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy.config import INIT_TRANSPORTS
+from twinkle_strategy.config import INIT_TRANSPORTS, InitTransport
 from twinkle_strategy.distributed import messages
 from twinkle_strategy.distributed.node import NodeLink, max_over_node
 from twinkle_strategy.init import staging
@@ -48,7 +48,7 @@ class Outcome:
 
 
 def move_streams(
-    kind: str,
+    kind: InitTransport | str,
     readers: list[StreamReader] | None,
     writer: StreamWriter,
     *,
@@ -84,7 +84,7 @@ def move_streams(
         return Outcome()
     if kind not in TRANSPORTS:
         raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
-    move = _move_p2p if kind == "p2p" else _move_scatter
+    move = _move_p2p if kind == InitTransport.P2P else _move_scatter
     return move(readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
                 between_rounds=between_rounds)
 

@@ -43,14 +43,14 @@ class RouterStats:
     prob_sums: torch.Tensor  # [E] summed router probabilities (carries the gradient)
     rows: torch.Tensor  # scalar: non-padding rows over all layers
 
-    def reduced(self) -> "RouterStats":
+    def reduced(self) -> RouterStats:
         """Counts and rows summed over every rank (probabilities stay local: they carry this rank's graph)."""
         packed = torch.cat([self.counts, self.rows.reshape(1)]).detach()
         if dist.is_initialized():
             dist.all_reduce(packed)
         return RouterStats(packed[:-1], self.prob_sums, packed[-1])
 
-    def __add__(self, other: "RouterStats") -> "RouterStats":
+    def __add__(self, other: RouterStats) -> RouterStats:
         return RouterStats(self.counts + other.counts, self.prob_sums + other.prob_sums, self.rows + other.rows)
 
 
@@ -63,7 +63,7 @@ class BalancingLoss:
     top_k: int
 
     @classmethod
-    def of(cls, model: nn.Module) -> "BalancingLoss":
+    def of(cls, model: nn.Module) -> BalancingLoss:
         owner = next((m for m in model.modules() if hasattr(m, "router_aux_loss_coef")), None)
         config = getattr(owner, "config", None)
         if owner is None or not hasattr(config, "output_router_logits"):
@@ -129,7 +129,7 @@ def update_correction_bias(biases: list[torch.Tensor], counts: torch.Tensor, coe
     if len(biases) != counts.shape[0]:
         raise ModelStructureError(f"load_balance_coeff: {counts.shape[0]} MoE layers counted but {len(biases)} "
                                   "routers have an e_score_correction_bias")
-    for bias, layer_counts in zip(biases, counts):
+    for bias, layer_counts in zip(biases, counts, strict=True):
         layer_counts = layer_counts[:bias.numel()].float()
         delta = coeff * torch.sign(layer_counts.mean() - layer_counts)
         bias.add_((delta - delta.mean()).to(bias.device, bias.dtype))

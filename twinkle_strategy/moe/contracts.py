@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import enum
 import functools
 import inspect
 import textwrap
@@ -37,20 +38,25 @@ from torch import nn
 
 from twinkle_strategy.errors import ModelStructureError
 
-ROUTED = "routed"
-PRE_ROUTED = "pre_routed"
+
+class CallKind(str, enum.Enum):
+    """How a block calls its experts module."""
+
+    ROUTED = "routed"  # experts(hidden_states, top_k_index, top_k_weights): the router's choices
+    PRE_ROUTED = "pre_routed"  # Llama-4: experts(routed_in), tokens already repeated per expert
+
 
 # Input names of the routed call: (tokens, chosen experts, their weights).
 ROUTED_SIGNATURES = (
     ("hidden_states", "top_k_index", "top_k_weights"),
     ("hidden_states", "router_indices", "routing_weights"),  # gpt-oss
 )
-CALL_ARITY = {ROUTED: 3, PRE_ROUTED: 1}
+CALL_ARITY = {CallKind.ROUTED: 3, CallKind.PRE_ROUTED: 1}
 
 
 @dataclasses.dataclass(frozen=True)
 class ExpertsContract:
-    kind: str  # ROUTED or PRE_ROUTED
+    kind: CallKind
     num_experts: int  # routed experts: the ones EP splits across ranks
     zero_experts: int = 0  # identity experts after them (LongCat-Flash): applied where the token is
     # Fewest choices per token the forward handles: LongCat-Flash's squeezes the top-k dimension
@@ -82,7 +88,7 @@ def _is_llama4_text_experts_forward(cls: type) -> bool:
     return inspect.unwrap(cls.forward) is inspect.unwrap(Llama4TextExperts.forward)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def experts_call_arities(block_class: type, attr: str) -> frozenset[int]:
     """How many arguments the block's code passes in each ``self.<attr>(...)`` call.
 
@@ -149,9 +155,9 @@ def read_contract(fqn: str, block: nn.Module, inner: nn.Module, attr: str, famil
         raise refuse("is a list of per-expert modules, not fused expert tensors")
     inputs = _forward_inputs(cls)
     if inputs in ROUTED_SIGNATURES:
-        kind = ROUTED
+        kind = CallKind.ROUTED
     elif _is_llama4_text_experts_forward(cls):
-        kind = PRE_ROUTED
+        kind = CallKind.PRE_ROUTED
     else:
         expected = " or ".join(f"forward({', '.join(s)})" for s in ROUTED_SIGNATURES)
         raise refuse(f"has forward({', '.join(inputs)}), which is no experts call we have a dispatch for "

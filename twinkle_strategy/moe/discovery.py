@@ -20,7 +20,7 @@ import dataclasses
 from torch import nn
 
 from twinkle_strategy.moe.contracts import ExpertsContract, read_contract
-from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.moe.expert_axis import ExpertAxis
 
 EXPERTS_ATTR = "experts"
 

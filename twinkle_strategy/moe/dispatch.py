@@ -19,7 +19,7 @@ core, :func:`run_on_owners`:
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist

@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.errors import ModelStructureError, ParallelConfigError
-from twinkle_strategy.moe.contracts import PRE_ROUTED, set_local_expert_counts
+from twinkle_strategy.moe.contracts import CallKind, set_local_expert_counts
 from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks, model_family, unwrap_experts
 from twinkle_strategy.moe.dispatch import dispatch_pre_routed, dispatch_routed
-from twinkle_strategy.moe.layout import ExpertAxis
+from twinkle_strategy.moe.expert_axis import ExpertAxis
 from twinkle_strategy.parallel import ParallelDims
 
 
@@ -130,7 +130,7 @@ def _install_dispatch(block: MoEBlock, num_local: int, group: dist.ProcessGroup)
     contract = block.contract
     num_local_zero = contract.zero_experts * num_local // contract.num_experts
 
-    if contract.kind == PRE_ROUTED:
+    if contract.kind == CallKind.PRE_ROUTED:
         @functools.wraps(local_forward)
         def expert_parallel_forward(routed_in):
             return dispatch_pre_routed(routed_in, local_forward, num_experts=contract.num_experts,

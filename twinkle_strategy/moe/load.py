@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.moe.contracts import PRE_ROUTED
+from twinkle_strategy.moe.contracts import CallKind
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.recompute import is_replaying
 
@@ -40,11 +40,11 @@ class ExpertLoad:
         self.counts: torch.Tensor | None = None
         self.token_mask: torch.Tensor | None = None
         self.active = True
-        for layer, (block, size) in enumerate(zip(blocks, sizes)):
+        for layer, (block, size) in enumerate(zip(blocks, sizes, strict=False)):
             hook = functools.partial(self._count, layer, block.contract.kind, size)
             block.experts.register_forward_pre_hook(hook, with_kwargs=True)
 
-    def _count(self, layer: int, kind: str, num_experts: int, _module, args, kwargs) -> None:
+    def _count(self, layer: int, kind: CallKind, num_experts: int, _module, args, kwargs) -> None:
         if not self.active or is_replaying():
             return
         chosen = _routed_choices(kind, num_experts, args, kwargs)
@@ -67,10 +67,10 @@ class ExpertLoad:
         return counts
 
 
-def _routed_choices(kind: str, num_experts: int, args: tuple, kwargs: dict) -> torch.Tensor:
+def _routed_choices(kind: CallKind, num_experts: int, args: tuple, kwargs: dict) -> torch.Tensor:
     """[tokens, k] expert indices the block hands its experts module in this call."""
     values = list(args) + list(kwargs.values())
-    if kind == PRE_ROUTED:
+    if kind == CallKind.PRE_ROUTED:
         # routed_in [E*T, H]: expert e's block holds the tokens scaled by their score, zero where not chosen.
         per_expert = values[0].view(num_experts, -1, values[0].shape[-1])
         chosen = (per_expert != 0).any(dim=-1)  # [E, T]

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from twinkle_strategy.compat.transformers_internals import wrap_checkpointing_enable, wrap_checkpointing_function
 
-_ACTIVE: contextvars.ContextVar["ForwardRecord | None"] = contextvars.ContextVar("twinkle_forward_record",
+_ACTIVE: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("twinkle_forward_record",
                                                                                  default=None)
 
 

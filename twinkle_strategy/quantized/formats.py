@@ -31,15 +31,33 @@ checkpoint can dequantize what its source sends (``decode``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 import math
 
 import torch
+from torch import nn
 
 from twinkle_strategy.compat.transformers_internals import fp8_scale_renamings
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError
 
-FP8_BLOCK, FP4_BLOCK, MXFP4 = "fp8_block", "fp4_block", "mxfp4"
-SERVED_METHODS = ("fp8", "mxfp4")
+
+class QuantMethod(str, enum.Enum):
+    """The ``quant_method`` values of ``quantization_config`` this reader streams."""
+
+    FP8 = "fp8"  # FP8 blocks; DeepSeek-V4's FP8 + FP4 experts
+    MXFP4 = "mxfp4"  # gpt-oss
+
+
+class StoredAs(str, enum.Enum):
+    """How one quantized weight is stored (what :class:`Codec` decodes)."""
+
+    FP8_BLOCK = "fp8_block"  # float8 values, a scale per block
+    FP4_BLOCK = "fp4_block"  # DeepSeek-V4 experts: two e2m1 per byte, a ue8m0 scale per 32 of a row
+    MXFP4 = "mxfp4"  # gpt-oss experts: ``_blocks`` and ``_scales``
+
+
+SERVED_METHODS = tuple(method.value for method in QuantMethod)
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 FP4_GROUP = 32  # DeepSeek-V4 FP4 experts and MXFP4: one scale per 32 values of a row
 # e2m1 values by nibble (sign bit 3, then 2 exponent bits and 1 mantissa bit): the OCP MX spec's table.
@@ -51,7 +69,7 @@ FP8_E4M3_MAX = torch.finfo(torch.float8_e4m3fn).max
 class QuantFormat:
     """What a checkpoint's ``quantization_config`` declares, reduced to what reading it needs."""
 
-    method: str  # "fp8" or "mxfp4"
+    method: QuantMethod
     block: tuple[int, int] | None  # FP8 weight_block_size
 
 
@@ -70,8 +88,8 @@ def quant_format(config) -> QuantFormat | None:
             f"the checkpoint is quantized with quant_method '{method}', which memory_efficient_init cannot stream "
             f"(it streams {', '.join(SERVED_METHODS)}: FP8 blocks, DeepSeek-V4 FP8/FP4, MXFP4); load it whole "
             "with NativeFSDPStrategy(..., stream_checkpoint=False) or convert it to bf16 first")
-    if method == "mxfp4":
-        return QuantFormat(method, None)
+    if method == QuantMethod.MXFP4:
+        return QuantFormat(QuantMethod.MXFP4, None)
     block = spec.get("weight_block_size")
     if not block or len(block) != 2:
         raise CheckpointError(
@@ -79,7 +97,7 @@ def quant_format(config) -> QuantFormat | None:
             "e.g. [128, 128]) streams; load it with stream_checkpoint=False")
     if str(spec.get("fmt", "e4m3")).lower() not in ("e4m3", "e5m2"):
         raise CheckpointError(f"the checkpoint is FP8 with fmt '{spec.get('fmt')}'; only e4m3 and e5m2 stream")
-    return QuantFormat(method, (int(block[0]), int(block[1])))
+    return QuantFormat(QuantMethod.FP8, (int(block[0]), int(block[1])))
 
 
 RELEASE_ATTR = "_twinkle_quantized_release"  # set on a model built from a quantized release, on every rank
@@ -94,14 +112,14 @@ def drop_quantization_config(config) -> bool:
     return quantized
 
 
-def mark_quantized_release(model, quantized: bool):
+def mark_quantized_release(model: nn.Module, quantized: bool):
     """Remember on ``model`` that it streams from a quantized release (every rank knows it from the config):
     only then does the init agree on which regions travel as stored, one collective more."""
     setattr(model, RELEASE_ATTR, quantized)
     return model
 
 
-def is_quantized_release(model) -> bool:
+def is_quantized_release(model: nn.Module) -> bool:
     return bool(getattr(model, RELEASE_ATTR, False))
 
 
@@ -197,22 +215,22 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 class Codec:
     """How the bytes read for rows of one quantized weight become float32 values (picklable, no file).
 
-    ``parts`` are the tensors read, in order (data, then scale): their dtype and shape.
+    ``parts`` are the tensors read, in order (data, then scale).
     """
 
-    kind: str
-    parts: tuple[tuple[torch.dtype, tuple[int, ...]], ...]
+    kind: StoredAs
+    parts: tuple[TensorSpec, ...]
     block: tuple[int, int] = (1, 1)
     first_row: int = 0
 
     @property
     def nbytes(self) -> int:
-        return sum(math.prod(shape) * dtype.itemsize for dtype, shape in self.parts)
+        return sum(part.nbytes for part in self.parts)
 
     def split(self, data: torch.Tensor) -> list[torch.Tensor]:
         """``data`` (uint8, the parts end to end) as the parts, without a copy."""
         out, at = [], 0
-        for dtype, shape in self.parts:
+        for shape, dtype in self.parts:
             size = math.prod(shape) * dtype.itemsize
             piece = data[at:at + size]
             out.append(piece.view(dtype).reshape(shape) if size else torch.empty(shape, dtype=dtype,
@@ -223,9 +241,9 @@ class Codec:
     def decode(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """The float32 values of the rows the parts were read for."""
         data, scale = parts
-        if self.kind == MXFP4:
+        if self.kind == StoredAs.MXFP4:
             return mxfp4_values(data, scale)
-        values = unpack_e2m1(data) if self.kind == FP4_BLOCK else data.to(torch.float32)
+        values = unpack_e2m1(data) if self.kind == StoredAs.FP4_BLOCK else data.to(torch.float32)
         return _scale_in_place(values, scale, self.block, self.first_row)
 
 
@@ -238,7 +256,7 @@ class LogicalTensor:
     dtype: torch.dtype
     data_key: str  # the stored tensor (the weight itself when not quantized)
     scale_key: str | None = None
-    kind: str | None = None  # None: stored as it is
+    kind: StoredAs | None = None  # None: stored as it is
     block: tuple[int, int] = (1, 1)
 
     @property
@@ -249,14 +267,13 @@ class LogicalTensor:
 class QuantizedIndex:
     """A quantized safetensors checkpoint seen as the checkpoint of its dequantized values.
 
-    Same reading interface as :class:`twinkle_strategy.checkpoint.files.SafetensorsIndex`
-    (``tensors``, ``read``, ``bytes_read``): ``read`` of a quantized weight
-    returns float32 values, reading only the quantized rows asked for and the
+    A :class:`twinkle_strategy.checkpoint.files.CheckpointIndex` over the stored one (``index``): ``read``
+    of a quantized weight returns float32 values, reading only the quantized rows asked for and the
     scale rows they need. Pairs each weight with its scale by transformers'
     FP8 quantizer renames, and checks every pair's shapes before any read.
     """
 
-    def __init__(self, index, fmt: QuantFormat, model=None):
+    def __init__(self, index, fmt: QuantFormat, model: nn.Module | None = None):
         self.stored, self.fmt = index, fmt
         self.tensors: dict[str, LogicalTensor] = {}
         scales = _scale_keys(index, fmt, model)
@@ -268,7 +285,7 @@ class QuantizedIndex:
             self.tensors[logical.key] = logical
 
     def _logical(self, key: str, stored, scale_key: str | None) -> LogicalTensor:
-        if self.fmt.method == "mxfp4" and scale_key is not None:
+        if self.fmt.method == QuantMethod.MXFP4 and scale_key is not None:
             return self._mxfp4(key, stored, scale_key)
         if scale_key is None:
             if stored.dtype in FP8_DTYPES:
@@ -278,9 +295,9 @@ class QuantizedIndex:
             return LogicalTensor(key, stored.shape, stored.dtype, key)
         scale = self.stored.tensors[scale_key]
         if stored.dtype == torch.int8 and len(stored.shape) == 2:  # DeepSeek-V4 FP4 experts, two values per byte
-            shape, kind, block = (stored.shape[0], 2 * stored.shape[1]), FP4_BLOCK, (1, FP4_GROUP)
+            shape, kind, block = (stored.shape[0], 2 * stored.shape[1]), StoredAs.FP4_BLOCK, (1, FP4_GROUP)
         elif stored.dtype in FP8_DTYPES and len(stored.shape) == 2:
-            shape, kind, block = stored.shape, FP8_BLOCK, self.fmt.block
+            shape, kind, block = stored.shape, StoredAs.FP8_BLOCK, self.fmt.block
         else:
             raise CheckpointError(f"checkpoint tensor '{key}' has a scale ('{scale_key}') but is a {stored.dtype} "
                                   f"tensor of shape {stored.shape}, not a 2-D FP8 or packed FP4 weight")
@@ -296,7 +313,7 @@ class QuantizedIndex:
         experts, rows, groups, _ = stored.shape
         _check_scale_shape(key, (experts, rows, groups * FP4_GROUP), scale_key, self.stored.tensors[scale_key].shape,
                            (experts, rows, groups), (1, FP4_GROUP))
-        return LogicalTensor(name, (experts, groups * FP4_GROUP, rows), torch.float32, key, scale_key, MXFP4)
+        return LogicalTensor(name, (experts, groups * FP4_GROUP, rows), torch.float32, key, scale_key, StoredAs.MXFP4)
 
     def __contains__(self, key: str) -> bool:
         return key in self.tensors
@@ -320,7 +337,8 @@ class QuantizedIndex:
         a, b = rows if rows is not None else (0, logical.shape[0])
         data, scale = self.stored.tensors[logical.data_key], self.stored.tensors[logical.scale_key]
         s0, s1 = _scale_rows(logical, a, b)
-        parts = ((data.dtype, (b - a,) + data.shape[1:]), (scale.dtype, (s1 - s0,) + scale.shape[1:]))
+        parts = (TensorSpec((b - a,) + data.shape[1:], data.dtype),
+                 TensorSpec((s1 - s0,) + scale.shape[1:], scale.dtype))
         return Codec(logical.kind, parts, logical.block, a)
 
     def read_parts(self, key: str, rows: tuple[int, int] | None = None) -> tuple[Codec | None, list[torch.Tensor]]:
@@ -342,7 +360,7 @@ class QuantizedIndex:
 
 def _scale_rows(logical: LogicalTensor, a: int, b: int) -> tuple[int, int]:
     """The scale rows that weight rows ``[a, b)`` need: ``a // B0 .. ceil(b / B0)`` (MXFP4: one per expert)."""
-    step = 1 if logical.kind == MXFP4 else logical.block[0]
+    step = 1 if logical.kind == StoredAs.MXFP4 else logical.block[0]
     return a // step, math.ceil(b / step)
 
 
@@ -353,9 +371,9 @@ def _check_scale_shape(key, shape, scale_key, got, want, block) -> None:
             f"{tuple(block)} needs {tuple(want)}; the checkpoint is truncated or corrupt: download it again")
 
 
-def _scale_keys(index, fmt: QuantFormat, model) -> dict[str, str]:
+def _scale_keys(index, fmt: QuantFormat, model: nn.Module | None) -> dict[str, str]:
     """Weight key -> its scale key, by the quantizer's own naming (transformers' renames for FP8)."""
-    if fmt.method == "mxfp4":
+    if fmt.method == QuantMethod.MXFP4:
         return {k[:-len("_scales")] + "_blocks": k for k in index.tensors
                 if k.endswith("_scales") and k[:-len("_scales")] + "_blocks" in index.tensors}
     renames = fp8_scale_renamings(model)

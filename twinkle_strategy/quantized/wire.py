@@ -22,10 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.quantized.formats import Codec, QuantizedIndex
 
 
@@ -37,21 +38,19 @@ class Piece:
     key: str
     rows: tuple[int, int] | None  # rows of the checkpoint tensor; None: all of it (a whole expert)
     codec: Codec | None
-    plain: tuple[torch.dtype, tuple[int, ...]] | None = None
+    plain: TensorSpec | None = None
 
     @property
     def nbytes(self) -> int:
         if self.codec is not None:
             return self.codec.nbytes
-        dtype, shape = self.plain
-        return math.prod(shape) * dtype.itemsize
+        return self.plain.nbytes
 
     def decode(self, data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """The piece's values in the model's dtype (cast at once, as from_pretrained does)."""
         if self.codec is not None:
             return self.codec.decode(self.codec.split(data)).to(dtype)
-        stored_dtype, shape = self.plain
-        return data.view(stored_dtype).reshape(shape).to(dtype)
+        return data.view(self.plain.dtype).reshape(self.plain.shape).to(dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +129,7 @@ def _piece(index: QuantizedIndex, pattern: str, key: str, rows) -> Piece:
         return Piece(pattern, key, rows, codec)
     stored = index.tensors[key]
     shape = stored.shape if rows is None else (rows[1] - rows[0],) + tuple(stored.shape[1:])
-    return Piece(pattern, key, rows, None, (stored.dtype, tuple(shape)))
+    return Piece(pattern, key, rows, None, TensorSpec(tuple(shape), stored.dtype))
 
 
 def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_bytes: int) -> list[tuple[int, int]]:
@@ -140,7 +139,7 @@ def _chunk_bounds(index: QuantizedIndex, recipe, rows: tuple[int, int], chunk_by
     step = max(chunk_bytes // _bytes_per_row(index, recipe) // align, 1) * align
     first_cut = (rows[0] // align + 1) * align + step - align
     edges = [rows[0], *range(first_cut, rows[1], step), rows[1]]
-    return list(zip(edges[:-1], edges[1:]))
+    return list(zip(edges[:-1], edges[1:], strict=False))
 
 
 def _rows_per_scale_row(index: QuantizedIndex, recipe) -> int:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
+from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 NOT_EXPERT = -1
@@ -71,7 +72,7 @@ def needs_of(model: nn.Module, ep_plan: ExpertParallelPlan | None) -> list[tuple
     return result
 
 
-def check_need(need: Need, described: tuple[tuple[int, ...], torch.dtype] | None,
+def check_need(need: Need, described: TensorSpec | None,
                ep_plan: ExpertParallelPlan | None, source_rank: int, *,
                dtype_reason: str | None = None) -> str | None:
     """Why the source cannot serve ``need`` from what it holds (``described``: pre-EP shape and dtype), or None.

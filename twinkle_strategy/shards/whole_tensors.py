@@ -24,12 +24,13 @@ by paired point-to-point transfers, which every backend has.
 from __future__ import annotations
 
 import zlib
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from twinkle_strategy.distributed.messages import collective_device, wait_all
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.shards.plan import NOT_EXPERT, Need, region_of
 
 _WHOLE = -1  # a region's rows in the table when it is the whole (EP-cut) tensor: a parameter FSDP did not shard
@@ -46,7 +47,8 @@ class WholeTensors:
     Collective to build: one ``all_gather`` of ``(ep_rank, first row, last row)`` per tensor.
     """
 
-    def __init__(self, needs: list[Need], ep_plan, owner: Callable[[str], int] | None = None):
+    def __init__(self, needs: list[Need], ep_plan: ExpertParallelPlan | None,
+                 owner: Callable[[str], int] | None = None):
         """``owner(name)``: the rank that holds tensor ``name`` whole (default: spread by name, see owner_of)."""
         self.needs, self.ep_plan = needs, ep_plan
         self._owner = owner

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from twinkle_strategy.distributed.runtime import global_rank
-from twinkle_strategy.errors import DatasetError, RowError
+from twinkle_strategy.errors import DatasetError, RowError, shorten
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +49,7 @@ class DatasetSpec:
     sample: int | None = None
 
     @classmethod
-    def parse(cls, text: str) -> "DatasetSpec":
+    def parse(cls, text: str) -> DatasetSpec:
         # Like swift: split at the last '#', unless the whole text names an existing file.
         if "#" not in text or os.path.exists(text):
             return cls(text)
@@ -221,7 +221,7 @@ class SFTDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_jsonl(cls, datasets: str | list[str], tokenizer, max_length: int = 512, packing: bool = False,
-                   strict: bool = False, seed: int = 42) -> "SFTDataset":
+                   strict: bool = False, seed: int = 42) -> SFTDataset:
         """One or more JSONL files (``path`` or swift's ``path#N``), concatenated in order.
 
         Every rank builds the same dataset: sampling is seeded with ``seed``.
@@ -249,9 +249,8 @@ class SFTDataset(torch.utils.data.Dataset):
 
 
 def skipped_rows_warning(skipped: list[SkippedRow], rows: int, examples: int) -> str:
-    shown = "; ".join(str(s) for s in skipped[:SHOWN_SKIPPED_ROWS])
-    more = f"; and {len(skipped) - SHOWN_SKIPPED_ROWS} more" if len(skipped) > SHOWN_SKIPPED_ROWS else ""
-    return (f"skipped {len(skipped)} of {rows} dataset rows that cannot become a training example ({shown}{more}); "
+    shown = shorten(skipped, SHOWN_SKIPPED_ROWS, "; ")
+    return (f"skipped {len(skipped)} of {rows} dataset rows that cannot become a training example ({shown}); "
             f"training on {examples} examples. Set data.strict=true (--strict true) to stop at the first bad row")
 
 

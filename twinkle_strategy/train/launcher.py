@@ -124,7 +124,7 @@ def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, s
     """
     envs = [{"OMP_NUM_THREADS": "1", **e} for e in (env if isinstance(env, list) else [env] * len(commands))]
     procs = []
-    for cmd, path, env in zip(commands, log_paths, envs):
+    for cmd, path, env in zip(commands, log_paths, envs, strict=False):
         out = None if path is None else open(path, "w")
         # A session of its own per agent, so it can be killed with all its workers.
         procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,

@@ -8,6 +8,7 @@ is an error naming the key, raised before any process is started.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import json
 import os
 
@@ -19,6 +20,13 @@ from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.train.arguments import TrainingArguments
+
+
+class TunerType(str, enum.Enum):
+    """What training changes (``tuner.type``, swift's ``--tuner_type``)."""
+
+    LORA = "lora"  # a PEFT LoRA adapter; the base stays frozen
+    FULL = "full"  # every parameter
 
 
 @dataclasses.dataclass
@@ -39,7 +47,7 @@ class DataConfig:
 
 @dataclasses.dataclass
 class TunerConfig:
-    type: str = "lora"  # lora | full
+    type: str = "lora"  # a TunerType: lora | full
     lora_rank: int = 8
     lora_alpha: int = 32
     lora_dropout: float = 0.0
@@ -128,10 +136,10 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     """Checks that need no process group: tuner type, dtype, and parallel sizes against the launch."""
     if recipe.launch.max_restarts < 0:
         raise RecipeError(f"launch.max_restarts={recipe.launch.max_restarts}; use 0 (no restarts) or more")
-    if recipe.tuner.type not in ("lora", "full"):
+    if recipe.tuner.type not in tuple(TunerType):
         raise RecipeError(f"tuner.type={recipe.tuner.type!r}; use 'lora' or 'full'")
     tuner = recipe.tuner
-    if tuner.type == "lora" and tuner.target_parameters:
+    if tuner.type == TunerType.LORA and tuner.target_parameters:
         # PEFT wraps fused expert tensors in ParamWrapper, which computes W + B@A per expert; these
         # options need the adapter applied to activations and cannot be served there.
         unsupported = [(f"tuner.lora_dropout={tuner.lora_dropout}", "set tuner.lora_dropout=0", tuner.lora_dropout > 0),

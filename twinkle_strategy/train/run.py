@@ -10,8 +10,8 @@ import torch
 from twinkle_strategy.dtypes import float_dtype
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTDataset
-from twinkle_strategy.train.recipe import Recipe
-from twinkle_strategy.train.tiny_models import prepare_demo_model
+from twinkle_strategy.train.demo_model import prepare_demo_model
+from twinkle_strategy.train.recipe import Recipe, TunerType
 from twinkle_strategy.train.trainer import Trainer
 
 TINY_PREFIX = "tiny://"
@@ -21,7 +21,6 @@ def prepare_model_path(path: str, datasets: list[str]) -> str:
     """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``datasets``) under ./output/tiny/NAME."""
     if not path.startswith(TINY_PREFIX):
         return path
-
     name = path[len(TINY_PREFIX):] or "demo"
     target = os.path.abspath(os.path.join("output", "tiny", name))
     prepare_demo_model(target, [DatasetSpec.parse(d).path for d in datasets])
@@ -55,7 +54,7 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
     model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype))
     tokenizer = strategy.node_local_object(
         lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path)))
-    if recipe.tuner.type == "lora":
+    if recipe.tuner.type == TunerType.LORA:
         from peft import get_peft_model
 
         torch.manual_seed(recipe.train.seed)  # same fresh adapter whatever the number of nodes

@@ -74,7 +74,7 @@ class FlopsModel:
     attention_width: int  # heads x head dim
 
     @classmethod
-    def of(cls, model: nn.Module, *, ep_size: int = 1) -> "FlopsModel":
+    def of(cls, model: nn.Module, *, ep_size: int = 1) -> FlopsModel:
         config = _text_config(model)
         heads = getattr(config, "num_attention_heads", 0) or 0
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // max(heads, 1))

@@ -21,6 +21,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.checkpoint import CheckpointManager, is_peft_model
@@ -34,6 +35,7 @@ from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, updat
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
+from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import StepSampler
 from twinkle_strategy.train.metrics import StepWindow
@@ -54,7 +56,7 @@ def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
     return value
 
 
-def _expert_load_or_none(model, *, ep_size: int) -> ExpertLoad | None:
+def _expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
     """Expert-load counting for an MoE model whose experts call we know; None otherwise (dense models, and
     families EP refuses, which still train with ep_size=1 but log no moe_load_imbalance)."""
     try:
@@ -76,8 +78,8 @@ class Trainer:
     it off in its workers: it prints them itself once every rank has finished).
     """
 
-    def __init__(self, model, strategy, args: TrainingArguments, train_dataset, data_collator,
-                 processing_class=None, run_dir: str | None = None, *, print_summary: bool = True):
+    def __init__(self, model: nn.Module, strategy: NativeFSDPStrategy, args: TrainingArguments, train_dataset,
+                 data_collator, processing_class=None, run_dir: str | None = None, *, print_summary: bool = True):
         self.model = model
         self.strategy = strategy
         self.args = args

@@ -17,13 +17,9 @@ from __future__ import annotations
 import json
 import os
 
-from twinkle_strategy.train.tiny_models import (
-    VISION_LANGUAGE_FAMILIES,
-    build_once,
-    build_tokenizer,
-    save_tiny_checkpoint,
-    tiny_config,
-)
+from twinkle_strategy.testing.families import VISION_LANGUAGE_FAMILIES
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint, tiny_config
+from twinkle_strategy.train.demo_model import build_once, build_tokenizer
 
 # The config attribute holding each vision token's id, and the token's text (as in Qwen's tokenizers).
 VISION_TOKENS = {
@@ -48,7 +44,7 @@ def vision_token_ids(config) -> dict[str, int]:
 
 
 def build_vl_tokenizer(texts: list[str], token_ids: dict[str, int]):
-    """The tiny ChatML BPE tokenizer of ``tiny_models`` plus the vision tokens at ``token_ids``.
+    """The demo's tiny ChatML BPE tokenizer (:mod:`twinkle_strategy.train.demo_model`) plus the vision tokens at ``token_ids``.
 
     The ids are far beyond the BPE's vocabulary: they are written into the tokenizer's vocabulary
     as they are (``tokenizers`` allows gaps), as special tokens so that text never splits them.

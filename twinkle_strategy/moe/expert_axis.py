@@ -122,9 +122,10 @@ class ExpertAxis:
     def join(self, parts: list[torch.Tensor]) -> torch.Tensor:
         """Inverse of :meth:`cut` over consecutive expert ranges: ``join([cut(t,0,k), cut(t,k,k)...]) == t``."""
         counts = [self._count_of(p) for p in parts]
-        split = [p.reshape(self._split_shape(p.shape, c)) for p, c in zip(parts, counts)]
+        split = [p.reshape(self._split_shape(p.shape, c)) for p, c in zip(parts, counts, strict=True)]
         axis = self.dim + 1
-        routed = [s.narrow(axis, 0, c) for s, c in zip(split, counts)]
-        zeros = [s.narrow(axis, c, s.shape[axis] - c) for s, c in zip(split, counts)] if self.zero_experts else []
+        routed = [s.narrow(axis, 0, c) for s, c in zip(split, counts, strict=True)]
+        zeros = ([s.narrow(axis, c, s.shape[axis] - c) for s, c in zip(split, counts, strict=True)]
+                 if self.zero_experts else [])
         joined = torch.cat(routed + zeros, dim=axis)
         return joined.reshape(self.local_shape(parts[0].shape, sum(counts)))
