@@ -24,6 +24,7 @@ from twinkle_strategy.checkpoint.model_files import DEFAULT_MAX_FILE_BYTES
 from twinkle_strategy.checkpoint.training import (
     CHUNK_BYTES,
     STATE_FILE,
+    CheckpointedStrategy,
     SaveReport,
     load_checkpoint,
     save_checkpoint,
@@ -80,12 +81,10 @@ class CheckpointManager:
     ``save`` and ``resume_path`` are collective: every rank calls them.
     """
 
-    def __init__(self, folder: str, *, model: nn.Module, strategy, optimizer=None,
+    def __init__(self, folder: str, *, model: nn.Module, strategy: CheckpointedStrategy, optimizer=None,
                  scheduler=None, tokenizer=None, interval: int = 0, keep_latest: int | None = None,
                  save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
                  chunk_bytes: int = CHUNK_BYTES) -> None:
-        # ``strategy`` is the NativeFSDPStrategy; not annotated, as in checkpoint/training.py: checkpoint/ sits
-        # below strategy.py, and even a type-only import back up would make the packages import each other.
         self.folder = folder
         self.model, self.strategy, self.optimizer, self.scheduler = model, strategy, optimizer, scheduler
         self.tokenizer = tokenizer

@@ -72,6 +72,7 @@ class CheckpointedStrategy(Protocol):
     """What saving and resuming ask of the strategy (:class:`~twinkle_strategy.NativeFSDPStrategy` is one)."""
 
     ep_plan: ExpertParallelPlan | None
+    is_main_process: bool
 
     def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None
                         ) -> dict[str, torch.Tensor]: ...
