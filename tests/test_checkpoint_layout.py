@@ -157,10 +157,10 @@ def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_r
     capture.expect([[need], [need], [need]], None)
     want = reference_state(path)[name]
     for served in range(3):
-        assert (name in capture._whole) == (served > 0)  # held from the first region to the last
+        assert (name in capture.held_whole) == (served > 0)  # held from the first region to the last
         (chunk,) = capture.region_chunks(need, None, 2**20)
         assert torch.equal(chunk, want)
-    assert name not in capture._whole
+    assert name not in capture.held_whole
     assert capture.bytes_read == want.numel() * want.element_size()
 
 

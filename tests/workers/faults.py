@@ -28,7 +28,7 @@ def kill_source_mid_transfer(args):
     from twinkle_strategy.init import transport
 
     sent = {"n": 0}
-    original = transport._send
+    original = transport.send_bucket
 
     def send_then_die(message, peer):
         sent["n"] += 1
@@ -36,7 +36,7 @@ def kill_source_mid_transfer(args):
             die()
         return original(message, peer)
 
-    transport._send = send_then_die
+    transport.send_bucket = send_then_die
     strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
                                   init_bucket_mb=2048 / 2**20, timeout_s=args.timeout)
     strategy.wrap_model(strategy.from_pretrained(args.model))

@@ -56,6 +56,11 @@ class Capture:
         return sum(layout.index.read_seconds for layout in self.layouts)
 
     @property
+    def held_whole(self) -> frozenset[str]:
+        """Checkpoint tensors read whole and held now, until the last region cut from them is served."""
+        return frozenset(self._whole)
+
+    @property
     def whole_tensors(self) -> list[str]:
         """Model tensors a conversion rule forced to read whole instead of by rows."""
         return sorted(set().union(*(layout.materialized_whole for layout in self.layouts)) | self._cut_after_reading)

@@ -97,7 +97,9 @@ def _fill_from(readers: list[StreamReader], peer_index: dict[int, int]):
     return fill
 
 
-def _send(message: torch.Tensor, peer: int) -> list:
+def send_bucket(message: torch.Tensor, peer: int) -> list:
+    """Start sending one bucket to ``peer``; the requests to wait on. (The one place a source sends a bucket,
+    so that the reliability tests can stop a source mid-transfer here.)"""
     return dist.batch_isend_irecv([dist.P2POp(dist.isend, message, peer)])
 
 
@@ -123,7 +125,7 @@ def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, betwe
     filled = iter(buckets)
     try:
         for slot, rank, size in filled:
-            in_flight.append((_send(slot.message(size), rank), slot))
+            in_flight.append((send_bucket(slot.message(size), rank), slot))
             sent[rank] += 1
             _count_sent(size, stats, progress)
             # Keep one slot for the read thread to fill while the others are on the wire.
@@ -178,7 +180,7 @@ def _send_aborts(plans: dict[int, list[int]], sent: dict[int, int], slot: stagin
     for rank, sizes in plans.items():
         for size in sizes[sent[rank]:sent[rank] + 2]:
             slot.host_free()[:size].zero_()
-            messages.wait_all(_send(slot.message(size, staging.ABORT), rank))
+            messages.wait_all(send_bucket(slot.message(size, staging.ABORT), rank))
 
 
 def _receive_p2p(writer, source, *, bucket_bytes, device, stats) -> Outcome:
