@@ -36,7 +36,9 @@ venv_extra() { case "$1" in swift) echo swift ;; *) echo test ;; esac; }
 venv_key() {
   local constraints
   constraints=$(venv_constraints "$1") || return
-  { echo "recipe 1 $1"; "$TWINKLE_PY" -c 'import sys; print(sys.executable, sys.version)'
+  # The base interpreter, not sys.executable: under an activated .venv that is the clone's own python, and every
+  # fresh clone would then build its own copy of the env.
+  { echo "recipe 1 $1"; "$TWINKLE_PY" -c 'import sys; print(sys.base_prefix, sys.version)'
     cat "$constraints" "$TWINKLE_REPO/setup.py"; } | sha256sum | cut -c1-12
 }
 
