@@ -18,7 +18,7 @@ import torch
 from multinode import REPO
 
 from twinkle_strategy.train import cli
-from twinkle_strategy.train.launcher import alive, descendants, device_problem, free_port, port_in_use
+from twinkle_strategy.train.launcher import alive, descendants, device_problem, free_port, port_in_use, run_agents
 
 DEMO = str(REPO / "yaml" / "demo.yaml")
 
@@ -158,3 +158,32 @@ def test_device_problem_names_what_is_missing(monkeypatch):
 
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert "torch_npu is not installed" in device_problem("npu") and "NPU" in device_problem(None, "hccl")
+
+
+def test_a_timed_out_launch_kills_workers_in_sessions_of_their_own(tmp_path):
+    # torchrun starts each worker in a session of its own: killing the agent's process group misses them.
+    pid_file = tmp_path / "worker.pid"
+    agent = ("import subprocess, sys, time\n"
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+             f"open({str(pid_file)!r}, 'w').write(str(w.pid))\n"
+             "time.sleep(600)\n")
+    worker = None
+    try:
+        codes, timed_out = run_agents([[sys.executable, "-c", agent]], dict(os.environ), [None], timeout=5)
+        assert timed_out and codes == [None]
+        worker = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _running(worker):
+            time.sleep(0.1)
+        assert not _running(worker), "the worker outlived its agent"
+    finally:
+        if worker is not None and _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

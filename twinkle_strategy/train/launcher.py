@@ -256,7 +256,8 @@ class RunStopper:
     ``grace_s`` later (``TWINKLE_STOP_GRACE_S``), or at a second signal, everything left is killed.
     """
 
-    def __init__(self, grace_s: float | None = None):
+    def __init__(self, grace_s: float | None = None, handle_signals: bool = True):
+        self.handle_signals = handle_signals
         self.grace_s = float(os.environ.get("TWINKLE_STOP_GRACE_S", "20")) if grace_s is None else grace_s
         self.signum: int | None = None
         self.kill_at: float | None = None
@@ -266,7 +267,7 @@ class RunStopper:
         self._last_scan = 0.0
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
@@ -282,7 +283,7 @@ class RunStopper:
         self.signum = signum
         self.kill_at = time.monotonic() + self.grace_s
         self.scan()
-        workers = [pid for pid in self.known if pid not in {a.pid for a in self.agents}]
+        workers = [pid for pid in list(self.known) if pid not in {a.pid for a in self.agents}]
         ranks = [pid for pid in workers if self._parent_is_agent(pid)]
         if ranks:  # saving may take a while: say what happens (with no rank yet, the outcome is the one line)
             print(f"twinkle-sft: {signal.Signals(signum).name}: stopping the run ({len(ranks)} rank(s) save a "
@@ -326,7 +327,7 @@ class RunStopper:
                     os.killpg(agent.pid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-        for pid in alive(self.known):
+        for pid in alive(dict(self.known)):
             self._signal(pid, signal.SIGKILL)
         for agent in self.agents:
             agent.wait()
@@ -340,11 +341,11 @@ def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, s
 
     ``env`` is every command's environment, or one per command. An agent's output goes to its log path, or
     to this process's stdout where that is
-    None. ``while_waiting`` is called every ``poll_s`` seconds. SIGTERM or SIGINT to this process stops the
-    run (``stopper``, :class:`RunStopper`; its ``signum`` says which came). Past ``timeout``, or however this
-    ends, every agent is killed with all its workers.
+    None. ``while_waiting`` is called every ``poll_s`` seconds. With a ``stopper`` (:class:`RunStopper`),
+    SIGTERM or SIGINT to this process stops the run (its ``signum`` says which came). Past ``timeout``, or
+    however this ends, every agent is killed with all its workers (torchrun's own sessions included).
     """
-    stopper = stopper or RunStopper()
+    stopper = stopper or RunStopper(handle_signals=False)
     envs = [{"OMP_NUM_THREADS": "1", **e} for e in (env if isinstance(env, list) else [env] * len(commands))]
     stopper.install()
     try:
