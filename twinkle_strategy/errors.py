@@ -109,6 +109,14 @@ class OutputDirNotSharedError(TwinkleError):
     """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""
 
 
+class RunStoppedError(TwinkleError):
+    """``twinkle-sft`` was stopped by SIGTERM or SIGINT (``signum``) during a launched run; every process of it ended."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.signum = signum
+
+
 def shorten(items: Iterable[object], n: int, sep: str = ", ") -> str:
     """The first ``n`` of ``items`` joined by ``sep``, then how many are left out: ``a, b and 3 more``
     (``a; b; and 3 more`` with ``sep="; "``), so a message names what is wrong without listing all of it."""

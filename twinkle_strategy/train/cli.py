@@ -41,9 +41,16 @@ import sys
 
 from twinkle_strategy import config
 from twinkle_strategy.checkpoint import latest_checkpoint
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import RunStoppedError, TwinkleError
 from twinkle_strategy.train.arguments import TrainingArguments
-from twinkle_strategy.train.launcher import free_port, run_logged, torchrun_command
+from twinkle_strategy.train.launcher import (
+    device_problem,
+    free_port,
+    master_port_problem,
+    run_logged,
+    torchrun_command,
+    waiting_line,
+)
 from twinkle_strategy.train.preflight import check_before_launch
 from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, logs_dir, record_error
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
@@ -129,12 +136,15 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
     if nproc * nnodes == 1:
         return None
     node_rank = int(env.get("NODE_RANK", "0"))
-
+    port, master_addr = int(env.get("MASTER_PORT", "29500")), env.get("MASTER_ADDR", "127.0.0.1")
+    if node_rank == 0 and (problem := master_port_problem(port)):
+        print(f"twinkle-sft: error: {problem}", file=sys.stderr)
+        return 2
     cmd = torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node_rank, nproc,
-                           int(env.get("MASTER_PORT", "29500")), master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-                           max_restarts=recipe.launch.max_restarts)
+                           port, master_addr=master_addr, max_restarts=recipe.launch.max_restarts)
     ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
-    return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node")
+    waiting = waiting_line(nnodes, node_rank, nproc, master_addr, port) if nnodes > 1 else None
+    return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node", waiting)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,10 +156,24 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # a torchrun worker
         return _worker_main(argv)
     try:
+        return _parse_and_launch(argv)
+    except RunStoppedError as exc:  # SIGTERM / SIGINT during a launched run: every process has ended
+        print(f"twinkle-sft: {exc}", file=sys.stderr, flush=True)
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        print("twinkle-sft: interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        return 130
+
+
+def _parse_and_launch(argv: list[str]) -> int:
+    try:
         recipe = parse(argv)
         check_before_launch(recipe)
     except (RecipeError, TwinkleError) as exc:
         print(f"twinkle-sft: error: {_describe(exc)}", file=sys.stderr)
+        return 2
+    if problem := device_problem(recipe.strategy.device_type, recipe.strategy.backend):
+        print(f"twinkle-sft: error: {problem}", file=sys.stderr)
         return 2
 
     # Build the embedded model (tiny://) once here, before any worker starts; the workers find it built.
@@ -178,12 +202,13 @@ def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
                        f"{nnodes} simulated nodes x {nproc} ranks on this machine")
 
 
-def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str) -> int:
+def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str,
+                waiting: str | None = None) -> int:
     # Chosen here, not by rank 0, so the logs have a home even if the run fails before training.
     run_dir = make_run_dir(recipe.train.output_dir, recipe.train.add_version)
     print(f"twinkle-sft: {what}; rank {ranks[0]}'s output follows, every rank's is in {logs_dir(run_dir)}",
           file=sys.stderr, flush=True)
-    if not run_logged(commands, run_dir, ranks, node_ranks):
+    if not run_logged(commands, run_dir, ranks, node_ranks, waiting):
         return 1
     if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints; its trainer does not print them
         print(f"run directory: {run_dir}\nlast checkpoint: {latest_checkpoint(run_dir)}", flush=True)

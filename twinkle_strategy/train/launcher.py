@@ -15,17 +15,81 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, LogFollower, agent_log_path, failure_summary, logs_dir
+from twinkle_strategy.errors import RunStoppedError
+from twinkle_strategy.train.rank_logs import (
+    RUN_DIR_ENV,
+    LogFollower,
+    agent_log_path,
+    failure_summary,
+    logs_dir,
+    rank_log_path,
+)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def port_in_use(port: int) -> bool:
+    """Whether ``port`` cannot be listened on here (torchrun's store binds every address, reusing TIME_WAIT)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("", port))
+        except OSError:
+            return True
+        return False
+
+
+def master_port_problem(port: int) -> str | None:
+    """One line if the master ``port`` is taken on this machine (checked where this node is the master)."""
+    if not port_in_use(port):
+        return None
+    return (f"master port {port} is in use on this machine (another run, or one not stopped?); "
+            f"pick a free one with MASTER_PORT, e.g. MASTER_PORT={free_port()} twinkle-sft ...")
+
+
+def device_problem(device_type: str | None, backend: str | None = None) -> str | None:
+    """One line if the device the recipe names (``strategy.device_type``, or its ``strategy.backend``) is missing."""
+    needs = {device_type, {"nccl": "cuda", "hccl": "npu"}.get(backend or "")}
+    if "cuda" in needs:
+        import torch
+
+        if not torch.cuda.is_available():
+            return ("the recipe needs a CUDA GPU (strategy.device_type or strategy.backend) and torch sees none "
+                    f"(torch {torch.__version__}, CUDA {torch.version.cuda}); run it on a GPU node, "
+                    "or use strategy.device_type=cpu (--device_type cpu) to try it on CPU")
+    if "npu" in needs:
+        import importlib.util
+
+        available = False
+        if importlib.util.find_spec("torch_npu") is not None:
+            import torch_npu
+
+            available = torch_npu.npu.is_available()
+        if not available:
+            return ("the recipe needs an Ascend NPU (strategy.device_type or strategy.backend) and "
+                    + ("torch_npu sees none" if importlib.util.find_spec("torch_npu") else "torch_npu is not installed")
+                    + "; run it on an NPU node, or use strategy.device_type=cpu (--device_type cpu) to try it on CPU")
+    return None
+
+
+def waiting_line(nnodes: int, node_rank: int, nproc: int, master_addr: str, port: int) -> str:
+    """What a launch of one node of several waits for, and how to start the other nodes."""
+    others = [n for n in range(nnodes) if n != node_rank]
+    addr = socket.gethostname() if master_addr in ("127.0.0.1", "localhost") and node_rank == 0 else master_addr
+    starts = " / ".join(f"NODE_RANK={n}" for n in others)
+    return (f"twinkle-sft: node {node_rank} of {nnodes} is waiting for node(s) {', '.join(map(str, others))} "
+            f"to join at {master_addr}:{port}; start each with the same command and "
+            f"NNODES={nnodes} NPROC_PER_NODE={nproc} {starts} MASTER_ADDR={addr} MASTER_PORT={port} on the other node "
+            f"(Ctrl-C stops this one)")
 
 
 @dataclasses.dataclass
@@ -93,58 +157,215 @@ def run_simulated_nodes(
     return AgentsResult(returncodes, timed_out, log_paths, time.monotonic() - start)
 
 
-def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_ranks: list[int]) -> bool:
+def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_ranks: list[int],
+               waiting: str | None = None, waiting_every_s: float = 60.0, waiting_after_s: float = 3.0) -> bool:
     """Run torchrun agents (``commands``, one per node) whose workers log to ``run_dir/logs``.
 
     The workers (``twinkle-sft``) find ``run_dir`` in ``TWINKLE_RUN_DIR``. The first of
     ``ranks`` is shown live on stderr; a failed run ends with one summary on stderr
     (:mod:`twinkle_strategy.train.rank_logs`). Returns whether every agent succeeded.
+    ``waiting``: the line printed (after ``waiting_after_s``, then every ``waiting_every_s``) while no rank
+    of this node has started, i.e. while torchrun waits for the other nodes. SIGTERM or SIGINT stops every
+    process of the run (:class:`RunStopper`) and raises ``RunStoppedError`` unless every rank then exited 0.
     """
     os.makedirs(logs_dir(run_dir), exist_ok=True)
     env = {**os.environ, RUN_DIR_ENV: run_dir, "PYTHONUNBUFFERED": "1"}
     follower = LogFollower(run_dir, ranks[0], sys.stderr.buffer)
+    start, last_said = time.monotonic(), None
+
+    def while_waiting() -> None:
+        nonlocal last_said
+        follower.poll()
+        if waiting is None or stopper.signum is not None:
+            return
+        now = time.monotonic()
+        if now - start < waiting_after_s or (last_said is not None and now - last_said < waiting_every_s):
+            return
+        if not any(os.path.exists(rank_log_path(run_dir, r)) for r in ranks):
+            print(waiting, file=sys.stderr, flush=True)
+            last_said = now
+
+    stopper = RunStopper()
     returncodes, _ = run_agents(commands, env, [Path(agent_log_path(run_dir, n)) for n in node_ranks],
-                                while_waiting=follower.poll)
+                                while_waiting=while_waiting, stopper=stopper)
     follower.finish()
     if all(rc == 0 for rc in returncodes):
         return True
+    if stopper.signum is not None:
+        raise RunStoppedError(f"stopped by {signal.Signals(stopper.signum).name}; every process of the run has "
+                              f"ended; logs in {logs_dir(run_dir)}", stopper.signum)
     print(failure_summary(run_dir, ranks, node_ranks), file=sys.stderr, flush=True)
     return False
 
 
+def _process_table() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, start time) of every process, from /proc (empty where there is none)."""
+    table = {}
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return table
+    for name in names:
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        table[int(name)] = (int(fields[1]), fields[19])  # ppid, starttime
+    return table
+
+
+def descendants(pids: list[int]) -> dict[int, str]:
+    """pid -> start time of every live descendant of ``pids`` (Linux /proc; empty elsewhere)."""
+    table = _process_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(pids)
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found[child] = table[child][1]
+            todo.append(child)
+    return found
+
+
+def alive(processes: dict[int, str]) -> list[int]:
+    """Those of ``processes`` (pid -> start time, from :func:`descendants`) still running, not reused pids."""
+    table = _process_table()
+    return [pid for pid, started in processes.items() if pid in table and table[pid][1] == started
+            and not _is_zombie(pid)]
+
+
+def _is_zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+class RunStopper:
+    """Owns the processes of a run: SIGTERM or SIGINT to this process reaches torchrun and every rank.
+
+    torchrun starts each worker in a session of its own, so killing an agent's process group misses them;
+    the stopper keeps the pids of every descendant of the agents (with their start times, so a reused pid is
+    never signalled). On the first signal every rank gets SIGTERM (the trainer checkpoints at the end of its
+    step and exits 0; :mod:`twinkle_strategy.train.preemption`), or the agents do while no rank exists yet;
+    ``grace_s`` later (``TWINKLE_STOP_GRACE_S``), or at a second signal, everything left is killed.
+    """
+
+    def __init__(self, grace_s: float | None = None, handle_signals: bool = True):
+        self.handle_signals = handle_signals
+        self.grace_s = float(os.environ.get("TWINKLE_STOP_GRACE_S", "20")) if grace_s is None else grace_s
+        self.signum: int | None = None
+        self.kill_at: float | None = None
+        self.agents: list[subprocess.Popen] = []
+        self.known: dict[int, str] = {}  # descendant pid -> start time
+        self._previous: dict[int, object] = {}
+        self._last_scan = 0.0
+
+    def install(self) -> None:
+        if self.handle_signals and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._on_signal)
+
+    def restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.signum is not None:  # the second one: now
+            self.kill_at = 0.0
+            return
+        self.signum = signum
+        self.kill_at = time.monotonic() + self.grace_s
+        self.scan()
+        workers = [pid for pid in list(self.known) if pid not in {a.pid for a in self.agents}]
+        ranks = [pid for pid in workers if self._parent_is_agent(pid)]
+        if ranks:  # saving may take a while: say what happens (with no rank yet, the outcome is the one line)
+            print(f"twinkle-sft: {signal.Signals(signum).name}: stopping the run ({len(ranks)} rank(s) save a "
+                  f"checkpoint at the end of this step); everything left is killed in {self.grace_s:.0f} s, or at "
+                  "another Ctrl-C", file=sys.stderr, flush=True)
+        targets = ranks or [a.pid for a in self.agents if a.poll() is None]
+        for pid in targets:
+            self._signal(pid, signal.SIGTERM)
+
+    def _parent_is_agent(self, pid: int) -> bool:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        return ppid in {a.pid for a in self.agents}
+
+    def scan(self) -> None:
+        """Add the live descendants of the agents to the pids this stopper owns."""
+        self._last_scan = time.monotonic()
+        self.known.update(descendants([a.pid for a in self.agents if a.poll() is None]))
+
+    def poll(self) -> None:
+        if time.monotonic() - self._last_scan > 1.0:
+            self.scan()
+        if self.kill_at is not None and time.monotonic() >= self.kill_at:
+            self.kill_all()
+
+    def _signal(self, pid: int, sig: int) -> None:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill_all(self) -> None:
+        """SIGKILL every agent (with its process group) and every descendant still alive."""
+        self.scan()
+        for agent in self.agents:
+            if agent.poll() is None:
+                try:
+                    os.killpg(agent.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        for pid in alive(dict(self.known)):
+            self._signal(pid, signal.SIGKILL)
+        for agent in self.agents:
+            agent.wait()
+
+
 def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, str]], log_paths: list[Path | None],
                timeout: float | None = None, cwd: str | None = None,
-               while_waiting: Callable[[], None] | None = None, poll_s: float = 0.2) -> tuple[list[int | None], bool]:
+               while_waiting: Callable[[], None] | None = None, poll_s: float = 0.2,
+               stopper: RunStopper | None = None) -> tuple[list[int | None], bool]:
     """Start one process per command and wait for all: (return codes, timed out).
 
     ``env`` is every command's environment, or one per command. An agent's output goes to its log path, or
     to this process's stdout where that is
-    None. ``while_waiting`` is called every ``poll_s`` seconds. Past ``timeout``, or if
-    this process is interrupted, every agent is killed with all its workers.
+    None. ``while_waiting`` is called every ``poll_s`` seconds. With a ``stopper`` (:class:`RunStopper`),
+    SIGTERM or SIGINT to this process stops the run (its ``signum`` says which came). Past ``timeout``, or
+    however this ends, every agent is killed with all its workers (torchrun's own sessions included).
     """
+    stopper = stopper or RunStopper(handle_signals=False)
     envs = [{"OMP_NUM_THREADS": "1", **e} for e in (env if isinstance(env, list) else [env] * len(commands))]
-    procs = []
-    for cmd, path, env in zip(commands, log_paths, envs, strict=False):
-        out = None if path is None else open(path, "w")
-        # A session of its own per agent, so it can be killed with all its workers.
-        procs.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
-                                      start_new_session=True, cwd=cwd))
-        if out is not None:
-            out.close()
-    deadline = None if timeout is None else time.monotonic() + timeout
+    stopper.install()
     try:
+        for cmd, path, env in zip(commands, log_paths, envs, strict=False):
+            out = None if path is None else open(path, "w")
+            # A session of its own per agent: a Ctrl-C at the terminal reaches this process only, which stops the run.
+            stopper.agents.append(subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
+                                                   start_new_session=True, cwd=cwd))
+            if out is not None:
+                out.close()
+        procs = stopper.agents
+        deadline = None if timeout is None else time.monotonic() + timeout
         while any(proc.poll() is None for proc in procs):
             if deadline is not None and time.monotonic() > deadline:
                 return [proc.poll() for proc in procs], True
             if while_waiting is not None:
                 while_waiting()
+            stopper.poll()
             time.sleep(poll_s)
         return [proc.returncode for proc in procs], False
     finally:
-        for proc in procs:
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                proc.wait()
+        stopper.kill_all()
+        stopper.restore()

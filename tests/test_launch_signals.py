@@ -1,0 +1,189 @@
+"""twinkle-sft owns the processes it starts and never waits in silence (issue 31, points 1 and 2).
+
+A 2-node recipe started on one machine says what it waits for; SIGINT or SIGTERM ends torchrun and every
+rank and frees the master port; a master port in use or a missing device is one line before launch.
+"""
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from multinode import REPO
+
+from twinkle_strategy.train import cli
+from twinkle_strategy.train.launcher import alive, descendants, device_problem, free_port, port_in_use, run_agents
+
+DEMO = str(REPO / "yaml" / "demo.yaml")
+
+
+class Cli:
+    """``twinkle-sft`` in a session of its own, its stderr collected as it comes; ``stop()`` kills whatever is left."""
+
+    def __init__(self, args, env, cwd):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **env}
+        self.proc = subprocess.Popen([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        self.err, self.out = bytearray(), bytearray()
+        self.seen: dict[int, str] = {}  # every process of the run ever seen: pid -> start time
+        self._readers = [threading.Thread(target=self._read, args=(s, b), daemon=True)
+                         for s, b in ((self.proc.stderr, self.err), (self.proc.stdout, self.out))]
+        for reader in self._readers:
+            reader.start()
+
+    def _read(self, stream, into):
+        while chunk := os.read(stream.fileno(), 65536):
+            into.extend(chunk)
+
+    @property
+    def stderr(self) -> str:
+        return self.err.decode(errors="replace")
+
+    def wait_for(self, text: str, timeout: float) -> float:
+        """Seconds until ``text`` appeared on stderr (fails past ``timeout``), noting the run's processes meanwhile."""
+        start = time.monotonic()
+        while text not in self.stderr:
+            self.seen.update(descendants([self.proc.pid]))
+            assert self.proc.poll() is None, f"twinkle-sft ended (rc {self.proc.returncode}):\n{self.stderr}"
+            assert time.monotonic() - start < timeout, f"no {text!r} in {timeout} s:\n{self.stderr}"
+            time.sleep(0.2)
+        self.seen.update(descendants([self.proc.pid]))
+        return time.monotonic() - start
+
+    def stop(self):
+        self.seen.update(descendants([self.proc.pid]))
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in alive(self.seen):
+            os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+        for reader in self._readers:
+            reader.join(timeout=5)
+
+
+def _gone_within(run: Cli, seconds: float) -> list[int]:
+    """The run's processes still alive ``seconds`` after the signal (twinkle-sft itself included)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and (run.proc.poll() is None or alive(run.seen)):
+        time.sleep(0.2)
+    return ([run.proc.pid] if run.proc.poll() is None else []) + alive(run.seen)
+
+
+def test_a_two_node_recipe_on_one_machine_says_what_it_waits_for_and_stops_on_sigint(tmp_path):
+    port = free_port()
+    run = Cli([DEMO, "launch.simulated_nodes=false", "launch.nproc_per_node=1", f"train.output_dir={tmp_path}"],
+              {"NNODES": "2", "NODE_RANK": "0", "MASTER_PORT": str(port)}, cwd=REPO)
+    try:
+        run.wait_for("torchrun, 1 ranks on this node", timeout=240)
+        assert run.wait_for("is waiting for node(s) 1", timeout=10) < 10
+        line = next(x for x in run.stderr.splitlines() if "is waiting for" in x)
+        assert "NODE_RANK=1" in line and f"MASTER_PORT={port}" in line and "MASTER_ADDR=" in line, line
+        assert "on the other node" in line, line
+        assert port_in_use(port), "torchrun's store should be listening while it waits"
+        assert run.seen, "torchrun should be running"
+        run.proc.send_signal(signal.SIGINT)
+        assert _gone_within(run, 30) == [], run.stderr
+        assert run.proc.returncode == 130, run.stderr
+        assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr, run.stderr
+        after = [x for x in run.stderr.rsplit("(Ctrl-C stops this one)", 1)[1].splitlines() if x.strip()]
+        assert len(after) == 1 and after[0].startswith("twinkle-sft: stopped by SIGINT"), run.stderr
+        assert not port_in_use(port)
+    finally:
+        run.stop()
+
+
+def test_sigterm_during_training_checkpoints_ends_every_process_and_frees_the_port(tmp_path):
+    port = free_port()
+    env = {"NNODES": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(port)}
+    run = Cli([DEMO, "launch.simulated_nodes=false", "launch.nnodes=1", "train.max_steps=100000",
+               "train.save_steps=100000", "train.logging_steps=1", f"train.output_dir={tmp_path / 'a'}"], env, cwd=REPO)
+    try:
+        run.wait_for("Train:", timeout=300)
+        time.sleep(2)  # a few steps
+        ranks = [pid for pid, _ in run.seen.items() if b"twinkle_strategy.train.cli" in Path(f"/proc/{pid}/cmdline")
+                 .read_bytes() and pid != run.proc.pid]
+        assert len(ranks) >= 2, "torchrun and its ranks should be running"
+        run.proc.send_signal(signal.SIGTERM)
+        assert _gone_within(run, 30) == [], run.stderr
+        assert run.proc.returncode == 0, run.stderr  # every rank saved a checkpoint of its last step and exited 0
+        assert "last checkpoint:" in run.out.decode() and "checkpoint-" in run.out.decode(), run.out.decode()
+        assert not port_in_use(port)
+    finally:
+        run.stop()
+    # The next run on the same port starts (and trains).
+    again = subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", DEMO, "launch.simulated_nodes=false",
+                            "launch.nnodes=1", "train.max_steps=1", f"train.output_dir={tmp_path / 'b'}"],
+                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+
+
+def test_a_master_port_in_use_is_one_line_before_launch(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run(
+            [sys.executable, "-m", "twinkle_strategy.train.cli", DEMO, "launch.simulated_nodes=false", "launch.nnodes=1",
+             f"train.output_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
+            env={**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(port)})
+    lines = [x for x in result.stderr.splitlines() if x.startswith("twinkle-sft")]
+    assert result.returncode == 2, result.stderr
+    assert len(lines) == 1 and f"master port {port} is in use" in lines[0] and "MASTER_PORT=" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists(), "nothing is written"
+
+
+@pytest.mark.parametrize("option", ["strategy.device_type=cuda", "strategy.backend=nccl"])
+def test_a_missing_cuda_device_is_one_line_before_launch(option, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code = cli.main([DEMO, option, "strategy.mixed_precision=no", f"train.output_dir={tmp_path / 'out'}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "needs a CUDA GPU" in err[0] and "--device_type cpu" in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_device_problem_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_problem("cpu") is None and device_problem(None) is None and device_problem(None, "gloo") is None
+    assert "CUDA GPU" in device_problem("cuda")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed
+    import importlib.util
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
+    assert "torch_npu is not installed" in device_problem("npu") and "NPU" in device_problem(None, "hccl")
+
+
+def test_a_timed_out_launch_kills_workers_in_sessions_of_their_own(tmp_path):
+    # torchrun starts each worker in a session of its own: killing the agent's process group misses them.
+    pid_file = tmp_path / "worker.pid"
+    agent = ("import subprocess, sys, time\n"
+             "w = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'], start_new_session=True)\n"
+             f"open({str(pid_file)!r}, 'w').write(str(w.pid))\n"
+             "time.sleep(600)\n")
+    worker = None
+    try:
+        codes, timed_out = run_agents([[sys.executable, "-c", agent]], dict(os.environ), [None], timeout=5)
+        assert timed_out and codes == [None]
+        worker = int(pid_file.read_text())
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _running(worker):
+            time.sleep(0.1)
+        assert not _running(worker), "the worker outlived its agent"
+    finally:
+        if worker is not None and _running(worker):
+            os.kill(worker, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
