@@ -239,6 +239,8 @@ def test_flags_are_read_as_swift_reads_them():
     (["--max_stepz", "3"], "unknown flag --max_stepz; did you mean --max_steps?", ["--max_steps", "3"]),
     # No prefix matching: argparse used to take --max_step for --max_steps, silently.
     (["--max_step", "3"], "unknown flag --max_step; did you mean --max_steps?", ["--max_steps", "3"]),
+    (["--max_steps", "3", "--deepspeed", "zero3"], "swift's --deepspeed is not a twinkle-sft flag: twinkle-sft "
+                                                   "shards with FSDP2 itself; drop it", ["--max_steps", "3"]),
     (["--learning_rate", "fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
                                   "e.g. --learning_rate 0.0001", ["--learning_rate", "0.0001"]),
     (["train.learning_rate=fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
@@ -260,8 +262,8 @@ def test_flags_are_read_as_swift_reads_them():
                             "e.g. --max_length 37", ["--max_length", "37"]),
     (["--lora_dropout", "0.05"], "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
                                  "tuner.target_parameters=", ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
-], ids=["unknown-flag", "prefix", "type-of-flag", "type-of-key", "int", "unknown-key", "experts", "world-size",
-        "max-length", "lora-dropout"])
+], ids=["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
+        "world-size", "max-length", "lora-dropout"])
 def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expected, fix, tmp_path, monkeypatch,
                                                                    capsys):
     """The CLI's main, in this process: status 2, one line naming key and flag, nothing written, no process

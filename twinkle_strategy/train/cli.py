@@ -81,6 +81,27 @@ for _name in config.option_names():
 for _field in dataclasses.fields(TrainingArguments):
     SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", f"training argument (default {_field.default})"))
 
+# swift sft flags twinkle-sft does not take, and why (one line each; the rest get "did you mean").
+SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
+    "template": "twinkle-sft formats rows with the tokenizer's own chat template; drop it",
+    "system": "put the system prompt in each row's 'messages' as a 'system' turn; drop it",
+    "model_type": "twinkle-sft reads the model type from config.json; drop it",
+    "use_hf": "bare hub ids are not resolved yet: pass --model hf://org/name (or ms://org/name)",
+    "deepspeed": "twinkle-sft shards with FSDP2 itself; drop it (see --help for the strategy flags)",
+    "fsdp": "twinkle-sft is FSDP2 already; drop it",
+    "bf16": "use --mixed_precision bf16 (and --torch_dtype for the weights)",
+    "fp16": "use --mixed_precision fp16 (and --torch_dtype for the weights)",
+    "sequence_parallel_size": "sequence parallelism is not supported; drop it",
+    "eval_strategy": "twinkle-sft does not evaluate during training; drop it",
+    "eval_steps": "twinkle-sft does not evaluate during training; drop it",
+    "split_dataset_ratio": "twinkle-sft trains on every row and does not evaluate; drop it",
+    "report_to": "twinkle-sft logs to <run dir>/logging.jsonl and images/ only; drop it",
+    "dataloader_num_workers": "twinkle-sft tokenizes before training and loads batches in the training process; "
+                              "drop it",
+    "check_model": "twinkle-sft checks the model directory before launch itself; drop it",
+    "attn_impl": "twinkle-sft uses the model's default attention implementation; drop it",
+}
+
 LIST_KEYS = {"data.dataset", "tuner.target_modules", "tuner.target_parameters"}
 
 
@@ -158,6 +179,8 @@ def _is_number(token: str) -> bool:
 
 def _unknown_flag(flag: str) -> str:
     name = flag.lstrip("-").replace("-", "_")
+    if name in SWIFT_FLAGS_NOT_TAKEN:
+        return f"swift's --{name} is not a twinkle-sft flag: {SWIFT_FLAGS_NOT_TAKEN[name]}"
     close = difflib.get_close_matches(name, list(SWIFT_FLAGS), n=1, cutoff=0.6)
     hint = f"did you mean --{close[0]}?" if close else "twinkle-sft --help lists them, and key=value sets any recipe key"
     return f"unknown flag {flag}; {hint}"
