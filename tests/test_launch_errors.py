@@ -262,8 +262,13 @@ def test_flags_are_read_as_swift_reads_them():
                             "e.g. --max_length 37", ["--max_length", "37"]),
     (["--lora_dropout", "0.05"], "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
                                  "tuner.target_parameters=", ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
+    # all-linear (the default without a recipe) on the demo's MoE: PEFT used to refuse it after launch.
+    (["--lora_dropout", "0.05", "tuner.target_modules=[all-linear]", "tuner.target_parameters=[]"],
+     "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
+     "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights)",
+     ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
 ], ids=["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
-        "world-size", "max-length", "lora-dropout"])
+        "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear"])
 def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expected, fix, tmp_path, monkeypatch,
                                                                    capsys):
     """The CLI's main, in this process: status 2, one line naming key and flag, nothing written, no process
@@ -297,3 +302,14 @@ def test_installed_cli_blames_the_flag_in_one_line(tmp_path):
     assert proc.stderr == ("twinkle-sft: error: train.learning_rate (--learning_rate): 'fast' is not a number; "
                            "e.g. --learning_rate 0.0001\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_swift_flags_and_key_value_in_any_order_train(tmp_path):
+    """The issue's command, one process: --lora_dropout with the suggested fix (attention only), a dashed flag, a
+    key=value between flags, --flag=value."""
+    proc = run_cli(["--lora_dropout", "0.05", "--max-steps", "2", "train.logging_steps=1", "--model", "tiny://demo",
+                    "--dataset", DATASET, "--target-modules", "q_proj", "v_proj", "tuner.target_parameters=[]",
+                    "--torch_dtype", "float32", "--mixed_precision=no", "--output_dir=out"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(only_run_dir(tmp_path / "out") / "logging.jsonl") as f:
+        assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/2", "2/2"]

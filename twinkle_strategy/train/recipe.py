@@ -22,6 +22,9 @@ from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS
 
+# target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
+EXPERT_MODULE_NAMES = frozenset({"all-linear", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
+
 
 class TunerType(str, enum.Enum):
     """What training changes (``tuner.type``, swift's ``--tuner_type``)."""
@@ -140,18 +143,25 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     if recipe.tuner.type not in tuple(TunerType):
         raise RecipeError(f"tuner.type={recipe.tuner.type!r}; use 'lora' or 'full'")
     tuner = recipe.tuner
-    if tuner.type == TunerType.LORA and tuner.target_parameters:
+    # PEFT maps "all-linear" and the experts' module names to their fused tensors on an MoE model (transformers v5).
+    experts_by_module = [m for m in tuner.target_modules if m in EXPERT_MODULE_NAMES]
+    on_experts = list(tuner.target_parameters) or (experts_by_module if _num_experts(recipe.model.path) else [])
+    if tuner.type == TunerType.LORA and on_experts:
         # PEFT wraps fused expert tensors in ParamWrapper, which computes W + B@A per expert; these
         # options need the adapter applied to activations and cannot be served there.
         unsupported = [(f"tuner.lora_dropout={tuner.lora_dropout}", "set tuner.lora_dropout=0", tuner.lora_dropout > 0),
                        ("tuner.use_dora=true", "set tuner.use_dora=false", tuner.use_dora),
                        ("tuner.lora_bias=true", "set tuner.lora_bias=false", tuner.lora_bias)]
+        if tuner.target_parameters:
+            where, narrow = f"tuner.target_parameters={on_experts}", "set tuner.target_parameters=[]"
+        else:
+            where = f"tuner.target_modules={on_experts} (PEFT puts it on the fused expert weights)"
+            narrow = "set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"
         for option, fix, bad in unsupported:
             if bad:
                 key = option.split("=")[0]
-                reason = (f"{option} cannot be used with tuner.target_parameters={list(tuner.target_parameters)} "
-                          f"(LoRA on fused expert weights): {fix}, or set tuner.target_parameters=[] to train "
-                          "attention/linear layers only")
+                reason = (f"{option} cannot be used with {where} (LoRA on fused expert weights): {fix}, or "
+                          f"{narrow} to train attention/linear layers only")
                 raise RecipeError(reason, key=key, reason=reason)
     if not recipe.data.dataset:
         raise RecipeError("data.dataset is empty; name one or more JSONL files")
