@@ -6,7 +6,11 @@
     NPROC_PER_NODE=8 NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 twinkle-sft ...
 
 Flags keep the names of ``swift sft``; each maps to one recipe key (see
-``--help``), and ``key=value`` overrides any recipe key. Like swift, when
+``--help``), and ``key=value`` overrides any recipe key (it wins over a flag).
+The recipe, flags and ``key=value`` come in any order; ``--max-steps`` is
+``--max_steps`` and ``--max_steps=3`` is ``--max_steps 3``; a flag is never
+guessed from a prefix. A swift flag twinkle-sft does not take is refused with
+the reason, any other unknown flag with the nearest one. Like swift, when
 NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several
 nodes) are set, the command re-launches itself under torchrun.
 
