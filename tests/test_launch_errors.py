@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from multinode import REPO
 
 DEMO = str(REPO / "yaml" / "demo.yaml")
@@ -212,3 +213,103 @@ def test_log_follower_stops_at_the_fatal_traceback_only(tmp_path):
         f.write(b" line\n[rank0]: Traceback (most recent call last):\n[rank0]:   fatal\n")
     follower.finish()
     assert seen.getvalue().endswith(b"survived\npartial line\n")
+
+
+# ------------------------------------------- swift's flags as swift takes them; mistakes caught before launch
+def test_flags_are_read_as_swift_reads_them():
+    """Dashed spellings, --flag=value, flags and key=value in any order, and the flags of the README and
+    docs/swift.md with swift's meaning."""
+    from twinkle_strategy.train.cli import parse
+
+    recipe = parse(["--max-steps", "2", "train.logging_steps=1", DEMO, "--model", "tiny://demo", "--dataset", DATASET,
+                    "--lora-dropout=0.05", "tuner.target_parameters=[]", "--torch_dtype", "bfloat16",
+                    "--max_length", "128", "--warmup-ratio", "0.1", "--save_steps", "5", "--save_total_limit", "2",
+                    "--logging_steps", "3", "--seed", "11"])
+    assert (recipe.train.max_steps, recipe.tuner.lora_dropout, recipe.model.path, recipe.data.dataset) == \
+        (2, 0.05, "tiny://demo", [DATASET])
+    assert (recipe.model.dtype, recipe.data.max_length, recipe.train.warmup_ratio, recipe.train.save_steps,
+            recipe.train.save_total_limit, recipe.train.logging_steps, recipe.train.seed) == \
+        ("bfloat16", 128, 0.1, 5, 2, 1, 11)  # key=value wins over a flag, wherever each stands
+    # A list flag stops at the next key=value, which may come before the recipe.
+    recipe = parse(["--dataset", DATASET, DATASET, "train.max_steps=3", DEMO])
+    assert recipe.data.dataset == [DATASET, DATASET] and recipe.train.max_steps == 3
+
+
+@pytest.mark.parametrize("args,expected,fix", [
+    (["--max_stepz", "3"], "unknown flag --max_stepz; did you mean --max_steps?", ["--max_steps", "3"]),
+    # No prefix matching: argparse used to take --max_step for --max_steps, silently.
+    (["--max_step", "3"], "unknown flag --max_step; did you mean --max_steps?", ["--max_steps", "3"]),
+    (["--max_steps", "3", "--deepspeed", "zero3"], "swift's --deepspeed is not a twinkle-sft flag: twinkle-sft "
+                                                   "shards with FSDP2 itself; drop it", ["--max_steps", "3"]),
+    (["--learning_rate", "fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
+                                  "e.g. --learning_rate 0.0001", ["--learning_rate", "0.0001"]),
+    (["train.learning_rate=fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
+                                   "e.g. train.learning_rate=0.0001", ["train.learning_rate=0.0001"]),
+    (["--seed", "1.5"], "train.seed (--seed): '1.5' is not an integer; e.g. --seed 42", ["--seed", "42"]),
+    (["train.max_stpes=3"], "unknown recipe key 'train.max_stpes' in train.max_stpes=3; did you mean train.max_steps?",
+     ["train.max_steps=3"]),
+    # 8 experts (tiny://demo's), ep 3 in a world of 3: used to fail after launch in 28 lines.
+    (["launch.nnodes=1", "launch.nproc_per_node=3", "--expert_parallel_size", "3"],
+     "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible by ep_size 3; "
+     "choose ep_size among [1]", ["launch.nnodes=1", "launch.nproc_per_node=3", "--expert_parallel_size", "1"]),
+    (["strategy.ep_size=8"], "strategy.ep_size (--expert_parallel_size): ep_size 8 needs 8 processes (or a "
+                             "multiple), this run has 4 (nodes x processes per node = 2 x 2); set "
+                             "launch.nproc_per_node=4, or a smaller ep_size",
+     ["strategy.ep_size=8", "launch.nproc_per_node=4"]),
+    # Every row truncated to nothing: used to fail after launch with a misleading "Rows need 'messages'" tail.
+    (["data.max_length=8"], "data.max_length (--max_length): max_length=8 truncates every row to nothing to train "
+                            "on (checked the first 100 rows of each dataset; they need up to 37 tokens); raise it, "
+                            "e.g. --max_length 37", ["--max_length", "37"]),
+    (["--lora_dropout", "0.05"], "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
+                                 "tuner.target_parameters=", ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
+    # all-linear (the default without a recipe) on the demo's MoE: PEFT used to refuse it after launch.
+    (["--lora_dropout", "0.05", "tuner.target_modules=[all-linear]", "tuner.target_parameters=[]"],
+     "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
+     "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights)",
+     ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
+], ids=["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
+        "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear"])
+def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expected, fix, tmp_path, monkeypatch,
+                                                                   capsys):
+    """The CLI's main, in this process: status 2, one line naming key and flag, nothing written, no process
+    group; then the suggested fix passes every check made before launch."""
+    import torch.distributed as dist
+
+    from twinkle_strategy.train.cli import main, parse
+    from twinkle_strategy.train.preflight import check_before_launch
+
+    monkeypatch.chdir(tmp_path)  # tiny://demo would be built here: nothing may be
+    for var in ("NPROC_PER_NODE", "NNODES", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    out = tmp_path / "out"
+    base = [DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}"]
+    code = main([*base, *args])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert captured.err == f"twinkle-sft: error: {expected}\n" or (
+        captured.err.startswith(f"twinkle-sft: error: {expected}") and captured.err.count("\n") == 1), captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == [] and not dist.is_initialized()
+    check_before_launch(parse([*base, *fix]))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_installed_cli_blames_the_flag_in_one_line(tmp_path):
+    """As a subprocess: the type error given as a flag is blamed on the flag, not on the recipe file."""
+    cli = Path(sys.executable).parent / "twinkle-sft"
+    proc = subprocess.run([str(cli), "--learning-rate", "fast", DEMO, f"data.dataset={DATASET}"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert (proc.returncode, proc.stdout) == (2, ""), proc
+    assert proc.stderr == ("twinkle-sft: error: train.learning_rate (--learning_rate): 'fast' is not a number; "
+                           "e.g. --learning_rate 0.0001\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_swift_flags_and_key_value_in_any_order_train(tmp_path):
+    """The issue's command, one process: --lora_dropout with the suggested fix (attention only), a dashed flag, a
+    key=value between flags, --flag=value."""
+    proc = run_cli(["--lora_dropout", "0.05", "--max-steps", "2", "train.logging_steps=1", "--model", "tiny://demo",
+                    "--dataset", DATASET, "--target-modules", "q_proj", "v_proj", "tuner.target_parameters=[]",
+                    "--torch_dtype", "float32", "--mixed_precision=no", "--output_dir=out"], cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    with open(only_run_dir(tmp_path / "out") / "logging.jsonl") as f:
+        assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/2", "2/2"]

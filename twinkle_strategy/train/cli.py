@@ -6,7 +6,11 @@
     NPROC_PER_NODE=8 NNODES=2 NODE_RANK=0 MASTER_ADDR=10.0.0.1 MASTER_PORT=29500 twinkle-sft ...
 
 Flags keep the names of ``swift sft``; each maps to one recipe key (see
-``--help``), and ``key=value`` overrides any recipe key. Like swift, when
+``--help``), and ``key=value`` overrides any recipe key (it wins over a flag).
+The recipe, flags and ``key=value`` come in any order; ``--max-steps`` is
+``--max_steps`` and ``--max_steps=3`` is ``--max_steps 3``; a flag is never
+guessed from a prefix. A swift flag twinkle-sft does not take is refused with
+the reason, any other unknown flag with the nearest one. Like swift, when
 NPROC_PER_NODE (and NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT for several
 nodes) are set, the command re-launches itself under torchrun.
 
@@ -36,8 +40,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
+import re
 import sys
+import typing
 
 from twinkle_strategy import config
 from twinkle_strategy.checkpoint import latest_checkpoint
@@ -69,6 +76,8 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "train_type": ("tuner.type", "alias of --tuner_type"),
     "lora_rank": ("tuner.lora_rank", "LoRA rank r"),
     "lora_alpha": ("tuner.lora_alpha", "LoRA alpha"),
+    "lora_dropout": ("tuner.lora_dropout", "LoRA dropout; 0 with --target_parameters (PEFT cannot drop out on fused "
+                                           "expert weights)"),
     "target_modules": ("tuner.target_modules", "LoRA target modules (e.g. all-linear, or q_proj v_proj)"),
     "target_parameters": ("tuner.target_parameters", "LoRA on parameters, e.g. mlp.experts.gate_up_proj"),
     "max_restarts": ("launch.max_restarts", "torchrun restarts after a failure; the run resumes from its newest "
@@ -83,39 +92,188 @@ for _name in config.option_names():
 for _field in dataclasses.fields(TrainingArguments):
     SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", f"training argument (default {_field.default})"))
 
+# swift sft flags twinkle-sft does not take, and why (one line each; the rest get "did you mean").
+SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
+    "template": "twinkle-sft formats rows with the tokenizer's own chat template; drop it",
+    "system": "put the system prompt in each row's 'messages' as a 'system' turn; drop it",
+    "model_type": "twinkle-sft reads the model type from config.json; drop it",
+    "use_hf": "bare hub ids are not resolved yet: pass --model hf://org/name (or ms://org/name)",
+    "deepspeed": "twinkle-sft shards with FSDP2 itself; drop it (see --help for the strategy flags)",
+    "fsdp": "twinkle-sft is FSDP2 already; drop it",
+    "bf16": "use --mixed_precision bf16 (and --torch_dtype for the weights)",
+    "fp16": "use --mixed_precision fp16 (and --torch_dtype for the weights)",
+    "sequence_parallel_size": "sequence parallelism is not supported; drop it",
+    "eval_strategy": "twinkle-sft does not evaluate during training; drop it",
+    "eval_steps": "twinkle-sft does not evaluate during training; drop it",
+    "split_dataset_ratio": "twinkle-sft trains on every row and does not evaluate; drop it",
+    "report_to": "twinkle-sft logs to <run dir>/logging.jsonl and images/ only; drop it",
+    "dataloader_num_workers": "twinkle-sft tokenizes before training and loads batches in the training process; "
+                              "drop it",
+    "check_model": "twinkle-sft checks the model directory before launch itself; drop it",
+    "attn_impl": "twinkle-sft uses the model's default attention implementation; drop it",
+}
+
 LIST_KEYS = {"data.dataset", "tuner.target_modules", "tuner.target_parameters"}
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser behind ``--help``; :func:`split_argv` reads the command line itself (see there)."""
     parser = argparse.ArgumentParser(
-        prog="twinkle-sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        prog="twinkle-sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False)
     parser.add_argument("recipe", nargs="?", help="YAML recipe (see yaml/); flags and key=value override it")
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=20")
     parser.add_argument("--swift-plugin-path", action="store_true",
                         help="print the path of the ms-swift --external_plugins module and exit")
-    group = parser.add_argument_group("swift sft compatible flags")
+    group = parser.add_argument_group("swift sft compatible flags (--max-steps = --max_steps; --flag=value works)")
     for flag, (key, text) in SWIFT_FLAGS.items():
         group.add_argument(f"--{flag}", dest=flag, nargs="+" if key in LIST_KEYS else None, default=None,
                            metavar="V", help=f"{text} [{key}]")
     return parser
 
 
-def parse(argv: list[str]) -> Recipe:
-    args = build_parser().parse_args(argv)
-    recipe_path, overrides = args.recipe, list(args.overrides)
-    if recipe_path is not None and "=" in recipe_path:  # no YAML, only overrides
-        overrides.insert(0, recipe_path)
-        recipe_path = None
-    flags = []
-    for flag, (key, _) in SWIFT_FLAGS.items():
-        value = getattr(args, flag)
-        if value is None:
+# A recipe override: a dotted key, '=', a value (tells a flag's list values from the overrides after them).
+_OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
+    """``argv`` as (positionals, [(flag, values)]), flags and positionals in any order.
+
+    Like swift: ``--max-steps`` is ``--max_steps``, ``--flag=value`` is ``--flag value``; unlike argparse,
+    no prefix of a flag is taken for it (``--max_step``), and a list flag (``--dataset a b``) stops at the
+    next flag or ``key=value``. An unknown flag is a :class:`RecipeError` with the nearest flag.
+    """
+    positionals: list[str] = []
+    flags: list[tuple[str, list[str]]] = []
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        i += 1
+        if token == "--":
+            positionals.extend(argv[i:])
+            break
+        if token in ("-h", "--help"):
+            positionals.append(token)
             continue
-        if key in LIST_KEYS:
-            flags.append(f"{key}=[{','.join(_quoted(v) for v in value)}]")
+        if not token.startswith("-") or _is_number(token):
+            positionals.append(token)
+            continue
+        name, eq, inline = token.lstrip("-").partition("=")
+        name = name.replace("-", "_")
+        if name not in SWIFT_FLAGS or not token.startswith("--"):
+            raise RecipeError(_unknown_flag(token.partition("=")[0]))
+        if eq:
+            values = [inline]
+        elif SWIFT_FLAGS[name][0] in LIST_KEYS:
+            values = []
+            while i < len(argv) and not (argv[i].startswith("--") or _OVERRIDE.match(argv[i])):
+                values.append(argv[i])
+                i += 1
         else:
-            flags.append(f"{key}={value}")
+            values = argv[i:i + 1] if i < len(argv) and not argv[i].startswith("--") else []
+            i += len(values)
+        if not values:
+            key = SWIFT_FLAGS[name][0]
+            raise RecipeError(f"--{name} needs a value, e.g. --{name} {_example_value(key)}", key=key,
+                              reason=f"--{name} needs a value, e.g. --{name} {_example_value(key)}")
+        flags.append((name, values))
+    return positionals, flags
+
+
+def _is_number(token: str) -> bool:
+    try:
+        float(token)
+    except ValueError:
+        return False
+    return True
+
+
+def _unknown_flag(flag: str) -> str:
+    name = flag.lstrip("-").replace("-", "_")
+    if name in SWIFT_FLAGS_NOT_TAKEN:
+        return f"swift's --{name} is not a twinkle-sft flag: {SWIFT_FLAGS_NOT_TAKEN[name]}"
+    close = difflib.get_close_matches(name, list(SWIFT_FLAGS), n=1, cutoff=0.6)
+    hint = f"did you mean --{close[0]}?" if close else "twinkle-sft --help lists them, and key=value sets any recipe key"
+    return f"unknown flag {flag}; {hint}"
+
+
+def parse(argv: list[str]) -> Recipe:
+    positionals, flag_values = split_argv(argv)
+    if "-h" in positionals or "--help" in positionals:
+        build_parser().parse_args(["--help"])  # prints the help and exits
+    overrides = [p for p in positionals if "=" in p]
+    recipes = [p for p in positionals if "=" not in p]  # the YAML recipe, wherever it stands
+    if len(recipes) > 1:
+        raise RecipeError(f"{recipes[1]!r} is a second recipe after {recipes[0]!r}; pass one YAML recipe, and "
+                          "override its keys as key=value (e.g. train.max_steps=10)")
+    recipe_path = recipes[0] if recipes else None
+    flags = []
+    for flag, values in flag_values:
+        key = SWIFT_FLAGS[flag][0]
+        if key in LIST_KEYS:
+            flags.append(f"{key}=[{','.join(_quoted(v) for v in values)}]")
+        else:
+            check_value(key, values[0], f"--{flag}")
+            flags.append(f"{key}={values[0]}")
+    for override in overrides:
+        key, eq, value = override.partition("=")
+        if eq and key not in LIST_KEYS:
+            check_value(key, value, None)
     return load_recipe(recipe_path, flags + overrides)
+
+
+def _schema_types() -> dict[str, tuple[object, object]]:
+    """Every recipe key: (its type, its default)."""
+    types = {}
+    for section in dataclasses.fields(Recipe):
+        cls = typing.get_type_hints(Recipe)[section.name]
+        hints = typing.get_type_hints(cls)
+        for field in dataclasses.fields(cls):
+            default = field.default if field.default is not dataclasses.MISSING else None
+            types[f"{section.name}.{field.name}"] = (hints[field.name], default)
+    return types
+
+
+def _example_value(key: str) -> str:
+    """A value of ``key``'s type that works: its default, else a plain one."""
+    hint, default = _schema_types().get(key, (str, None))
+    if isinstance(default, bool):
+        return str(default).lower()
+    if default is not None and default != "???":
+        return str(default)
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    return {int: "1", float: "0.1", bool: "true"}.get(base, "VALUE")
+
+
+def check_value(key: str, value: str, flag: str | None) -> None:
+    """Raise a :class:`RecipeError` blaming ``flag`` (or ``key=value``) when ``value`` is not of ``key``'s type."""
+    types = _schema_types()
+    if key not in types:
+        if flag is None:
+            close = difflib.get_close_matches(key, list(types), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]}?" if close else "the recipe keys are the fields of yaml/demo.yaml"
+            raise RecipeError(f"unknown recipe key {key!r} in {key}={value}; {hint}")
+        return
+    hint, _ = types[key]
+    base = next((t for t in typing.get_args(hint) if t is not type(None)), hint)
+    if value.lower() in ("null", "none", "~") and type(None) in typing.get_args(hint):
+        return
+    try:
+        if base is bool:
+            ok = value.lower() in ("true", "false", "yes", "no", "on", "off", "1", "0")
+        elif base in (int, float):
+            base(value)
+            ok = True
+        else:
+            ok = True
+    except ValueError:
+        ok = False
+    if ok:
+        return
+    names = {int: "an integer", float: "a number", bool: "true or false"}
+    fix = f"{flag} {_example_value(key)}" if flag else f"{key}={_example_value(key)}"
+    reason = f"{value!r} is not {names[base]}; e.g. {fix}"
+    raise RecipeError(reason, key=key, reason=reason)
 
 
 def _quoted(value: str) -> str:

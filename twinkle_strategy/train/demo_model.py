@@ -66,7 +66,10 @@ def qwen3_moe_config(s: TinySizes) -> PretrainedConfig:
         decoder_sparse_step=1)
 
 
-def sized_config(build: ConfigBuilder, vocab_size: int = 128, num_experts: int = 8, hidden_size: int = 32,
+DEMO_NUM_EXPERTS = 8  # tiny://demo's experts (the pre-launch checks read it: the model is built later)
+
+
+def sized_config(build: ConfigBuilder, vocab_size: int = 128, num_experts: int = DEMO_NUM_EXPERTS, hidden_size: int = 32,
                  num_layers: int = 2, intermediate_size: int = 16, **overrides) -> PretrainedConfig:
     """The config ``build`` makes with every dimension tiny; ``overrides`` are set on it afterwards."""
     cfg = build(TinySizes(vocab=vocab_size, experts=num_experts, hidden=hidden_size, inter=intermediate_size,
@@ -123,6 +126,15 @@ def build_tokenizer(texts: list[str], vocab_size: int = 384):
     return fast
 
 
+def demo_tokenizer(dataset_paths: str | list[str]):
+    """The tokenizer :func:`prepare_demo_model` builds for these datasets (the checks before launch use it too)."""
+    texts = []
+    for dataset_path in [dataset_paths] if isinstance(dataset_paths, str) else dataset_paths:
+        rows, _ = read_rows(dataset_path)  # rows training will skip do not shape the vocabulary either
+        texts.extend(m["content"] for _, messages in rows for m in messages if isinstance(m["content"], str))
+    return build_tokenizer(texts)
+
+
 def prepare_demo_model(path: str, dataset_paths: str | list[str], seed: int = 0,
                        build_config: ConfigBuilder = qwen3_moe_config, **sizes) -> str:
     """The embedded default: a tiny model (``build_config``'s family) with a tokenizer trained on the dataset file(s).
@@ -134,11 +146,7 @@ def prepare_demo_model(path: str, dataset_paths: str | list[str], seed: int = 0,
     """
     if os.path.exists(os.path.join(path, "config.json")):
         return path
-    texts = []
-    for dataset_path in [dataset_paths] if isinstance(dataset_paths, str) else dataset_paths:
-        rows, _ = read_rows(dataset_path)  # rows training will skip do not shape the vocabulary either
-        texts.extend(m["content"] for _, messages in rows for m in messages if isinstance(m["content"], str))
-    tokenizer = build_tokenizer(texts)
+    tokenizer = demo_tokenizer(dataset_paths)
     max_shard_size = sizes.pop("max_shard_size", None)
     config = sized_config(build_config, vocab_size=len(tokenizer), **{"hidden_size": 64, "intermediate_size": 32,
                                                                       **sizes},

@@ -10,7 +10,8 @@ naming the recipe key and the fix, and nothing is written.
 
 Left to the run, because only it can tell: ``hf://``/``ms://`` ids not in the local
 cache yet (each node's source downloads them), rows after the first
-``ROWS_CHECKED``, and rows that turn out empty once tokenized and truncated.
+``ROWS_CHECKED``, and single rows that turn out empty once tokenized and truncated (when
+every checked row does, ``data.max_length`` is reported here, the tokenizer permitting).
 """
 
 from __future__ import annotations
@@ -20,7 +21,15 @@ import tempfile
 
 from twinkle_strategy.errors import PreflightError
 from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path, checkpoint_files_problem
-from twinkle_strategy.train.data import DatasetError, DatasetSpec, no_usable_row_error, read_rows
+from twinkle_strategy.train.data import (
+    DatasetError,
+    DatasetSpec,
+    has_labels,
+    no_usable_row_error,
+    read_rows,
+    tokenize_conversation,
+)
+from twinkle_strategy.train.demo_model import demo_tokenizer
 from twinkle_strategy.train.recipe import Recipe
 from twinkle_strategy.train.run import TINY_PREFIX
 
@@ -31,6 +40,7 @@ def check_before_launch(recipe: Recipe) -> None:
     """Raise :class:`PreflightError` for the first problem found in ``recipe``'s paths."""
     check_datasets(recipe.data.dataset, recipe.data.strict)
     check_model(recipe.model.path)
+    check_max_length(recipe)
     check_output_dir(recipe.train.output_dir)
     resume = recipe.train.resume_from_checkpoint
     if resume and not os.path.isdir(resume):
@@ -48,6 +58,51 @@ def check_datasets(datasets: list[str], strict: bool) -> None:
         except DatasetError as exc:
             raise PreflightError("data.dataset", f"{exc} (checked the first {ROWS_CHECKED} rows; relative paths "
                                                  f"start at {os.getcwd()})") from exc
+
+
+def check_max_length(recipe: Recipe) -> None:
+    """Every checked row truncated to nothing at ``data.max_length``: the run would have no example."""
+    tokenizer = _tokenizer(recipe.model.path, recipe.data.dataset)
+    if tokenizer is None:
+        return
+    max_length, whole = recipe.data.max_length, []
+    for text in recipe.data.dataset:
+        path = DatasetSpec.parse(text).path
+        rows, _ = read_rows(path, strict=False, max_rows=ROWS_CHECKED)
+        for _, messages in rows:
+            try:
+                example = tokenize_conversation(tokenizer, messages, 1 << 30)
+            except DatasetError:
+                return  # the run reports a template that cannot mask labels
+            if has_labels({"labels": example["labels"][:max_length]}):
+                return
+            whole.append(len(example["input_ids"]))
+    if whole:
+        raise PreflightError("data.max_length", f"max_length={max_length} truncates every row to nothing to train "
+                                                f"on (checked the first {ROWS_CHECKED} rows of each dataset; they "
+                                                f"need up to {max(whole)} tokens); raise it, e.g. --max_length "
+                                                f"{max(whole)}")
+
+
+def _tokenizer(path: str, datasets: list[str]):
+    """The tokenizer the run will use, where it can be had without downloading or writing anything."""
+    if path.startswith(TINY_PREFIX):
+        built = os.path.abspath(os.path.join("output", "tiny", path[len(TINY_PREFIX):] or "demo"))
+        if not os.path.isfile(os.path.join(built, "config.json")):
+            return demo_tokenizer([DatasetSpec.parse(d).path for d in datasets])
+        path = built
+    elif path.startswith((HF_PREFIX, MS_PREFIX)):
+        path = cached_model_path(path)
+        if path is None:
+            return None
+    if not os.path.isfile(os.path.join(path, "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception:  # noqa: BLE001 - the run loads it and reports why it cannot
+        return None
 
 
 def check_model(path: str) -> None:

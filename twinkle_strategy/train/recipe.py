@@ -20,6 +20,10 @@ from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS
+
+# target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
+EXPERT_MODULE_NAMES = frozenset({"all-linear", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
 
 
 class TunerType(str, enum.Enum):
@@ -139,35 +143,51 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     if recipe.tuner.type not in tuple(TunerType):
         raise RecipeError(f"tuner.type={recipe.tuner.type!r}; use 'lora' or 'full'")
     tuner = recipe.tuner
-    if tuner.type == TunerType.LORA and tuner.target_parameters:
+    # PEFT maps "all-linear" and the experts' module names to their fused tensors on an MoE model (transformers v5).
+    experts_by_module = [m for m in tuner.target_modules if m in EXPERT_MODULE_NAMES]
+    on_experts = list(tuner.target_parameters) or (experts_by_module if _num_experts(recipe.model.path) else [])
+    if tuner.type == TunerType.LORA and on_experts:
         # PEFT wraps fused expert tensors in ParamWrapper, which computes W + B@A per expert; these
         # options need the adapter applied to activations and cannot be served there.
         unsupported = [(f"tuner.lora_dropout={tuner.lora_dropout}", "set tuner.lora_dropout=0", tuner.lora_dropout > 0),
                        ("tuner.use_dora=true", "set tuner.use_dora=false", tuner.use_dora),
                        ("tuner.lora_bias=true", "set tuner.lora_bias=false", tuner.lora_bias)]
+        if tuner.target_parameters:
+            where, narrow = f"tuner.target_parameters={on_experts}", "set tuner.target_parameters=[]"
+        else:
+            where = f"tuner.target_modules={on_experts} (PEFT puts it on the fused expert weights)"
+            narrow = "set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"
         for option, fix, bad in unsupported:
             if bad:
-                raise RecipeError(
-                    f"{option} cannot be used with tuner.target_parameters={list(tuner.target_parameters)} "
-                    f"(LoRA on fused expert weights): {fix}, or set tuner.target_parameters=[] to train "
-                    "attention/linear layers only")
+                key = option.split("=")[0]
+                reason = (f"{option} cannot be used with {where} (LoRA on fused expert weights): {fix}, or "
+                          f"{narrow} to train attention/linear layers only")
+                raise RecipeError(reason, key=key, reason=reason)
     if not recipe.data.dataset:
         raise RecipeError("data.dataset is empty; name one or more JSONL files")
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:
         world_size = planned_world_size(recipe)
+    ep = recipe.strategy.ep_size
+    where = (f"nodes x processes per node = {recipe.launch.nnodes} x {recipe.launch.nproc_per_node}"
+             if "WORLD_SIZE" not in os.environ and "NPROC_PER_NODE" not in os.environ else "the launch's world size")
+    if world_size < ep:
+        per_node = -(-ep // recipe.launch.nnodes)
+        reason = (f"ep_size {ep} needs {ep} processes (or a multiple), this run has {world_size} ({where}); "
+                  f"set launch.nproc_per_node={per_node}, or a smaller ep_size")
+        raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason)
     try:
-        dims = ParallelDims(world_size=world_size, ep_size=recipe.strategy.ep_size,
-                            ep_fsdp_size=recipe.strategy.ep_fsdp_size)
+        dims = ParallelDims(world_size=world_size, ep_size=ep, ep_fsdp_size=recipe.strategy.ep_fsdp_size)
     except TwinkleError as exc:
-        raise RecipeError(f"strategy.ep_size: {exc} (nodes x processes per node = {world_size})") from exc
+        reason = f"{exc} ({where} = {world_size})"
+        raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason) from exc
     num_experts = _num_experts(recipe.model.path)
     if num_experts is not None and dims.ep_size > 1:
         try:
             dims.validate_num_experts(num_experts, where=recipe.model.path)
         except TwinkleError as exc:
-            raise RecipeError(f"strategy.ep_size: {exc}") from exc
+            raise RecipeError(f"strategy.ep_size: {exc}", key="strategy.ep_size", reason=str(exc)) from exc
 
 
 def planned_world_size(recipe: Recipe) -> int:
@@ -180,6 +200,9 @@ def planned_world_size(recipe: Recipe) -> int:
 
 
 def _num_experts(path: str) -> int | None:
+    """The model's number of routed experts, from its config.json (tiny://: the embedded demo's)."""
+    if path.startswith("tiny://"):
+        return DEMO_NUM_EXPERTS
     config = os.path.join(path, "config.json")
     if not os.path.isfile(config):
         return None
