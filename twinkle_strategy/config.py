@@ -59,6 +59,9 @@ class StrategyConfig:
                               "divides the world size and the number of experts")
     ep_fsdp_size: int | None = _option(None, "ranks that shard each expert slice; default (and only legal "
                                              "value) world_size / ep_size")
+    sequence_parallel_size: int = _option(1, "ranks that split each sequence into contiguous chunks (Ulysses: "
+                                             "attention exchanges heads for sequence by all-to-all); divides the "
+                                             "world size and the attention heads; those ranks get the same examples")
     mixed_precision: str = _option("bf16", "bf16 | fp16 | no: FSDP2 compute dtype; gradients are reduced in "
                                            "fp32 and fp32-kept modules stay fp32")
     reshard_after_forward: bool = _option(True, "free gathered parameters after each forward (FSDP2's "
@@ -81,6 +84,7 @@ class StrategyConfig:
         mixed = _MIXED_PRECISION_ALIASES.get(str(self.mixed_precision), self.mixed_precision)
         object.__setattr__(self, "mixed_precision", mixed)  # frozen: normalise the spelling once, here
         _check(self, "ep_size", self.ep_size >= 1, "use a positive integer")
+        _check(self, "sequence_parallel_size", self.sequence_parallel_size >= 1, "use a positive integer")
         _check(self, "ep_fsdp_size", self.ep_fsdp_size is None or self.ep_fsdp_size >= 1,
                "use a positive integer, or leave it unset")
         _check(self, "mixed_precision", mixed in MIXED_PRECISION, f"use one of {MIXED_PRECISION}")

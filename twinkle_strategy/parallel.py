@@ -16,6 +16,13 @@ Mesh layout
   training - stays inside one node. Expert parameters are sharded on the
   ``ep_fsdp`` dim, whose groups stride across nodes; that traffic is one
   all-gather/reduce-scatter per layer, like plain FSDP.
+* ``sequence_mesh`` (only with ``sp > 1``): 2-D, dims ``("dp", "sp")``, rank = dp_index * sp + sp_index.
+  A sequence-parallel group is a block of ``sp`` *consecutive* ranks, so its attention all-to-alls
+  stay inside a node when ``sp`` divides ``LOCAL_WORLD_SIZE``. Its ranks train on the same examples
+  (the data-parallel degree is ``world / sp``). SP is carved independently of EP: the MoE layers
+  see each rank's own tokens (its chunk), which EP dispatches within its EP group as without SP, so
+  ``ep`` and ``sp`` each divide the world size and neither needs the other's room (world 4, sp 4,
+  ep 2 is valid: one SP group spanning two EP groups). Parameters stay sharded over all ranks.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ class ParallelDims:
     ep_size: int = 1
     ep_fsdp_size: int | None = None
     local_world_size: int | None = None
+    sp_size: int = 1
 
     def __post_init__(self) -> None:
         self.validate()
@@ -60,6 +68,7 @@ class ParallelDims:
             raise ParallelConfigError(
                 f"world size {w} is not divisible by ep_size {ep}; choose ep_size among {divisors}"
             )
+        self._validate_sp()
         expected_ep_fsdp = w // ep
         if self.ep_fsdp_size is None:
             self.ep_fsdp_size = expected_ep_fsdp
@@ -68,6 +77,36 @@ class ParallelDims:
                 f"ep_fsdp_size {self.ep_fsdp_size} * ep_size {ep} must equal the world size {w}; "
                 f"use ep_fsdp_size={expected_ep_fsdp} (or leave it unset)"
             )
+
+    def _validate_sp(self) -> None:
+        w, sp = self.world_size, self.sp_size
+        if sp < 1:
+            raise ParallelConfigError(f"sequence_parallel_size must be >= 1, got {sp}")
+        if w < sp:
+            raise ParallelConfigError(
+                f"sequence_parallel_size {sp} needs {sp} processes (or a multiple), this job has {w}: launch them, "
+                f"e.g. NPROC_PER_NODE={sp} twinkle-sft ... or torchrun --nproc_per_node {sp} your_script.py"
+            )
+        if w % sp != 0:
+            divisors = [d for d in range(1, w + 1) if w % d == 0]
+            raise ParallelConfigError(
+                f"world size {w} is not divisible by sequence_parallel_size {sp}; choose it among {divisors}"
+            )
+
+    @property
+    def sp_enabled(self) -> bool:
+        return self.sp_size > 1
+
+    @property
+    def dp_size(self) -> int:
+        """Ranks that train on different examples (a sequence-parallel group shares its examples)."""
+        return self.world_size // self.sp_size
+
+    def dp_rank(self, rank: int) -> int:
+        return rank // self.sp_size
+
+    def sp_rank(self, rank: int) -> int:
+        return rank % self.sp_size
 
     @property
     def ep_enabled(self) -> bool:
@@ -97,6 +136,11 @@ class ParallelDims:
 class Meshes:
     fsdp: DeviceMesh
     expert: DeviceMesh | None  # None when ep_size == 1
+    sequence: DeviceMesh | None = None  # ("dp", "sp"); None when sequence_parallel_size == 1
+
+    @property
+    def sp_group(self) -> dist.ProcessGroup | None:
+        return None if self.sequence is None else self.sequence.get_group("sp")
 
     @property
     def ep_group(self) -> dist.ProcessGroup | None:
@@ -121,7 +165,10 @@ def build_meshes(dims: ParallelDims, device_type: str) -> Meshes:
                 dims.ep_size,
                 dims.local_world_size,
             )
-    return Meshes(fsdp=fsdp, expert=expert)
+    sequence = None
+    if dims.sp_enabled:
+        sequence = init_device_mesh(device_type, (dims.dp_size, dims.sp_size), mesh_dim_names=("dp", "sp"))
+    return Meshes(fsdp=fsdp, expert=expert, sequence=sequence)
 
 
 def build_node_groups(topology: NodeTopology, device: torch.device, timeout_s: float | None = None):

@@ -56,6 +56,7 @@ from twinkle_strategy.loading import (
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
+from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,7 @@ class NativeFSDPStrategy:
             ep_size=self.ep_size,
             ep_fsdp_size=self.config.ep_fsdp_size,
             local_world_size=self.topology.local_world_size,
+            sp_size=self.config.sequence_parallel_size,
         )
         self.meshes: Meshes = build_meshes(self.dims, self.device_type)
         self.node_group = (build_node_groups(self.topology, self.device, self.timeout_s)
@@ -147,7 +149,7 @@ class NativeFSDPStrategy:
         self.setup()
         what = f"loading {path_or_id}"
         if not self.memory_efficient_init:
-            return collectively(what, lambda: load_pretrained_strict(self._resolve(path_or_id), dtype=dtype, **kwargs),
+            return collectively(what, lambda: self._load_whole(path_or_id, dtype, kwargs),
                                 error_class=DistributedInitError)
         # The config first, as text: every rank builds it and its meta model while the source checks the checkpoint.
         found = collectively(what, lambda: self._config_text(path_or_id), here=self.topology.is_source,
@@ -156,6 +158,14 @@ class NativeFSDPStrategy:
         model = collectively(what, lambda: self._build(path, text, dtype, kwargs), error_class=DistributedInitError)
         share_weight_conversions(model, self.topology, self.node_group)
         return model
+
+    def _load_whole(self, path_or_id: str, dtype: torch.dtype, kwargs: dict) -> nn.Module:
+        path = self._resolve(path_or_id)
+        if self.dims.sp_enabled:  # refuse a model sequence parallelism cannot split before reading its weights
+            from transformers import AutoConfig
+
+            check_sequence_parallel(AutoConfig.from_pretrained(path), self.dims.sp_size)
+        return load_pretrained_strict(path, dtype=dtype, **kwargs)
 
     def _resolve(self, path_or_id: str) -> str:
         path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
@@ -169,6 +179,7 @@ class NativeFSDPStrategy:
     def _build(self, path: str, text: str, dtype: torch.dtype, kwargs: dict) -> nn.Module:
         """The source opens the checkpoint; every other rank builds the model on meta from the config."""
         config = config_from_text(text, os.path.join(path, "config.json"))
+        check_sequence_parallel(config, self.dims.sp_size)
         if self.topology.is_source:
             return self._open_on_source(path, config, dtype, kwargs)
         return meta_skeleton(config, dtype, **init_kwargs(kwargs))
@@ -205,6 +216,7 @@ class NativeFSDPStrategy:
         keeping its class, hyper-parameters and parameter groups.
         """
         self.setup()
+        check_sequence_parallel(model.config, self.dims.sp_size)  # the same answer on every rank
         if self.dims.ep_enabled:
             # Refuse a model EP cannot serve before touching it: the same error on every rank,
             # raised before any collective (every rank holds the same model structure).
@@ -232,6 +244,8 @@ class NativeFSDPStrategy:
         )
         if self.memory_efficient_init:
             self._materialize(model, capture)
+        if self.dims.sp_enabled:
+            apply_sequence_parallel(model, self.meshes.sp_group)
         if optimizer is not None:
             optimizer = self._rebind_optimizer(optimizer, names_by_param, model)
         return model, optimizer
@@ -267,6 +281,30 @@ class NativeFSDPStrategy:
         return optimizer
 
     # --------------------------------------------------------------- training
+    @property
+    def data_parallel_rank(self) -> int:
+        """Which examples this rank trains on: the ranks of a sequence-parallel group share them."""
+        self.setup()
+        return self.dims.dp_rank(self.rank)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different shares of each batch there are (world size / sequence_parallel_size)."""
+        self.setup()
+        return self.dims.dp_size
+
+    def split_sequence(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's chunk of ``batch`` under sequence parallelism (``batch`` itself without it).
+
+        Every rank of a sequence-parallel group passes the same batch; see :func:`sequence.split_batch`.
+        The chunk's ``shift_labels`` are the labels its tokens' losses use: count them for the global
+        number of tokens (``num_items_in_batch``).
+        """
+        self.setup()
+        if not self.dims.sp_enabled:
+            return batch
+        return split_batch(batch, rank=self.dims.sp_rank(self.rank), size=self.dims.sp_size)
+
     def clip_grad_norm_(self, model: nn.Module, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """EP-aware gradient clipping; returns the global gradient norm before clipping."""
         return clip_grad_norm_(model, max_norm, norm_type)

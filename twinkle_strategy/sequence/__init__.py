@@ -1,0 +1,14 @@
+"""Ulysses sequence parallelism: each rank of a sequence-parallel group holds a contiguous chunk of every sequence.
+
+* :mod:`.support`: which models and sizes it can serve, checked from the config before weights load.
+* :mod:`.exchange`: the all-to-alls that turn [sequence chunk, all heads] into [whole sequence, heads / sp].
+* :mod:`.attention`: the attention function registered with transformers' ``AttentionInterface``
+  that wraps the model's own one (sdpa, flash, flex) with those exchanges.
+* :mod:`.batch`: cutting a batch into the rank's chunk, with global position ids and shifted labels.
+"""
+
+from twinkle_strategy.sequence.attention import apply_sequence_parallel
+from twinkle_strategy.sequence.batch import split_batch
+from twinkle_strategy.sequence.support import check_sequence_parallel
+
+__all__ = ["apply_sequence_parallel", "check_sequence_parallel", "split_batch"]

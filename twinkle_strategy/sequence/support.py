@@ -1,0 +1,42 @@
+"""What Ulysses can serve, decided from the model's config before any weight is read.
+
+* Query heads must divide by sequence_parallel_size (each rank takes whole heads). KV heads need not:
+  GQA with fewer KV heads than ranks replicates them (:mod:`.attention`).
+* Layers that carry state along the sequence (linear attention, Mamba, causal convolutions) would
+  restart their state at each chunk: refused by name.
+* Attention sinks (gpt-oss, DeepSeek-V4) are per-head parameters the core function adds to the softmax;
+  cutting them by heads is not done yet: refused by name.
+"""
+
+from __future__ import annotations
+
+from twinkle_strategy.errors import ParallelConfigError
+
+# Layer kinds of ``config.layer_types`` that attention by heads covers; any other kind carries state.
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention"}
+# Families whose layers carry state along the sequence without saying so in layer_types, and families with sinks.
+_STATEFUL_FAMILIES = {"nemotron_h": "Mamba-2 layers", "jamba": "Mamba layers", "falcon_h1": "Mamba-2 layers",
+                      "granitemoehybrid": "Mamba-2 layers", "qwen3_next": "Gated DeltaNet linear attention",
+                      "qwen3_5_moe": "Gated DeltaNet linear attention", "lfm2_moe": "short convolutions"}
+_SINK_FAMILIES = {"gpt_oss": "attention sinks", "deepseek_v4": "attention sinks"}
+
+
+def check_sequence_parallel(config, sequence_parallel_size: int) -> None:
+    """Raise :class:`ParallelConfigError` naming the constraint when ``config``'s model cannot be split."""
+    sp = sequence_parallel_size
+    if sp == 1:
+        return
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    family = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
+    reason = _STATEFUL_FAMILIES.get(family) or _SINK_FAMILIES.get(family)
+    other_layers = sorted(set(getattr(text, "layer_types", None) or []) - _ATTENTION_LAYERS)
+    if reason is None and other_layers:
+        reason = f"layers of type {other_layers}"
+    if reason is not None:
+        raise ParallelConfigError(f"sequence_parallel_size={sp}: {family} has {reason}, which Ulysses sequence "
+                                  "parallelism cannot split along the sequence; use sequence_parallel_size=1")
+    heads = getattr(text, "num_attention_heads", None)
+    if isinstance(heads, int) and heads % sp != 0:
+        choices = [d for d in range(1, heads + 1) if heads % d == 0]
+        raise ParallelConfigError(f"sequence_parallel_size={sp} must divide the {heads} attention heads of "
+                                  f"{family} (each rank attends with whole heads); choose it among {choices}")
