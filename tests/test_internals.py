@@ -445,6 +445,22 @@ def _is_activation_checkpointing(tiny):
 
 
 # ------------------------------------------------------------------ transformers: saving, the HF Trainer
+@checks("PreTrainedConfig._attn_implementation")
+def _attn_implementation(tiny):
+    model = tiny.loaded
+    assert hf.attention_implementation(model.config) == "sdpa"
+    changed = hf.config_with_attention(model.config, "eager")
+    assert hf.attention_implementation(changed) == "eager" and hf.attention_implementation(model.config) == "sdpa"
+    # Ulysses relies on transformers building no mask for an attention function outside its mask registry.
+    from transformers.masking_utils import create_causal_mask
+
+    custom = hf.config_with_attention(model.config, "not_a_mask_kind")
+    embeds = torch.zeros(1, 4, 8)
+    positions = torch.tensor([[0, 1, 0, 1]])
+    assert create_causal_mask(config=custom, inputs_embeds=embeds, attention_mask=None, cache=None,
+                              position_ids=positions) is None
+
+
 @checks("utils.hub.convert_file_size_to_int")
 def _file_size(tiny):
     assert hf.file_size_bytes("5GB") == 5 * 10**9

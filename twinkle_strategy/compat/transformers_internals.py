@@ -439,3 +439,29 @@ SCHEDULER_FILE = Internal(
 def scheduler_file_name() -> str:
     """The file a checkpoint of the HF Trainer keeps the scheduler's state in ('scheduler.pt')."""
     return SCHEDULER_FILE.import_name("transformers.trainer", "SCHEDULER_NAME")
+
+
+# ------------------------------------------------------------------ sequence parallelism
+ATTN_IMPLEMENTATION = Internal(
+    "PreTrainedConfig._attn_implementation", "transformers",
+    used_for="read which attention function a model was loaded with (Ulysses wraps that one), and build the "
+             "whole sequence's mask with a copy of the config that names it",
+    checked=_ALL, replacement="none for reading it (set_attn_implementation only sets it; the attention-interface "
+                              "docs read config._attn_implementation themselves)")
+
+
+@ATTN_IMPLEMENTATION.wrapper
+def attention_implementation(config) -> str | None:
+    """The name of the attention function ``config``'s model calls (``"sdpa"``, ``"flash_attention_2"`` ...)."""
+    return ATTN_IMPLEMENTATION.attribute(config, "_attn_implementation")
+
+
+@ATTN_IMPLEMENTATION.wrapper
+def config_with_attention(config, implementation: str):
+    """A shallow copy of ``config`` whose models call ``implementation``: what transformers' mask functions read."""
+    import copy
+
+    ATTN_IMPLEMENTATION.attribute(config, "_attn_implementation")
+    changed = copy.copy(config)
+    changed._attn_implementation = implementation
+    return changed

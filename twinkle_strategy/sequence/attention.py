@@ -17,13 +17,13 @@ at 0) get its block-diagonal causal mask, plain sequences get none (sdpa's ``is_
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
 import torch
 from torch import nn
 
+from twinkle_strategy.compat.transformers_internals import attention_implementation, config_with_attention
 from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.sequence.exchange import gather_sequence, heads_to_sequence, sequence_to_heads
 
@@ -50,8 +50,7 @@ class UlyssesAttention:
         self.inner_name = inner
         self.inner = AttentionInterface()[inner]
         # The model's config as the inner implementation sees it, for building its masks.
-        self.mask_config = copy.copy(config)
-        self.mask_config._attn_implementation = inner
+        self.mask_config = config_with_attention(config, inner)
         self._last = _LastMask()
 
     @property
@@ -120,7 +119,7 @@ def apply_sequence_parallel(model: nn.Module, group) -> UlyssesAttention:
     """Switch ``model``'s attention to Ulysses over ``group`` (every rank of the group calls this)."""
     from transformers import AttentionInterface
 
-    inner = model.config._attn_implementation
+    inner = attention_implementation(model.config)
     if inner not in AttentionInterface():
         raise ModelStructureError(
             f"sequence parallelism wraps a registered attention function (sdpa, flash_attention_2, "

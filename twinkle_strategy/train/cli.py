@@ -102,7 +102,6 @@ SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
     "fsdp": "twinkle-sft is FSDP2 already; drop it",
     "bf16": "use --mixed_precision bf16 (and --torch_dtype for the weights)",
     "fp16": "use --mixed_precision fp16 (and --torch_dtype for the weights)",
-    "sequence_parallel_size": "sequence parallelism is not supported; drop it",
     "eval_strategy": "twinkle-sft does not evaluate during training; drop it",
     "eval_steps": "twinkle-sft does not evaluate during training; drop it",
     "split_dataset_ratio": "twinkle-sft trains on every row and does not evaluate; drop it",

@@ -19,8 +19,9 @@ import yaml
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
 from twinkle_strategy.parallel import ParallelDims
+from twinkle_strategy.sequence import check_sequence_parallel
 from twinkle_strategy.train.arguments import TrainingArguments
-from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS
+from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS, qwen3_moe_config, sized_config
 
 # target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
 EXPERT_MODULE_NAMES = frozenset({"all-linear", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
@@ -177,6 +178,7 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
         reason = (f"ep_size {ep} needs {ep} processes (or a multiple), this run has {world_size} ({where}); "
                   f"set launch.nproc_per_node={per_node}, or a smaller ep_size")
         raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason)
+    _check_sequence_parallel(recipe, world_size, where)
     try:
         dims = ParallelDims(world_size=world_size, ep_size=ep, ep_fsdp_size=recipe.strategy.ep_fsdp_size)
     except TwinkleError as exc:
@@ -188,6 +190,36 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
             dims.validate_num_experts(num_experts, where=recipe.model.path)
         except TwinkleError as exc:
             raise RecipeError(f"strategy.ep_size: {exc}", key="strategy.ep_size", reason=str(exc)) from exc
+
+
+def _check_sequence_parallel(recipe: Recipe, world_size: int, where: str) -> None:
+    """sequence_parallel_size against the world size and the model's attention heads (see parallel.py for how SP
+    groups are carved: they need sp | world, independently of ep)."""
+    sp, key = recipe.strategy.sequence_parallel_size, "strategy.sequence_parallel_size"
+    if sp == 1:
+        return
+    if world_size < sp or world_size % sp:
+        per_node = -(-sp // recipe.launch.nnodes)
+        reason = (f"sequence_parallel_size {sp} needs a multiple of {sp} processes, this run has {world_size} "
+                  f"({where}); set launch.nproc_per_node={per_node}, or a smaller sequence_parallel_size")
+        raise RecipeError(f"{key}: {reason}", key=key, reason=reason)
+    config = _model_config(recipe.model.path)
+    if config is not None:
+        try:
+            check_sequence_parallel(config, sp)
+        except TwinkleError as exc:
+            raise RecipeError(f"{key}: {exc}", key=key, reason=str(exc)) from exc
+
+
+def _model_config(path: str):
+    """The model's transformers config, from its config.json (tiny://demo: the demo's), or None if not at hand."""
+    if path.startswith("tiny://"):
+        return sized_config(qwen3_moe_config) if path in ("tiny://", "tiny://demo") else None
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        return None
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(path)
 
 
 def planned_world_size(recipe: Recipe) -> int:

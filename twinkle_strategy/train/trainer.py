@@ -66,6 +66,14 @@ def _expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None
         return None
 
 
+def _label_tokens(batch: dict[str, torch.Tensor]) -> float:
+    """Tokens of ``batch`` that have a label: its ``shift_labels`` (a sequence-parallel chunk, shifted on the whole
+    row) or its ``labels`` after the first position (transformers' loss shifts them)."""
+    if "shift_labels" in batch:
+        return float((batch["shift_labels"] != -100).sum())
+    return float((batch["labels"][:, 1:] != -100).sum())
+
+
 def _format_seconds(s: float) -> str:
     return str(datetime.timedelta(seconds=int(s)))
 
@@ -161,13 +169,14 @@ class Trainer:
                                        num_training_steps=max_steps)
 
     def _make_sampler(self) -> StepSampler:
-        args, world = self.args, self.strategy.world_size
+        # The ranks of a sequence-parallel group share their examples: a step has one share per data-parallel rank.
+        args, world = self.args, self.strategy.data_parallel_size
         per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         sampler = StepSampler(len(self.train_dataset), per_step=per_step, seed=args.seed)
         if sampler.steps_per_epoch == 0:
             raise ValueError(
                 f"the dataset has {len(self.train_dataset)} examples, fewer than one optimizer step needs "
-                f"({args.per_device_train_batch_size} per device x {world} ranks x "
+                f"({args.per_device_train_batch_size} per device x {world} data-parallel ranks x "
                 f"{args.gradient_accumulation_steps} accumulation steps = {per_step}); lower the batch size"
             )
         return sampler
@@ -210,14 +219,16 @@ class Trainer:
                 "nodes": self.strategy.topology.num_nodes, "global_batch": self.state.global_batch}
 
     def _micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
-        """This rank's micro-batches of optimizer step ``step``: its share of each micro-batch of the global batch."""
-        args, rank = self.args, self.strategy.rank
+        """This rank's micro-batches of optimizer step ``step``: its share of each micro-batch of the global batch
+        (with sequence parallelism: its group's share, cut to this rank's chunk of the sequence)."""
+        args, rank = self.args, self.strategy.data_parallel_rank
         per_device = args.per_device_train_batch_size
         rows = self.sampler.rows(step)
         batches = []
         for micro in range(args.gradient_accumulation_steps):
-            begin = (micro * self.strategy.world_size + rank) * per_device
-            batches.append(self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]]))
+            begin = (micro * self.strategy.data_parallel_size + rank) * per_device
+            batch = self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]])
+            batches.append(self.strategy.split_sequence(batch))
         return batches
 
     # ---------------------------------------------------------------- training
@@ -237,7 +248,7 @@ class Trainer:
         """Forward and backward of every micro-batch of step ``step``; global loss, aux loss and token sums."""
         device = self.strategy.device
         batches = self._micro_batches(step)
-        sizes = torch.tensor([sum(float((b["labels"][:, 1:] != -100).sum()) for b in batches),
+        sizes = torch.tensor([sum(_label_tokens(b) for b in batches),
                               sum(float(b["attention_mask"].sum()) for b in batches)], device=device)
         global_tokens, input_tokens = _all_reduce_sum(sizes)
         self.model.train()
@@ -283,7 +294,9 @@ class Trainer:
         try:
             for batch in batches:
                 mask = batch["attention_mask"].to(self.strategy.device)
+                positions = batch.get("position_ids")
                 out = self.model(input_ids=batch["input_ids"].to(self.strategy.device), attention_mask=mask,
+                                 position_ids=None if positions is None else positions.to(self.strategy.device),
                                  output_router_logits=True)
                 stats = self.balancing.statistics(out.router_logits, mask)
                 total = stats if total is None else total + stats

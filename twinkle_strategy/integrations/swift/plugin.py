@@ -128,6 +128,10 @@ def get_strategy():
 
         args = _STATE["args"]
         options = resolve_options(_STATE["fsdp_options"])
+        if options["sequence_parallel_size"] > 1:  # the same refusal as swift's own flag, before the model loads
+            raise SwiftPluginError(f"{env_var('sequence_parallel_size')}={options['sequence_parallel_size']}: "
+                                   "sequence parallelism is not supported with the twinkle plugin yet; set it to 1, "
+                                   "or train with twinkle-sft --sequence_parallel_size")
         options.setdefault("mixed_precision", _STATE.get("swift_precision", "no"))
         strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(args, "ddp_backend", None), **options))
         strategy.setup()
@@ -145,7 +149,9 @@ def _check_args(args) -> None:
     if getattr(args, "rlhf_type", None) is not None:
         raise SwiftPluginError("the twinkle plugin supports `swift sft` and `swift pt`, not `swift rlhf`")
     if getattr(args, "sequence_parallel_size", 1) > 1:
-        raise SwiftPluginError("--sequence_parallel_size > 1 is not supported with the twinkle plugin; set it to 1")
+        raise SwiftPluginError("--sequence_parallel_size > 1 is not supported with the twinkle plugin yet (swift's "
+                               "data path would need to give a sequence-parallel group one batch); set it to 1, "
+                               "or train with twinkle-sft --sequence_parallel_size")
     if getattr(args, "deepspeed", None):
         raise SwiftPluginError("--deepspeed and the twinkle plugin both shard the model; drop --deepspeed")
     if getattr(args, "tuner_type", "lora") not in ("lora", "full"):
