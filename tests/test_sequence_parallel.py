@@ -1,9 +1,17 @@
 """Ulysses sequence parallelism: exact against one process, and refused by name where it cannot serve."""
 
-import pytest
-from multinode import launch
+import json
 
-from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
+import pytest
+import torch
+from multinode import launch
+from test_launch_errors import DATASET, DEMO, only_run_dir, run_cli
+
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import ParallelConfigError, StrategyConfigError
+from twinkle_strategy.parallel import ParallelDims
+from twinkle_strategy.sequence import check_sequence_parallel, split_batch
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint, tiny_config
 
 SP_FAMILIES = ("qwen3_moe", "deepseek_v3")  # GQA (2 KV heads for 4 query heads), MLA
 
@@ -16,15 +24,19 @@ def sp_checkpoints(tmp_path_factory):
     # num_attention_heads = 128). The tiny default's 2 would make transformers' own sdpa repeat keys that are
     # already per head, failing on one process too.
     save_tiny_checkpoint("deepseek_v3", str(root / "deepseek_v3"), seed=0, num_key_value_heads=4)
+    save_tiny_checkpoint("gpt_oss", str(root / "gpt_oss"), seed=0)  # attention sinks: refused
     return root
 
 
+# ------------------------------------------------------------------ exact against one process
 @pytest.mark.parametrize("nnodes,nproc,sp,ep", [(2, 2, 2, 2), (1, 4, 4, 2)], ids=["2x2-sp2-ep2", "1x4-sp4-ep2"])
 def test_ulysses_matches_one_process(sp_checkpoints, tmp_path, nnodes, nproc, sp, ep):
     """Logits of every real token, the global loss and the gradient norm equal one process on the whole
     sequences (fp32), for right-padded rows and for packed rows, with activation checkpointing on.
-    sp=4 with 2 KV heads replicates each KV head on two ranks."""
-    result = launch("ulysses_parity.py", ["--ckpt-root", str(sp_checkpoints), "--ep", str(ep), "--sp", str(sp)],
+    sp=4 with 2 KV heads replicates each KV head on two ranks. Then gpt-oss is refused by name on every rank,
+    before its weights load, and every rank exits."""
+    result = launch("ulysses_parity.py", ["--ckpt-root", str(sp_checkpoints), "--ep", str(ep), "--sp", str(sp),
+                                          "--refused", str(sp_checkpoints / "gpt_oss")],
                     tmp_path, nnodes=nnodes, nproc_per_node=nproc, timeout=600)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -34,7 +46,106 @@ def test_ulysses_matches_one_process(sp_checkpoints, tmp_path, nnodes, nproc, sp
         assert seen == {(f, b) for f in SP_FAMILIES for b in ("padded", "packed")}
         for c in data["cases"]:
             case = f"rank {rank} {c['family']} {c['batch']} sp={sp} ep={ep}"
-            assert c["chunk_tokens"] * sp in (22, 24, 21 + (-21 % sp)), case  # each rank holds only its chunk
+            assert c["chunk_tokens"] == -(-{"padded": 22, "packed": 21}[c["batch"]] // sp), case  # only its chunk
             assert c["logit_diff"] <= 1e-5, f"{case}: logits differ by {c['logit_diff']}"
             assert abs(c["loss"] - c["ref_loss"]) <= 1e-5, f"{case}: loss {c['loss']} vs {c['ref_loss']}"
-            assert abs(c["norm"] - c["ref_norm"]) <= 1e-5 * c["ref_norm"], f"{case}: grad norm {c['norm']} vs {c['ref_norm']}"
+            assert abs(c["norm"] - c["ref_norm"]) <= 1e-5 * c["ref_norm"], \
+                f"{case}: grad norm {c['norm']} vs {c['ref_norm']}"
+        assert "gpt_oss has attention sinks" in data["refusal"] and "sequence_parallel_size=1" in data["refusal"], \
+            data["refusal"]
+
+
+# ------------------------------------------------------------------ sizes and families, before any process
+def test_sizes_are_checked_with_the_constraint_named():
+    with pytest.raises(StrategyConfigError, match="sequence_parallel_size=0 is not valid"):
+        StrategyConfig(sequence_parallel_size=0)
+    with pytest.raises(ParallelConfigError, match="sequence_parallel_size 4 needs 4 processes .* this job has 2"):
+        ParallelDims(world_size=2, sp_size=4)
+    with pytest.raises(ParallelConfigError, match=r"world size 6 is not divisible by sequence_parallel_size 4; "
+                                                  r"choose it among \[1, 2, 3, 6\]"):
+        ParallelDims(world_size=6, sp_size=4)
+    # SP and EP are carved independently: one SP group of 4 spans two EP groups of 2.
+    dims = ParallelDims(world_size=4, ep_size=2, sp_size=4)
+    assert (dims.dp_size, [dims.dp_rank(r) for r in range(4)], [dims.sp_rank(r) for r in range(4)]) == \
+        (1, [0, 0, 0, 0], [0, 1, 2, 3])
+    dims = ParallelDims(world_size=8, ep_size=4, sp_size=2)
+    assert (dims.dp_size, [dims.dp_rank(r) for r in range(8)]) == (4, [0, 0, 1, 1, 2, 2, 3, 3])
+
+
+@pytest.mark.parametrize("family,reason", [("gpt_oss", "attention sinks"), ("deepseek_v4", "attention sinks"),
+                                           ("qwen3_next", "Gated DeltaNet"), ("nemotron_h", "Mamba-2"),
+                                           ("jamba", "Mamba")])
+def test_families_that_cannot_be_split_are_refused_by_name(family, reason):
+    with pytest.raises(ParallelConfigError, match=f"sequence_parallel_size=2: {family} has {reason}.*use "
+                                                  "sequence_parallel_size=1"):
+        check_sequence_parallel(tiny_config(family), 2)
+
+
+def test_heads_must_divide():
+    check_sequence_parallel(tiny_config("qwen3_moe"), 4)  # 4 query heads, 2 KV heads: replicated
+    check_sequence_parallel(tiny_config("deepseek_v3"), 2)
+    with pytest.raises(ParallelConfigError, match=r"sequence_parallel_size=8 must divide the 4 attention heads of "
+                                                  r"qwen3_moe .*choose it among \[1, 2, 4\]"):
+        check_sequence_parallel(tiny_config("qwen3_moe"), 8)
+
+
+def test_split_batch_keeps_global_positions_and_shifts_labels_on_the_whole_row():
+    ids = torch.arange(10, 17)[None]  # 7 tokens, 2 ranks: padded to 8
+    labels = ids.clone()
+    labels[0, :2] = -100
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3]])  # two packed examples
+    chunks = [split_batch({"input_ids": ids, "labels": labels, "position_ids": positions}, rank=r, size=2)
+              for r in range(2)]
+    assert chunks[0]["input_ids"].tolist() == [[10, 11, 12, 13]] and chunks[1]["input_ids"].tolist() == [[14, 15, 16, 0]]
+    # Rank 0's last token is labelled with rank 1's first token: the shift happened on the whole row.
+    assert chunks[0]["shift_labels"].tolist() == [[-100, 12, 13, 14]]
+    assert chunks[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
+    assert chunks[0]["position_ids"].tolist() == [[0, 1, 2, 0]] and chunks[1]["position_ids"].tolist() == [[1, 2, 3, 4]]
+    assert chunks[1]["attention_mask"].tolist() == [[1, 1, 1, 0]]
+
+
+# ------------------------------------------------------------------ twinkle-sft
+@pytest.mark.parametrize("args,expected,fix", [
+    (["launch.nnodes=1", "launch.nproc_per_node=2", "--sequence_parallel_size", "4"],
+     "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size 4 needs a multiple of 4 "
+     "processes, this run has 2 (nodes x processes per node = 1 x 2); set launch.nproc_per_node=4, or a smaller "
+     "sequence_parallel_size",
+     ["launch.nnodes=1", "launch.nproc_per_node=4", "--sequence_parallel_size", "4"]),
+    (["launch.nproc_per_node=4", "--sequence_parallel_size", "8"],
+     "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size=8 must divide the 4 "
+     "attention heads of qwen3_moe (each rank attends with whole heads); choose it among [1, 2, 4]",
+     ["launch.nproc_per_node=4", "--sequence_parallel_size", "4"]),
+], ids=["world-size", "heads"])
+def test_twinkle_sft_refuses_sizes_before_launch(args, expected, fix, tmp_path, monkeypatch, capsys):
+    import torch.distributed as dist
+
+    from twinkle_strategy.train.cli import main, parse
+    from twinkle_strategy.train.preflight import check_before_launch
+
+    monkeypatch.chdir(tmp_path)
+    for var in ("NPROC_PER_NODE", "NNODES", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    base = [DEMO, f"data.dataset={DATASET}", f"train.output_dir={tmp_path / 'out'}"]
+    assert main([*base, *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"twinkle-sft: error: {expected}\n", captured.err
+    assert captured.out == "" and list(tmp_path.iterdir()) == [] and not dist.is_initialized()
+    check_before_launch(parse([*base, *fix]))  # the fix passes every check (the run below trains with one)
+
+
+def test_twinkle_sft_sequence_parallel_logs_the_losses_of_the_run_without_it(tmp_path):
+    """The demo (LoRA on attention and experts, ep=2, memory_efficient_init) on 2 ranks: sequence_parallel_size 2
+    (one data-parallel group of 4 rows) logs the losses and gradient norms of the run without it (2 ranks x 2 rows),
+    in fp32."""
+    base = [DEMO, f"data.dataset={DATASET}", "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=2",
+            "train.logging_steps=1", "--mixed_precision", "no", "--torch_dtype", "float32"]
+    logged = {}
+    for name, extra in (("sp", ["train.per_device_train_batch_size=4", "--sequence_parallel_size", "2"]),
+                        ("ref", ["train.per_device_train_batch_size=2"])):
+        proc = run_cli([*base, f"train.output_dir={name}", *extra], cwd=tmp_path)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        with open(only_run_dir(tmp_path / name) / "logging.jsonl") as f:
+            logged[name] = [json.loads(line) for line in f]
+    assert len(logged["sp"]) == len(logged["ref"]) == 2
+    for sp, ref in zip(logged["sp"], logged["ref"], strict=True):
+        assert abs(sp["loss"] - ref["loss"]) <= 1e-5 and abs(sp["grad_norm"] - ref["grad_norm"]) <= 1e-5, (sp, ref)

@@ -83,6 +83,7 @@ def main():
     p.add_argument("--families", default="qwen3_moe,deepseek_v3")
     p.add_argument("--ep", type=int, required=True)
     p.add_argument("--sp", type=int, required=True)
+    p.add_argument("--refused", help="a checkpoint sequence parallelism must refuse, by name, on every rank")
     args = p.parse_args()
     strategy = NativeFSDPStrategy(ep_size=args.ep, sequence_parallel_size=args.sp, mixed_precision="no",
                                   device_type="cpu")
@@ -103,7 +104,13 @@ def main():
             logit_diff = (logits[:, :stop - begin] - mine).abs().amax(-1)[real].max().item()
             cases.append(dict(family=family, batch=kind, logit_diff=logit_diff, loss=loss, ref_loss=ref_loss,
                               norm=norm, ref_norm=ref_norm, chunk_tokens=int(chunk["input_ids"].shape[1])))
-    return {"cases": cases, "sp": args.sp, "ep": args.ep}
+    refusal = None
+    if args.refused:
+        try:
+            strategy.from_pretrained(args.refused)
+        except Exception as exc:  # noqa: BLE001 - the test reads which error, and its text
+            refusal = f"{type(exc).__name__}: {exc}"
+    return {"cases": cases, "sp": args.sp, "ep": args.ep, "refusal": refusal}
 
 
 if __name__ == "__main__":
