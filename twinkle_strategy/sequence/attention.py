@@ -64,9 +64,12 @@ class UlyssesAttention:
         key, value = self._replicate_kv_heads(key), self._replicate_kv_heads(value)
         query, key, value = (sequence_to_heads(t, self.group) for t in (query, key, value))
         positions = kwargs.get("position_ids")
-        if positions is not None:
-            positions = gather_sequence(positions.expand(query.shape[0], -1), self.group)
-            kwargs["position_ids"] = positions  # flash attention finds packed sequences from them
+        if positions is None:  # without them packed rows would silently attend across examples
+            raise ModelStructureError(f"{type(module).__name__} does not pass position_ids to its attention "
+                                      "function, which sequence parallelism needs to find where packed examples "
+                                      "start; use sequence_parallel_size=1 for this family")
+        positions = gather_sequence(positions.expand(query.shape[0], -1), self.group)
+        kwargs["position_ids"] = positions  # flash attention finds packed sequences from them
         if attention_mask is None:
             attention_mask = self._mask(query, positions, kwargs.get("sliding_window"))
         output, _ = self.inner(_with_head_groups(module, query, key), query, key, value, attention_mask, **kwargs)
@@ -79,9 +82,9 @@ class UlyssesAttention:
             return states
         return states.repeat_interleave(self.sp // math.gcd(heads, self.sp), dim=1)
 
-    def _mask(self, query: torch.Tensor, positions: torch.Tensor | None, sliding_window: int | None):
+    def _mask(self, query: torch.Tensor, positions: torch.Tensor, sliding_window: int | None):
         last = self._last
-        if (last.positions is not None and positions is not None and last.sliding_window == sliding_window
+        if (last.positions is not None and last.sliding_window == sliding_window
                 and last.positions.shape == positions.shape and torch.equal(last.positions, positions)):
             return last.mask
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
