@@ -76,8 +76,8 @@ class _Holder:
     """The region a :class:`KeptWeight` and its views share (FSDP2 pads a shard by making a padded tensor and
     copying the shard into its first rows: the copy hands the padded one the region)."""
 
-    def __init__(self, region: KeptRegion | None, padded_rows: int = 0):
-        self.region, self.padded_rows = region, padded_rows
+    def __init__(self, region: KeptRegion | None):
+        self.region = region
 
 
 class KeptWeight(torch.Tensor):
@@ -141,10 +141,10 @@ class KeptWeight(torch.Tensor):
         if func in _VIEWS:
             shape = torch.empty(first.shape, device="meta").view(args[1]).shape
             return KeptWeight(first.holder, shape, first.dtype, first.device)
-        if func is aten.narrow.default and args[1] == 0 and args[2] == 0:
-            return KeptWeight(first.holder, (args[3], *first.shape[1:]), first.dtype, first.device)
+        if func is aten.slice.Tensor and (rows := _leading_rows(args)) is not None:  # FSDP2's unpadded shard
+            return KeptWeight(first.holder, (rows, *first.shape[1:]), first.dtype, first.device)
         if func is aten.new_zeros.default:  # FSDP2's padded shard: the region comes with the copy below
-            return KeptWeight(_Holder(None, args[1][0]), tuple(args[1]), first.dtype, first.device)
+            return KeptWeight(_Holder(None), tuple(args[1]), first.dtype, first.device)
         if func is aten.copy_.default and isinstance(args[0], KeptWeight) and isinstance(args[1], KeptWeight) \
                 and args[0].holder.region is None:
             args[0].holder.region = args[1].holder.region
@@ -157,6 +157,14 @@ class KeptWeight(torch.Tensor):
                 "model's dtype")
         unwrap = lambda t: t.values() if isinstance(t, KeptWeight) else t  # noqa: E731
         return func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in kwargs.items()})
+
+
+def _leading_rows(args) -> int | None:
+    """The row count of ``aten.slice(tensor, dim, start, end, step)`` if it takes the first rows, else None."""
+    tensor, dim, start, end, step = (*args, *(None, 0, None, None, 1)[len(args):])
+    if dim != 0 or start not in (0, None) or step != 1:
+        return None
+    return tensor.shape[0] if end is None else min(end, tensor.shape[0])
 
 
 class KeepingSink:

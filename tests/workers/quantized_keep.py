@@ -1,0 +1,153 @@
+"""LoRA over a quantized release kept as stored (``quantized_base: keep``) against the same run dequantized.
+
+Cases (``--cases name=path:family[+ckpt],...``): for each, three LoRA steps (attention and expert adapters,
+SGD) with ``dequantize`` and with ``keep`` on the same global batch; ``+ckpt`` adds a ``keep`` run with
+activation checkpointing. Records per rank: logits of the first step, losses, every LoRA gradient (this
+rank's shard), which parameters are kept and the dtypes of what they store, CRC32s of the stored bytes
+before and after the steps, and the init report's frozen bytes. A ``refuse`` case trains a quantized weight
+with ``keep`` and records the error.
+"""
+
+import argparse
+import os
+import sys
+import zlib
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import worker_common  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+
+from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+from twinkle_strategy.fsdp import find_decoder_layers  # noqa: E402
+from twinkle_strategy.moe.recompute import apply_activation_checkpointing  # noqa: E402
+from twinkle_strategy.quantized.kept import KeptWeight  # noqa: E402
+
+SEQ, PER_RANK, STEPS = 16, 2, 3
+LORA_SEED = 7
+ATTENTION = {"deepseek_v3": ["q_b_proj", "kv_a_proj_with_mqa", "o_proj"], "deepseek_v4": ["q_b_proj", "o_b_proj"],
+             "gpt_oss": ["q_proj", "o_proj"]}
+EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+
+
+def with_adapter(model, family: str):
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(LORA_SEED)  # the same fresh adapter on every rank and in both modes
+    # init_lora_weights=False: lora_B is random too, so the base's values reach the adapters' gradients.
+    config = LoraConfig(r=2, lora_alpha=4, target_modules=ATTENTION[family], target_parameters=EXPERTS,
+                        init_lora_weights=False)
+    return get_peft_model(model, config)
+
+
+def kept_weights(model) -> dict[str, KeptWeight]:
+    out = {}
+    for name, param in model.named_parameters():
+        local = param.to_local() if hasattr(param, "to_local") else param
+        if isinstance(local, KeptWeight):
+            out[name] = local
+    return out
+
+
+def stored_dtypes(kept: KeptWeight) -> list[str]:
+    """The dtypes of what a kept weight stores: its pieces (data, scale) as the release's parts."""
+    form = kept.region.form
+    return sorted({str(part.dtype) for chunk in form.chunks for piece in chunk.pieces if piece.codec
+                   for part in piece.codec.parts})
+
+
+def crc(kept: dict[str, KeptWeight]) -> dict[str, int]:
+    return {name: zlib.crc32(k.region.stored.cpu().numpy().tobytes()) for name, k in kept.items()}
+
+
+def run(path: str, family: str, mode: str, ids, mine, *, ep: int, checkpointing: bool = False) -> dict:
+    strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", memory_efficient_init=True, timeout_s=300,
+                                  quantized_base=mode)
+    model = with_adapter(strategy.from_pretrained(path, dtype=torch.bfloat16), family)
+    model, _ = strategy.wrap_model(model)
+    if checkpointing:
+        apply_activation_checkpointing(find_decoder_layers(model))
+    kept = kept_weights(model)
+    before = crc(kept)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.SGD(trainable, lr=0.5)
+    losses, grads, logits = [], [], None
+    model.train()
+    for _ in range(STEPS):
+        out = model(input_ids=mine, labels=mine)
+        logits = out.logits.detach().float() if logits is None else logits
+        out.loss.backward()
+        losses.append(float(strategy.reduce_mean(out.loss)))
+        grads.append({n: p.grad.to_local().float().clone() if hasattr(p.grad, "to_local") else p.grad.float().clone()
+                      for n, p in model.named_parameters() if p.grad is not None})
+        optimizer.step()
+        optimizer.zero_grad()
+    report = strategy.init_report
+    return dict(losses=losses, grads=grads, logits=logits, kept=sorted(kept),
+                stored_dtypes={name: stored_dtypes(k) for name, k in kept.items()},
+                crc_before=before, crc_after=crc(kept), frozen_stored=report.frozen_stored_bytes,
+                frozen_values=report.frozen_values_bytes, held=report.frozen_held_bytes, log_line=report.log_line(),
+                trainable=sum(p.numel() for p in trainable))
+
+
+def compare(keep: dict, ref: dict) -> dict:
+    """keep against dequantize: the largest differences of logits and of every LoRA gradient, and the losses."""
+    grad_diff = 0.0
+    missing = []
+    for got, want in zip(keep["grads"], ref["grads"], strict=True):
+        missing += sorted(set(want) ^ set(got))
+        for name in sorted(set(got) & set(want)):
+            if not want[name].numel():  # an empty shard
+                continue
+            grad_diff = max(grad_diff, (got[name] - want[name]).abs().max().item())
+    return dict(logit_diff=(keep["logits"] - ref["logits"]).abs().max().item(), grad_diff=grad_diff,
+                grad_count=len(ref["grads"][0]), grad_name_mismatch=missing,
+                losses=keep["losses"], ref_losses=ref["losses"])
+
+
+def good_case(path: str, family: str, checkpointing: bool, ep: int, world: int, rank: int) -> dict:
+    ids = torch.randint(0, AutoConfig.from_pretrained(path).get_text_config().vocab_size, (world * PER_RANK, SEQ),
+                        generator=torch.Generator().manual_seed(99))
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    ref = run(path, family, "dequantize", ids, mine, ep=ep)
+    keep = run(path, family, "keep", ids, mine, ep=ep)
+    out = dict(**compare(keep, ref), kept=keep["kept"], ref_kept=ref["kept"], stored_dtypes=keep["stored_dtypes"],
+               bytes_unchanged=keep["crc_before"] == keep["crc_after"], frozen_stored=keep["frozen_stored"],
+               frozen_values=keep["frozen_values"], held=keep["held"], ref_held=ref["held"],
+               log_line=keep["log_line"])
+    if checkpointing:
+        out["checkpointed_losses"] = run(path, family, "keep", ids, mine, ep=ep, checkpointing=True)["losses"]
+    return out
+
+
+def refuse_case(path: str, ep: int) -> dict:
+    """Full-parameter training (every weight trainable) with keep: refused on every rank before weights move."""
+    strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", memory_efficient_init=True, timeout_s=120,
+                                  quantized_base="keep")
+    try:
+        strategy.wrap_model(strategy.from_pretrained(path, dtype=torch.bfloat16))
+    except Exception as exc:  # noqa: BLE001 - the test reads it
+        return dict(error_type=type(exc).__name__, error=str(exc), bytes_received=None)
+    return dict(error_type=None, error=None)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--cases", required=True)
+    p.add_argument("--ep", type=int, default=2)
+    args = p.parse_args()
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    results = {}
+    for case in args.cases.split(","):
+        name, spec = case.split("=", 1)
+        path, how = spec.rsplit(":", 1)
+        family, *flags = how.split("+")
+        results[name] = (refuse_case(path, args.ep) if family == "refuse"
+                         else good_case(path, family, "ckpt" in flags, args.ep, world, rank))
+        worker_common.write_result({"cases": results})
+    return {"cases": results}
+
+
+if __name__ == "__main__":
+    worker_common.run(main)
