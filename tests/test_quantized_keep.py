@@ -116,3 +116,16 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     assert torch.equal(padded.values()[:20], want) and not padded.values()[20:].any()
     with pytest.raises(FrozenWeightError, match="'w' is a frozen weight.*quantized_base=dequantize"):
         kept.add_(1)
+
+
+def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
+    """2 nodes x 4, ep=4: three receivers per source, and FSDP2 shards that do not split evenly (the 20-row
+    projection over 8 ranks: 3 rows each, the last ranks padded or empty)."""
+    case = f"deepseek_fp8={releases['deepseek_fp8']}:deepseek_v3"
+    result = launch("quantized_keep.py", ["--cases", case, "--ep", "4"], tmp_path, nnodes=2, nproc_per_node=4,
+                    timeout=500)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == list(range(8))
+    for rank, data in ranks.items():
+        check_case("deepseek_fp8", data["cases"]["deepseek_fp8"], rank)
