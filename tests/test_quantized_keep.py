@@ -94,11 +94,11 @@ def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
 def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     """One process: a kept region reads as its values (any op), a view shares it, FSDP2's padding protocol
     hands the region over, and an in-place change is refused by name."""
-    from twinkle_strategy.quantized.formats import quantize_fp8_blocks
-    from twinkle_strategy.quantized.kept import FrozenWeightError, KeptRegion, KeptWeight
-    from twinkle_strategy.quantized.wire import Piece, WireChunk, WireForm
-    from twinkle_strategy.quantized.formats import Codec, StoredAs
     from twinkle_strategy.dtypes import TensorSpec
+    from twinkle_strategy.errors import FrozenWeightError
+    from twinkle_strategy.quantized.formats import Codec, StoredAs, quantize_fp8_blocks
+    from twinkle_strategy.quantized.kept import KeptRegion, KeptWeight
+    from twinkle_strategy.quantized.wire import Piece, WireChunk, WireForm
 
     torch.manual_seed(0)
     data, scale = quantize_fp8_blocks(torch.randn(20, 32), BLOCK)

@@ -29,17 +29,13 @@ from twinkle_strategy.compat.torch_internals import (
     make_wrapper_subclass,
     replace_local_tensor,
 )
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import FrozenWeightError
 from twinkle_strategy.quantized.wire import WireForm
 
 aten = torch.ops.aten
 # Ops that hand back the same weight under another name or shape (nn.Parameter, state_dict, FSDP2's padding).
 _ALIASES = (aten.detach.default, aten.alias.default)
-_VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
-
-
-class FrozenWeightError(TwinkleError):
-    """Something tried to change a frozen weight that is kept quantized."""
+_VIEWS = (aten.view.default, aten.reshape.default)
 
 
 @dataclasses.dataclass
