@@ -68,12 +68,12 @@ def check_case(name: str, case: dict, rank: int) -> None:
 
 def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
     cases = [f"{name}={path}:{family}" for name, path, family in [
-        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt"),
+        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save"),
         ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4"),
         ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss"),
         ("refuse", releases["deepseek_fp8"], "refuse")]]
-    result = launch("quantized_keep.py", ["--cases", ",".join(cases)], tmp_path, nnodes=2, nproc_per_node=2,
-                    timeout=500)
+    result = launch("quantized_keep.py", ["--cases", ",".join(cases), "--save-root", str(tmp_path / "saved")],
+                    tmp_path, nnodes=2, nproc_per_node=2, timeout=500)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
@@ -82,6 +82,11 @@ def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
             check_case(name, data["cases"][name], rank)
         fp8 = data["cases"]["deepseek_fp8"]
         assert fp8["checkpointed_losses"] == fp8["losses"], (rank, fp8)
+        # Checkpoints: the adapter saved from keep is the one saved from dequantize, bit for bit; a keep run
+        # resumed from a checkpoint (adapter and optimizer) takes the next step as the run that went on.
+        assert rank != 0 or (fp8["adapter"] is not None and fp8["adapter"] == fp8["ref_adapter"]), rank
+        assert fp8["resume"]["resumed"] == fp8["resume"]["continued"], (rank, fp8["resume"])
+        assert fp8["resume"]["base_unchanged"], rank
         kinds = {name: set(data["cases"][name]["frozen_stored"]) for name in STORED_DTYPES}
         assert kinds == {"deepseek_fp8": {"fp8_block"}, "deepseek_v4": {"fp8_block", "fp4_block"},
                          "gpt_oss_mxfp4": {"mxfp4"}}, (rank, kinds)
@@ -122,8 +127,8 @@ def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
     """2 nodes x 4, ep=4: three receivers per source, and FSDP2 shards that do not split evenly (the 20-row
     projection over 8 ranks: 3 rows each, the last ranks padded or empty)."""
     case = f"deepseek_fp8={releases['deepseek_fp8']}:deepseek_v3"
-    result = launch("quantized_keep.py", ["--cases", case, "--ep", "4"], tmp_path, nnodes=2, nproc_per_node=4,
-                    timeout=500)
+    result = launch("quantized_keep.py", ["--cases", case, "--ep", "4", "--save-root", str(tmp_path / "saved")],
+                    tmp_path, nnodes=2, nproc_per_node=4, timeout=500)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == list(range(8))

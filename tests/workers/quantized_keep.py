@@ -9,6 +9,7 @@ with ``keep`` and records the error.
 """
 
 import argparse
+import json
 import os
 import sys
 import zlib
@@ -61,34 +62,76 @@ def crc(kept: dict[str, KeptWeight]) -> dict[str, int]:
     return {name: zlib.crc32(k.region.stored.cpu().numpy().tobytes()) for name, k in kept.items()}
 
 
-def run(path: str, family: str, mode: str, ids, mine, *, ep: int, checkpointing: bool = False) -> dict:
+def build(path: str, family: str, mode: str, *, ep: int, checkpointing: bool = False):
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", memory_efficient_init=True, timeout_s=300,
                                   quantized_base=mode)
     model = with_adapter(strategy.from_pretrained(path, dtype=torch.bfloat16), family)
     model, _ = strategy.wrap_model(model)
     if checkpointing:
         apply_activation_checkpointing(find_decoder_layers(model))
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.5)
+    model.train()
+    return strategy, model, optimizer
+
+
+def step(strategy, model, optimizer, mine) -> tuple[float, dict, torch.Tensor]:
+    """One SGD step: the global mean loss, this rank's LoRA gradients and its logits."""
+    out = model(input_ids=mine, labels=mine)
+    out.loss.backward()
+    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().clone()
+             for n, p in model.named_parameters() if p.grad is not None}
+    optimizer.step()
+    optimizer.zero_grad()
+    return float(strategy.reduce_mean(out.loss)), grads, out.logits.detach().float()
+
+
+def run(path: str, family: str, mode: str, mine, *, ep: int, checkpointing: bool = False) -> dict:
+    strategy, model, optimizer = build(path, family, mode, ep=ep, checkpointing=checkpointing)
     kept = kept_weights(model)
     before = crc(kept)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.SGD(trainable, lr=0.5)
-    losses, grads, logits = [], [], None
-    model.train()
+    losses, grads, logits = [], [], []
     for _ in range(STEPS):
-        out = model(input_ids=mine, labels=mine)
-        logits = out.logits.detach().float() if logits is None else logits
-        out.loss.backward()
-        losses.append(float(strategy.reduce_mean(out.loss)))
-        grads.append({n: p.grad.to_local().float().clone() if hasattr(p.grad, "to_local") else p.grad.float().clone()
-                      for n, p in model.named_parameters() if p.grad is not None})
-        optimizer.step()
-        optimizer.zero_grad()
+        loss, grad, logit = step(strategy, model, optimizer, mine)
+        losses.append(loss)
+        grads.append(grad)
+        logits.append(logit)
     report = strategy.init_report
-    return dict(losses=losses, grads=grads, logits=logits, kept=sorted(kept),
+    return dict(losses=losses, grads=grads, logits=logits[0], kept=sorted(kept),
                 stored_dtypes={name: stored_dtypes(k) for name, k in kept.items()},
                 crc_before=before, crc_after=crc(kept), frozen_stored=report.frozen_stored_bytes,
                 frozen_values=report.frozen_values_bytes, held=report.frozen_held_bytes, log_line=report.log_line(),
-                trainable=sum(p.numel() for p in trainable))
+                model=model, strategy=strategy)
+
+
+def adapter_bytes(strategy, model, directory: str) -> str | None:
+    """The adapter as saved (rank 0 reads its file back): the CRC32 of every tensor's bytes, by key."""
+    from safetensors.torch import load_file
+
+    strategy.save_pretrained(model, directory)
+    if strategy.rank != 0:
+        return None
+    saved = load_file(os.path.join(directory, "adapter_model.safetensors"))
+    return json.dumps({k: zlib.crc32(v.contiguous().view(torch.uint8).numpy().tobytes()) for k, v in
+                       sorted(saved.items())})
+
+
+def resume_case(path: str, family: str, mine, *, ep: int, root: str) -> dict:
+    """keep: two steps, a checkpoint, a third step; then a new run resumed from the checkpoint takes the third
+    step again. It reads back only the adapter and optimizer state (the frozen base comes from the init)."""
+    from twinkle_strategy.checkpoint.training import load_checkpoint, save_checkpoint
+
+    directory = os.path.join(root, "checkpoint-2")
+    strategy, model, optimizer = build(path, family, "keep", ep=ep)
+    for _ in range(2):
+        step(strategy, model, optimizer, mine)
+    save_checkpoint(directory, model, strategy, optimizer=optimizer, scheduler=None, trainer_state={"global_step": 2})
+    crc_saved = crc(kept_weights(model))
+    continued = step(strategy, model, optimizer, mine)[0]
+    strategy, model, optimizer = build(path, family, "keep", ep=ep)
+    load_checkpoint(directory, model, strategy, optimizer=optimizer, scheduler=None, expect={})
+    resumed = step(strategy, model, optimizer, mine)[0]
+    return dict(continued=continued, resumed=resumed, base_unchanged=crc(kept_weights(model)) == crc_saved,
+                files=sorted(os.listdir(directory)))
 
 
 def compare(keep: dict, ref: dict) -> dict:
@@ -106,18 +149,22 @@ def compare(keep: dict, ref: dict) -> dict:
                 losses=keep["losses"], ref_losses=ref["losses"])
 
 
-def good_case(path: str, family: str, checkpointing: bool, ep: int, world: int, rank: int) -> dict:
+def good_case(path: str, family: str, flags: list[str], ep: int, world: int, rank: int, root: str) -> dict:
     ids = torch.randint(0, AutoConfig.from_pretrained(path).get_text_config().vocab_size, (world * PER_RANK, SEQ),
                         generator=torch.Generator().manual_seed(99))
     mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
-    ref = run(path, family, "dequantize", ids, mine, ep=ep)
-    keep = run(path, family, "keep", ids, mine, ep=ep)
+    ref = run(path, family, "dequantize", mine, ep=ep)
+    keep = run(path, family, "keep", mine, ep=ep)
     out = dict(**compare(keep, ref), kept=keep["kept"], ref_kept=ref["kept"], stored_dtypes=keep["stored_dtypes"],
                bytes_unchanged=keep["crc_before"] == keep["crc_after"], frozen_stored=keep["frozen_stored"],
                frozen_values=keep["frozen_values"], held=keep["held"], ref_held=ref["held"],
                log_line=keep["log_line"])
-    if checkpointing:
-        out["checkpointed_losses"] = run(path, family, "keep", ids, mine, ep=ep, checkpointing=True)["losses"]
+    if "save" in flags:  # the adapters of both runs, as saved: the same bits
+        out["adapter"] = adapter_bytes(keep["strategy"], keep["model"], os.path.join(root, "keep-adapter"))
+        out["ref_adapter"] = adapter_bytes(ref["strategy"], ref["model"], os.path.join(root, "dequantize-adapter"))
+        out["resume"] = resume_case(path, family, mine, ep=ep, root=root)
+    if "ckpt" in flags:
+        out["checkpointed_losses"] = run(path, family, "keep", mine, ep=ep, checkpointing=True)["losses"]
     return out
 
 
@@ -136,6 +183,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--cases", required=True)
     p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--save-root", required=True)
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     results = {}
@@ -144,7 +192,8 @@ def main():
         path, how = spec.rsplit(":", 1)
         family, *flags = how.split("+")
         results[name] = (refuse_case(path, args.ep) if family == "refuse"
-                         else good_case(path, family, "ckpt" in flags, args.ep, world, rank))
+                         else good_case(path, family, flags, args.ep, world, rank,
+                                        os.path.join(args.save_root, name)))
         worker_common.write_result({"cases": results})
     return {"cases": results}
 
