@@ -23,7 +23,12 @@ from transformers import AutoConfig  # noqa: E402
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.fsdp import find_decoder_layers  # noqa: E402
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing  # noqa: E402
-from twinkle_strategy.quantized.kept import KeptWeight  # noqa: E402
+from twinkle_strategy.quantized.kept import (  # noqa: E402
+    DECODE_STATS,
+    KeptWeight,
+    _padded_shard_bytes,
+    largest_unit_decode_bytes,
+)
 
 SEQ, PER_RANK, STEPS = 16, 2, 3
 LORA_SEED = 7
@@ -90,6 +95,8 @@ def run(path: str, family: str, mode: str, mine, *, ep: int, checkpointing: bool
     kept = kept_weights(model)
     before = crc(kept)
     losses, grads, logits = [], [], []
+    DECODE_STATS.reset_peak()
+    decoded_before = DECODE_STATS.decoded_bytes
     for _ in range(STEPS):
         loss, grad, logit = step(strategy, model, optimizer, mine)
         losses.append(loss)
@@ -100,7 +107,9 @@ def run(path: str, family: str, mode: str, mine, *, ep: int, checkpointing: bool
                 stored_dtypes={name: stored_dtypes(k) for name, k in kept.items()},
                 crc_before=before, crc_after=crc(kept), frozen_stored=report.frozen_stored_bytes,
                 frozen_values=report.frozen_values_bytes, held=report.frozen_held_bytes, log_line=report.log_line(),
-                model=model, strategy=strategy)
+                model=model, strategy=strategy, decoded_peak=DECODE_STATS.peak_alive_bytes,
+                decoded=DECODE_STATS.decoded_bytes - decoded_before, largest_unit=largest_unit_decode_bytes(model),
+                kept_shards=sum(_padded_shard_bytes(p) for p in model.parameters()))
 
 
 def adapter_bytes(strategy, model, directory: str) -> str | None:
@@ -158,7 +167,8 @@ def good_case(path: str, family: str, flags: list[str], ep: int, world: int, ran
     out = dict(**compare(keep, ref), kept=keep["kept"], ref_kept=ref["kept"], stored_dtypes=keep["stored_dtypes"],
                bytes_unchanged=keep["crc_before"] == keep["crc_after"], frozen_stored=keep["frozen_stored"],
                frozen_values=keep["frozen_values"], held=keep["held"], ref_held=ref["held"],
-               log_line=keep["log_line"])
+               log_line=keep["log_line"], decoded_peak=keep["decoded_peak"], decoded=keep["decoded"],
+               largest_unit=keep["largest_unit"], kept_shards=keep["kept_shards"], ref_decoded=ref["decoded"])
     if "save" in flags:  # the adapters of both runs, as saved: the same bits
         out["adapter"] = adapter_bytes(keep["strategy"], keep["model"], os.path.join(root, "keep-adapter"))
         out["ref_adapter"] = adapter_bytes(ref["strategy"], ref["model"], os.path.join(root, "dequantize-adapter"))

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import weakref
 
 import torch
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.compat.torch_internals import (
     disabled_torch_function,
@@ -36,6 +39,32 @@ aten = torch.ops.aten
 # Ops that hand back the same weight under another name or shape (nn.Parameter, state_dict, FSDP2's padding).
 _ALIASES = (aten.detach.default, aten.alias.default)
 _VIEWS = (aten.view.default, aten.reshape.default)
+
+
+@dataclasses.dataclass
+class DecodeStats:
+    """This process's shards decoded for FSDP2's all-gathers (one per process, as torch's device memory stats):
+    how many bytes are alive now and at most since :meth:`reset_peak`."""
+
+    alive_bytes: int = 0
+    peak_alive_bytes: int = 0
+    decoded_bytes: int = 0  # all decoded since the process started
+
+    def track(self, shard: torch.Tensor) -> None:
+        nbytes = shard.numel() * shard.element_size()
+        self.alive_bytes += nbytes
+        self.decoded_bytes += nbytes
+        self.peak_alive_bytes = max(self.peak_alive_bytes, self.alive_bytes)
+        weakref.finalize(shard, self._freed, nbytes)  # FSDP2 drops the shard once it is in the all-gather buffer
+
+    def _freed(self, nbytes: int) -> None:
+        self.alive_bytes -= nbytes
+
+    def reset_peak(self) -> None:
+        self.peak_alive_bytes = self.alive_bytes
+
+
+DECODE_STATS = DecodeStats()
 
 
 @dataclasses.dataclass
@@ -120,6 +149,7 @@ class KeptWeight(torch.Tensor):
         shard = KeptWeight(self.holder, (padded_rows, *self.shape[1:]), self.dtype, self.device).values()
         if mp_policy.param_dtype is not None:
             shard = shard.to(mp_policy.param_dtype)
+        DECODE_STATS.track(shard)
         return (shard,), None
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
@@ -198,3 +228,44 @@ def keep_regions(model, sinks) -> list[KeptRegion]:
 def stored_kind(form: WireForm) -> str:
     """The format a region is stored in (fp8_block, fp4_block, mxfp4), for memory reports."""
     return next(piece.codec.kind.value for chunk in form.chunks for piece in chunk.pieces if piece.codec is not None)
+
+
+def largest_unit_decode_bytes(model: nn.Module) -> int:
+    """The most bytes one FSDP2 unit's kept weights decode to for an all-gather (their padded shards, in the
+    dtype they are gathered in): what ``keep`` adds, at most, to a step's peak, since the units gather one at a
+    time and each drops its decoded shards once they are in the all-gather buffer."""
+    largest = 0
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            largest = max(largest, sum(_padded_shard_bytes(param) for param in _unit_parameters(unit)))
+    return largest
+
+
+def _unit_parameters(unit: nn.Module):
+    """The parameters ``unit`` gathers itself: its own and its submodules', short of nested units."""
+    stack = [unit]
+    while stack:
+        module = stack.pop()
+        yield from module.parameters(recurse=False)
+        stack += [child for child in module.children() if not isinstance(child, FSDPModule)]
+
+
+def _padded_shard_bytes(param) -> int:
+    local = param.to_local() if hasattr(param, "to_local") else param
+    if not isinstance(local, KeptWeight):
+        return 0
+    rows = math.ceil(param.shape[0] / param.device_mesh.size())
+    return rows * math.prod(param.shape[1:]) * param.dtype.itemsize
+
+
+def kept_weight_log(report) -> dict:
+    """The step log's figures of a ``keep`` run (MiB): what this rank holds of the quantized weights, as stored
+    and as values, and the most decoded shards alive at once since the previous log (then reset)."""
+    if report is None or not report.frozen_values_bytes or report.quantized_base != "keep":
+        return {}
+    mib = 2**20
+    fields = {"frozen_stored(MiB)": round(sum(report.frozen_stored_bytes.values()) / mib, 3),
+              "frozen_as_values(MiB)": round(sum(report.frozen_values_bytes.values()) / mib, 3),
+              "frozen_decoded_peak(MiB)": round(DECODE_STATS.peak_alive_bytes / mib, 3)}
+    DECODE_STATS.reset_peak()
+    return fields
