@@ -49,6 +49,12 @@ def test_keep_is_a_strategy_option_that_needs_the_streamed_init():
         StrategyConfig(quantized_base="keep", memory_efficient_init=True, stream_checkpoint=False)
     with pytest.raises(StrategyConfigError, match="quantized_base='nf4'.*dequantize"):
         StrategyConfig(quantized_base="nf4", memory_efficient_init=True)
+    # One field: the recipe key, the twinkle-sft flag and the swift plugin's TWINKLE_QUANTIZED_BASE come from it.
+    from twinkle_strategy.integrations.swift import plugin
+    from twinkle_strategy.train import cli
+
+    assert "quantized_base" in plugin.option_names()
+    assert "--quantized_base" in cli.build_parser().format_help()
 
 
 def check_case(name: str, case: dict, rank: int) -> None:
