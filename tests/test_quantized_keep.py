@@ -133,6 +133,9 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     assert torch.equal(padded.values()[:20], want) and not padded.values()[20:].any()
     with pytest.raises(FrozenWeightError, match="'w' is a frozen weight.*quantized_base=dequantize"):
         kept.add_(1)
+    with pytest.raises(FrozenWeightError, match="'w' is a frozen weight"):
+        kept.copy_(want)
+    assert torch.equal(torch.empty(20, 32, dtype=torch.bfloat16).copy_(kept), want)  # reading it out is fine
 
 
 def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):

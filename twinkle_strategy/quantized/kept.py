@@ -175,8 +175,11 @@ class KeptWeight(torch.Tensor):
                 and args[0].holder.region is None:
             args[0].holder.region = args[1].holder.region
             return args[0]
-        if func.overloadpacket.__name__.endswith("_") or "out" in kwargs:  # in place, or into an out= tensor
-            name = first.holder.region.name if first.holder.region is not None else "a kept weight"
+        # In place (the first argument) or into an out= tensor: refused when that is a kept weight; reading one
+        # into another tensor (``plain.copy_(kept)``) is a read.
+        written = args[0] if func.overloadpacket.__name__.endswith("_") else kwargs.get("out")
+        if isinstance(written, KeptWeight):
+            name = written.holder.region.name if written.holder.region is not None else "a kept weight"
             raise FrozenWeightError(
                 f"'{name}' is a frozen weight kept as the release stores it (quantized_base=keep), so it cannot be "
                 f"changed ({func}); train adapters over it, or set quantized_base=dequantize to hold it in the "
