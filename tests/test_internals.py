@@ -602,6 +602,29 @@ def _default_store(tiny):
             dist.destroy_process_group()
 
 
+@checks("DTensor._local_tensor")
+def _dtensor_local_tensor(tiny):
+    """A swapped local tensor is what to_local gives and what FSDP2 gathers after its lazy init (which re-reads
+    each parameter's local tensor: quantized_base=keep swaps in a kept weight there)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        layer = torch.nn.Linear(4, 3, bias=False).requires_grad_(False)
+        fully_shard(layer, mesh=init_device_mesh("cpu", (1,)))
+        swapped = torch.full((3, 4), 2.0)
+        old = th.replace_local_tensor(layer.weight, swapped)
+        assert old.shape == (3, 4) and torch.equal(layer.weight.to_local(), swapped)
+        assert torch.equal(layer(torch.ones(1, 4)), torch.full((1, 3), 8.0))
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 # ------------------------------------------------------------------ a missing internal is named
 def test_a_missing_internal_is_named_with_the_installed_version(monkeypatch, tiny):
     import re

@@ -32,6 +32,13 @@ class InitTransport(str, enum.Enum):
     SCATTER = "scatter"  # one collective per round, shorter streams padded
 
 
+class QuantizedBase(str, enum.Enum):
+    """What a rank holds of a quantized release's frozen weights (``quantized_base``)."""
+
+    DEQUANTIZE = "dequantize"  # decoded on arrival into the model's dtype (a plain model)
+    KEEP = "keep"  # kept as stored (quantized bytes and scales), decoded just in time for each use
+
+
 # torch's names of devices and of the collective backends that go with them.
 DeviceType = Literal["cuda", "npu", "cpu"]
 Backend = Literal["nccl", "hccl", "gloo"]
@@ -42,6 +49,7 @@ MIXED_PRECISION = tuple(mode.value for mode in MixedPrecision)
 _MIXED_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "fp32": "no", "float32": "no",
                             "false": "no", "False": "no", "none": "no", "None": "no"}
 INIT_TRANSPORTS = tuple(kind.value for kind in InitTransport)
+QUANTIZED_BASES = tuple(kind.value for kind in QuantizedBase)
 DEVICE_TYPES = typing.get_args(DeviceType)
 BACKENDS = typing.get_args(Backend)
 DEFAULT_INIT_BUCKET_MB = 256.0
@@ -75,6 +83,10 @@ class StrategyConfig:
                                          "per round, shorter streams padded)")
     verify_init: bool = _option(False, "after memory_efficient_init, check a CRC32 of every received region "
                                        "against the source's")
+    quantized_base: str = _option("dequantize", "dequantize | keep: with memory_efficient_init from a quantized "
+                                                "release (FP8 blocks, DeepSeek-V4 FP4, MXFP4), keep the frozen "
+                                                "quantized weights as stored and dequantize them just in time "
+                                                "(LoRA over the release); dequantize holds them in the model dtype")
     timeout_s: float = _option(1800.0, "seconds any collective may wait for a peer before every rank fails "
                                        "with an error naming it")
     device_type: str | None = _option(None, "cuda | npu | cpu; detected when unset")
@@ -90,6 +102,12 @@ class StrategyConfig:
         _check(self, "mixed_precision", mixed in MIXED_PRECISION, f"use one of {MIXED_PRECISION}")
         _check(self, "init_bucket_mb", self.init_bucket_mb > 0, "use a positive size in MiB")
         _check(self, "init_transport", self.init_transport in INIT_TRANSPORTS, f"use one of {INIT_TRANSPORTS}")
+        _check(self, "quantized_base", self.quantized_base in QUANTIZED_BASES, f"use one of {QUANTIZED_BASES}")
+        # Only the streamed init sees the stored bytes; a model loaded whole is dequantized by transformers.
+        _check(self, "quantized_base", self.quantized_base == QuantizedBase.DEQUANTIZE
+               or (self.memory_efficient_init and self.stream_checkpoint),
+               "keep needs memory_efficient_init=true and stream_checkpoint=true (the release's bytes reach the "
+               "ranks only through the streamed init); set them, or use quantized_base=dequantize")
         _check(self, "timeout_s", self.timeout_s > 0, "use a positive number of seconds")
         _check(self, "device_type", self.device_type in (None, *DEVICE_TYPES), f"use one of {DEVICE_TYPES}")
         _check(self, "backend", self.backend in (None, *BACKENDS), f"use one of {BACKENDS}")

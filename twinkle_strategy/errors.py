@@ -50,6 +50,10 @@ class WeightsNotLoadedError(TwinkleError):
     """A placeholder tensor was used before ``wrap_model`` read its weights."""
 
 
+class FrozenWeightError(TwinkleError):
+    """Something tried to change a frozen weight kept as its quantized release stores it (quantized_base=keep)."""
+
+
 class InternalChangedError(TwinkleError):
     """A private part of transformers, accelerate or torch that twinkle_strategy relies on is gone from the
     installed version; names it, the version, what it is used for and the versions it was checked on

@@ -259,6 +259,7 @@ class NativeFSDPStrategy:
                 model, capture, ep_plan=self.ep_plan, node=NodeLink(self.topology, self.node_group, self.device),
                 bucket_bytes=self.init_bucket_bytes, transport_kind=self.config.init_transport,
                 verify=self.config.verify_init, show_progress=self.is_main_process,
+                quantized_base=self.config.quantized_base,
             )
         finally:
             if capture is not None:

@@ -101,3 +101,25 @@ DEFAULT_STORE = Internal(
 def default_store():
     """The key-value store of the default process group (torch raises if there is none)."""
     return DEFAULT_STORE.attribute(dist.distributed_c10d, "_get_default_store")()
+
+
+# ------------------------------------------------------------------ a sharded parameter's local tensor
+DTENSOR_LOCAL_TENSOR = Internal(
+    "DTensor._local_tensor", "torch",
+    used_for="hold a frozen weight of a quantized release as stored (quantized bytes and scales) in place of its "
+             "FSDP2 shard, keeping the parameter object FSDP2 manages (quantized_base=keep); FSDP2 re-reads it at "
+             "its lazy init and calls its fsdp_pre_all_gather before each all-gather",
+    checked=_CHECKED,
+    replacement="none to swap in place: DTensor.from_local makes a new parameter, which FSDP2 would not manage; "
+                "torchao's NF4/float8 weights are subclasses before fully_shard, which the meta init cannot be")
+
+
+@DTENSOR_LOCAL_TENSOR.wrapper
+def replace_local_tensor(param, local: torch.Tensor) -> torch.Tensor:
+    """Make ``local`` the local tensor of DTensor ``param`` (same shape and dtype); returns the one it replaced."""
+    old = DTENSOR_LOCAL_TENSOR.attribute(param, "_local_tensor")
+    if old.shape != local.shape or old.dtype != local.dtype:
+        raise AssertionError(f"replacing a {old.dtype} {tuple(old.shape)} local tensor with a {local.dtype} "
+                             f"{tuple(local.shape)} one")
+    param._local_tensor = local
+    return old

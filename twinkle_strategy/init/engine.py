@@ -17,7 +17,7 @@ import zlib
 import torch
 from torch import nn
 
-from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport
+from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport, QuantizedBase
 from twinkle_strategy.distributed.fail_together import raise_init_together
 from twinkle_strategy.distributed.liveness import StatusBoard
 from twinkle_strategy.distributed.node import NodeLink, gather_to_source, scatter_from_source
@@ -29,6 +29,7 @@ from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.formats import is_quantized_release
+from twinkle_strategy.quantized.kept import KeepingSink, keep_regions, stored_kind
 from twinkle_strategy.quantized.wire import DecodingSink
 from twinkle_strategy.shards.plan import Need, check_need, needs_of
 
@@ -60,6 +61,17 @@ class InitReport:
     # quantized release travel as stored (FP8 bytes and scales) and are dequantized by their receiver.
     bytes_sent_decoded: int = 0
     bytes_received_decoded: int = 0
+    # This rank's regions of a quantized release's weights, by stored format (fp8_block, fp4_block, mxfp4): the
+    # bytes as stored (what quantized_base=keep holds) and in the model's dtype (what dequantize holds).
+    quantized_base: str = "dequantize"
+    frozen_stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+    frozen_values_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    @property
+    def frozen_held_bytes(self) -> int:
+        """What this rank holds for those weights between steps."""
+        held = self.frozen_stored_bytes if self.quantized_base == QuantizedBase.KEEP else self.frozen_values_bytes
+        return sum(held.values())
 
     def log_line(self) -> str:
         mib = 1024 * 1024
@@ -73,7 +85,17 @@ class InitReport:
                 f"received {self.bytes_received / mib:.1f} MiB{_standing_for(self.bytes_received_decoded, self.bytes_received)}, "
                 f"sent {self.bytes_sent / mib:.1f} MiB{_standing_for(self.bytes_sent_decoded, self.bytes_sent)} "
                 f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
-                f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB")
+                f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB{self._frozen_clause()}")
+
+    def _frozen_clause(self) -> str:
+        if not self.frozen_values_bytes:
+            return ""
+        mib = 1024 * 1024
+        stored, values = sum(self.frozen_stored_bytes.values()), sum(self.frozen_values_bytes.values())
+        return (f"; quantized weights ({', '.join(sorted(self.frozen_stored_bytes))}) held "
+                f"{'as stored' if self.quantized_base == QuantizedBase.KEEP else 'dequantized'}: "
+                f"{self.frozen_held_bytes / mib:.1f} MiB ({stored / mib:.1f} MiB stored, {values / mib:.1f} MiB "
+                "in the model dtype)")
 
 
 def _standing_for(decoded: int, wire: int) -> str:
@@ -90,13 +112,18 @@ def distribute(
     transport_kind: InitTransport | str = InitTransport.P2P,
     verify: bool = False,
     show_progress: bool = False,
+    quantized_base: QuantizedBase | str = QuantizedBase.DEQUANTIZE,
 ) -> InitReport:
     """Fill every rank's shards (materialised, uninitialised) from its node source's capture. Collective.
 
     Any failure - a tensor the source cannot serve, a checksum mismatch, a peer
     that died or hung - ends as a :class:`DistributedInitError` on every rank,
     naming the rank(s) at fault.
+
+    ``quantized_base=keep``: regions of a quantized release that travel as stored are kept so
+    (:mod:`twinkle_strategy.quantized.kept`); a trainable one is refused on every rank before any byte moves.
     """
+    keep = QuantizedBase(quantized_base) == QuantizedBase.KEEP
     topology = node.topology
     board = StatusBoard("init")
     start = time.perf_counter()
@@ -117,18 +144,26 @@ def distribute(
             capture.expect(all_needs, ep_plan)
         forms, my_forms = _wire_forms(all_needs, capture, ep_plan=ep_plan, node=node, bucket_bytes=bucket_bytes,
                                       stats=stats) if is_quantized_release(model) else _as_values(all_needs, mine)
+        if keep and is_quantized_release(model):
+            raise_init_together(_trainable_kept(model, mine, my_forms), "memory_efficient_init")
+            stats.collective_calls += 1
         t = finish(phase, start)
         phase = "transfer"
-        sinks = [local if form is None else DecodingSink(local, form, model.config)
-                 for (_, local), form in zip(mine, my_forms, strict=False)]
+        sinks = [_sink(need, local, form, model.config, keep=keep) for (need, local), form in
+                 zip(mine, my_forms, strict=False)]
         outcome = _transfer(mine, sinks, all_needs, forms=forms, capture=capture, ep_plan=ep_plan, node=node,
                             bucket_bytes=bucket_bytes, transport_kind=transport_kind, stats=stats,
                             show_progress=show_progress)
         t = finish(phase, t)
         phase = "agree"
+        held = [local for _, local in mine]
+        if keep and outcome.error is None and not outcome.aborted:
+            keep_regions(model, sinks)
+            held = [model.get_parameter(sink.name).to_local() if isinstance(sink, KeepingSink) else local
+                    for sink, local in zip(sinks, held, strict=False)]
         mismatch = None
         if verify and not outcome.aborted:  # an aborted node's shards are incomplete: nothing to verify
-            mismatch = _verify(mine, all_needs, capture, ep_plan=ep_plan, node=node,
+            mismatch = _verify(held, all_needs, capture, ep_plan=ep_plan, node=node,
                                compare=outcome.error is None)
         # Nobody leaves the init until everyone has its shards (and, with verify, they check out);
         # a source whose reading failed reports it here, to every rank.
@@ -151,7 +186,40 @@ def distribute(
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
         phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
+        **_frozen_bytes(mine, my_forms), quantized_base=QuantizedBase(quantized_base).value,
     )
+
+
+def _sink(need: Need, local, form, config, *, keep: bool):
+    """Where a region's stream bytes go: its shard (values), a decoder into it, or (keep) kept as stored."""
+    if form is None:
+        return local
+    if keep and need.rows is not None and not need.is_buffer:  # an FSDP2 shard, whose local tensor can be swapped
+        return KeepingSink(need.name, local, form, config)
+    return DecodingSink(local, form, config)
+
+
+def _trainable_kept(model: nn.Module, mine, my_forms) -> str | None:
+    """Why ``keep`` cannot serve this rank's regions: a quantized weight that training would change."""
+    trainable = {name for name, param in model.named_parameters() if param.requires_grad}
+    for (need, _), form in zip(mine, my_forms, strict=False):
+        if form is not None and need.name in trainable:
+            return (f"quantized_base=keep: '{need.name}' is stored quantized in the release and is trainable, but "
+                    "keep holds a frozen base; freeze it (train LoRA adapters over it) or set "
+                    "quantized_base=dequantize")
+    return None
+
+
+def _frozen_bytes(mine, my_forms) -> dict:
+    """This rank's regions of quantized weights, by stored format: bytes as stored and in the model's dtype."""
+    stored: dict[str, int] = {}
+    values: dict[str, int] = {}
+    for (need, _), form in zip(mine, my_forms, strict=False):
+        if form is not None:
+            kind = stored_kind(form)
+            stored[kind] = stored.get(kind, 0) + form.nbytes
+            values[kind] = values.get(kind, 0) + need.nbytes
+    return dict(frozen_stored_bytes=stored, frozen_values_bytes=values)
 
 
 def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> DistributedInitError:
@@ -232,7 +300,8 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallel
         # Every byte of the node's shards: read (or viewed) on the source, then sent or kept.
         progress = tqdm(total=sum(r.total for r in readers), unit="B", unit_scale=True,
                         desc="memory_efficient_init: reading and sending shards")
-    own = _copy_own_shards(mine, capture, ep_plan, chunk_bytes, progress) if is_source else iter(())
+    own = _copy_own_shards(mine, sinks, forms[0] if is_source else None, capture, ep_plan, chunk_bytes,
+                           progress) if is_source else iter(())
 
     def copy_own(budget: int) -> None:
         # The source copies its own shards while the receivers' buckets are on the wire.
@@ -258,9 +327,17 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallel
     return outcome
 
 
-def _copy_own_shards(mine, capture, ep_plan: ExpertParallelPlan | None, chunk_bytes, progress):
-    """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied."""
-    for need, local in mine:
+def _copy_own_shards(mine, sinks, forms, capture, ep_plan: ExpertParallelPlan | None, chunk_bytes, progress):
+    """Fill the source's own shards from what it holds or reads, a chunk at a time; yields bytes copied.
+    A region kept as stored (``keep``) gets the stored bytes, as a receiver would."""
+    for (need, local), sink, form in zip(mine, sinks, forms, strict=False):
+        if isinstance(sink, KeepingSink):
+            for chunk in capture.wire_chunks(need, form):
+                sink.write(as_bytes(chunk))
+                if progress is not None:
+                    progress.update(chunk.numel() * chunk.element_size())
+                yield chunk.numel() * chunk.element_size()
+            continue
         rows_done = 0
         for chunk in capture.region_chunks(need, ep_plan, chunk_bytes):
             # no_grad per copy, not around the loop: grad mode is per thread, and this generator is
@@ -283,14 +360,14 @@ def _checksum(chunks) -> int:
     return crc
 
 
-def _verify(mine, all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink,
+def _verify(mine: list[torch.Tensor], all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink,
             compare: bool = True) -> str | None:
-    """CRC32 of every region each rank holds, compared on its source with the bytes it holds or reads again.
+    """CRC32 of every region each rank holds (``mine``, its values: kept regions decode for it), compared on its source with the bytes it holds or reads again.
 
     Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
     """
     topology = node.topology
-    sums = [_checksum([local]) for _, local in mine]
+    sums = [_checksum([local]) for local in mine]
     gathered = gather_to_source(sums, topology.source_rank, node.group)
     if not topology.is_source or not compare:
         return None

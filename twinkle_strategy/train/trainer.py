@@ -35,6 +35,7 @@ from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, updat
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
+from twinkle_strategy.quantized.kept import kept_weight_log
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import StepSampler
@@ -386,6 +387,7 @@ class Trainer:
             "remaining_time": _format_seconds(speed * (state.max_steps - step)),
             "memory(GiB)": round(memory, 3),
             "train_speed(s/it)": round(speed, 6),
+            **kept_weight_log(self.strategy.init_report),  # quantized_base=keep: frozen bytes, decoded peak
             **fields["extra"],
         }
         state.log(step, entry)

@@ -1,0 +1,151 @@
+"""LoRA over a frozen base kept as the release stores it (``quantized_base: keep``), on 2 nodes x 2, ep=2, bf16.
+
+For FP8 blocks (DeepSeek-V3 with a ragged last block), DeepSeek-V4 FP4 experts and gpt-oss MXFP4, with
+adapters on attention and experts, three SGD steps with ``keep`` and with ``dequantize``. Tolerance: none.
+``keep`` decodes the same stored bytes with the same decoder into the same dtype as ``dequantize`` does on
+arrival, and FSDP2 gathers those values into the same unsharded weights, so every operation of the step
+sees the same inputs: logits, losses and gradients are equal bit for bit (a difference is a bug, not rounding).
+"""
+
+import pytest
+import torch
+from multinode import launch
+
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import StrategyConfigError
+from twinkle_strategy.testing.releases import (
+    save_tiny_deepseek_v4_release,
+    save_tiny_mxfp4_release,
+    save_tiny_quantized_checkpoint,
+)
+
+BLOCK = (16, 16)
+SIZES = dict(hidden_size=64, intermediate_size=32)  # DeepSeek's kv_a_proj_with_mqa: 20 rows, a ragged last block
+# What keep holds of the quantized weights, against the same regions in bf16 (the issue's goals).
+GOALS = {"fp8_block": 0.55, "fp4_block": 0.3, "mxfp4": 0.3}
+# What a kept weight stores (data and scale dtypes): FP8 with float32 scales; DeepSeek-V4's FP8 dense weights
+# with ue8m0 scales and its FP4 experts (two e2m1 per int8) with ue8m0 scales; MXFP4 blocks and exponents.
+FP8 = ["torch.float32", "torch.float8_e4m3fn"]
+V4_DENSE, V4_EXPERTS = ["torch.float8_e4m3fn", "torch.float8_e8m0fnu"], ["torch.float8_e8m0fnu", "torch.int8"]
+STORED_DTYPES = {"deepseek_fp8": lambda name: FP8,
+                 "deepseek_v4": lambda name: V4_EXPERTS if ".experts." in name else V4_DENSE,
+                 "gpt_oss_mxfp4": lambda name: ["torch.uint8"]}
+
+
+@pytest.fixture(scope="module")
+def releases(tmp_path_factory):
+    root = tmp_path_factory.mktemp("keep")
+    return {"deepseek_fp8": save_tiny_quantized_checkpoint("deepseek_v3", str(root / "deepseek_fp8"), BLOCK, **SIZES),
+            "deepseek_v4": save_tiny_deepseek_v4_release(str(root / "deepseek_v4"), BLOCK, **SIZES),
+            "gpt_oss_mxfp4": save_tiny_mxfp4_release(str(root / "gpt_oss_mxfp4"), **SIZES)}
+
+
+def test_keep_is_a_strategy_option_that_needs_the_streamed_init():
+    assert StrategyConfig().quantized_base == "dequantize"
+    assert StrategyConfig(quantized_base="keep", memory_efficient_init=True).quantized_base == "keep"
+    with pytest.raises(StrategyConfigError, match="quantized_base='keep'.*memory_efficient_init=true"):
+        StrategyConfig(quantized_base="keep")
+    with pytest.raises(StrategyConfigError, match="quantized_base='keep'.*stream_checkpoint"):
+        StrategyConfig(quantized_base="keep", memory_efficient_init=True, stream_checkpoint=False)
+    with pytest.raises(StrategyConfigError, match="quantized_base='nf4'.*dequantize"):
+        StrategyConfig(quantized_base="nf4", memory_efficient_init=True)
+    # One field: the recipe key, the twinkle-sft flag and the swift plugin's TWINKLE_QUANTIZED_BASE come from it.
+    from twinkle_strategy.integrations.swift import plugin
+    from twinkle_strategy.train import cli
+
+    assert "quantized_base" in plugin.option_names()
+    assert "--quantized_base" in cli.build_parser().format_help()
+
+
+def check_case(name: str, case: dict, rank: int) -> None:
+    where = (rank, name)
+    assert case["kept"] and case["ref_kept"] == [], where  # keep holds weights as stored, dequantize none
+    for param, dtypes in case["stored_dtypes"].items():
+        assert dtypes == STORED_DTYPES[name](param), (where, param, dtypes)
+    assert case["bytes_unchanged"], where
+    assert case["grad_count"] > 0 and case["grad_name_mismatch"] == [], where
+    assert case["logit_diff"] == 0.0 and case["grad_diff"] == 0.0, (where, case)
+    assert case["losses"] == case["ref_losses"], (where, case["losses"], case["ref_losses"])
+    assert case["losses"][-1] < case["losses"][0], where  # the adapters learn
+    for kind, stored in case["frozen_stored"].items():
+        assert stored <= GOALS[kind] * case["frozen_values"][kind], (where, kind, case["log_line"])
+    assert case["held"] == sum(case["frozen_stored"].values()) < case["ref_held"], where
+    # Decoded just in time: each step decodes every kept shard for the forward and again for the backward's input
+    # gradient (where the backward gathers the unit again: in the tiny DeepSeek-V4, about 2% of the kept bytes
+    # are gathered once a step), and at most one FSDP2 unit's decoded shards are alive at once.
+    assert 3 * case["kept_shards"] < case["decoded"] <= 2 * 3 * case["kept_shards"], (where, case)
+    assert case["ref_decoded"] == 0, where
+    assert 0 < case["decoded_peak"] <= case["largest_unit"] < case["kept_shards"], (where, case)
+
+
+def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
+    cases = [f"{name}={path}:{family}" for name, path, family in [
+        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save"),
+        ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4"),
+        ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss"),
+        ("refuse", releases["deepseek_fp8"], "refuse")]]
+    result = launch("quantized_keep.py", ["--cases", ",".join(cases), "--save-root", str(tmp_path / "saved")],
+                    tmp_path, nnodes=2, nproc_per_node=2, timeout=500)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, data in ranks.items():
+        for name in STORED_DTYPES:
+            check_case(name, data["cases"][name], rank)
+        fp8 = data["cases"]["deepseek_fp8"]
+        assert fp8["checkpointed_losses"] == fp8["losses"], (rank, fp8)
+        # Checkpoints: the adapter saved from keep is the one saved from dequantize, bit for bit; a keep run
+        # resumed from a checkpoint (adapter and optimizer) takes the next step as the run that went on.
+        assert rank != 0 or (fp8["adapter"] is not None and fp8["adapter"] == fp8["ref_adapter"]), rank
+        assert fp8["resume"]["resumed"] == fp8["resume"]["continued"], (rank, fp8["resume"])
+        assert fp8["resume"]["base_unchanged"], rank
+        kinds = {name: set(data["cases"][name]["frozen_stored"]) for name in STORED_DTYPES}
+        assert kinds == {"deepseek_fp8": {"fp8_block"}, "deepseek_v4": {"fp8_block", "fp4_block"},
+                         "gpt_oss_mxfp4": {"mxfp4"}}, (rank, kinds)
+        refused = data["cases"]["refuse"]
+        assert refused["error_type"] == "DistributedInitError", (rank, refused)
+        assert "quantized_base=keep" in refused["error"] and "is trainable" in refused["error"], refused["error"]
+        assert "quantized_base=dequantize" in refused["error"], refused["error"]
+
+
+def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
+    """One process: a kept region reads as its values (any op), a view shares it, FSDP2's padding protocol
+    hands the region over, and an in-place change is refused by name."""
+    from twinkle_strategy.dtypes import TensorSpec
+    from twinkle_strategy.errors import FrozenWeightError
+    from twinkle_strategy.quantized.formats import Codec, StoredAs, quantize_fp8_blocks
+    from twinkle_strategy.quantized.kept import KeptRegion, KeptWeight
+    from twinkle_strategy.quantized.wire import Piece, WireChunk, WireForm
+
+    torch.manual_seed(0)
+    data, scale = quantize_fp8_blocks(torch.randn(20, 32), BLOCK)
+    codec = Codec(StoredAs.FP8_BLOCK, (TensorSpec(tuple(data.shape), data.dtype),
+                                       TensorSpec(tuple(scale.shape), scale.dtype)), BLOCK, 0)
+    convert = lambda pieces, config, rows: {"w": pieces["w"][0][1]}  # noqa: E731
+    form = WireForm("w", torch.bfloat16, convert, (WireChunk((0, 20), (Piece("w", "w", (0, 20), codec),)),))
+    stored = torch.cat([data.view(torch.uint8).reshape(-1), scale.view(torch.uint8).reshape(-1)])
+    kept = KeptWeight.of(KeptRegion("w", form, stored, (20, 32), None))
+    want = codec.decode([data, scale]).to(torch.bfloat16)
+    assert torch.equal(kept.values(), want) and torch.equal(kept * 2, want * 2)
+    assert torch.equal(kept.detach().view(-1).values(), want.view(-1))
+    padded = kept.new_zeros((24, 32))
+    padded.narrow(0, 0, 20).copy_(kept)
+    assert torch.equal(padded.values()[:20], want) and not padded.values()[20:].any()
+    with pytest.raises(FrozenWeightError, match="'w' is a frozen weight.*quantized_base=dequantize"):
+        kept.add_(1)
+    with pytest.raises(FrozenWeightError, match="'w' is a frozen weight"):
+        kept.copy_(want)
+    assert torch.equal(torch.empty(20, 32, dtype=torch.bfloat16).copy_(kept), want)  # reading it out is fine
+
+
+def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
+    """2 nodes x 4, ep=4: three receivers per source, and FSDP2 shards that do not split evenly (the 20-row
+    projection over 8 ranks: 3 rows each, the last ranks padded or empty)."""
+    case = f"deepseek_fp8={releases['deepseek_fp8']}:deepseek_v3"
+    result = launch("quantized_keep.py", ["--cases", case, "--ep", "4", "--save-root", str(tmp_path / "saved")],
+                    tmp_path, nnodes=2, nproc_per_node=4, timeout=500)
+    assert result.ok(), result.describe()
+    ranks = result.rank_results()
+    assert sorted(ranks) == list(range(8))
+    for rank, data in ranks.items():
+        check_case("deepseek_fp8", data["cases"]["deepseek_fp8"], rank)
