@@ -37,7 +37,7 @@ def test_training_goes_on_while_the_files_are_written_and_they_equal_a_synchrono
         written = full["writes"]["checkpoint-2"]
         assert written, (rank, full["writes"])
         assert full["step_starts"]["3"] < min(t["durable"] for t in written.values()), (rank, full)
-        assert set(full["writes"]) == {"checkpoint-2", "checkpoint-4", "checkpoint-6"}, rank
+        assert "checkpoint-6" in full["writes"], rank  # the final save, written in the background and awaited
     files = compared[0]["full"]["files"]
     for name, comparison in files.items():
         assert comparison["different"] == [] and comparison["files"] == comparison["files_in_async"] > 5, (name, files)

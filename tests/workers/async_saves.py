@@ -153,6 +153,7 @@ def compare(args):
         bf16["files"] = same_files(f"{out}/bf16-False/checkpoint-{MAX_STEPS}", f"{out}/bf16-True/checkpoint-{MAX_STEPS}")
     result["bf16"] = bf16
     result["failing"] = failing_run(args, f"{out}/failing")
+    dist.barrier()  # rank 0 removed the staging directory before it raised
     result["failing"]["left"] = sorted(os.listdir(f"{out}/failing"))
     return result
 

@@ -168,9 +168,6 @@ class CheckpointManager:
             logger.info("%s is complete: written in the background in %.2fs", done.path, time.time() - done.started)
 
 
-def _nothing() -> None:
-    """The commit of ranks other than 0: rank 0 alone renames the directory."""
-
     def resume_path(self, requested: str | None, *, restarted: bool) -> str | None:
         """The checkpoint this run starts from, the same on every rank (rank 0 looks).
 
@@ -196,3 +193,7 @@ def _nothing() -> None:
         and ep_size); return its trainer state. ``expect``: what must match, e.g. the global batch."""
         return load_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
                                expect=expect)
+
+
+def _nothing() -> None:
+    """The commit of ranks other than 0: rank 0 alone renames the directory."""
