@@ -82,3 +82,41 @@ def test_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_with_the_sa
     for step, loss in expected.items():
         assert data["losses"][step] == pytest.approx(loss, abs=1e-5), (step, data["losses"], expected)
     assert (out / "checkpoint-6" / "trainer_state.json").is_file() and not list(out.glob("*.tmp"))
+
+
+def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrupted_losses(demo_model, tmp_path):
+    import os
+    import signal
+
+    from test_long_runs import rank_pids, read_log, run_cli_async, the_run_dir, wait_for
+
+    from twinkle_strategy.checkpoint.background import PAUSE_ENV
+
+    def cli(out, *extra):
+        return [str(REPO / "yaml" / "demo.yaml"), f"model.path={demo_model}", f"data.dataset={DATASET}",
+                f"train.output_dir={out}", "train.max_steps=6", "train.save_steps=2", "train.logging_steps=1",
+                "train.async_save=true", "strategy.timeout_s=60", *extra]
+
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    reference = run_cli_async(cli(tmp_path / "ref"), tmp_path)
+    os.environ[PAUSE_ENV] = f"checkpoint-4:{pause}"  # inherited by the run's workers (not the reference's)
+    try:
+        killed = run_cli_async(cli(tmp_path / "killed", "launch.max_restarts=1"), tmp_path)
+    finally:
+        del os.environ[PAUSE_ENV]
+    # Rank 1's writer is mid-file in checkpoint-4: kill rank 1, then let the restarted attempt's writers run.
+    wait_for(lambda: (pause / "paused.rank1").is_file(), killed, timeout=LIMIT)
+    run_dir = the_run_dir(tmp_path / "killed")
+    os.kill(rank_pids(run_dir, 4)[1], signal.SIGKILL)
+    (pause / "release").touch()
+    outputs = {name: proc.communicate(timeout=LIMIT)[0] for name, proc in (("reference", reference),
+                                                                            ("killed", killed))}
+    assert reference.returncode == 0, outputs["reference"][-5000:]
+    assert killed.returncode == 0, outputs["killed"][-5000:]
+    uninterrupted, restarted = read_log(the_run_dir(tmp_path / "ref")), read_log(run_dir)
+    assert sorted(restarted) == sorted(uninterrupted) == list(range(1, 7))
+    for step in range(1, 7):
+        assert abs(restarted[step]["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, restarted, uninterrupted)
+    assert (run_dir / "logs" / "rank1.log").read_text().count("rank 1 of 4 ") == 2  # it did restart
+    assert (run_dir / "checkpoint-6" / "trainer_state.json").is_file() and not list(run_dir.glob("*.tmp"))
