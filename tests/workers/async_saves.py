@@ -126,7 +126,7 @@ def failing_run(args, out):
     background.write_piece = disk_full
     try:
         make_trainer(args, out, async_save=True).train()
-        return {"error_type": None}
+        return {"error_type": None, **injected}
     except Exception as exc:  # noqa: BLE001 - the test reads it
         return {"error_type": type(exc).__name__, "error": str(exc), "raised_at": time.time(), **injected}
     finally:
