@@ -233,15 +233,11 @@ def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> 
                       train_dataset=SFTDataset.from_jsonl(DATASET, tokenizer, max_length=64),
                       data_collator=DataCollatorForSFT(tokenizer.pad_token_id))
     trainer.setup()
-    steps, blocked, writes = [], [], {}
+    steps, blocked = [], []
     original_step, original_save = trainer.training_step, trainer.save
 
     def timed_step(step):
         start, overlapping = time.perf_counter(), trainer.checkpoints.in_flight is not None
-        write = trainer.checkpoints.last_background_write
-        if write is not None and write.file_times:
-            writes[write.name] = (max(t.durable for t in write.file_times.values())
-                                  - min(t.first_write for t in write.file_times.values()))
         result = original_step(step)
         steps.append({"seconds": time.perf_counter() - start, "overlapping": overlapping})
         return result
@@ -255,11 +251,10 @@ def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> 
     rss_before = rss_bytes()
     reset_peak_rss()
     trainer.train()
-    write = trainer.checkpoints.last_background_write
-    if write is not None and write.file_times:
-        writes[write.name] = (max(t.durable for t in write.file_times.values())
-                              - min(t.first_write for t in write.file_times.values()))
-    return {"steps": steps[1:], "blocked": blocked, "writes": list(writes.values()),
+    # Each background write's span: its first byte to its last fsync.
+    writes = [max(t.durable for t in w.file_times.values()) - min(t.first_write for t in w.file_times.values())
+              for w in trainer.checkpoints.finished_writes if w.file_times]
+    return {"steps": steps[1:], "blocked": blocked, "writes": writes,
             "rss_growth": peak_rss_since_reset() - rss_before,
             "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())}
 

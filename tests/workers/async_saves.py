@@ -6,8 +6,8 @@ Scenarios:
   each checkpoint compared byte for byte; the asynchronous run's writer pauses in checkpoint-2 (the
   package's test seam) until step 3 has begun, and reports when it wrote each file; then a run whose
   background write fails with ENOSPC on rank 1.
-* ``killed``: an asynchronous run whose writers all pause mid-file in checkpoint-4, where every rank
-  SIGKILLs itself.
+* ``killed``: an asynchronous run whose writers all pause mid-file in checkpoint-4 (its final save), where
+  every rank SIGKILLs itself.
 * ``resume``: the killed run resumed from its output directory.
 """
 
@@ -31,10 +31,10 @@ from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.checkpoint import background  # noqa: E402
 
 RANK = int(os.environ.get("RANK", "0"))
-MAX_STEPS, SAVE_STEPS = 6, 2
+MAX_STEPS, SAVE_STEPS = 4, 2
 
 
-def make_trainer(args, output_dir, *, async_save, lora=False, dtype=torch.float32, resume=None):
+def make_trainer(args, output_dir, *, async_save, lora=False, dtype=torch.float32, resume=None, max_steps=MAX_STEPS):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
@@ -49,7 +49,7 @@ def make_trainer(args, output_dir, *, async_save, lora=False, dtype=torch.float3
         torch.manual_seed(0)
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
                                                  target_parameters=["mlp.experts.gate_up_proj"]))
-    train_args = TrainingArguments(output_dir=output_dir, add_version=False, max_steps=MAX_STEPS,
+    train_args = TrainingArguments(output_dir=output_dir, add_version=False, max_steps=max_steps,
                                    save_steps=SAVE_STEPS, per_device_train_batch_size=2, logging_steps=1,
                                    learning_rate=1e-3, resume_from_checkpoint=resume, async_save=async_save,
                                    max_shard_size="64KB")  # several files per checkpoint
@@ -87,15 +87,10 @@ def timed_async_run(args, out, pause_dir):
     os.makedirs(pause_dir, exist_ok=True)
     os.environ[background.PAUSE_ENV] = f"checkpoint-2:{pause_dir}"
     original = Trainer.training_step
-    step_starts, writes = {}, {}
-
-    def record(write):
-        if write is not None:
-            writes[write.name] = {name: vars(times) for name, times in write.file_times.items()}
+    step_starts = {}
 
     def timed_step(self, step):
         step_starts[step + 1] = time.time()
-        record(self.checkpoints.last_background_write)
         if step + 1 == 3 and RANK == 0:
             open(os.path.join(pause_dir, "release"), "w").close()
         return original(self, step)
@@ -104,10 +99,11 @@ def timed_async_run(args, out, pause_dir):
     try:
         trainer = make_trainer(args, out, async_save=True)
         history = trainer.train()
-        record(trainer.checkpoints.last_background_write)
     finally:
         Trainer.training_step = original
         del os.environ[background.PAUSE_ENV]
+    writes = {write.name: {name: vars(times) for name, times in write.file_times.items()}
+              for write in trainer.checkpoints.finished_writes}
     return {"losses": losses(history), "step_starts": step_starts, "writes": writes,
             "blocked_s": trainer.save_report.seconds, "background": trainer.save_report.background}
 
@@ -146,11 +142,13 @@ def compare(args):
                                    for s in range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS)}
     bf16 = {}
     for mode in (False, True):
-        history = make_trainer(args, f"{out}/bf16-{mode}", async_save=mode, lora=True, dtype=torch.bfloat16).train()
+        history = make_trainer(args, f"{out}/bf16-{mode}", async_save=mode, lora=True, dtype=torch.bfloat16,
+                               max_steps=SAVE_STEPS).train()
         bf16[f"losses_{mode}"] = losses(history)
     dist.barrier()
     if RANK == 0:
-        bf16["files"] = same_files(f"{out}/bf16-False/checkpoint-{MAX_STEPS}", f"{out}/bf16-True/checkpoint-{MAX_STEPS}")
+        bf16["files"] = same_files(f"{out}/bf16-False/checkpoint-{SAVE_STEPS}",
+                                   f"{out}/bf16-True/checkpoint-{SAVE_STEPS}")
     result["bf16"] = bf16
     result["failing"] = failing_run(args, f"{out}/failing")
     dist.barrier()  # rank 0 removed the staging directory before it raised

@@ -97,6 +97,7 @@ class BackgroundWrite:
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
             self.error = f"writing {path}: {type(exc).__name__}: {exc}"
         finally:
+            self.pieces = []  # the buffers belong to the staging pool: the next save reuses them
             self.finished.set()
 
     def _write_file(self, path: str, pieces: list[StagedPiece]) -> None:

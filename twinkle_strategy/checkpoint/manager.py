@@ -102,7 +102,9 @@ class CheckpointManager:
         self.max_file_bytes, self.chunk_bytes = max_file_bytes, chunk_bytes
         self.staging = HostStaging(pin_memory=pin_memory) if async_save else None
         self.in_flight: InFlightSave | None = None
-        self.last_background_write: BackgroundWrite | None = None  # of the last asynchronous save that finished
+        # The background writes of this run's finished asynchronous saves, oldest first (file names and times
+        # only: their buffers are back in the staging pool).
+        self.finished_writes: list[BackgroundWrite] = []
 
     def path(self, step: int) -> str:
         return checkpoint_path(self.folder, step)
@@ -163,7 +165,7 @@ class CheckpointManager:
 
     def _finished(self) -> None:
         done, self.in_flight = self.in_flight, None
-        self.last_background_write = done.write
+        self.finished_writes.append(done.write)
         if self.strategy.is_main_process:
             logger.info("%s is complete: written in the background in %.2fs", done.path, time.time() - done.started)
 
