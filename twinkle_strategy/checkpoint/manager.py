@@ -11,6 +11,7 @@ save killed midway is never resumed from and never counts towards the limit.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
@@ -134,6 +135,7 @@ class CheckpointManager:
                 rotate_checkpoints(self.folder, self.keep_latest)
             return report
         path, main = self.path(step), self.strategy.is_main_process
+        trainer_state = copy.deepcopy(trainer_state)  # as of this step: training goes on appending to its log
 
         def commit() -> None:  # rank 0, once every rank has written its share
             commit_checkpoint(path, trainer_state)
