@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy.checkpoint.durable import abandon_staging
-from twinkle_strategy.checkpoint.staging import StagedPiece
+from twinkle_strategy.checkpoint.staging import DeferredWrite, HostStaging, StagedPiece
 from twinkle_strategy.checkpoint.writer import write_at
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.distributed.messages import collective_device
@@ -70,9 +70,9 @@ class FileTimes:
 class BackgroundWrite:
     """One rank's share of one checkpoint, written from host memory by a thread of its own."""
 
-    def __init__(self, name: str, pieces: list[StagedPiece]) -> None:
+    def __init__(self, name: str, pieces: list[StagedPiece], deferred: list[DeferredWrite] = ()) -> None:
         self.name = name
-        self.pieces = pieces
+        self.pieces, self.deferred = pieces, list(deferred)
         self.error: str | None = None  # "<file>: <error>", as every rank will read it
         self.file_times: dict[str, FileTimes] = {}
         self.finished = threading.Event()
@@ -90,6 +90,9 @@ class BackgroundWrite:
     def _run(self) -> None:
         path = None
         try:
+            for deferred in self.deferred:
+                path = deferred.what
+                deferred.action()
             for path, pieces in groupby(self.pieces, key=lambda piece: piece.path):
                 self._write_file(path, list(pieces))
                 if self._cancelled.is_set():
@@ -97,7 +100,7 @@ class BackgroundWrite:
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
             self.error = f"writing {path}: {type(exc).__name__}: {exc}"
         finally:
-            self.pieces = []  # the buffers belong to the staging pool: the next save reuses them
+            self.pieces, self.deferred = [], []  # the buffers belong to the staging pool: the next save reuses them
             self.finished.set()
 
     def _write_file(self, path: str, pieces: list[StagedPiece]) -> None:
@@ -128,10 +131,10 @@ class InFlightSave:
     written its share, then rotates (runs in a thread of its own).
     """
 
-    def __init__(self, path: str, pieces: list[StagedPiece], *, commit: Callable[[], None]) -> None:
+    def __init__(self, path: str, staging: HostStaging, *, commit: Callable[[], None]) -> None:
         self.path = path
         self.name = os.path.basename(path)
-        self.write = BackgroundWrite(self.name, pieces)
+        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred)
         self.started = time.time()
         self._commit = commit
         self._commit_thread: threading.Thread | None = None

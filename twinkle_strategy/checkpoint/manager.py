@@ -141,7 +141,7 @@ class CheckpointManager:
             commit_checkpoint(path, trainer_state)
             rotate_checkpoints(self.folder, self.keep_latest)  # only now that the new one is durable
 
-        self.in_flight = InFlightSave(path, self.staging.pieces, commit=commit if main else _nothing)
+        self.in_flight = InFlightSave(path, self.staging, commit=commit if main else _nothing)
         report.seconds = time.perf_counter() - start
         return report
 

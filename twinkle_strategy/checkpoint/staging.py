@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Callable
 
 import torch
 
@@ -40,6 +41,14 @@ class StagedPiece:
     data: torch.Tensor  # uint8, on the host (pinned on GPUs and NPUs)
 
 
+@dataclasses.dataclass(frozen=True)
+class DeferredWrite:
+    """A file the background writer writes whole from host data the save already copied (not a piece)."""
+
+    what: str
+    action: Callable[[], None]
+
+
 class HostStaging:
     """This rank's staged pieces of one save, in buffers kept for the next save."""
 
@@ -47,10 +56,16 @@ class HostStaging:
         self.pin_memory = pin_memory
         self._buffers: list[torch.Tensor] = []
         self.pieces: list[StagedPiece] = []
+        self.deferred: list[DeferredWrite] = []
 
     def begin(self) -> None:
         """Start a new save (the previous one's pieces must have been written: their buffers are reused)."""
-        self.pieces = []
+        self.pieces, self.deferred = [], []
+
+    def defer(self, what: str, action: Callable[[], None]) -> None:
+        """Leave ``action`` (a whole file written from host data this save already owns, e.g. the adapter
+        gathered on rank 0) to the background writer; ``what`` names it in an error."""
+        self.deferred.append(DeferredWrite(what, action))
 
     def stage(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Copy ``data`` (uint8, any device) into the next buffer, to be written at ``offset`` of ``path``."""

@@ -159,7 +159,12 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         # The adapter is small: gathered on rank 0 and saved by PEFT, as plain PEFT loads it (all experts).
         state = strategy.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
         stats.bytes_received += sum(t.numel() * t.element_size() for t in state.values())
-        step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
+        if staging is not None:  # the gathered adapter is already a host copy of rank 0's own: PEFT writes it later
+            if rank == 0:
+                staging.defer(f"the adapter (PEFT save_pretrained into {tmp})",
+                              lambda state=state: model.save_pretrained(tmp, state_dict=state))
+        else:
+            step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
         del state
     else:
         save_model_files(tmp, model, ep_plan=ep_plan, stats=stats, step_done=step_done, max_file_bytes=max_file_bytes,
