@@ -23,6 +23,7 @@ older checkpoints are rotated away only after that rename is durable.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -178,22 +179,34 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     for part in parts:
         error = part.write(state_dir, chunk_bytes=chunk_bytes, stats=stats, open_writer=open_writer) or error
 
+    # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
+    scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+    rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                 "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    rng_file = os.path.join(state_dir, "rng", f"rank{rank}.pt")
+
     def small_files():
         if not peft:
             save_model_config(tmp, model)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), os.path.join(state_dir, "scheduler.pt"))
+        if scheduler_state is not None:
+            torch.save(scheduler_state, os.path.join(state_dir, "scheduler.pt"))
 
-    error = error or on_rank0(small_files)
-    try:
-        rng_file = os.path.join(state_dir, "rng", f"rank{rank}.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1}, rng_file)
+    def rng():
+        torch.save(rng_state, rng_file)
         fsync_path(rng_file)  # by its writer: on a shared filesystem another node's fsync may not cover it
-    except Exception as exc:  # noqa: BLE001 - reported on every rank
-        error = error or exc
+
+    if staging is not None:
+        if rank == 0:
+            staging.defer(f"config, tokenizer and scheduler.pt into {tmp}", small_files)
+        staging.defer(rng_file, rng)
+    else:
+        error = error or on_rank0(small_files)
+        try:
+            rng()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            error = error or exc
     step_done(error, "trainer state")
     if staging is None:
         step_done(on_rank0(lambda: commit_checkpoint(path, trainer_state)), "finalising")
