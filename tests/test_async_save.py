@@ -49,6 +49,14 @@ def test_a_bf16_lora_run_saves_the_same_bytes_asynchronously(compared):
     assert bf16["files"]["different"] == [] and bf16["files"]["files"] == bf16["files"]["files_in_async"] > 5, bf16
 
 
+def test_sigterm_waits_for_the_save_in_flight_then_saves_its_step(compared):
+    for rank, data in compared.items():
+        preempted = data["preempted"]
+        assert list(preempted["losses"]) == ["1", "2", "3"], (rank, preempted)  # stopped after step 3
+        assert preempted["finished"] == ["checkpoint-2", "checkpoint-3"], (rank, preempted)
+        assert [n for n in preempted["left"] if n.startswith("checkpoint")] == ["checkpoint-2", "checkpoint-3"]
+
+
 def test_a_failed_background_write_stops_every_rank_naming_it(compared):
     injected_at = compared[1]["failing"]["at"]
     for rank, data in compared.items():

@@ -129,6 +129,32 @@ def failing_run(args, out):
         background.write_piece = original
 
 
+def preempted_run(args, out):
+    """Every rank gets SIGTERM as step 3 begins, while checkpoint-2 is still being written in the background."""
+    from twinkle_strategy.train.trainer import Trainer
+
+    pause_dir = f"{out}-pause"
+    os.makedirs(pause_dir, exist_ok=True)
+    os.environ[background.PAUSE_ENV] = f"checkpoint-2:{pause_dir}"
+    original = Trainer.training_step
+
+    def step_with_sigterm(self, step):
+        if step + 1 == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # the trainer's handler only raises a flag
+            if RANK == 0:
+                open(os.path.join(pause_dir, "release"), "w").close()
+        return original(self, step)
+
+    Trainer.training_step = step_with_sigterm
+    try:
+        trainer = make_trainer(args, out, async_save=True)
+        history = trainer.train()
+    finally:
+        Trainer.training_step = original
+        del os.environ[background.PAUSE_ENV]
+    return {"losses": losses(history), "finished": [w.name for w in trainer.checkpoints.finished_writes]}
+
+
 def compare(args):
     out = args.output_dir
     result = {}
@@ -150,6 +176,9 @@ def compare(args):
         bf16["files"] = same_files(f"{out}/bf16-False/checkpoint-{SAVE_STEPS}",
                                    f"{out}/bf16-True/checkpoint-{SAVE_STEPS}")
     result["bf16"] = bf16
+    result["preempted"] = preempted_run(args, f"{out}/preempted")
+    dist.barrier()
+    result["preempted"]["left"] = sorted(os.listdir(f"{out}/preempted"))
     result["failing"] = failing_run(args, f"{out}/failing")
     dist.barrier()  # rank 0 removed the staging directory before it raised
     result["failing"]["left"] = sorted(os.listdir(f"{out}/failing"))
