@@ -36,7 +36,6 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from itertools import groupby
 
 import torch
 import torch.distributed as dist
@@ -93,8 +92,11 @@ class BackgroundWrite:
             for deferred in self.deferred:
                 path = deferred.what
                 deferred.action()
-            for path, pieces in groupby(self.pieces, key=lambda piece: piece.path):
-                self._write_file(path, list(pieces))
+            by_file: dict[str, list[StagedPiece]] = {}  # a file's pieces may be staged between another's
+            for piece in self.pieces:
+                by_file.setdefault(piece.path, []).append(piece)
+            for path, pieces in by_file.items():
+                self._write_file(path, pieces)
                 if self._cancelled.is_set():
                     return
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
@@ -127,8 +129,8 @@ def write_piece(fd: int, piece: StagedPiece) -> None:
 class InFlightSave:
     """An asynchronous save after staging: this rank's writer thread, then rank 0's commit (collective polls).
 
-    ``commit``: on rank 0, what makes the checkpoint durable under its final name once every rank has
-    written its share, then rotates (runs in a thread of its own).
+    ``commit``: what makes the checkpoint durable under its final name once every rank has written its
+    share, then rotates; rank 0 alone runs it, in a thread of its own.
     """
 
     def __init__(self, path: str, staging: HostStaging, *, commit: Callable[[], None]) -> None:

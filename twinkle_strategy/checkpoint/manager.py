@@ -134,14 +134,14 @@ class CheckpointManager:
             if self.strategy.is_main_process:
                 rotate_checkpoints(self.folder, self.keep_latest)
             return report
-        path, main = self.path(step), self.strategy.is_main_process
+        path = self.path(step)
         trainer_state = copy.deepcopy(trainer_state)  # as of this step: training goes on appending to its log
 
         def commit() -> None:  # rank 0, once every rank has written its share
             commit_checkpoint(path, trainer_state)
             rotate_checkpoints(self.folder, self.keep_latest)  # only now that the new one is durable
 
-        self.in_flight = InFlightSave(path, self.staging, commit=commit if main else _nothing)
+        self.in_flight = InFlightSave(path, self.staging, commit=commit)
         report.seconds = time.perf_counter() - start
         return report
 
@@ -171,7 +171,6 @@ class CheckpointManager:
         if self.strategy.is_main_process:
             logger.info("%s is complete: written in the background in %.2fs", done.path, time.time() - done.started)
 
-
     def resume_path(self, requested: str | None, *, restarted: bool) -> str | None:
         """The checkpoint this run starts from, the same on every rank (rank 0 looks).
 
@@ -197,7 +196,3 @@ class CheckpointManager:
         and ep_size); return its trainer state. ``expect``: what must match, e.g. the global batch."""
         return load_checkpoint(path, self.model, self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
                                expect=expect)
-
-
-def _nothing() -> None:
-    """The commit of ranks other than 0: rank 0 alone renames the directory."""
