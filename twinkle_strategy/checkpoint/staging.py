@@ -89,6 +89,11 @@ class HostStaging:
     def staged_bytes(self) -> int:
         return sum(piece.data.numel() for piece in self.pieces)
 
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory held for staging: after a save, exactly what that save staged (one snapshot)."""
+        return sum(buffer.numel() for buffer in self._buffers)
+
     def open_writer(self, directory: str, plan: FilePlan) -> StagingFileWriter:
         """A writer for :data:`~twinkle_strategy.checkpoint.writer.OpenWriter`: the save's rows land here."""
         return StagingFileWriter(directory, plan, self)
