@@ -99,13 +99,13 @@ def test_host_staging_reuses_one_snapshot_of_buffers():
 
     staging = HostStaging(pin_memory=False)
     rows = [torch.arange(12, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16)]
-    buffers = []
+    saves = []
     for _ in range(2):  # two saves of the same model
         staging.begin()
         for i, row in enumerate(rows):
             staging.stage("f", 8 * i, row.view(torch.uint8))
-        buffers.append([piece.data.data_ptr() for piece in staging.end()])
-    assert buffers[0] == buffers[1]  # the same host memory, reused
+        saves.append(list(staging.end()))
+    assert all(a.data is b.data for a, b in zip(*saves, strict=True))  # the same host buffers, reused
     rows[0].add_(1)  # training changes the parameters after the save staged them
     assert torch.equal(staging.pieces[0].data.view(torch.float32), torch.arange(12, dtype=torch.float32))
     staging.begin()
