@@ -80,7 +80,7 @@ def test_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_with_the_sa
     assert sorted(p.name for p in (out / "pause").iterdir()) == [f"paused.rank{r}" for r in range(4)]
     assert not (out / "checkpoint-4").exists()
     assert (out / "checkpoint-4.tmp" / INCOMPLETE_MARKER).is_file()  # what the kill interrupted
-    assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")
+    assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")  # kept (save_total_limit=1): 4 never completed
     resumed = launch("async_saves.py", ["--scenario", "resume", *args], tmp_path / "l2", timeout=LIMIT)
     assert resumed.ok(), resumed.describe()
     data = resumed.rank_results()[0]
@@ -90,6 +90,7 @@ def test_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_with_the_sa
     for step, loss in expected.items():
         assert data["losses"][step] == pytest.approx(loss, abs=1e-5), (step, data["losses"], expected)
     assert (out / "checkpoint-4" / "trainer_state.json").is_file() and not list(out.glob("*.tmp"))
+    assert not (out / "checkpoint-2").exists()  # rotated away once checkpoint-4 was durable
 
 
 def test_host_staging_reuses_one_snapshot_of_buffers():

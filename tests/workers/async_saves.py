@@ -34,7 +34,8 @@ RANK = int(os.environ.get("RANK", "0"))
 MAX_STEPS, SAVE_STEPS = 4, 2
 
 
-def make_trainer(args, output_dir, *, async_save, lora=False, dtype=torch.float32, resume=None, max_steps=MAX_STEPS):
+def make_trainer(args, output_dir, *, async_save, lora=False, dtype=torch.float32, resume=None, max_steps=MAX_STEPS,
+                 keep=None):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
@@ -52,7 +53,8 @@ def make_trainer(args, output_dir, *, async_save, lora=False, dtype=torch.float3
     train_args = TrainingArguments(output_dir=output_dir, add_version=False, max_steps=max_steps,
                                    save_steps=SAVE_STEPS, per_device_train_batch_size=2, logging_steps=1,
                                    learning_rate=1e-3, resume_from_checkpoint=resume, async_save=async_save,
-                                   max_shard_size="64KB")  # several files per checkpoint
+                                   max_shard_size="64KB",  # several files per checkpoint
+                                   save_total_limit=keep)
     return Trainer(model=model, strategy=strategy, args=train_args, train_dataset=dataset,
                    data_collator=DataCollatorForSFT(tokenizer.pad_token_id))
 
@@ -196,12 +198,13 @@ def killed(args):
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=kill_once_every_writer_is_mid_file, daemon=True).start()
-    make_trainer(args, args.output_dir, async_save=True).train()
+    # save_total_limit=1: checkpoint-2 may go only once checkpoint-4 is durable, which it never becomes here.
+    make_trainer(args, args.output_dir, async_save=True, keep=1).train()
     time.sleep(600)  # not reached: the thread above kills this process while checkpoint-4 is being written
 
 
 def resume(args):
-    trainer = make_trainer(args, args.output_dir, async_save=True, resume=args.output_dir)
+    trainer = make_trainer(args, args.output_dir, async_save=True, resume=args.output_dir, keep=1)
     history = trainer.train()
     return {"start_step": trainer.start_step, "losses": losses(history)}
 
