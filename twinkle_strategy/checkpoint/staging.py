@@ -54,7 +54,7 @@ class HostStaging:
 
     def __init__(self, *, pin_memory: bool) -> None:
         self.pin_memory = pin_memory
-        self._buffers: list[torch.Tensor] = []
+        self._pool: list[torch.Tensor] = []
         self.pieces: list[StagedPiece] = []
         self.deferred: list[DeferredWrite] = []
 
@@ -70,11 +70,11 @@ class HostStaging:
     def stage(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Copy ``data`` (uint8, any device) into the next buffer, to be written at ``offset`` of ``path``."""
         i, size = len(self.pieces), data.numel()
-        if i == len(self._buffers):
-            self._buffers.append(self._new_buffer(size))
-        elif self._buffers[i].numel() != size:  # another model or plan: this position's buffer is replaced
-            self._buffers[i] = self._new_buffer(size)
-        buffer = self._buffers[i]
+        if i == len(self._pool):
+            self._pool.append(self._new_buffer(size))
+        elif self._pool[i].numel() != size:  # another model or plan: this position's buffer is replaced
+            self._pool[i] = self._new_buffer(size)
+        buffer = self._pool[i]
         buffer.copy_(data, non_blocking=self.pin_memory and data.device.type != "cpu")
         self.pieces.append(StagedPiece(path, offset, buffer))
 
@@ -82,7 +82,7 @@ class HostStaging:
         """Wait for the device-to-host copies; the pieces of this save, in the order they were staged."""
         if self.pin_memory and torch.accelerator.is_available():
             torch.accelerator.synchronize()
-        del self._buffers[len(self.pieces):]  # no more than this save's snapshot stays allocated
+        del self._pool[len(self.pieces):]  # no more than this save's snapshot stays allocated
         return self.pieces
 
     @property
@@ -92,7 +92,7 @@ class HostStaging:
     @property
     def allocated_bytes(self) -> int:
         """Host memory held for staging: after a save, exactly what that save staged (one snapshot)."""
-        return sum(buffer.numel() for buffer in self._buffers)
+        return sum(buffer.numel() for buffer in self._pool)
 
     def open_writer(self, directory: str, plan: FilePlan) -> StagingFileWriter:
         """A writer for :data:`~twinkle_strategy.checkpoint.writer.OpenWriter`: the save's rows land here."""
