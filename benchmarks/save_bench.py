@@ -15,6 +15,11 @@ the hub layout (per-expert keys) and sharded with EP + FSDP2:
                 (each rank writes its shards to its own files), then
                 consolidate_safetensors_files_on_every_rank (each rank assembles some of the final files)
 
+With ``--training`` it measures checkpoints during training instead (``train.async_save``), synchronous
+against asynchronous saves of the same run, full-parameter and LoRA (see :func:`training_main`):
+
+    python benchmarks/save_bench.py --training --hidden 512 --layers 4    # the reported run
+
 Every method is then checked: rank 0 loads the written checkpoint with plain from_pretrained
 (missing or unexpected keys make it WRONG) and compares every tensor with the model gathered in
 memory, bit for bit; and the file's keys are compared with the source checkpoint's (hub layout).
@@ -195,6 +200,157 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------- --training: sync against async saves
+TRAINING_STEPS, TRAINING_SAVE_STEPS = 8, 2
+DATASET = os.path.join(ROOT, "examples", "data", "demo_sft.jsonl")
+
+
+def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> dict:
+    """One run of the demo recipe's trainer; per save, the seconds training was blocked, the background
+    write's span, and per step, its seconds and whether a background write was in flight."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoTokenizer
+
+    from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.distributed.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.train.trainer import Trainer, TrainingArguments
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, device_type="cpu",
+                                  timeout_s=600)
+    model = strategy.from_pretrained(model_path)
+    if lora:
+        torch.manual_seed(0)
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"],
+                                                 target_parameters=["mlp.experts.gate_up_proj",
+                                                                    "mlp.experts.down_proj"]))
+    args = TrainingArguments(output_dir=out, add_version=False, max_steps=TRAINING_STEPS,
+                             save_steps=TRAINING_SAVE_STEPS, per_device_train_batch_size=2, logging_steps=100,
+                             async_save=async_save, save_total_limit=2)
+    trainer = Trainer(model=model, strategy=strategy, args=args,
+                      train_dataset=SFTDataset.from_jsonl(DATASET, tokenizer, max_length=64),
+                      data_collator=DataCollatorForSFT(tokenizer.pad_token_id))
+    trainer.setup()
+    steps, blocked = [], []
+    original_step, original_save = trainer.training_step, trainer.save
+
+    def timed_step(step):
+        start, overlapping = time.perf_counter(), trainer.checkpoints.in_flight is not None
+        result = original_step(step)
+        steps.append({"seconds": time.perf_counter() - start, "overlapping": overlapping})
+        return result
+
+    def timed_save(global_step):
+        path = original_save(global_step)
+        blocked.append(trainer.save_report.seconds)
+        return path
+
+    trainer.training_step, trainer.save = timed_step, timed_save
+    rss_before = rss_bytes()
+    reset_peak_rss()
+    trainer.train()
+    # Each background write's span: its first byte to its last fsync.
+    writes = [max(t.durable for t in w.file_times.values()) - min(t.first_write for t in w.file_times.values())
+              for w in trainer.checkpoints.finished_writes if w.file_times]
+    return {"steps": steps[1:], "blocked": blocked, "writes": writes,
+            "rss_growth": peak_rss_since_reset() - rss_before,
+            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())}
+
+
+def training_worker(args) -> None:
+    import torch.distributed as dist
+
+    rank = int(os.environ["RANK"])
+    result = {}
+    for tuner in ("full", "lora"):
+        for mode in ("sync", "async"):
+            out = os.path.join(args.save_to, f"{tuner}-{mode}")
+            result[f"{tuner}-{mode}"] = training_run(args.model, out, lora=tuner == "lora", async_save=mode == "async")
+            dist.barrier()
+            if rank == 0:
+                shutil.rmtree(out, ignore_errors=True)
+    with open(os.path.join(args.results, f"training-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values) if values else float("nan")
+
+
+def training_table(ranks: list[dict]) -> tuple[str, list[dict]]:
+    """Per tuner: blocked and total seconds per save (slowest rank), peak RSS growth, step times."""
+    rows = []
+    for tuner in ("full", "lora"):
+        runs = {mode: [r[f"{tuner}-{mode}"] for r in ranks] for mode in ("sync", "async")}
+        blocked = {mode: _mean(max(values) for values in zip(*(r["blocked"] for r in rs), strict=True))
+                   for mode, rs in runs.items()}
+        # Async: the save costs training its blocked time; the files are durable after the background write.
+        total = {"sync": blocked["sync"],
+                 "async": blocked["async"] + _mean(max(v) for v in zip(*(r["writes"] for r in runs["async"]),
+                                                                         strict=False))}
+        rss = {mode: max(r["rss_growth"] for r in rs) / 2**20 for mode, rs in runs.items()}
+        steps = {mode: [s for r in rs for s in r["steps"]] for mode, rs in runs.items()}
+        rows.append({"tuner": tuner, "blocked_sync_s": blocked["sync"], "blocked_async_s": blocked["async"],
+                     "blocked_ratio": blocked["async"] / blocked["sync"], "total_sync_s": total["sync"],
+                     "total_async_s": total["async"], "rss_growth_sync_mb": rss["sync"],
+                     "rss_growth_async_mb": rss["async"],
+                     "step_s_sync": _mean(s["seconds"] for s in steps["sync"]),
+                     "step_s_async_overlapping": _mean(s["seconds"] for s in steps["async"] if s["overlapping"]),
+                     "step_s_async_other": _mean(s["seconds"] for s in steps["async"] if not s["overlapping"]),
+                     "shard_mb": ranks[0][f"{tuner}-sync"]["shard_bytes"] / 2**20})
+    lines = ["| tuner | blocked per save: sync s | async s | async / sync | total save: sync s | async s "
+             "| peak RSS growth: sync MiB | async MiB | step s: sync run | async, overlapping a write | async, other |",
+             "|" + "---|" * 11]
+    for r in rows:
+        lines.append(f"| {r['tuner']} | {r['blocked_sync_s']:.3f} | {r['blocked_async_s']:.3f} | "
+                     f"{r['blocked_ratio']:.2f} | {r['total_sync_s']:.3f} | {r['total_async_s']:.3f} | "
+                     f"{r['rss_growth_sync_mb']:.0f} | {r['rss_growth_async_mb']:.0f} | {r['step_s_sync']:.3f} | "
+                     f"{r['step_s_async_overlapping']:.3f} | {r['step_s_async_other']:.3f} |")
+    return "\n".join(lines), rows
+
+
+def training_main(args) -> None:
+    """Sync against async saves in training, one model, 2 simulated nodes x 2 ranks, ep=2."""
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+    from twinkle_strategy.train.launcher import run_simulated_nodes
+
+    work = tempfile.mkdtemp(prefix="save_bench_training-")
+    model = prepare_demo_model(os.path.join(work, "model"), DATASET, hidden_size=args.hidden,
+                               intermediate_size=args.hidden, num_layers=args.layers)
+    results = os.path.join(work, "results")
+    os.makedirs(results)
+    script = [os.path.abspath(__file__), "--worker", "training", "--model", model, "--save-to",
+              os.path.join(work, "runs"), "--results", results]
+    env = {"PYTHONPATH": ROOT + os.pathsep + HERE, "OMP_NUM_THREADS": "1", "TWINKLE_LOG_LEVEL": "WARNING",
+           "TRANSFORMERS_VERBOSITY": "error", "TOKENIZERS_PARALLELISM": "false"}
+    run = run_simulated_nodes(script, nnodes=2, nproc_per_node=2, timeout=args.timeout, env=env, log_dir=results)
+    ranks = []
+    for r in range(4):
+        path = os.path.join(results, f"training-rank{r}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                ranks.append(json.load(f))
+    if len(ranks) != 4:
+        raise SystemExit(f"the training benchmark failed (returncodes {run.returncodes}); logs in {results}")
+    table, rows = training_table(ranks)
+    command = "python benchmarks/save_bench.py " + " ".join(sys.argv[1:])
+    text = (f"Command: `{command.strip()}`\n\nModel: the demo's Qwen3-MoE at hidden {args.hidden}, "
+            f"{args.layers} layers, 8 experts (fp32, {rows[0]['shard_mb']:.0f} MiB of parameters per rank); "
+            f"2 simulated nodes x 2 ranks, ep=2, gloo on CPU, {os.cpu_count()} CPU cores; "
+            f"{TRAINING_STEPS} steps, a save every {TRAINING_SAVE_STEPS} (the first step is left out of the step "
+            f"times).\n\n{table}\n")
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "save_bench_training.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(args.out, "save_bench_training.json"), "w") as f:
+        json.dump({"command": command, "rows": rows, "ranks": ranks}, f, indent=1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-mb", type=float, default=200)
@@ -211,9 +367,16 @@ def main() -> None:
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--save-to", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
+    p.add_argument("--training", action="store_true", help="sync against async saves during training")
+    p.add_argument("--hidden", type=int, default=512, help="--training: the model's hidden size")
+    p.add_argument("--layers", type=int, default=4, help="--training: the model's layers")
     args = p.parse_args()
+    if args.worker == "training":
+        return training_worker(args)
     if args.worker:
         return worker_main(args)
+    if args.training:
+        return training_main(args)
     from init_bench import build_checkpoint
 
     from twinkle_strategy.train.launcher import run_simulated_nodes

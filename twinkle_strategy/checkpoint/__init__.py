@@ -11,6 +11,8 @@ sharded_io.py       each rank's rows of each tensor: written into the files, rea
 model_files.py      the model as a Hugging Face checkpoint, written in parallel
 optimizer_files.py  optimizer state and adapter weights by full tensor, for resuming on another layout
 durable.py          directories that exist under their final name only when complete (staged, fsynced, renamed)
+staging.py          asynchronous saves: what a save writes, copied into host buffers reused from save to save
+background.py       asynchronous saves: a thread writes the staged bytes; failures and the commit at step boundaries
 """
 
 from twinkle_strategy.checkpoint.manager import (  # noqa: F401

@@ -11,21 +11,26 @@ save killed midway is never resumed from and never counts towards the limit.
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
 import shutil
+import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from twinkle_strategy.checkpoint.background import BackgroundWrite, InFlightSave
 from twinkle_strategy.checkpoint.durable import is_incomplete
 from twinkle_strategy.checkpoint.model_files import DEFAULT_MAX_FILE_BYTES
+from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.training import (
     CHUNK_BYTES,
     STATE_FILE,
     CheckpointedStrategy,
     SaveReport,
+    commit_checkpoint,
     load_checkpoint,
     save_checkpoint,
 )
@@ -79,17 +84,28 @@ class CheckpointManager:
     ``interval``: save every that many steps (0: only when the trainer asks, e.g. at the end).
     ``save_optimizer=False`` writes the weights only (smaller, but a run cannot resume from it).
     ``save`` and ``resume_path`` are collective: every rank calls them.
+
+    ``async_save``: ``save`` returns once every rank has copied its share into host memory; a background
+    thread writes the files (:mod:`twinkle_strategy.checkpoint.background`). The caller then calls
+    :meth:`poll` at every step boundary (collective; it raises a failed background write on every rank)
+    and :meth:`wait` before it exits. One save is in flight at a time: the next waits for it.
     """
 
     def __init__(self, folder: str, *, model: nn.Module, strategy: CheckpointedStrategy, optimizer=None,
                  scheduler=None, tokenizer=None, interval: int = 0, keep_latest: int | None = None,
                  save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES) -> None:
+                 chunk_bytes: int = CHUNK_BYTES, async_save: bool = False, pin_memory: bool = False) -> None:
+        """``pin_memory``: stage asynchronous saves in pinned host memory (GPUs and NPUs)."""
         self.folder = folder
         self.model, self.strategy, self.optimizer, self.scheduler = model, strategy, optimizer, scheduler
         self.tokenizer = tokenizer
         self.interval, self.keep_latest, self.save_optimizer = interval, keep_latest, save_optimizer
         self.max_file_bytes, self.chunk_bytes = max_file_bytes, chunk_bytes
+        self.staging = HostStaging(pin_memory=pin_memory) if async_save else None
+        self.in_flight: InFlightSave | None = None
+        # The background writes of this run's finished asynchronous saves, oldest first (file names and times
+        # only: their buffers are back in the staging pool).
+        self.finished_writes: list[BackgroundWrite] = []
 
     def path(self, step: int) -> str:
         return checkpoint_path(self.folder, step)
@@ -102,14 +118,58 @@ class CheckpointManager:
         return self.interval > 0 and step % self.interval == 0
 
     def save(self, step: int, trainer_state: dict) -> SaveReport:
-        """Write ``checkpoint-{step}`` (atomically, every rank its share), then rotate; this rank's report."""
+        """Write ``checkpoint-{step}`` (atomically, every rank its share), then rotate; this rank's report.
+
+        Asynchronous: wait for the save in flight, stage this one and start writing it in the background;
+        the report's ``seconds`` is the time training was blocked (the wait included).
+        """
+        start = time.perf_counter()
+        if self.staging is not None:
+            self._wait_for_previous(step)
         report = save_checkpoint(self.path(step), self.model, self.strategy, optimizer=self.optimizer,
                                  scheduler=self.scheduler, trainer_state=trainer_state, tokenizer=self.tokenizer,
                                  save_optimizer=self.save_optimizer, max_file_bytes=self.max_file_bytes,
-                                 chunk_bytes=self.chunk_bytes)
-        if self.strategy.is_main_process:
-            rotate_checkpoints(self.folder, self.keep_latest)
+                                 chunk_bytes=self.chunk_bytes, staging=self.staging)
+        if self.staging is None:
+            if self.strategy.is_main_process:
+                rotate_checkpoints(self.folder, self.keep_latest)
+            return report
+        path = self.path(step)
+        trainer_state = copy.deepcopy(trainer_state)  # as of this step: training goes on appending to its log
+
+        def commit() -> None:  # rank 0, once every rank has written its share
+            commit_checkpoint(path, trainer_state)
+            rotate_checkpoints(self.folder, self.keep_latest)  # only now that the new one is durable
+
+        self.in_flight = InFlightSave(path, self.staging, commit=commit)
+        report.seconds = time.perf_counter() - start
         return report
+
+    def poll(self) -> None:
+        """Collective, at a step boundary: note a finished background save; raise a failed one on every rank."""
+        if self.in_flight is not None and self.in_flight.poll():
+            self._finished()
+
+    def wait(self) -> float:
+        """Collective: wait until the save in flight (if any) is durable; the seconds waited."""
+        if self.in_flight is None:
+            return 0.0
+        waited = self.in_flight.wait()
+        self._finished()
+        return waited
+
+    def _wait_for_previous(self, step: int) -> None:
+        previous = self.in_flight.name if self.in_flight is not None else None
+        waited = self.wait()
+        if previous is not None and self.strategy.is_main_process:
+            logger.info("waited %.2fs for %s to finish writing before saving %s", waited, previous,
+                        os.path.basename(self.path(step)))
+
+    def _finished(self) -> None:
+        done, self.in_flight = self.in_flight, None
+        self.finished_writes.append(done.write)
+        if self.strategy.is_main_process:
+            logger.info("%s is complete: written in the background in %.2fs", done.path, time.time() - done.started)
 
     def resume_path(self, requested: str | None, *, restarted: bool) -> str | None:
         """The checkpoint this run starts from, the same on every rank (rank 0 looks).

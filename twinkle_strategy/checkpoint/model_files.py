@@ -14,7 +14,7 @@ from torch import nn
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
 from twinkle_strategy.checkpoint.sharded_io import IOStats, read_regions, regions_of, write_regions
-from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.checkpoint.writer import FilePlan, OpenWriter, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
@@ -41,16 +41,18 @@ def create_model_files(directory: str, plan: FilePlan) -> None:
 
 
 def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, *, regions,
-                      ep_plan: ExpertParallelPlan | None, chunk_bytes: int, stats: IOStats) -> BaseException | None:
+                      ep_plan: ExpertParallelPlan | None, chunk_bytes: int, stats: IOStats,
+                      open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:
     """This rank's rows of every tensor, into the files :func:`create_model_files` made (collective)."""
-    writer = ParallelFileWriter(directory, plan)
+    writer = open_writer(directory, plan)
     error = write_regions(regions, layout, writer, ep_plan=ep_plan, chunk_bytes=chunk_bytes, stats=stats)
     finished = writer.finish()  # always: it closes the files
     return error or finished
 
 
 def save_model_files(directory: str, model: nn.Module, *, ep_plan: ExpertParallelPlan | None, stats: IOStats, step_done,
-                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = 32 * 2**20) -> None:
+                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = 32 * 2**20,
+                     open_writer: OpenWriter = ParallelFileWriter) -> None:
     """The whole collective save of ``model``'s weights into ``directory`` (which must exist).
 
     ``step_done(error, what)`` is the caller's fail-together check, called on every rank after each
@@ -66,7 +68,7 @@ def save_model_files(directory: str, model: nn.Module, *, ep_plan: ExpertParalle
             error = exc
     step_done(error, "model weights")
     step_done(write_model_files(directory, layout, plan, regions=regions, ep_plan=ep_plan, chunk_bytes=chunk_bytes,
-                                stats=stats),
+                                stats=stats, open_writer=open_writer),
               "model weights")
 
 

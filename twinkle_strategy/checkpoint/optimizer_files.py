@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
-from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.checkpoint.writer import FilePlan, OpenWriter, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import ResumeError
@@ -72,13 +72,14 @@ class OptimizerFiles:
         with open(os.path.join(directory, SCALARS_FILE), "w") as f:
             json.dump({"param_groups": groups, "scalars": self.scalars}, f, indent=1, default=str)
 
-    def write(self, directory: str, *, chunk_bytes: int, stats: IOStats) -> BaseException | None:
+    def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
+              open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:
         """This rank's rows of every state tensor (collective).
 
         Every region is written (its gathers are collective) even after an error here, so no peer is
         left waiting in a gather this rank skipped; the first error is returned.
         """
-        writer = ParallelFileWriter(directory, self.plan)
+        writer = open_writer(directory, self.plan)
         error = None
         for name, keys in sorted(self.tensor_keys.items()):
             for key in keys:
@@ -152,8 +153,9 @@ class TrainableFiles:
         ParallelFileWriter(directory, self.plan).create_files()
         write_index(directory, self.plan, prefix=TRAINABLE_PREFIX)
 
-    def write(self, directory: str, *, chunk_bytes: int, stats: IOStats) -> BaseException | None:
-        writer = ParallelFileWriter(directory, self.plan)
+    def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
+              open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:
+        writer = open_writer(directory, self.plan)
         error = write_regions(self.regions, SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
                               stats=stats)
         finished = writer.finish()  # always: it closes the files

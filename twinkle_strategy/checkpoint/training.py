@@ -23,6 +23,7 @@ older checkpoints are rotated away only after that rename is durable.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import logging
@@ -56,6 +57,8 @@ from twinkle_strategy.checkpoint.optimizer_files import (
     read_trainable_files,
 )
 from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.checkpoint.staging import HostStaging
+from twinkle_strategy.checkpoint.writer import ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import on_rank0, step_reporter
 from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import CheckpointSaveError, ResumeError
@@ -103,10 +106,13 @@ class SaveReport:
     rss_before_bytes: int
     peak_rss_bytes: int  # during the save
     gathered: list[str] = dataclasses.field(default_factory=list)
+    background: bool = False  # asynchronous: ``seconds`` is the time training waited; the rows are still being written
 
     def log_line(self) -> str:
         mib = 2**20
-        return (f"saved {self.path} in {self.seconds:.2f}s: rank {self.rank} wrote {self.bytes_written / mib:.1f} MiB "
+        done = "staged" if self.background else "saved"
+        wrote = "staged for its background writer" if self.background else "wrote"
+        return (f"{done} {self.path} in {self.seconds:.2f}s: rank {self.rank} {wrote} {self.bytes_written / mib:.1f} MiB "
                 f"of its {self.shard_bytes / mib:.1f} MiB shard, received {self.bytes_received / mib:.1f} MiB, "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB "
                 f"(+{(self.peak_rss_bytes - self.rss_before_bytes) / mib:.0f} MiB during the save)")
@@ -114,13 +120,19 @@ class SaveReport:
 
 def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
                     trainer_state: dict, tokenizer=None, save_optimizer: bool = True,
-                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES,
+                    staging: HostStaging | None = None) -> SaveReport:
     """Write ``path`` atomically (collective: every rank calls it); returns this rank's :class:`SaveReport`.
 
     Each step ends with a fail-together check instead of a plain barrier: if
     any rank cannot write (disk full, permissions), every rank raises the same
     error and the half-written ``.tmp`` directory is removed. A process killed
     mid-save leaves only ``.tmp``, which resume ignores.
+
+    With ``staging`` (an asynchronous save) every file is created and every small file written as above,
+    but the rows of the safetensors files are copied into ``staging`` instead of written, and nothing is
+    committed: the caller writes the staged pieces, then calls :func:`commit_checkpoint` on rank 0
+    (:mod:`twinkle_strategy.checkpoint.background`).
     """
     tmp = staging_path(path)
     state_dir = os.path.join(tmp, STATE_DIR)
@@ -130,6 +142,9 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     rss_before, start = rss_bytes(), time.perf_counter()
     stats = IOStats()
     ep_plan = strategy.ep_plan
+    open_writer = staging.open_writer if staging is not None else ParallelFileWriter
+    if staging is not None:
+        staging.begin()
 
     step_done = step_reporter(f"saving {step}", error_class=CheckpointSaveError,
                               advice="previous checkpoints are untouched",
@@ -145,11 +160,16 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         # The adapter is small: gathered on rank 0 and saved by PEFT, as plain PEFT loads it (all experts).
         state = strategy.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
         stats.bytes_received += sum(t.numel() * t.element_size() for t in state.values())
-        step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
+        if staging is not None:  # the gathered adapter is already a host copy of rank 0's own: PEFT writes it later
+            if rank == 0:
+                staging.defer(f"the adapter (PEFT save_pretrained into {tmp})",
+                              lambda state=state: model.save_pretrained(tmp, state_dict=state))
+        else:
+            step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
         del state
     else:
         save_model_files(tmp, model, ep_plan=ep_plan, stats=stats, step_done=step_done, max_file_bytes=max_file_bytes,
-                         chunk_bytes=chunk_bytes)
+                         chunk_bytes=chunk_bytes, open_writer=open_writer)
     # What resume needs, by full tensor so that any layout can read it back.
     parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if peft else []
     if optimizer is not None and save_optimizer:
@@ -157,41 +177,59 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     step_done(on_rank0(lambda: [part.create(state_dir) for part in parts]), "trainer state")
     error = None
     for part in parts:
-        error = part.write(state_dir, chunk_bytes=chunk_bytes, stats=stats) or error
+        error = part.write(state_dir, chunk_bytes=chunk_bytes, stats=stats, open_writer=open_writer) or error
+
+    # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
+    scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+    rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                 "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    rng_file = os.path.join(state_dir, "rng", f"rank{rank}.pt")
 
     def small_files():
         if not peft:
             save_model_config(tmp, model)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if scheduler is not None:
-            torch.save(scheduler.state_dict(), os.path.join(state_dir, "scheduler.pt"))
+        if scheduler_state is not None:
+            torch.save(scheduler_state, os.path.join(state_dir, "scheduler.pt"))
 
-    error = error or on_rank0(small_files)
-    try:
-        rng_file = os.path.join(state_dir, "rng", f"rank{rank}.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(),
-                    "world_size": dist.get_world_size() if dist.is_initialized() else 1}, rng_file)
+    def rng():
+        torch.save(rng_state, rng_file)
         fsync_path(rng_file)  # by its writer: on a shared filesystem another node's fsync may not cover it
-    except Exception as exc:  # noqa: BLE001 - reported on every rank
-        error = error or exc
+
+    if staging is not None:
+        if rank == 0:
+            staging.defer(f"config, tokenizer and scheduler.pt into {tmp}", small_files)
+        staging.defer(rng_file, rng)
+    else:
+        error = error or on_rank0(small_files)
+        try:
+            rng()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            error = error or exc
     step_done(error, "trainer state")
-
-    def commit():
-        with open(os.path.join(tmp, STATE_FILE), "w") as f:
-            json.dump(trainer_state, f, indent=2)
-        # The rename is the commit point: before it, resume never sees this checkpoint.
-        publish(tmp, path)
-
-    step_done(on_rank0(commit), "finalising")
+    if staging is None:
+        step_done(on_rank0(lambda: commit_checkpoint(path, trainer_state)), "finalising")
+    else:
+        staging.end()
     shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
                 for p in model.parameters())
     report = SaveReport(path=path, rank=rank, seconds=time.perf_counter() - start, bytes_written=stats.bytes_written,
                         bytes_received=stats.bytes_received, shard_bytes=shard, rss_before_bytes=rss_before,
-                        peak_rss_bytes=peak_rss_since_reset(), gathered=stats.gathered)
+                        peak_rss_bytes=peak_rss_since_reset(), gathered=stats.gathered,
+                        background=staging is not None)
     if rank == 0:
         logger.info(report.log_line())
     return report
+
+
+def commit_checkpoint(path: str, trainer_state: dict) -> None:
+    """Write ``trainer_state.json`` into the finished staging directory of ``path``, make it durable and give it
+    its final name (one process, once every rank has written its files)."""
+    with open(os.path.join(staging_path(path), STATE_FILE), "w") as f:
+        json.dump(trainer_state, f, indent=2)
+    # The rename is the commit point: before it, resume never sees this checkpoint.
+    publish(staging_path(path), path)
 
 
 def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,

@@ -26,6 +26,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Callable
 
 import torch
 
@@ -126,13 +127,14 @@ class ParallelFileWriter:
         expected = placed.shape if rows is None else (rows[1] - rows[0],) + placed.shape[1:]
         if tuple(tensor.shape) != tuple(expected):
             raise ValueError(f"'{key}' rows {rows}: expected shape {expected}, got {tuple(tensor.shape)}")
-        data = tensor.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy() if tensor.numel() else b""
         offset = placed.begin + (rows[0] * placed.row_bytes if rows else 0)
-        fd = self._fd(placed.file)
-        view, done = memoryview(data), 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-        self.bytes_written += len(view)
+        if tensor.numel():
+            self._put(placed.file, offset, tensor.detach().contiguous().reshape(-1).view(torch.uint8))
+        self.bytes_written += tensor.numel() * tensor.element_size()
+
+    def _put(self, name: str, offset: int, data: torch.Tensor) -> None:
+        """Store ``data`` (bytes, on any device) at ``offset`` of file ``name``: here, written at once."""
+        write_at(self._fd(name), data.cpu().numpy(), offset)
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
@@ -153,6 +155,18 @@ class ParallelFileWriter:
             os.close(fd)
         self._fds.clear()
         return error
+
+
+# Makes the writer a save puts its rows through: ParallelFileWriter itself, or one that stages them in host
+# memory for a background writer (twinkle_strategy.checkpoint.staging).
+OpenWriter = Callable[[str, FilePlan], ParallelFileWriter]
+
+
+def write_at(fd: int, data, offset: int) -> None:
+    """All of ``data`` (a buffer) at ``offset`` of the open file ``fd`` (``pwrite`` may write less per call)."""
+    view, done = memoryview(data), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def write_index(directory: str, plan: FilePlan, prefix: str = "model") -> None:

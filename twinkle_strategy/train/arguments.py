@@ -27,6 +27,9 @@ class TrainingArguments:
     save_steps: int = 0  # 0: save only at the end
     save_total_limit: int | None = None
     save_only_model: bool = False  # skip optimizer state (smaller, but not resumable exactly)
+    # Save in the background: training waits only while each rank copies its share to host memory (default off
+    # until it has run a release on a cluster).
+    async_save: bool = False
     max_shard_size: str = "5GB"  # largest safetensors file of a saved model, as save_pretrained's
     resume_from_checkpoint: str | None = None  # a checkpoint-* directory, or a run directory (latest is used)
     gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (EP dispatch replayed)

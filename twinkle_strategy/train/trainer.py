@@ -188,7 +188,8 @@ class Trainer:
             run_dir, model=self.model, strategy=self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
             tokenizer=self.processing_class, interval=args.save_steps, keep_latest=args.save_total_limit,
             save_optimizer=not args.save_only_model, max_file_bytes=file_size_bytes(args.max_shard_size),
-            chunk_bytes=self.strategy.init_bucket_bytes)
+            chunk_bytes=self.strategy.init_bucket_bytes, async_save=args.async_save,
+            pin_memory=self.strategy.device.type != "cpu")
 
     def _resume(self, state: TrainState, path: str, *, same_run: bool) -> None:
         saved = self.checkpoints.load(path, expect={"global_batch": state.global_batch,
@@ -340,6 +341,8 @@ class Trainer:
         for step in range(state.global_step, state.max_steps):
             result = self._guarded(f"step{step + 1}", self.training_step, step)
             state.global_step = step + 1
+            if self.checkpoints.in_flight is not None:  # a background save's failure stops every rank here
+                self._guarded(f"step{state.global_step}-background-save", self.checkpoints.poll)
             window.add(result)
             if progress is not None:
                 progress.update(1)
@@ -347,7 +350,9 @@ class Trainer:
             if state.global_step % args.logging_steps == 0 or last or state.global_step == 1 or result["preempted"]:
                 self._log(window, start_time)
             if result["preempted"] or last:  # preempted: every rank saw the same flag, so they save together
-                return self._guarded(f"save{state.global_step}", self.save, state.global_step)
+                path = self._guarded(f"save{state.global_step}", self.save, state.global_step)
+                self._guarded(f"save{state.global_step}-background", self.checkpoints.wait)  # async: exit once durable
+                return path
             if self.checkpoints.should_save(state.global_step):
                 self._guarded(f"save{state.global_step}", self.save, state.global_step)
         return None  # nothing left to train: resumed at max_steps

@@ -1,0 +1,154 @@
+"""Asynchronous saves (``train.async_save``) on 2 simulated nodes x 2 ranks, ep=2, against synchronous saves.
+
+The worker (tests/workers/async_saves.py) pauses the background writer with the package's one test seam
+(``TWINKLE_TEST_PAUSE_SAVE_WRITER``), so what happens while a file is half written is deterministic.
+"""
+
+import pytest
+from multinode import REPO, launch
+
+DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+LIMIT = 420  # seconds; a hang fails the test instead of blocking CI
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory):
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+
+    return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
+
+
+@pytest.fixture(scope="module")
+def compared(demo_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("async_compare")
+    result = launch("async_saves.py", ["--scenario", "compare", "--model", demo_model, "--dataset", DATASET,
+                                       "--output-dir", str(out / "runs")], out / "launch", timeout=LIMIT)
+    assert result.ok(), result.describe()
+    return result.rank_results()
+
+
+def test_training_goes_on_while_the_files_are_written_and_they_equal_a_synchronous_save(compared):
+    for rank, data in compared.items():
+        full = data["full"]
+        assert full["losses"] == data["sync_losses"], rank  # the save copies; it changes nothing in training
+        assert full["background"], rank
+        # The writer paused mid-file in checkpoint-2 until step 3 began: step 3 started before any of
+        # checkpoint-2's files was durable, as the writer's own timestamps say.
+        written = full["writes"]["checkpoint-2"]
+        assert written, (rank, full["writes"])
+        assert full["step_starts"]["3"] < min(t["durable"] for t in written.values()), (rank, full)
+        assert list(full["writes"]) == ["checkpoint-2", "checkpoint-4"], rank  # the final save too, awaited
+    files = compared[0]["full"]["files"]
+    for name, comparison in files.items():
+        assert comparison["different"] == [] and comparison["files"] == comparison["files_in_async"] > 5, (name, files)
+
+
+def test_a_bf16_lora_run_saves_the_same_bytes_asynchronously(compared):
+    bf16 = compared[0]["bf16"]
+    assert bf16["losses_True"] == bf16["losses_False"]
+    assert bf16["files"]["different"] == [] and bf16["files"]["files"] == bf16["files"]["files_in_async"] > 5, bf16
+
+
+def test_sigterm_waits_for_the_save_in_flight_then_saves_its_step(compared):
+    for rank, data in compared.items():
+        preempted = data["preempted"]
+        assert list(preempted["losses"]) == ["1", "2", "3"], (rank, preempted)  # stopped after step 3
+        assert preempted["finished"] == ["checkpoint-2", "checkpoint-3"], (rank, preempted)
+        assert [n for n in preempted["left"] if n.startswith("checkpoint")] == ["checkpoint-2", "checkpoint-3"]
+
+
+def test_a_failed_background_write_stops_every_rank_naming_it(compared):
+    injected_at = compared[1]["failing"]["at"]
+    for rank, data in compared.items():
+        failing = data["failing"]
+        assert failing["error_type"] == "CheckpointSaveError", (rank, failing)
+        assert "saving checkpoint-2 in the background" in failing["error"] and "rank(s) [1]" in failing["error"]
+        assert "checkpoint-2.tmp/" in failing["error"] and "No space left on device" in failing["error"], failing
+        assert failing["raised_at"] - injected_at < 10, (rank, failing)  # at the next step boundary, not a timeout
+        assert not any(name.startswith("checkpoint-2") for name in failing["left"]), failing["left"]
+
+
+def test_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_with_the_same_losses(demo_model, compared,
+                                                                                         tmp_path):
+    from twinkle_strategy.checkpoint import latest_checkpoint
+    from twinkle_strategy.checkpoint.durable import INCOMPLETE_MARKER
+
+    out = tmp_path / "out"
+    args = ["--model", demo_model, "--dataset", DATASET, "--output-dir", str(out)]
+    killed = launch("async_saves.py", ["--scenario", "killed", *args], tmp_path / "l1", timeout=LIMIT)
+    assert not killed.timed_out and all(rc not in (0, None) for rc in killed.returncodes), killed.describe()
+    assert sorted(p.name for p in (out / "pause").iterdir()) == [f"paused.rank{r}" for r in range(4)]
+    assert not (out / "checkpoint-4").exists()
+    assert (out / "checkpoint-4.tmp" / INCOMPLETE_MARKER).is_file()  # what the kill interrupted
+    assert latest_checkpoint(str(out)) == str(out / "checkpoint-2")  # kept (save_total_limit=1): 4 never completed
+    resumed = launch("async_saves.py", ["--scenario", "resume", *args], tmp_path / "l2", timeout=LIMIT)
+    assert resumed.ok(), resumed.describe()
+    data = resumed.rank_results()[0]
+    assert data["start_step"] == 2
+    expected = {step: loss for step, loss in compared[0]["sync_losses"].items() if int(step) > 2}
+    assert data["losses"].keys() >= expected.keys()
+    for step, loss in expected.items():
+        assert data["losses"][step] == pytest.approx(loss, abs=1e-5), (step, data["losses"], expected)
+    assert (out / "checkpoint-4" / "trainer_state.json").is_file() and not list(out.glob("*.tmp"))
+    assert not (out / "checkpoint-2").exists()  # rotated away once checkpoint-4 was durable
+
+
+def test_host_staging_reuses_one_snapshot_of_buffers():
+    import torch
+
+    from twinkle_strategy.checkpoint.staging import HostStaging
+
+    staging = HostStaging(pin_memory=False)
+    rows = [torch.arange(12, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16)]
+    saves = []
+    for _ in range(2):  # two saves of the same model
+        staging.begin()
+        for i, row in enumerate(rows):
+            staging.stage("f", 8 * i, row.view(torch.uint8))
+        saves.append(list(staging.end()))
+    assert all(a.data is b.data for a, b in zip(*saves, strict=True))  # the same host buffers, reused
+    rows[0].add_(1)  # training changes the parameters after the save staged them
+    assert torch.equal(staging.pieces[0].data.view(torch.float32), torch.arange(12, dtype=torch.float32))
+    staging.begin()
+    staging.stage("f", 0, rows[1].view(torch.uint8))
+    staging.end()
+    assert staging.staged_bytes == staging.allocated_bytes == 6  # no more than this save's snapshot stays
+
+
+def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrupted_losses(demo_model, tmp_path):
+    import os
+    import signal
+
+    from test_long_runs import rank_pids, read_log, run_cli_async, the_run_dir, wait_for
+
+    from twinkle_strategy.checkpoint.background import PAUSE_ENV
+
+    def cli(out, *extra):
+        return [str(REPO / "yaml" / "demo.yaml"), f"model.path={demo_model}", f"data.dataset={DATASET}",
+                f"train.output_dir={out}", "train.max_steps=4", "train.save_steps=2", "train.logging_steps=1",
+                "train.async_save=true", "strategy.timeout_s=60", *extra]
+
+    pause = tmp_path / "pause"
+    pause.mkdir()
+    reference = run_cli_async(cli(tmp_path / "ref"), tmp_path)
+    os.environ[PAUSE_ENV] = f"checkpoint-4:{pause}"  # inherited by the run's workers (not the reference's)
+    try:
+        killed = run_cli_async(cli(tmp_path / "killed", "launch.max_restarts=1"), tmp_path)
+    finally:
+        del os.environ[PAUSE_ENV]
+    # Rank 1's writer is mid-file in checkpoint-4 (the final save): kill rank 1, then let the restarted
+    # attempt's writers run.
+    wait_for(lambda: (pause / "paused.rank1").is_file(), killed, timeout=LIMIT)
+    run_dir = the_run_dir(tmp_path / "killed")
+    os.kill(rank_pids(run_dir, 4)[1], signal.SIGKILL)
+    (pause / "release").touch()
+    outputs = {name: proc.communicate(timeout=LIMIT)[0] for name, proc in (("reference", reference),
+                                                                            ("killed", killed))}
+    assert reference.returncode == 0, outputs["reference"][-5000:]
+    assert killed.returncode == 0, outputs["killed"][-5000:]
+    uninterrupted, restarted = read_log(the_run_dir(tmp_path / "ref")), read_log(run_dir)
+    assert sorted(restarted) == sorted(uninterrupted) == list(range(1, 5))
+    for step in range(1, 5):
+        assert abs(restarted[step]["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, restarted, uninterrupted)
+    assert (run_dir / "logs" / "rank1.log").read_text().count("rank 1 of 4 ") == 2  # it did restart
+    assert (run_dir / "checkpoint-4" / "trainer_state.json").is_file() and not list(run_dir.glob("*.tmp"))

@@ -1,0 +1,205 @@
+"""An asynchronous save in flight: a thread writes the staged bytes while training goes on.
+
+Once every rank has staged its share (:mod:`twinkle_strategy.checkpoint.staging`)
+into the checkpoint's staging directory, whose files, headers and small files
+already exist, each rank starts a :class:`BackgroundWrite`: a thread that
+writes its pieces into those files and fsyncs each. No collective runs in that
+thread (they would interleave with training's); instead, at every step
+boundary the training loop calls :meth:`InFlightSave.poll`, one small
+``all_reduce`` of three counters:
+
+* a rank whose thread failed (disk full, permissions) makes every rank stop its
+  thread and raise the same :class:`~twinkle_strategy.errors.CheckpointSaveError`,
+  naming that rank and file; the staging directory is removed;
+* once every rank has written its share, rank 0 commits in a thread of its own:
+  ``trainer_state.json``, fsync of the whole directory, the rename to its final
+  name (:mod:`twinkle_strategy.checkpoint.durable`), then rotation;
+* once rank 0 has committed, the save is over.
+
+A process killed at any point leaves at most the staging directory, which
+resume never takes for a checkpoint.
+
+Why not torch DCP's ``async_save``: its storage writers write DCP's own files
+(per-rank ``.distcp`` files, or ``HuggingFaceStorageWriter``'s per-rank shards
+that a consolidation then reads back whole); this package writes the final
+Hugging Face files in place, each rank its rows. What ``async_save`` adds on
+top, staging in pinned host memory and a background thread whose only
+collective happens at the end, is what this module and ``staging.py`` do for
+these files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from twinkle_strategy.checkpoint.durable import abandon_staging
+from twinkle_strategy.checkpoint.staging import DeferredWrite, HostStaging, StagedPiece
+from twinkle_strategy.checkpoint.writer import write_at
+from twinkle_strategy.distributed.fail_together import step_reporter
+from twinkle_strategy.distributed.messages import collective_device
+from twinkle_strategy.distributed.runtime import global_rank
+from twinkle_strategy.errors import CheckpointSaveError
+
+logger = logging.getLogger(__name__)
+
+# Test-only seam, read in one place (:func:`_pause_if_asked`): "<checkpoint name>:<directory>" makes the
+# writer of that checkpoint stop after the first piece of its first file, create
+# <directory>/paused.rank<R>, and go on only once <directory>/release exists (or after
+# PAUSE_LIMIT_S). Tests kill ranks at that point, or check that training went on meanwhile.
+PAUSE_ENV = "TWINKLE_TEST_PAUSE_SAVE_WRITER"
+PAUSE_LIMIT_S = 120.0
+
+
+@dataclasses.dataclass(frozen=True)
+class FileTimes:
+    """When the background writer wrote one file (``time.time()``): its first byte, and its fsync returned."""
+
+    first_write: float
+    durable: float
+
+
+class BackgroundWrite:
+    """One rank's share of one checkpoint, written from host memory by a thread of its own."""
+
+    def __init__(self, name: str, pieces: list[StagedPiece], deferred: list[DeferredWrite] = ()) -> None:
+        self.name = name
+        self.pieces, self.deferred = pieces, list(deferred)
+        self.error: str | None = None  # "<file>: <error>", as every rank will read it
+        self.file_times: dict[str, FileTimes] = {}
+        self.finished = threading.Event()
+        self._cancelled = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"twinkle-save-{name}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Stop after the piece being written (another rank failed: this save is abandoned)."""
+        self._cancelled.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        path = None
+        try:
+            for deferred in self.deferred:
+                path = deferred.what
+                deferred.action()
+            by_file: dict[str, list[StagedPiece]] = {}  # a file's pieces may be staged between another's
+            for piece in self.pieces:
+                by_file.setdefault(piece.path, []).append(piece)
+            for path, pieces in by_file.items():
+                self._write_file(path, pieces)
+                if self._cancelled.is_set():
+                    return
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
+            self.error = f"writing {path}: {type(exc).__name__}: {exc}"
+        finally:
+            self.pieces, self.deferred = [], []  # the buffers belong to the staging pool: the next save reuses them
+            self.finished.set()
+
+    def _write_file(self, path: str, pieces: list[StagedPiece]) -> None:
+        fd = os.open(path, os.O_WRONLY)
+        try:
+            first = time.time()
+            for i, piece in enumerate(pieces):
+                write_piece(fd, piece)
+                if i == 0 and not self.file_times:
+                    _pause_if_asked(self.name)
+                if self._cancelled.is_set():
+                    return
+            os.fsync(fd)  # by its writer: on a shared filesystem another node's fsync may not cover it
+            self.file_times[os.path.basename(path)] = FileTimes(first, time.time())
+        finally:
+            os.close(fd)
+
+
+def write_piece(fd: int, piece: StagedPiece) -> None:
+    """The one place the background writer writes bytes (tests inject disk-full errors here)."""
+    write_at(fd, piece.data.numpy(), piece.offset)
+
+
+class InFlightSave:
+    """An asynchronous save after staging: this rank's writer thread, then rank 0's commit (collective polls).
+
+    ``commit``: what makes the checkpoint durable under its final name once every rank has written its
+    share, then rotates; rank 0 alone runs it, in a thread of its own.
+    """
+
+    def __init__(self, path: str, staging: HostStaging, *, commit: Callable[[], None]) -> None:
+        self.path = path
+        self.name = os.path.basename(path)
+        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred)
+        self.started = time.time()
+        self._commit = commit
+        self._commit_thread: threading.Thread | None = None
+        self._commit_error: str | None = None
+        self._committed = threading.Event()
+        self.write.start()
+
+    def poll(self) -> bool:
+        """Collective, at a step boundary: True once the checkpoint is durable under its final name.
+
+        Raises :class:`CheckpointSaveError` on every rank if any rank's writer (or rank 0's commit) failed.
+        """
+        main = global_rank() == 0
+        failed = self.write.error is not None or (main and self._commit_error is not None)
+        counts = torch.tensor([not self.write.finished.is_set(), failed, main and not self._committed.is_set()],
+                              dtype=torch.int64, device=collective_device())
+        if dist.is_initialized():
+            dist.all_reduce(counts)
+        unwritten, failures, uncommitted = counts.tolist()
+        if failures:
+            self._fail()
+        if not unwritten and main and self._commit_thread is None:
+            self._commit_thread = threading.Thread(target=self._run_commit, name=f"twinkle-commit-{self.name}",
+                                                   daemon=True)
+            self._commit_thread.start()
+        return not unwritten and not uncommitted
+
+    def wait(self, *, poll_s: float = 0.05) -> float:
+        """Collective: poll until the checkpoint is durable; the seconds it took."""
+        start = time.perf_counter()
+        while not self.poll():
+            time.sleep(poll_s)
+        return time.perf_counter() - start
+
+    def _run_commit(self) -> None:
+        try:
+            self._commit()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
+            self._commit_error = f"committing {self.path}: {type(exc).__name__}: {exc}"
+        finally:
+            self._committed.set()
+
+    def _fail(self) -> None:
+        self.write.cancel()  # every rank stops writing before rank 0 removes the directory
+        if self._commit_thread is not None:
+            self._commit_thread.join()
+        error = self.write.error or self._commit_error
+        step_done = step_reporter(f"saving {self.name} in the background", error_class=CheckpointSaveError,
+                                  advice="previous checkpoints are untouched",
+                                  cleanup=lambda: abandon_staging(self.path))
+        step_done(error, "writing the staged files")
+        raise AssertionError("unreachable: a rank reported a failure")  # step_done raised on every rank
+
+
+def _pause_if_asked(name: str) -> None:
+    """The test seam of :data:`PAUSE_ENV` (see there); nothing at all when the variable is unset."""
+    spec = os.environ.get(PAUSE_ENV)
+    if not spec:
+        return
+    checkpoint, _, directory = spec.partition(":")
+    if checkpoint != name:
+        return
+    open(os.path.join(directory, f"paused.rank{global_rank()}"), "w").close()
+    deadline = time.monotonic() + PAUSE_LIMIT_S
+    while not os.path.exists(os.path.join(directory, "release")) and time.monotonic() < deadline:
+        time.sleep(0.01)

@@ -1,0 +1,116 @@
+"""Host copies of what a save writes: the only part of an asynchronous save that training waits for.
+
+An asynchronous save runs the synchronous save's own code (the same plan, the
+same conversions to the hub layout, the same gathers of tensors written whole)
+with a writer that, instead of writing each piece into its file, copies it into
+a host buffer and notes where it goes (:class:`StagingFileWriter`). The bytes
+are therefore those a synchronous save writes; a background thread
+(:mod:`twinkle_strategy.checkpoint.background`) writes them later.
+
+The buffers are reused from one save to the next: the i-th piece of every save
+of the same model has the same size, so it goes into the same buffer. Host
+memory for staging is one snapshot of this rank's own share, allocated at the
+first save; on GPUs and NPUs it is pinned so that the device-to-host copies
+run at full speed without a bounce buffer.
+
+Why not torch DCP's stager (``torch.distributed.checkpoint.staging.DefaultStager``):
+it keeps a pinned copy per *source tensor* of a state_dict, found again by
+that tensor's storage. What this package writes are pieces a save produces
+(per-expert slices of fused experts in the hub layout, tensors gathered whole
+on their owner), new tensors at every save, so that cache would never hit and
+each save would allocate a new snapshot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable
+
+import torch
+
+from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedPiece:
+    """Bytes waiting in host memory to be written at ``offset`` of the file ``path``."""
+
+    path: str
+    offset: int
+    data: torch.Tensor  # uint8, on the host (pinned on GPUs and NPUs)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeferredWrite:
+    """A file the background writer writes whole from host data the save already copied (not a piece)."""
+
+    what: str
+    action: Callable[[], None]
+
+
+class HostStaging:
+    """This rank's staged pieces of one save, in buffers kept for the next save."""
+
+    def __init__(self, *, pin_memory: bool) -> None:
+        self.pin_memory = pin_memory
+        self._pool: list[torch.Tensor] = []
+        self.pieces: list[StagedPiece] = []
+        self.deferred: list[DeferredWrite] = []
+
+    def begin(self) -> None:
+        """Start a new save (the previous one's pieces must have been written: their buffers are reused)."""
+        self.pieces, self.deferred = [], []
+
+    def defer(self, what: str, action: Callable[[], None]) -> None:
+        """Leave ``action`` (a whole file written from host data this save already owns, e.g. the adapter
+        gathered on rank 0) to the background writer; ``what`` names it in an error."""
+        self.deferred.append(DeferredWrite(what, action))
+
+    def stage(self, path: str, offset: int, data: torch.Tensor) -> None:
+        """Copy ``data`` (uint8, any device) into the next buffer, to be written at ``offset`` of ``path``."""
+        i, size = len(self.pieces), data.numel()
+        if i == len(self._pool):
+            self._pool.append(self._new_buffer(size))
+        elif self._pool[i].numel() != size:  # another model or plan: this position's buffer is replaced
+            self._pool[i] = self._new_buffer(size)
+        buffer = self._pool[i]
+        buffer.copy_(data, non_blocking=self.pin_memory and data.device.type != "cpu")
+        self.pieces.append(StagedPiece(path, offset, buffer))
+
+    def end(self) -> list[StagedPiece]:
+        """Wait for the device-to-host copies; the pieces of this save, in the order they were staged."""
+        if self.pin_memory and torch.accelerator.is_available():
+            torch.accelerator.synchronize()
+        del self._pool[len(self.pieces):]  # no more than this save's snapshot stays allocated
+        return self.pieces
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(piece.data.numel() for piece in self.pieces)
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Host memory held for staging: after a save, exactly what that save staged (one snapshot)."""
+        return sum(buffer.numel() for buffer in self._pool)
+
+    def open_writer(self, directory: str, plan: FilePlan) -> StagingFileWriter:
+        """A writer for :data:`~twinkle_strategy.checkpoint.writer.OpenWriter`: the save's rows land here."""
+        return StagingFileWriter(directory, plan, self)
+
+    def _new_buffer(self, size: int) -> torch.Tensor:
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+
+class StagingFileWriter(ParallelFileWriter):
+    """A :class:`ParallelFileWriter` whose rows go to host buffers, to be written by the background writer."""
+
+    def __init__(self, directory: str, plan: FilePlan, staging: HostStaging) -> None:
+        super().__init__(directory, plan)
+        self.staging = staging
+
+    def _put(self, name: str, offset: int, data: torch.Tensor) -> None:
+        self.staging.stage(os.path.join(self.directory, name), offset, data)
+
+    def finish(self) -> OSError | None:
+        return None  # nothing was opened: the background writer opens, writes and fsyncs the files
