@@ -1,0 +1,11 @@
+"""NativeFSDPStrategy inside ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``, ms-swift's).
+
+trainer.py    the mixin and :func:`with_strategy`: loading, wrapping, clipping, saving and resuming
+refusals.py   settings that would shard the model a second time, refused in one line
+"""
+
+from twinkle_strategy.integrations.transformers.refusals import (  # noqa: F401
+    refuse_conflicting_sharding,
+    refuse_transformers_expert_parallel,
+)
+from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin, with_strategy  # noqa: F401
