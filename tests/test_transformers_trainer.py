@@ -92,3 +92,16 @@ def test_accelerate_launch_with_deepspeed_or_fsdp_is_refused(tmp_path):
     with pytest.raises(ConflictingShardingError, match="ACCELERATE_USE_FSDP=true"):
         refuse_conflicting_sharding(environ={"ACCELERATE_USE_FSDP": "true"})
     refuse_conflicting_sharding(environ={"ACCELERATE_USE_DEEPSPEED": "false"})  # what `accelerate launch` sets
+
+
+def test_a_model_transformers_sharded_at_load_is_refused(tiny_model):
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_strategy.integrations.transformers import refuse_transformers_expert_parallel
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    refuse_transformers_expert_parallel(model)
+    # What from_pretrained(distributed_config=DistributedConfig(enable_expert_parallel=True)) marks its models with.
+    model._is_distributed_loading_by_transformers = True  # (behind the public is_distributed_loading_by_transformers)
+    with pytest.raises(ConflictingShardingError, match=r"distributed_config=.*NativeFSDPStrategy.from_pretrained"):
+        refuse_transformers_expert_parallel(model)

@@ -70,3 +70,13 @@ def test_trl_checkpoint_resumes_on_another_layout_with_the_same_losses(runs):
     # Saved at step 2 by 2 nodes x 2 ranks with ep_size=2; resumed by 1 node x 4 ranks with ep_size=4.
     for rank, result in runs["1x4"].items():
         _assert_steps(result, runs["2x2"][0], [3, 4], f"resumed 1x4 ep=4 rank {rank}")
+
+
+def test_trl_log_lines_add_throughput_and_expert_load(runs):
+    # HF's fields stay; the strategy adds tokens/s and the expert load over the global batch (no mfu on CPU:
+    # the device's peak is unknown). Every rank logs the same global load.
+    lines = [result["extra_fields"] for result in runs["2x2"].values()]
+    for line in lines[0]:
+        assert line["tokens_per_second"] > 0 and line["mfu"] is None
+        assert line["moe_load_imbalance"] >= 1.0  # max over experts of tokens / mean: 1.0 is perfectly even
+    assert all([f["moe_load_imbalance"] for f in rank] == [f["moe_load_imbalance"] for f in lines[0]] for rank in lines)

@@ -69,7 +69,8 @@ def main():
     trainer.train(resume_from_checkpoint=a.resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
     return {"steps": [h["step"] for h in logs], "losses": [h["loss"] for h in logs],
-            "grad_norms": [h["grad_norm"] for h in logs]}
+            "grad_norms": [h["grad_norm"] for h in logs],
+            "extra_fields": [{k: h.get(k) for k in ("tokens_per_second", "moe_load_imbalance", "mfu")} for h in logs]}
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """NativeFSDPStrategy inside ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``, ms-swift's).
 
-trainer.py    the mixin and :func:`with_strategy`: loading, wrapping, clipping, saving and resuming
-refusals.py   settings that would shard the model a second time, refused in one line
+trainer.py       the mixin and :func:`with_strategy`: loading, wrapping, clipping, saving and resuming
+step_metrics.py  tokens_per_second, moe_load_imbalance and mfu in HF's log lines
+refusals.py      settings that would shard the model a second time, refused in one line
 """
 
 from twinkle_strategy.integrations.transformers.refusals import (  # noqa: F401

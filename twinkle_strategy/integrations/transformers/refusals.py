@@ -59,10 +59,10 @@ def _refuse_in_training_arguments(args) -> None:
 
 
 def refuse_transformers_expert_parallel(model) -> None:
-    """Refuse a model that transformers sharded at load (``from_pretrained(distributed_config=...)``, ``tp_plan``)."""
-    if getattr(model, "is_distributed_loading_by_transformers", False) or getattr(model, "_tp_size", None):
+    """Refuse a model that transformers sharded at load (``from_pretrained(distributed_config=...)``)."""
+    if getattr(model, "is_distributed_loading_by_transformers", False):
         raise ConflictingShardingError(
-            "the model was sharded by transformers at load (from_pretrained(distributed_config=...) or tp_plan=...): "
+            "the model was sharded by transformers at load (from_pretrained(distributed_config=...)): "
             "load it with NativeFSDPStrategy.from_pretrained instead, which applies EP and FSDP2 itself")
 
 

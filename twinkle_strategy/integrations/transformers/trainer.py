@@ -21,6 +21,8 @@ What changes, and why:
   broadcast from rank 0. Settings that would shard again are refused in one line
   (:mod:`.refusals`). The data stays accelerate's: each rank its own part of every global batch.
 * Gradient norms and clipping span the expert and non-expert meshes.
+* Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
+  (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
   adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
   number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`).
@@ -46,6 +48,7 @@ from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
+from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
@@ -71,6 +74,17 @@ class StrategyTrainerMixin:
         replay_in_transformers_checkpointing(self.model)
         mark_accelerate_prepared(self.model)  # accelerate must neither wrap it in DDP nor shard it again
         self.model_wrapped = self.model
+        self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
+
+    # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
+    def training_step(self, model, inputs, *args, **kwargs):
+        self.step_metrics.observe(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log line, written on every rank: the counts are summed over ranks
+            logs = {**logs, **self.step_metrics.take()}
+        super().log(logs, *args, **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
         pass  # every rank's shards are on its device since wrap_model
