@@ -26,8 +26,10 @@ ms-swift 4.x; everything else (data, template, loss, logging, output layout) sta
 4. **Trainer** (``TrainerFactory.get_trainer_cls``): swift's trainer class, with EP-aware gradient
    clipping; full-parameter saves written by every rank in parallel into the checkpoint's
    safetensors files (``strategy.save_pretrained``: no gather, the source checkpoint's key layout),
-   adapters gathered (small) and written by process zero; plus per-rank optimizer state so
-   ``--resume_from_checkpoint`` continues exactly (same world size and ep_size).
+   adapters gathered (small) and written by process zero; plus ``trainer_state/`` (optimizer state and
+   trainable weights by full tensor, the library's layout-independent files), so that
+   ``--resume_from_checkpoint`` continues exactly, on any number of nodes, ranks and ep_size. The trainer
+   mixin is the shared one of :mod:`twinkle_strategy.integrations.transformers` plus swift's own layout.
 
 Options (the ``--fsdp`` JSON's ``"twinkle"`` object wins over the environment)::
 
@@ -66,6 +68,7 @@ from twinkle_strategy.compat.transformers_internals import (
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.errors import SwiftPluginError
+from twinkle_strategy.integrations.transformers import StrategyTrainerMixin
 
 _CANONICAL_NAME = "twinkle_strategy.integrations.swift.plugin"
 # swift imports this file by path, as `_swift_external_<hash>`, after putting its directory first on
@@ -396,16 +399,30 @@ def _prepare_model(orig, cls, args, model, *pargs, **kwargs):
 
 
 # ------------------------------------------------------------------ 4. trainer
-STATE_DIR = "twinkle_state"
+LEGACY_STATE_DIR = "twinkle_state"  # per-rank files of older versions, readable only at the same world size
 
 
-def _optimizer_to_local(state_dict: dict) -> dict:
-    """swift's resume state, per rank: DTensor states become their local shards (same layout to resume)."""
-    return {
-        "state": {i: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
-                  for i, s in state_dict["state"].items()},
-        "param_groups": state_dict["param_groups"],
-    }
+def _legacy_local_state(checkpoint: str, strategy) -> dict | None:
+    """An older checkpoint's ``twinkle_state/rank{R}.pt`` (same world size and ep_size only), or None."""
+    from twinkle_strategy.checkpoint import ResumeError
+
+    directory = os.path.join(checkpoint, LEGACY_STATE_DIR)
+    if not os.path.isdir(directory):
+        return None
+    path = os.path.join(directory, f"rank{strategy.rank}.pt")
+    if not os.path.isfile(path):
+        raise ResumeError(f"{checkpoint} has no {LEGACY_STATE_DIR}/rank{strategy.rank}.pt: it was saved with "
+                          "another world size by an older version; resume with the same number of processes")
+    local = torch.load(path, map_location="cpu", weights_only=False)
+    layout = {"world_size": strategy.world_size, "ep_size": strategy.ep_size}
+    if local["layout"] != layout:
+        raise ResumeError(f"{checkpoint} was saved with {local['layout']}, this run has {layout}; "
+                          "resume with the same parallel layout")
+    if strategy.is_main_process:
+        logger.warning("twinkle swift plugin: %s holds %s/ (an older version's per-rank state, same layout only); "
+                       "read once: the next save writes trainer_state/, which resumes on any layout",
+                       checkpoint, LEGACY_STATE_DIR)
+    return local
 
 
 def _optimizer_from_local(local: dict, optimizer) -> dict:
@@ -424,28 +441,22 @@ def _optimizer_from_local(local: dict, optimizer) -> dict:
     return {"state": state, "param_groups": local["param_groups"]}
 
 
-class TwinkleTrainerMixin:
-    """What swift's trainer needs for a model sharded by NativeFSDPStrategy (placed before swift's class)."""
+class TwinkleTrainerMixin(StrategyTrainerMixin):
+    """What swift's trainer needs beyond any transformers.Trainer: swift's save layout, its tuner's resume."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, strategy=get_strategy(), **kwargs)
 
     @property
     def twinkle_strategy(self):
-        return get_strategy()
+        return self.strategy
 
-    def _move_model_to_device(self, model, device):
-        pass  # every rank's shards are on its device since wrap_model
-
-    # -- gradient norm: expert gradients live on another mesh than the rest
     def _clip_grad_norm(self, model):
-        norm = self.twinkle_strategy.clip_grad_norm_(model, self.args.max_grad_norm)
+        norm = self.clip_grad_norm(model)
         if not torch.isfinite(norm):  # like swift: skip this update instead of applying inf/NaN gradients
             for p in model.parameters():
                 p.grad = None
         return norm
-
-    def _get_grad_norm(self, model, grad_norm=None):
-        if grad_norm is None:
-            grad_norm = self.twinkle_strategy.clip_grad_norm_(model, float("inf"))
-        return grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
 
     # -- saving: swift's own _save and layout; the weights without a gather
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -453,13 +464,13 @@ class TwinkleTrainerMixin:
         if self.args.tuner_type == "full":
             # Every rank writes its rows straight into the checkpoint's safetensors files (in the layout of
             # the checkpoint the run started from); process zero then lets swift write everything else.
-            self.twinkle_strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
+            self.strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
             if self.args.should_save:
                 trainer_save(self, output_dir, state_dict=None)
         else:
             # The adapter is small: gathered (all experts, as plain PEFT loads it) and written by process zero.
             keys = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            state = self.twinkle_strategy.full_state_dict(self.model, rank0_only=True, keys=keys)
+            state = self.strategy.full_state_dict(self.model, rank0_only=True, keys=keys)
             if self.args.should_save:
                 trainer_save(self, output_dir, state_dict=state)
             del state
@@ -471,63 +482,37 @@ class TwinkleTrainerMixin:
             return  # written by every rank in save_model, config included
         return super()._save_model(output_dir, state_dict)
 
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        strategy = self.twinkle_strategy
-        os.makedirs(os.path.join(output_dir, STATE_DIR), exist_ok=True)
-        local = {
-            "layout": {"world_size": strategy.world_size, "ep_size": strategy.ep_size},
-            "params": {n: local_tensor(p.detach()).clone() for n, p in self.model.named_parameters() if p.requires_grad},
-            "optimizer": _optimizer_to_local(self.optimizer.state_dict()),
-        }
-        torch.save(local, os.path.join(output_dir, STATE_DIR, f"rank{strategy.rank}.pt"))
-        if self.args.should_save and self.lr_scheduler is not None:
-            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, scheduler_file_name()))
-
-    def _twinkle_local_state(self, checkpoint: str) -> dict:
+    # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
         from twinkle_strategy.checkpoint import ResumeError
 
-        strategy = self.twinkle_strategy
-        path = os.path.join(checkpoint, STATE_DIR, f"rank{strategy.rank}.pt")
-        if not os.path.isfile(path):
-            if os.path.isdir(os.path.join(checkpoint, STATE_DIR)):
-                raise ResumeError(f"{checkpoint} has no {STATE_DIR}/rank{strategy.rank}.pt: it was saved with "
-                                  "another world size; resume with the same number of processes")
-            return None  # saved with --save_only_model, or not by this plugin
-        local = torch.load(path, map_location="cpu", weights_only=False)
-        layout = {"world_size": strategy.world_size, "ep_size": strategy.ep_size}
-        if local["layout"] != layout:
-            raise ResumeError(f"{checkpoint} was saved with {local['layout']}, this run has {layout}; "
-                              "resume with the same parallel layout")
-        return local
-
-    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        local = self._twinkle_local_state(resume_from_checkpoint)
-        if local is None:
-            if self.args.tuner_type == "full":
-                from twinkle_strategy.checkpoint import ResumeError
-
-                raise ResumeError(f"{resume_from_checkpoint} has no {STATE_DIR}/: it was saved with "
-                                  "--save_only_model or without the twinkle plugin; start a new run with --model "
-                                  f"{resume_from_checkpoint} instead of resuming")
-            # The adapter was loaded by swift's tuner before the model was sharded.
-            logger.warning("twinkle swift plugin: %s has no %s/: weights from the adapter, fresh optimizer state",
-                           resume_from_checkpoint, STATE_DIR)
-            return
-        params = dict((model or self.model).named_parameters())
-        with torch.no_grad():
-            for name, tensor in local["params"].items():
-                local_tensor(params[name]).copy_(tensor)
+        legacy = _legacy_local_state(resume_from_checkpoint, self.strategy)
+        if legacy is not None:
+            params = dict((model or self.model).named_parameters())
+            with torch.no_grad():
+                for name, tensor in legacy["params"].items():
+                    local_tensor(params[name]).copy_(tensor)
+        elif os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
+            self.load_trained_weights(resume_from_checkpoint, model)
+        elif self.args.tuner_type == "full":
+            raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was saved with "
+                              "--save_only_model or without the twinkle plugin; start a new run with --model "
+                              f"{resume_from_checkpoint} instead of resuming")
+        else:  # the adapter was loaded by swift's tuner before the model was sharded
+            logger.warning("twinkle swift plugin: %s has no trainer_state/: weights from the adapter, fresh "
+                           "optimizer state", resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or self.args.resume_only_model:
             return
-        local = self._twinkle_local_state(checkpoint)
-        if local is None:
-            return
-        self.optimizer.load_state_dict(_optimizer_from_local(local["optimizer"], self.optimizer))
-        scheduler = os.path.join(checkpoint, scheduler_file_name())
-        if os.path.isfile(scheduler):
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+        legacy = _legacy_local_state(checkpoint, self.strategy)
+        if legacy is not None:
+            self.optimizer.load_state_dict(_optimizer_from_local(legacy["optimizer"], self.optimizer))
+            scheduler = os.path.join(checkpoint, scheduler_file_name())
+            if os.path.isfile(scheduler):
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+        elif os.path.isdir(os.path.join(checkpoint, "trainer_state")):
+            self.load_trainer_state(checkpoint)
 
 
 _TRAINER_CLASSES: dict[type, type] = {}

@@ -91,6 +91,10 @@ class StrategyTrainerMixin:
 
     # -- gradient norm: expert gradients live on another mesh than the rest
     def _clip_grad_norm(self, model):
+        return self.clip_grad_norm(model)
+
+    def clip_grad_norm(self, model) -> torch.Tensor:
+        """Clip to ``max_grad_norm`` over every mesh; the norm before clipping."""
         return self.strategy.clip_grad_norm_(model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
@@ -118,11 +122,19 @@ class StrategyTrainerMixin:
         if not os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
             raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was not saved through "
                               "NativeFSDPStrategy (or with save_only_model); start a new run from its weights instead")
-        load_trained_weights(resume_from_checkpoint, model or self.model, self.strategy.ep_plan)
+        self.load_trained_weights(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        if checkpoint is None:
-            return
+        if checkpoint is not None:
+            self.load_trainer_state(checkpoint)
+
+    def load_trained_weights(self, checkpoint: str, model=None) -> None:
+        """The trained weights of ``checkpoint`` (an adapter run's trainable weights, else the model) into this
+        rank's shards."""
+        load_trained_weights(checkpoint, model or self.model, self.strategy.ep_plan)
+
+    def load_trainer_state(self, checkpoint: str) -> None:
+        """Optimizer, scheduler and (same world size) RNG state of ``checkpoint``'s ``trainer_state/``."""
         load_trainer_state(checkpoint, self.model, self.strategy.ep_plan, optimizer=self.optimizer,
                            scheduler=self.lr_scheduler)
 
