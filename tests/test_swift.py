@@ -475,20 +475,20 @@ def test_plugin_options_from_environment_and_fsdp_json():
 
 
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
-    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, _check_args
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, check_arguments
 
     args = types.SimpleNamespace(tuner_type="lora", lora_dropout=0.05, use_dora=False, lora_bias="none",
                                  target_parameters=["mlp.experts.gate_up_proj"])
     with pytest.raises(SwiftPluginError, match="--lora_dropout 0"):
-        _check_args(args)
+        check_arguments(args)
     args.lora_dropout = 0.0
-    _check_args(args)
+    check_arguments(args)
     args.tuner_type = "adalora"
     with pytest.raises(SwiftPluginError, match="--tuner_type adalora"):
-        _check_args(args)
+        check_arguments(args)
     args.tuner_type, args.sequence_parallel_size = "lora", 2
     with pytest.raises(SwiftPluginError, match="sequence_parallel_size"):
-        _check_args(args)
+        check_arguments(args)
 
 
 def test_plugin_module_imports_without_swift():
