@@ -11,6 +11,7 @@ from twinkle_strategy.distributed.runtime import apply_backend_env_defaults, bac
 from twinkle_strategy.errors import SwiftPluginError
 from twinkle_strategy.integrations.swift.parts.options import resolve_options
 from twinkle_strategy.integrations.swift.parts.state import STATE
+from twinkle_strategy.integrations.transformers.refusals import refuse_conflicting_sharding
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
 
@@ -79,6 +80,7 @@ def init_fsdp(_orig, self) -> None:
     STATE.args = self
     resolve_options(STATE.fsdp_options)  # option errors now, before any model is loaded
     check_arguments(self)
+    refuse_conflicting_sharding()  # `accelerate launch --use_deepspeed/--use_fsdp`: before any weight is read
     # Precision is FSDP2's MixedPrecisionPolicy (compute in bf16, reduce gradients in fp32), not accelerate's
     # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.
     STATE.swift_precision = "bf16" if self.bf16 else "no"
