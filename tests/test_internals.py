@@ -470,14 +470,15 @@ def _file_size(tiny):
 
 @checks(*(f"Trainer.{name}" for name in hf.TRAINER_HOOKS))
 def _trainer_hooks(tiny):
-    """The HF Trainer still has each hook the swift plugin's trainer overrides, with the same parameters."""
+    """The HF Trainer still has each hook the strategy's trainer mixin (HF, TRL, swift) overrides, with the same
+    parameters."""
     from transformers import Trainer
 
-    from twinkle_strategy.integrations.swift.plugin import TwinkleTrainerMixin
+    from twinkle_strategy.integrations.transformers import StrategyTrainerMixin
 
-    hf.check_trainer_overrides(TwinkleTrainerMixin)
+    hf.check_trainer_overrides(StrategyTrainerMixin)
     for name in hf.TRAINER_HOOKS:
-        ours = inspect.signature(vars(TwinkleTrainerMixin)[name]).parameters
+        ours = inspect.signature(vars(StrategyTrainerMixin)[name]).parameters
         theirs = inspect.signature(getattr(Trainer, name)).parameters
         assert list(ours) == list(theirs), (name, list(theirs))
 
@@ -650,14 +651,19 @@ def test_a_missing_internal_is_named_with_the_installed_version(monkeypatch, tin
         _store()  # liveness lets this one through (other failures to reach the store just mean "no store")
 
 
-def test_the_swift_trainer_overrides_only_registered_hooks():
-    """Each private method the swift plugin's trainer defines is ours, swift's, or a registered HF Trainer hook
-    (checked when the trainer class is built: an override of a renamed hook would silently never run)."""
+def test_the_strategy_trainers_override_only_registered_hooks():
+    """Each private method the strategy's trainer mixin (and swift's on top of it) defines is ours, swift's, or a
+    registered HF Trainer hook (checked when the trainer class is built: an override of a renamed hook would
+    silently never run)."""
     from twinkle_strategy.integrations.swift.plugin import TwinkleTrainerMixin
+    from twinkle_strategy.integrations.transformers import StrategyTrainerMixin
 
+    ours = {"_wrap_with_strategy"}
+    private = {n for n in vars(StrategyTrainerMixin) if n.startswith("_") and not n.startswith("__")}
+    assert private - ours == set(hf.TRAINER_HOOKS)
     swift_own = {"_save_model"}  # swift's trainer mixin, not transformers'
     private = {n for n in vars(TwinkleTrainerMixin) if n.startswith("_") and not n.startswith("__")}
-    assert private - swift_own - {n for n in private if n.startswith("_twinkle")} == set(hf.TRAINER_HOOKS)
+    assert private - swift_own <= set(hf.TRAINER_HOOKS)
     renamed = type("Renamed", (), {"_load_optimizer_and_scheduler_v2": None})
     hf.check_trainer_overrides(renamed)  # not one of ours: nothing to check
     hooks = dict(vars(TwinkleTrainerMixin))

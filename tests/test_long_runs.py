@@ -198,8 +198,8 @@ def test_transformers_checkpointing_replays_and_counts_tokens_once():
 
 
 def test_active_parameters_count_only_the_routed_experts_a_token_uses():
+    from twinkle_strategy.moe.flops import FlopsModel, throughput
     from twinkle_strategy.testing.tiny_models import build_tiny_model
-    from twinkle_strategy.train.throughput import FlopsModel, throughput
 
     model = build_tiny_model("qwen3_moe")
     config = model.config

@@ -175,8 +175,7 @@ def test_the_top_level_keeps_ten_modules():
 
 
 # Files whose imports of the package stay inside functions, and why.
-LATE_IMPORTS = {"integrations/swift/plugin.py": "left as it is until the plugin is rebuilt on a shared "
-                "transformers layer for the HF Trainer and TRL"}
+LATE_IMPORTS: dict[str, str] = {}
 
 
 def test_the_package_imports_its_own_modules_at_module_level():
@@ -239,7 +238,7 @@ def test_every_surface_accepts_exactly_the_strategy_options(monkeypatch):
     cli_options = {key.split(".", 1)[1] for key, _ in cli.SWIFT_FLAGS.values() if key.startswith("strategy.")}
     assert cli_options == names
     # swift plugin: every option except the one swift owns a flag for (--ddp_backend -> backend).
-    assert set(plugin.option_names()) | set(plugin._SWIFT_OWNED) == names
+    assert set(plugin.option_names()) | set(plugin.SWIFT_OWNED) == names
 
     for name in sorted(names):
         value = _example(name)

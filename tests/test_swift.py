@@ -192,7 +192,7 @@ def test_swift_sft_lora_trains_with_memory_efficient_init(lora_runs, tiny_model)
     # swift's own output layout
     checkpoint = run["run_dir"] / f"checkpoint-{MAX_STEPS}"
     for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json", "args.json",
-                 "twinkle_state/rank0.pt", "twinkle_state/rank1.pt"):
+                 "trainer_state/optimizer.json", "trainer_state/rng/rank0.pt", "trainer_state/rng/rank1.pt"):
         assert (checkpoint / name).is_file(), f"{checkpoint} has no {name}"
     assert (run["run_dir"] / "checkpoint-5" / "adapter_model.safetensors").is_file()
 
@@ -276,11 +276,17 @@ def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):
     assert version.startswith("0.2") and float(diff) <= 1e-4, line
 
 
-def test_swift_sft_two_nodes_node_local_sources(swift_bin, tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def two_node_run(swift_bin, tiny_model, tmp_path_factory) -> dict:
+    return run_swift_sft(swift_bin, tiny_model, tmp_path_factory.mktemp("swift_2x2"),
+                         ["--per_device_train_batch_size", "1", *LORA_ARGS],
+                         {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "true"}, nnodes=2)
+
+
+def test_swift_sft_two_nodes_node_local_sources(two_node_run, tiny_model):
     """2 simulated nodes x 2 ranks (one `swift sft` per node, NNODES/NODE_RANK as on a cluster): each node's
     local rank 0 reads the checkpoint and feeds only its own node; EP groups never span nodes."""
-    run = run_swift_sft(swift_bin, tiny_model, tmp_path, ["--per_device_train_batch_size", "1", *LORA_ARGS],
-                        {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "true"}, nnodes=2)
+    run = two_node_run
     assert "world_size=4, nodes=2" in run["log"]
     ranks = run["ranks"]
     assert [ranks[r]["loaded_checkpoint"] for r in range(4)] == [True, False, True, False]
@@ -292,9 +298,23 @@ def test_swift_sft_two_nodes_node_local_sources(swift_bin, tiny_model, tmp_path)
     losses = [run["losses"][s] for s in range(1, MAX_STEPS + 1)]
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.3, losses
     checkpoint = run["run_dir"] / f"checkpoint-{MAX_STEPS}"
-    assert sorted(p.name for p in (checkpoint / "twinkle_state").iterdir()) == [f"rank{r}.pt" for r in range(4)]
+    assert sorted(p.name for p in (checkpoint / "trainer_state" / "rng").iterdir()) == [f"rank{r}.pt" for r in range(4)]
     logits, _ = peft_logits(str(tiny_model), str(checkpoint), run["logits"]["input_ids"])
     assert torch.allclose(logits, run["logits"]["logits"], atol=1e-4), (logits - run["logits"]["logits"]).abs().max()
+
+
+def test_swift_sft_resumes_on_another_layout(two_node_run, swift_bin, tiny_model, tmp_path):
+    """Saved by 2 nodes x 2 ranks with ep_size=2, resumed by 1 node x 4 ranks with ep_size=4 (the same global
+    batch): the library's layout-independent trainer_state/, as twinkle-sft resumes."""
+    checkpoint = two_node_run["run_dir"] / "checkpoint-5"
+    resumed = run_swift_sft(swift_bin, tiny_model, tmp_path, ["--per_device_train_batch_size", "1", *LORA_ARGS,
+                                                              "--resume_from_checkpoint", str(checkpoint)],
+                            {"TWINKLE_EP_SIZE": "4", "TWINKLE_MEMORY_EFFICIENT_INIT": "true", "NPROC_PER_NODE": "4"})
+    assert "world_size=4, nodes=1" in resumed["log"]
+    assert sorted(resumed["losses"]) == list(range(6, MAX_STEPS + 1)), resumed["losses"]
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - two_node_run["losses"][step]) <= 1e-5, (step, resumed["losses"], two_node_run["losses"])
+        assert abs(resumed["grad_norms"][step] - two_node_run["grad_norms"][step]) <= 1e-5, step
 
 
 def test_swift_sft_bad_checkpoint_fails_on_every_rank(swift_bin, tiny_model, tmp_path):
@@ -455,20 +475,20 @@ def test_plugin_options_from_environment_and_fsdp_json():
 
 
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
-    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, _check_args
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, check_arguments
 
     args = types.SimpleNamespace(tuner_type="lora", lora_dropout=0.05, use_dora=False, lora_bias="none",
                                  target_parameters=["mlp.experts.gate_up_proj"])
     with pytest.raises(SwiftPluginError, match="--lora_dropout 0"):
-        _check_args(args)
+        check_arguments(args)
     args.lora_dropout = 0.0
-    _check_args(args)
+    check_arguments(args)
     args.tuner_type = "adalora"
     with pytest.raises(SwiftPluginError, match="--tuner_type adalora"):
-        _check_args(args)
+        check_arguments(args)
     args.tuner_type, args.sequence_parallel_size = "lora", 2
     with pytest.raises(SwiftPluginError, match="sequence_parallel_size"):
-        _check_args(args)
+        check_arguments(args)
 
 
 def test_plugin_module_imports_without_swift():

@@ -105,6 +105,10 @@ class TrainingAbortedError(TwinkleError):
     """A training step failed because a peer rank died, hung or failed."""
 
 
+class ConflictingShardingError(TwinkleError):
+    """A trainer setting (DeepSpeed, accelerate's FSDP, transformers' own EP) would shard the model a second time."""
+
+
 class SwiftPluginError(TwinkleError):
     """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
 

@@ -21,7 +21,9 @@ only mean something to a full load); callers then use the first.
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -45,6 +47,8 @@ from twinkle_strategy.quantized.formats import (
 )
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(path_or_id: str) -> str:
@@ -286,6 +290,29 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
     keys = {t.key for t in list(model.parameters()) + list(model.buffers()) if isinstance(t, CheckpointTensor)}
     raise_for_problems(path, layout.problems(sorted(keys)) + unexpected_problems(layout.unexpected_keys()))
     return model
+
+
+def open_on_this_rank(path: str, config, dtype: torch.dtype, *, topology, stream: bool,
+                      full_load: Callable[[], nn.Module], model_class=None, kwargs: dict | None = None,
+                      blocker: str | None = None) -> nn.Module:
+    """memory_efficient_init's model on this rank, from the checkpoint in ``path`` (``NativeFSDPStrategy.from_pretrained``
+    and the swift plugin both load through here).
+
+    A rank that is not its node's source builds the model on meta from ``config``. The source streams
+    (:func:`open_streaming_model`: headers only now, its node's rows in ``wrap_model``) unless ``stream`` is False,
+    the caller names a ``blocker``, or :func:`stream_blocker` finds one; then ``full_load()`` loads it whole.
+    """
+    kwargs = kwargs or {}
+    if not topology.is_source:
+        return meta_skeleton(config, dtype, model_class=model_class, **init_kwargs(kwargs))
+    if blocker is None:
+        blocker = stream_blocker(path, config, kwargs) if stream else "stream_checkpoint=False"
+    if blocker is None:
+        logger.info("memory_efficient_init: node %d streams %s: wrap_model reads only the rows this node keeps",
+                    topology.node_index, path)
+        return open_streaming_model(path, config, dtype, model_class=model_class, **init_kwargs(kwargs))
+    logger.info("memory_efficient_init: node %d loads %s whole in host memory (%s)", topology.node_index, path, blocker)
+    return full_load()
 
 
 def meta_skeleton(config, dtype: torch.dtype, model_class=None, **init_kwargs):

@@ -45,14 +45,11 @@ from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, mo
 from twinkle_strategy.init.engine import InitReport, distribute
 from twinkle_strategy.loading import (
     config_from_text,
-    init_kwargs,
     load_pretrained_strict,
-    meta_skeleton,
-    open_streaming_model,
+    open_on_this_rank,
     read_config_text,
     resolve_model_path,
     share_weight_conversions,
-    stream_blocker,
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
@@ -180,19 +177,8 @@ class NativeFSDPStrategy:
         """The source opens the checkpoint; every other rank builds the model on meta from the config."""
         config = config_from_text(text, os.path.join(path, "config.json"))
         check_sequence_parallel(config, self.dims.sp_size)
-        if self.topology.is_source:
-            return self._open_on_source(path, config, dtype, kwargs)
-        return meta_skeleton(config, dtype, **init_kwargs(kwargs))
-
-    def _open_on_source(self, path: str, config, dtype: torch.dtype, kwargs: dict) -> nn.Module:
-        blocker = stream_blocker(path, config, kwargs) if self.config.stream_checkpoint else "stream_checkpoint=False"
-        if blocker is None:
-            logger.info("memory_efficient_init: node %d streams %s: wrap_model reads only the rows this node keeps",
-                        self.topology.node_index, path)
-            return open_streaming_model(path, config, dtype, **init_kwargs(kwargs))
-        logger.info("memory_efficient_init: node %d loads %s whole in host memory (%s)",
-                    self.topology.node_index, path, blocker)
-        return load_pretrained_strict(path, dtype=dtype, **kwargs)
+        return open_on_this_rank(path, config, dtype, topology=self.topology, stream=self.config.stream_checkpoint,
+                                 full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs)
 
     def resolved_model_path(self, path_or_id: str) -> str:
         """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not)."""

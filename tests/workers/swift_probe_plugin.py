@@ -66,7 +66,7 @@ class TwinkleProbe(TrainerCallback):
         logits = probe_logits(model, strategy.device)
         image_text = probe_image_text(self.trainer, model, strategy.device)
         report = strategy.init_report
-        info = {"rank": strategy.rank, "loaded_checkpoint": swift_plugin._STATE.get("loaded_checkpoint"),
+        info = {"rank": strategy.rank, "loaded_checkpoint": swift_plugin.STATE.loaded_checkpoint,
                 "is_source": strategy.topology.is_source, "ep_size": strategy.ep_size,
                 "init_report": dataclasses.asdict(report) if report is not None else None,
                 "model_class": type(model).__name__}

@@ -135,7 +135,6 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     (:mod:`twinkle_strategy.checkpoint.background`).
     """
     tmp = staging_path(path)
-    state_dir = os.path.join(tmp, STATE_DIR)
     step = os.path.basename(path)
     rank = global_rank()
     reset_peak_rss()
@@ -150,11 +149,7 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
                               advice="previous checkpoints are untouched",
                               cleanup=lambda: abandon_staging(path))
 
-    def make_directories():
-        start_staging(path)
-        os.makedirs(os.path.join(state_dir, "rng"))
-
-    step_done(on_rank0(make_directories), "creating the directory")
+    step_done(on_rank0(lambda: start_staging(path)), "creating the directory")
     peft = is_peft_model(model)
     if peft:
         # The adapter is small: gathered on rank 0 and saved by PEFT, as plain PEFT loads it (all experts).
@@ -170,44 +165,21 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     else:
         save_model_files(tmp, model, ep_plan=ep_plan, stats=stats, step_done=step_done, max_file_bytes=max_file_bytes,
                          chunk_bytes=chunk_bytes, open_writer=open_writer)
-    # What resume needs, by full tensor so that any layout can read it back.
-    parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if peft else []
-    if optimizer is not None and save_optimizer:
-        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes))
-    step_done(on_rank0(lambda: [part.create(state_dir) for part in parts]), "trainer state")
-    error = None
-    for part in parts:
-        error = part.write(state_dir, chunk_bytes=chunk_bytes, stats=stats, open_writer=open_writer) or error
-
-    # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
-    scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
-    rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
-                 "world_size": dist.get_world_size() if dist.is_initialized() else 1}
-    rng_file = os.path.join(state_dir, "rng", f"rank{rank}.pt")
 
     def small_files():
         if not peft:
             save_model_config(tmp, model)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if scheduler_state is not None:
-            torch.save(scheduler_state, os.path.join(state_dir, "scheduler.pt"))
-
-    def rng():
-        torch.save(rng_state, rng_file)
-        fsync_path(rng_file)  # by its writer: on a shared filesystem another node's fsync may not cover it
 
     if staging is not None:
         if rank == 0:
-            staging.defer(f"config, tokenizer and scheduler.pt into {tmp}", small_files)
-        staging.defer(rng_file, rng)
+            staging.defer(f"config and tokenizer into {tmp}", small_files)
     else:
-        error = error or on_rank0(small_files)
-        try:
-            rng()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank
-            error = error or exc
-    step_done(error, "trainer state")
+        step_done(on_rank0(small_files), "model config")
+    save_trainer_state(tmp, model, ep_plan, optimizer=optimizer if save_optimizer else None, scheduler=scheduler,
+                       step_done=step_done, stats=stats, max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes,
+                       staging=staging)
     if staging is None:
         step_done(on_rank0(lambda: commit_checkpoint(path, trainer_state)), "finalising")
     else:
@@ -254,13 +226,79 @@ def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         if trainer_state.get(key) != value:
             raise ResumeError(f"checkpoint {path} was saved with {key}={trainer_state.get(key)}, this run has "
                               f"{key}={value}. {_EXPECT_HINTS.get(key, '')}".strip())
-    stats = IOStats()
-    if is_peft_model(model):
-        read_trainable_files(state_dir, model, strategy.ep_plan, stats)
-    else:
-        read_model_files(path, model, strategy.ep_plan, stats)
+    load_trained_weights(path, model, strategy.ep_plan)
+    load_trainer_state(path, model, strategy.ep_plan, optimizer=optimizer, scheduler=scheduler)
+    return trainer_state
+
+
+def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, *, optimizer, scheduler,
+                       step_done, stats: IOStats | None = None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                       chunk_bytes: int = CHUNK_BYTES, staging: HostStaging | None = None) -> None:
+    """``directory/trainer_state/``: what resume needs beyond the saved model, readable by any layout (collective).
+
+    The optimizer state by full tensor, an adapter run's trainable weights, the scheduler and each rank's RNG.
+    ``step_done`` is a :func:`~twinkle_strategy.distributed.fail_together.step_reporter`: an error on any rank
+    is raised on every rank. With ``staging`` (an asynchronous save) the files are created now, and their rows,
+    the scheduler and the RNG state are copied now and written later by the background writer.
+    """
+    stats = stats if stats is not None else IOStats()
+    state_dir = os.path.join(directory, STATE_DIR)
+    open_writer = staging.open_writer if staging is not None else ParallelFileWriter
+    parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if is_peft_model(model) else []
     if optimizer is not None:
-        read_optimizer_files(state_dir, model, optimizer, strategy.ep_plan, stats)
+        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes))
+    # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
+    scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
+    rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                 "world_size": dist.get_world_size() if dist.is_initialized() else 1}
+    rng_file = os.path.join(state_dir, "rng", f"rank{global_rank()}.pt")
+
+    def create():
+        os.makedirs(os.path.join(state_dir, "rng"), exist_ok=True)
+        for part in parts:
+            part.create(state_dir)
+
+    def write_scheduler():
+        torch.save(scheduler_state, os.path.join(state_dir, "scheduler.pt"))
+
+    def write_rng():
+        torch.save(rng_state, rng_file)
+        fsync_path(rng_file)  # by its writer: on a shared filesystem another node's fsync may not cover it
+
+    step_done(on_rank0(create), "trainer state")
+    error = None
+    for part in parts:
+        error = part.write(state_dir, chunk_bytes=chunk_bytes, stats=stats, open_writer=open_writer) or error
+    if staging is not None:
+        if scheduler_state is not None and global_rank() == 0:
+            staging.defer(f"scheduler.pt into {state_dir}", write_scheduler)
+        staging.defer(rng_file, write_rng)
+    else:
+        if scheduler_state is not None:
+            error = error or on_rank0(write_scheduler)
+        try:
+            write_rng()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank
+            error = error or exc
+    step_done(error, "trainer state")
+
+
+def load_trained_weights(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None) -> None:
+    """Each rank reads its own rows of the trained weights of ``path`` (an adapter run's trainable weights
+    from ``trainer_state/``, else the saved model), whatever layout saved them."""
+    if is_peft_model(model):
+        read_trainable_files(os.path.join(path, STATE_DIR), model, ep_plan, IOStats())
+    else:
+        read_model_files(path, model, ep_plan, IOStats())
+
+
+def load_trainer_state(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, *, optimizer,
+                       scheduler) -> None:
+    """Optimizer (each rank its own rows), scheduler and, on the same world size, RNG state from
+    ``path/trainer_state/``."""
+    state_dir = os.path.join(path, STATE_DIR)
+    if optimizer is not None:
+        read_optimizer_files(state_dir, model, optimizer, ep_plan, IOStats())
     if scheduler is not None and os.path.isfile(os.path.join(state_dir, "scheduler.pt")):
         scheduler.load_state_dict(torch.load(os.path.join(state_dir, "scheduler.pt"), weights_only=False))
     rng_file = os.path.join(state_dir, "rng", f"rank{global_rank()}.pt")
@@ -270,7 +308,6 @@ def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         if rng.get("world_size") == world:  # on another layout, rank R's random stream is not rank R's any more
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
-    return trainer_state
 
 
 _EXPECT_HINTS = {

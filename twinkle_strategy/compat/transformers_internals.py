@@ -392,7 +392,8 @@ def _trainer_hook(name: str, used_for: str) -> Internal:
                     replacement="none: the HF Trainer (which swift's trainer subclasses) has no public hook for it")
 
 
-# The HF Trainer's private methods the swift plugin's trainer overrides: a renamed one would silently never run.
+# The HF Trainer's private methods the strategy's trainer mixin (integrations.transformers; swift's builds on it)
+# overrides: a renamed one would silently never run.
 TRAINER_HOOKS = {internal.name.split(".", 1)[1]: internal for internal in (
     _trainer_hook("_move_model_to_device", "leave a sharded model where the strategy placed it"),
     _trainer_hook("_clip_grad_norm", "clip the gradient norm over the expert and the non-expert meshes"),

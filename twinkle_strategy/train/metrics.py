@@ -10,8 +10,8 @@ import time
 
 import torch
 
+from twinkle_strategy.moe.flops import FlopsModel, throughput
 from twinkle_strategy.moe.load import load_imbalance
-from twinkle_strategy.train.throughput import FlopsModel, throughput
 
 
 class StepWindow:

@@ -33,6 +33,7 @@ from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
 from twinkle_strategy.moe.discovery import find_moe_blocks
+from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
@@ -44,7 +45,6 @@ from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag
 from twinkle_strategy.train.run_dir import append_log, open_run_dir, rewrite_log
 from twinkle_strategy.train.state import TrainState
-from twinkle_strategy.train.throughput import FlopsModel, device_peak_tflops
 
 __all__ = ["Trainer", "TrainingArguments", "TrainState"]
 

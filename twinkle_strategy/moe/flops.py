@@ -1,4 +1,4 @@
-"""Throughput in the units people compare runs in: tokens/s, TFLOPS per device, MFU.
+"""Throughput in the units people compare runs in: tokens/s, TFLOPS per device, MFU (for an MoE: active parameters).
 
 FLOPs follow the usual training estimate (torchtitan, Megatron, PaLM's MFU):
 ``6 x active parameters`` per token for the forward and backward matmuls, plus

@@ -1,0 +1,82 @@
+"""TRL's SFTTrainer through NativeFSDPStrategy: a conversational dataset, LoRA on attention and experts
+(``peft_config``, applied by SFTTrainer itself), TRL's defaults (gradient checkpointing on).
+
+2 simulated nodes x 2 ranks (ep_size=2, memory_efficient_init) must give the per-step losses and
+gradient norms of plain SFTTrainer on one process (fp32), and its step-2 checkpoint must resume
+on 1 node x 4 ranks with ep_size=4 and continue with the same losses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from multinode import REPO, WORKERS, launch
+
+from twinkle_strategy.train.demo_model import prepare_demo_model
+
+DATASET = REPO / "examples" / "data" / "demo_sft.jsonl"
+ATOL = 1e-5  # fp32, as one process
+
+
+def _args(model: str, out) -> list[str]:
+    return ["--model", model, "--dataset", str(DATASET), "--out", str(out)]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("trl")
+    model = prepare_demo_model(str(root / "model"), str(DATASET))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TWINKLE_TEST_OUT": str(root / "plain"),
+           "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
+    (root / "plain").mkdir()
+    proc = subprocess.run([sys.executable, str(WORKERS / "trl_sft.py"), "--mode", "plain",
+                           *_args(model, root / "plain" / "run")], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    two_nodes = launch("trl_sft.py", ["--mode", "strategy", "--ep", "2", *_args(model, root / "2x2" / "run")],
+                       root / "2x2", nnodes=2, nproc_per_node=2, timeout=400)
+    assert two_nodes.ok(), two_nodes.describe()
+    resumed = launch("trl_sft.py", ["--mode", "strategy", "--ep", "4", *_args(model, root / "1x4" / "run"),
+                                    "--resume", str(root / "2x2" / "run" / "checkpoint-2")],
+                     root / "1x4", nnodes=1, nproc_per_node=4, timeout=400)
+    assert resumed.ok(), resumed.describe()
+    return {"plain": json.loads((root / "plain" / "rank0.json").read_text()),
+            "2x2": two_nodes.rank_results(), "1x4": resumed.rank_results()}
+
+
+def _by_step(result: dict) -> dict[int, tuple[float, float]]:
+    return {s: (loss, norm) for s, loss, norm in zip(result["steps"], result["losses"], result["grad_norms"],
+                                                     strict=True)}
+
+
+def _assert_steps(result: dict, reference: dict, steps: list[int], what: str) -> None:
+    mine, ref = _by_step(result), _by_step(reference)
+    assert set(steps) <= set(mine), f"{what}: logged steps {sorted(mine)}"
+    torch.testing.assert_close([mine[s] for s in steps], [ref[s] for s in steps], atol=ATOL, rtol=0,
+                               msg=lambda m: f"{what}, steps {steps} (loss, grad_norm): {m}")
+
+
+def test_trl_sft_trainer_matches_one_process_plain_sft_trainer(runs):
+    assert runs["plain"]["steps"] == [1, 2, 3, 4]
+    for rank, result in runs["2x2"].items():
+        _assert_steps(result, runs["plain"], [1, 2, 3, 4], f"2x2 ep=2 rank {rank}")
+
+
+def test_trl_checkpoint_resumes_on_another_layout_with_the_same_losses(runs):
+    # Saved at step 2 by 2 nodes x 2 ranks with ep_size=2; resumed by 1 node x 4 ranks with ep_size=4.
+    for rank, result in runs["1x4"].items():
+        _assert_steps(result, runs["2x2"][0], [3, 4], f"resumed 1x4 ep=4 rank {rank}")
+
+
+def test_trl_log_lines_add_throughput_and_expert_load(runs):
+    # HF's fields stay; the strategy adds tokens/s and the expert load over the global batch (no mfu on CPU:
+    # the device's peak is unknown). Every rank logs the same global load.
+    lines = [result["extra_fields"] for result in runs["2x2"].values()]
+    for line in lines[0]:
+        assert line["tokens_per_second"] > 0 and line["mfu"] is None
+        assert line["moe_load_imbalance"] >= 1.0  # max over experts of tokens / mean: 1.0 is perfectly even
+    assert all([f["moe_load_imbalance"] for f in rank] == [f["moe_load_imbalance"] for f in lines[0]] for rank in lines)

@@ -1,0 +1,133 @@
+"""transformers.Trainer through NativeFSDPStrategy (``--mode strategy``), or plain on one process (``--mode plain``).
+
+Both train a LoRA run (attention and experts), then a full-parameter run, on the same tiny
+checkpoint and the same global batches, and write per rank: each run's per-step losses and
+gradient norms, and rank 0 the logits on a probe batch of (LoRA) the saved adapter loaded with
+plain PEFT on this process, (full) the saved checkpoint loaded with plain ``from_pretrained``.
+``--mode refuse``: a DeepSpeed ZeRO-3 config next to the strategy; every rank must raise at once.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import worker_common  # noqa: E402
+
+STEPS, SEQ, SAVE_STEP = 3, 16, 2
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
+
+
+def dataset(global_batch: int, vocab: int):
+    """Padded examples of different lengths: the loss is the mean over the global batch's label tokens."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(STEPS * global_batch):
+        n = int(torch.randint(4, SEQ + 1, (1,), generator=g))
+        ids = torch.randint(1, vocab, (SEQ,), generator=g)
+        mask = (torch.arange(SEQ) < n).long()
+        labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+        labels[: n // 3] = -100  # a prompt part, not trained on
+        rows.append({"input_ids": ids * mask, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def training_args(output_dir: str, per_device: int, **extra):
+    from transformers import TrainingArguments
+
+    return TrainingArguments(
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
+        learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, save_steps=SAVE_STEP, save_strategy="steps",
+        train_sampling_strategy="sequential", use_cpu=True, report_to=[], seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, **extra)
+
+
+def history(trainer) -> dict:
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs]}
+
+
+def probe_logits(model, rows) -> list:
+    batch = {k: torch.stack([r[k] for r in rows[:3]]) for k in ("input_ids", "attention_mask")}
+    model.eval()
+    with torch.no_grad():
+        return model(**batch).logits.tolist()
+
+
+def saved_logits(base: str, checkpoint: str, rows, lora: bool) -> list:
+    """The saved checkpoint as a user reloads it: plain transformers (and plain PEFT), one process."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if lora:
+        model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32), checkpoint)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32)
+    return probe_logits(model, rows)
+
+
+def run(mode: str, base: str, out: str, lora: bool, world: int):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, Trainer
+
+    from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.integrations.transformers import with_strategy
+
+    name = "lora" if lora else "full"
+    micro = 2  # per rank and micro-batch; one process takes the whole global batch
+    args = training_args(os.path.join(out, name), micro if mode == "strategy" else micro * world)
+    if mode == "strategy":
+        strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
+        model = strategy.from_pretrained(base, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if lora:
+        torch.manual_seed(0)  # the same fresh adapter in both runs
+        model = get_peft_model(model, LoraConfig(**LORA))
+    rows = dataset(micro * world * 2, model.config.vocab_size)
+    if mode == "strategy":
+        trainer = with_strategy(Trainer)(model=model, args=args, train_dataset=rows, strategy=strategy)
+    else:
+        trainer = Trainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+    result = history(trainer)
+    if int(os.environ.get("RANK", "0")) == 0:
+        result["saved_logits"] = saved_logits(base, os.path.join(out, name, f"checkpoint-{SAVE_STEP}"), rows, lora)
+    return {name: result}
+
+
+def refuse(base: str, out: str):
+    from transformers import Trainer
+
+    from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.integrations.transformers import with_strategy
+
+    strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
+    model = strategy.from_pretrained(base, dtype=torch.float32)
+    args = training_args(out, 2)
+    # What TrainingArguments(deepspeed=...) keeps where DeepSpeed is installed (this machine has no deepspeed
+    # package, and transformers refuses to build the arguments without it).
+    args.deepspeed = ZERO3
+    worker_common.write_result({"init_report_before": strategy.init_report is not None})
+    with_strategy(Trainer)(model=model, args=args, train_dataset=[], strategy=strategy)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["strategy", "plain", "refuse"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--world", type=int, default=4)
+    a = p.parse_args()
+    if a.mode == "refuse":
+        return refuse(a.model, a.out)
+    return {**run(a.mode, a.model, a.out, lora=True, world=a.world),
+            **run(a.mode, a.model, a.out, lora=False, world=a.world)}
+
+
+if __name__ == "__main__":
+    worker_common.run(main)

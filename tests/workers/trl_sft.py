@@ -1,0 +1,77 @@
+"""TRL's SFTTrainer on a conversational dataset, LoRA on attention and experts passed as ``peft_config``.
+
+``--mode plain``: plain SFTTrainer on one process, the whole global batch per micro-batch.
+``--mode strategy``: ``with_strategy(SFTTrainer)`` with NativeFSDPStrategy(ep_size=--ep, memory_efficient_init),
+each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved.
+Writes per rank the per-step losses and gradient norms (with their step numbers).
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import torch  # noqa: E402
+import worker_common  # noqa: E402
+
+STEPS, SAVE_STEP, MICRO, GLOBAL_BATCH = 4, 2, 1, 8  # GLOBAL_BATCH = MICRO x ranks x accumulation steps
+
+
+def conversations(path: str, count: int) -> list[dict]:
+    rows = [json.loads(line) for line in open(path)]
+    return [{"messages": r["messages"]} for r in rows if "messages" in r][:count]
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["strategy", "plain"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--resume", default=None)
+    a = p.parse_args()
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.integrations.transformers import with_strategy
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    micro = MICRO if a.mode == "strategy" else MICRO * 4  # one process takes the 4 ranks' micro-batches at once
+    args = SFTConfig(
+        output_dir=a.out, max_steps=STEPS, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * 4), learning_rate=1e-2, max_grad_norm=0.5,
+        logging_steps=1, save_steps=SAVE_STEP, train_sampling_strategy="sequential", use_cpu=True, report_to=[],
+        seed=0, bf16=False,  # precision is the strategy's (mixed_precision)
+        router_aux_loss_coef=0.0,  # a per-micro-batch mean in TRL: not the same objective on another batch split
+        disable_tqdm=True, dataset_num_proc=None, max_length=64)
+    assert world in (1, 4), world  # the global batch is the same on 1 and 4 processes
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    dataset = Dataset.from_list(conversations(a.dataset, STEPS * GLOBAL_BATCH))
+    lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                      target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    if a.mode == "strategy":
+        strategy = NativeFSDPStrategy(ep_size=a.ep, memory_efficient_init=True, mixed_precision="no",
+                                      device_type="cpu")
+        model = strategy.from_pretrained(a.model, dtype=torch.float32)
+        trainer_class, extra = with_strategy(SFTTrainer), {"strategy": strategy}
+    else:
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+        trainer_class, extra = SFTTrainer, {}
+    torch.manual_seed(0)  # SFTTrainer applies peft_config at once: the same fresh adapter in every run
+    trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
+                            peft_config=lora, **extra)
+    trainer.train(resume_from_checkpoint=a.resume)
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {"steps": [h["step"] for h in logs], "losses": [h["loss"] for h in logs],
+            "grad_norms": [h["grad_norm"] for h in logs],
+            "extra_fields": [{k: h.get(k) for k in ("tokens_per_second", "moe_load_imbalance", "mfu")} for h in logs]}
+
+
+if __name__ == "__main__":
+    worker_common.run(main)

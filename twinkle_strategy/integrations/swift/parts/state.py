@@ -1,0 +1,60 @@
+"""What one training process of the plugin knows: swift's arguments, the options, the strategy (built once)."""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+from typing import Any
+
+import torch.distributed as dist
+
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import SwiftPluginError
+from twinkle_strategy.integrations.swift.parts.options import env_var, resolve_options
+from twinkle_strategy.strategy import NativeFSDPStrategy
+
+logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
+
+
+@dataclasses.dataclass
+class PluginState:
+    """The plugin's state in this process (one per process: swift imports the plugin once)."""
+
+    args: Any = None  # swift's SftArguments, once parsed
+    fsdp_options: dict = dataclasses.field(default_factory=dict)  # the --fsdp JSON's "twinkle" object
+    swift_precision: str = "no"  # "bf16" when swift was given --bf16 (the strategy's mixed_precision then)
+    strategy: NativeFSDPStrategy | None = None
+    loaded_checkpoint: bool | None = None  # whether this rank opened the checkpoint (None: not loaded yet)
+
+
+STATE = PluginState()
+
+
+def _destroy_process_group() -> None:
+    # swift leaves the process group to interpreter teardown. With the strategy's own groups (node groups,
+    # point-to-point transfers) gloo's threads could then be destroyed while still joinable: a finished run
+    # once ended in "terminate called without an active exception" (SIGABRT). Tear it down while Python runs,
+    # as twinkle-sft does through strategy.shutdown().
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_strategy() -> NativeFSDPStrategy:
+    """The process's NativeFSDPStrategy, built on first use from the options and swift's arguments."""
+    if STATE.strategy is None:
+        options = resolve_options(STATE.fsdp_options)
+        if options["sequence_parallel_size"] > 1:  # the same refusal as swift's own flag, before the model loads
+            raise SwiftPluginError(f"{env_var('sequence_parallel_size')}={options['sequence_parallel_size']}: "
+                                   "sequence parallelism is not supported with the twinkle plugin yet; set it to 1, "
+                                   "or train with twinkle-sft --sequence_parallel_size")
+        options.setdefault("mixed_precision", STATE.swift_precision)
+        strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(STATE.args, "ddp_backend", None), **options))
+        strategy.setup()
+        STATE.strategy = strategy
+        atexit.register(_destroy_process_group)
+        if strategy.is_main_process:
+            logger.info("twinkle swift plugin: NativeFSDPStrategy(%s), world_size=%d, nodes=%d",
+                        ", ".join(f"{k}={v}" for k, v in options.items()), strategy.world_size,
+                        strategy.topology.num_nodes)
+    return STATE.strategy

@@ -1,0 +1,143 @@
+"""swift's trainer on the shared transformers layer (:mod:`twinkle_strategy.integrations.transformers`).
+
+What is swift's own: its save layout (``_save``, ``args.json``, ``--max_shard_size``), its tuner's adapter
+loading on resume, and reading an older version's per-rank ``twinkle_state/`` once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from twinkle_strategy.checkpoint import ResumeError
+from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, scheduler_file_name, trainer_save
+from twinkle_strategy.distributed.dtensor import local_tensor
+from twinkle_strategy.integrations.swift.parts.state import get_strategy
+from twinkle_strategy.integrations.transformers import StrategyTrainerMixin
+
+logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
+
+LEGACY_STATE_DIR = "twinkle_state"  # per-rank files of older versions, readable only at the same world size
+
+
+def _legacy_local_state(checkpoint: str, strategy) -> dict | None:
+    """An older checkpoint's ``twinkle_state/rank{R}.pt`` (same world size and ep_size only), or None."""
+    directory = os.path.join(checkpoint, LEGACY_STATE_DIR)
+    if not os.path.isdir(directory):
+        return None
+    path = os.path.join(directory, f"rank{strategy.rank}.pt")
+    if not os.path.isfile(path):
+        raise ResumeError(f"{checkpoint} has no {LEGACY_STATE_DIR}/rank{strategy.rank}.pt: it was saved with "
+                          "another world size by an older version; resume with the same number of processes")
+    local = torch.load(path, map_location="cpu", weights_only=False)
+    layout = {"world_size": strategy.world_size, "ep_size": strategy.ep_size}
+    if local["layout"] != layout:
+        raise ResumeError(f"{checkpoint} was saved with {local['layout']}, this run has {layout}; "
+                          "resume with the same parallel layout")
+    if strategy.is_main_process:
+        logger.warning("twinkle swift plugin: %s holds %s/ (an older version's per-rank state, same layout only); "
+                       "read once: the next save writes trainer_state/, which resumes on any layout",
+                       checkpoint, LEGACY_STATE_DIR)
+    return local
+
+
+def _optimizer_from_local(local: dict, optimizer) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {}
+    for i, s in local["state"].items():
+        p = params[int(i)]
+        state[i] = {}
+        for k, v in s.items():
+            if isinstance(v, torch.Tensor) and isinstance(p, DTensor) and v.dim() > 0:
+                v = DTensor.from_local(v.to(local_tensor(p).device), p.device_mesh, p.placements,
+                                       shape=p.shape, stride=p.stride())
+            state[i][k] = v
+    return {"state": state, "param_groups": local["param_groups"]}
+
+
+class TwinkleTrainerMixin(StrategyTrainerMixin):
+    """What swift's trainer needs beyond any transformers.Trainer: swift's save layout, its tuner's resume."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, strategy=get_strategy(), **kwargs)
+
+    @property
+    def twinkle_strategy(self):
+        return self.strategy
+
+    def _clip_grad_norm(self, model):
+        norm = self.clip_grad_norm(model)
+        if not torch.isfinite(norm):  # like swift: skip this update instead of applying inf/NaN gradients
+            for p in model.parameters():
+                p.grad = None
+        return norm
+
+    # -- saving: swift's own _save and layout; the weights without a gather
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.tuner_type == "full":
+            # Every rank writes its rows straight into the checkpoint's safetensors files (in the layout of
+            # the checkpoint the run started from); process zero then lets swift write everything else.
+            self.strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
+            if self.args.should_save:
+                trainer_save(self, output_dir, state_dict=None)
+        else:
+            # The adapter is small: gathered (all experts, as plain PEFT loads it) and written by process zero.
+            keys = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            state = self.strategy.full_state_dict(self.model, rank0_only=True, keys=keys)
+            if self.args.should_save:
+                trainer_save(self, output_dir, state_dict=state)
+            del state
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_model(self, output_dir: str | None = None, state_dict=None):
+        if self.args.tuner_type == "full":
+            return  # written by every rank in save_model, config included
+        return super()._save_model(output_dir, state_dict)
+
+    # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        legacy = _legacy_local_state(resume_from_checkpoint, self.strategy)
+        if legacy is not None:
+            params = dict((model or self.model).named_parameters())
+            with torch.no_grad():
+                for name, tensor in legacy["params"].items():
+                    local_tensor(params[name]).copy_(tensor)
+        elif os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
+            self.load_trained_weights(resume_from_checkpoint, model)
+        elif self.args.tuner_type == "full":
+            raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was saved with "
+                              "--save_only_model or without the twinkle plugin; start a new run with --model "
+                              f"{resume_from_checkpoint} instead of resuming")
+        else:  # the adapter was loaded by swift's tuner before the model was sharded
+            logger.warning("twinkle swift plugin: %s has no trainer_state/: weights from the adapter, fresh "
+                           "optimizer state", resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if checkpoint is None or self.args.resume_only_model:
+            return
+        legacy = _legacy_local_state(checkpoint, self.strategy)
+        if legacy is not None:
+            self.optimizer.load_state_dict(_optimizer_from_local(legacy["optimizer"], self.optimizer))
+            scheduler = os.path.join(checkpoint, scheduler_file_name())
+            if os.path.isfile(scheduler):
+                self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
+        elif os.path.isdir(os.path.join(checkpoint, "trainer_state")):
+            self.load_trainer_state(checkpoint)
+
+
+_TRAINER_CLASSES: dict[type, type] = {}
+
+
+def get_trainer_cls(orig, cls, args):
+    """Hook of ``TrainerFactory.get_trainer_cls``: swift's trainer class with :class:`TwinkleTrainerMixin` first."""
+    base = orig.__func__(cls, args)
+    if base not in _TRAINER_CLASSES:
+        check_trainer_overrides(TwinkleTrainerMixin)
+        _TRAINER_CLASSES[base] = type(f"Twinkle{base.__name__}", (TwinkleTrainerMixin, base), {})
+    return _TRAINER_CLASSES[base]

@@ -1,0 +1,151 @@
+"""Any ``transformers.Trainer`` (TRL's ``SFTTrainer``, ms-swift's trainers) training through NativeFSDPStrategy.
+
+    strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True)
+    model = strategy.from_pretrained("Qwen/Qwen3-30B-A3B")       # no rank holds the whole model
+    model = get_peft_model(model, lora_config)                     # optional (or SFTTrainer's peft_config=)
+    trainer = with_strategy(SFTTrainer)(model=model, args=args, strategy=strategy, train_dataset=...)
+    trainer.train()
+
+Why a mixin, not a ``TrainingArguments`` switch: the trainer must answer a few of its own hooks
+differently (gradient clipping, saving, resuming), which only a subclass can do without patching
+transformers for the whole process; and a mixin placed first in the MRO composes with every
+``Trainer`` subclass without knowing it (TRL's, swift's, a user's). :func:`with_strategy` builds the
+class for a given trainer class.
+
+What changes, and why:
+
+* The model is wrapped (EP, then FSDP2, and with memory_efficient_init each rank receives its
+  shards from its node's source) once the trainer class has finished building it, so that
+  TRL's ``peft_config`` is applied to the whole, un-split model first.
+* accelerate sees a prepared model: no DDP, no FSDP plugin, no ``cpu_ram_efficient_loading``
+  broadcast from rank 0. Settings that would shard again are refused in one line
+  (:mod:`.refusals`). The data stays accelerate's: each rank its own part of every global batch.
+* Gradient norms and clipping span the expert and non-expert meshes.
+* Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
+  (:mod:`.step_metrics`).
+* Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
+  adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
+  number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch.distributed.fsdp import FSDPModule
+
+from twinkle_strategy.checkpoint.training import (
+    load_trained_weights,
+    load_trainer_state,
+    save_trainer_state,
+)
+from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, mark_accelerate_prepared
+from twinkle_strategy.distributed.fail_together import step_reporter
+from twinkle_strategy.errors import CheckpointSaveError, ResumeError
+from twinkle_strategy.integrations.transformers.refusals import (
+    refuse_conflicting_sharding,
+    refuse_transformers_expert_parallel,
+)
+from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
+from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
+from twinkle_strategy.strategy import NativeFSDPStrategy
+
+logger = logging.getLogger(__name__)
+
+
+class StrategyTrainerMixin:
+    """Placed before a ``transformers.Trainer`` subclass: trains the model through ``strategy``."""
+
+    def __init__(self, *args, strategy: NativeFSDPStrategy, **kwargs) -> None:
+        training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
+        refuse_conflicting_sharding(training_args)  # before the trainer class does anything with the model
+        refuse_transformers_expert_parallel(kwargs.get("model", args[0] if args else None))
+        self.strategy = strategy
+        super().__init__(*args, **kwargs)
+        self._wrap_with_strategy()
+
+    def _wrap_with_strategy(self) -> None:
+        if not isinstance(self.model, FSDPModule):
+            self.strategy.wrap_model(self.model)  # in place: the trainer's references stay valid
+        # transformers' gradient checkpointing must replay the EP dispatch in its recomputation (no second
+        # all-to-all, no re-routing), as twinkle-sft's own checkpointing does.
+        replay_in_transformers_checkpointing(self.model)
+        mark_accelerate_prepared(self.model)  # accelerate must neither wrap it in DDP nor shard it again
+        self.model_wrapped = self.model
+        self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
+
+    # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
+    def training_step(self, model, inputs, *args, **kwargs):
+        self.step_metrics.observe(inputs)
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs:  # a training log line, written on every rank: the counts are summed over ranks
+            logs = {**logs, **self.step_metrics.take()}
+        super().log(logs, *args, **kwargs)
+
+    def _move_model_to_device(self, model, device) -> None:
+        pass  # every rank's shards are on its device since wrap_model
+
+    # -- gradient norm: expert gradients live on another mesh than the rest
+    def _clip_grad_norm(self, model):
+        return self.clip_grad_norm(model)
+
+    def clip_grad_norm(self, model) -> torch.Tensor:
+        """Clip to ``max_grad_norm`` over every mesh; the norm before clipping."""
+        return self.strategy.clip_grad_norm_(model, self.args.max_grad_norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if grad_norm is None:
+            grad_norm = self.strategy.clip_grad_norm_(model, float("inf"))
+        return grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
+
+    # -- saving: every rank writes its own rows; no gather of the model
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        self.strategy.save_pretrained(self.model, output_dir, tokenizer=tokenizer)
+        if self.args.should_save:
+            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        step_done = step_reporter(f"saving the trainer state into {output_dir}", error_class=CheckpointSaveError)
+        save_trainer_state(output_dir, self.model, self.strategy.ep_plan, optimizer=self.optimizer,
+                           scheduler=self.lr_scheduler, step_done=step_done)
+
+    # -- resuming: each rank reads its rows, whatever layout saved them
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
+            raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was not saved through "
+                              "NativeFSDPStrategy (or with save_only_model); start a new run from its weights instead")
+        self.load_trained_weights(resume_from_checkpoint, model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is not None:
+            self.load_trainer_state(checkpoint)
+
+    def load_trained_weights(self, checkpoint: str, model=None) -> None:
+        """The trained weights of ``checkpoint`` (an adapter run's trainable weights, else the model) into this
+        rank's shards."""
+        load_trained_weights(checkpoint, model or self.model, self.strategy.ep_plan)
+
+    def load_trainer_state(self, checkpoint: str) -> None:
+        """Optimizer, scheduler and (same world size) RNG state of ``checkpoint``'s ``trainer_state/``."""
+        load_trainer_state(checkpoint, self.model, self.strategy.ep_plan, optimizer=self.optimizer,
+                           scheduler=self.lr_scheduler)
+
+
+_CLASSES: dict[type, type] = {}
+
+
+def with_strategy(trainer_class: type) -> type:
+    """``trainer_class`` (``transformers.Trainer`` or a subclass) training through a NativeFSDPStrategy:
+    the returned class takes a ``strategy=`` keyword argument. The same class for the same input."""
+    if trainer_class not in _CLASSES:
+        check_trainer_overrides(StrategyTrainerMixin)  # a private hook transformers renamed would never run
+        _CLASSES[trainer_class] = type(f"Strategy{trainer_class.__name__}", (StrategyTrainerMixin, trainer_class), {})
+    return _CLASSES[trainer_class]
