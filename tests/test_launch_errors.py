@@ -322,6 +322,27 @@ def test_the_suggested_fixes_start_the_run(tmp_path):
             assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/1"], fix_ids
 
 
+def test_world_size_fix_names_the_setting_the_launch_reads(monkeypatch, capsys, tmp_path):
+    """With swift's NPROC_PER_NODE set, it wins over launch.nproc_per_node, so the fix names it (issue 31 point 5:
+    the fix once named the other one, and failed the same way)."""
+    from twinkle_strategy.train import cli
+    from twinkle_strategy.train.recipe import planned_world_size
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NNODES", raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "1")
+    args = [DEMO, f"data.dataset={DATASET}", "strategy.ep_size=4"]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == (
+        "twinkle-sft: error: strategy.ep_size (--expert_parallel_size): ep_size 4 needs 4 processes (or a multiple), "
+        "this run has 2 (the launch's world size); set NPROC_PER_NODE=2, or a smaller ep_size\n")
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    recipe = cli.parse(args)
+    # The simulated nodes the demo launches read the same variable: 2 nodes x 2 ranks, the world it was checked for.
+    assert planned_world_size(recipe) == 4 == cli.simulated_launch_shape(recipe).world_size
+
+
 def test_installed_cli_blames_the_flag_in_one_line(tmp_path):
     """As a subprocess: the type error given as a flag is blamed on the flag, not on the recipe file."""
     cli = Path(sys.executable).parent / "twinkle-sft"

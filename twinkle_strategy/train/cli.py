@@ -32,8 +32,10 @@ exceeds it, then a random subset seeded with --seed).
 
 Models: a local directory, hf://org/name (huggingface_hub; HF_HUB_OFFLINE=1 uses
 only the cache under HF_HOME) or ms://org/name (modelscope; a snapshot already under
-MODELSCOPE_CACHE is used without network access). With --memory_efficient_init true
-only each node's local rank 0 resolves and reads it.
+MODELSCOPE_CACHE is used without network access). A bare org/name is taken as swift
+takes it: a local path of that name if one exists, else from ModelScope, or from the
+Hugging Face Hub with --use_hf true (or USE_HF=1 when --use_hf is not given). With
+--memory_efficient_init true only each node's local rank 0 resolves and reads it.
 """
 
 from __future__ import annotations
@@ -66,7 +68,10 @@ from twinkle_strategy.train.run_dir import make_run_dir
 
 # swift sft flag -> recipe key, help
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("model.path", "model dir, ms://org/name, hf://org/name or tiny://demo"),
+    "model": ("model.path", "model dir, org/name (ModelScope; the Hugging Face Hub with --use_hf true), "
+                            "ms://org/name, hf://org/name or tiny://demo"),
+    "use_hf": ("model.use_hf", "true: a bare --model org/name comes from the Hugging Face Hub, false: from "
+                               "ModelScope; unset: the USE_HF environment variable, else ModelScope (as swift)"),
     "torch_dtype": ("model.dtype", "float32 | bfloat16 | float16"),
     "dataset": ("data.dataset", "JSONL file(s) ('messages' or 'query'/'response' rows); FILE#N uses N examples"),
     "strict": ("data.strict", "true: stop at the first bad row; false (default): skip bad rows with a warning"),
@@ -97,7 +102,6 @@ SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
     "template": "twinkle-sft formats rows with the tokenizer's own chat template; drop it",
     "system": "put the system prompt in each row's 'messages' as a 'system' turn; drop it",
     "model_type": "twinkle-sft reads the model type from config.json; drop it",
-    "use_hf": "bare hub ids are not resolved yet: pass --model hf://org/name (or ms://org/name)",
     "deepspeed": "twinkle-sft shards with FSDP2 itself; drop it (see --help for the strategy flags)",
     "fsdp": "twinkle-sft is FSDP2 already; drop it",
     "bf16": "use --mixed_precision bf16 (and --torch_dtype for the weights)",
@@ -351,8 +355,26 @@ def _describe(exc: Exception) -> str:
     return f"{key} ({flag}): {exc.reason}" if flag else str(exc)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    nnodes: int
+    nproc_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def simulated_launch_shape(recipe: Recipe) -> LaunchShape:
+    """The simulated nodes to start: as for a real launch (and the world size the recipe was checked
+    against, :func:`~twinkle_strategy.train.recipe.planned_world_size`), swift's NNODES/NPROC_PER_NODE win."""
+    return LaunchShape(nnodes=int(os.environ.get("NNODES", recipe.launch.nnodes)),
+                       nproc_per_node=int(os.environ.get("NPROC_PER_NODE", recipe.launch.nproc_per_node)))
+
+
 def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
-    nnodes, nproc = recipe.launch.nnodes, recipe.launch.nproc_per_node
+    shape = simulated_launch_shape(recipe)
+    nnodes, nproc = shape.nnodes, shape.nproc_per_node
     port = free_port()
     commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
                                  max_restarts=recipe.launch.max_restarts) for node in range(nnodes)]
