@@ -76,3 +76,19 @@ def test_docs_and_scripts_name_the_torch_their_environment_has():
                     assert version == swift_torch, where
                 named.append(path.name)
     assert "swift_sft.sh" in named and "README.md" in named, named
+
+
+def test_byte_figures_of_the_init_bar_and_logs_agree():
+    """The init bar once said "read 0 MiB from disk" where the log said 0.3 MiB, and the save log "wrote 0.5 MiB
+    of its 0.3 MiB shard" (what it wrote is not part of that shard)."""
+    from twinkle_strategy.checkpoint.training import SaveReport
+    from twinkle_strategy.init.engine import InitReport, progress_postfix
+
+    read = int(0.3 * 2**20)
+    report = InitReport(rank=0, is_source=True, seconds=1.0, bytes_sent=0, bytes_received=0, shard_bytes=read,
+                        buffer_bytes=0, buckets=1, collective_calls=1, peak_rss_bytes=0, tensors=1, bytes_read=read)
+    assert progress_postfix(read) == "read 0.3 MiB from the checkpoint"
+    assert "read 0.3 MiB from the checkpoint in 0.00s" in report.log_line()
+    save = SaveReport(path="ck", rank=0, seconds=1.0, bytes_written=int(0.5 * 2**20), bytes_received=0,
+                      shard_bytes=read, rss_before_bytes=0, peak_rss_bytes=0).log_line()
+    assert "wrote 0.5 MiB (weights, and optimizer state when saved; it keeps a 0.3 MiB model shard)" in save, save
