@@ -92,3 +92,58 @@ def test_byte_figures_of_the_init_bar_and_logs_agree():
     save = SaveReport(path="ck", rank=0, seconds=1.0, bytes_written=int(0.5 * 2**20), bytes_received=0,
                       shard_bytes=read, rss_before_bytes=0, peak_rss_bytes=0).log_line()
     assert "wrote 0.5 MiB (weights, and optimizer state when saved; it keeps a 0.3 MiB model shard)" in save, save
+
+
+def test_example_runs_as_its_docstring_says_from_an_interpreter_without_torch(tmp_path):
+    """``python examples/ep_fsdp_demo.py`` from an interpreter without torch (``-S``: no site-packages): one
+    line saying how to create .venv; with a .venv in the checkout, the run moves there and trains with
+    memory_efficient_init (2 simulated nodes x 1 rank, 2 steps)."""
+    import os
+    import shutil
+
+    (tmp_path / "examples").mkdir()
+    script = tmp_path / "examples" / "ep_fsdp_demo.py"
+    shutil.copy(REPO / "examples" / "ep_fsdp_demo.py", script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-S", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc
+    assert proc.stderr.startswith("ep_fsdp_demo.py: torch is not installed for ") and \
+        f"create it once with `bash {tmp_path}/scripts/demo.sh`" in proc.stderr, proc.stderr
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # the checkout's .venv: this one's python
+    venv_python.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-S", str(script), "--steps", "2", "--nnodes", "2", "--nproc-per-node", "1",
+                           "--output-dir", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step   2/2  loss " in proc.stdout and "saved the trained model" in proc.stdout, proc.stdout
+    assert "memory_efficient_init: node 1 streams " in proc.stderr and " rank 0 (source) kept " in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def test_expert_load_heatmap_labels_every_expert_and_layer(tmp_path):
+    """expert_load.png once labelled only the layers: which expert is overloaded could not be read off it."""
+    from twinkle_strategy.train.plots import MAX_LABELLED_ROWS, _pyplot, expert_load_figure, plot_expert_load
+
+    plt = _pyplot()
+    layers, experts = 2, 8  # the demo's
+    window = [[1.0] * experts for _ in range(layers)]
+    window[1][5] = 10.0  # layer 1's expert 5 takes most of its layer's tokens
+    counts = [window] * 3
+    fig = expert_load_figure(plt, [5, 10, 15], counts)
+    ax = fig.axes[0]
+    labels = {round(tick): label.get_text() for tick, label in zip(ax.get_yticks(), ax.get_yticklabels(),
+                                                                       strict=True)}
+    assert labels == {layer * experts + e: (f"layer {layer} expert 0" if e == 0 else f"expert {e}")
+                      for layer in range(layers) for e in range(experts)}
+    # The brightest row is labelled with the overloaded expert, below its layer's label.
+    brightest = int(ax.get_images()[0].get_array()[:, 0].argmax())
+    assert (brightest, labels[brightest], labels[brightest - 5]) == (13, "expert 5", "layer 1 expert 0")
+    plt.close(fig)
+    # A large model (48 layers x 128 experts): every layer still labelled, the experts at a readable spacing.
+    fig = expert_load_figure(plt, [1], [[[1.0] * 128] * 48])
+    shown = [label.get_text() for label in fig.axes[0].get_yticklabels()]
+    assert all(f"layer {layer} expert 0" in shown for layer in range(48)) and len(shown) <= 2 * MAX_LABELLED_ROWS
+    plt.close(fig)
+    assert plot_expert_load(str(tmp_path), [5, 10, 15], counts) == str(tmp_path / "images" / "expert_load.png")

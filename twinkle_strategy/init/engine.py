@@ -257,7 +257,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallel
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
             outcome.error = exc
     if progress is not None:
-        progress.set_postfix_str(progress_postfix(capture.bytes_read))
+        progress.set_postfix_str(progress_postfix(capture.bytes_read), refresh=False)  # close() draws it, once
         progress.close()
     if node.device.type != "cpu":
         torch.accelerator.synchronize()
