@@ -1,27 +1,49 @@
-"""Train the embedded tiny Qwen3-MoE with EP + FSDP2 as 2 simulated nodes x 2 ranks on CPU.
+"""Train the embedded tiny Qwen3-MoE with EP + FSDP2 + memory_efficient_init as 2 simulated nodes x 2 ranks on CPU.
 
-    python examples/ep_fsdp_demo.py            # builds the checkpoint, launches 4 ranks, trains, saves
+    bash scripts/demo.sh                        # once: creates .venv (torch + this package) and runs the CLI demo
+    .venv/bin/python examples/ep_fsdp_demo.py   # builds the checkpoint, launches 4 ranks, trains, saves
 
-The model is a real transformers Qwen3MoeForCausalLM saved as safetensors; the
-data is a learnable token pattern (each sequence counts upward from a random
-start), so the loss visibly falls within a few dozen steps.
+``python examples/ep_fsdp_demo.py`` works too: an interpreter without torch hands the run to the
+checkout's ``.venv/bin/python`` (or, with no ``.venv``, says in one line how to create it).
+
+The model is a real transformers Qwen3MoeForCausalLM saved as safetensors. With memory_efficient_init
+each node's local rank 0 reads it and every other rank receives only its own shard. The data is a
+learnable token pattern (each sequence counts upward from a random start), so the loss visibly falls
+within a few dozen steps.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 
-import torch
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+VENV_PYTHON = os.path.join(ROOT, ".venv", "bin", "python")
+
+
+def _run_where_torch_is() -> None:
+    """Outside the project's virtualenv (no torch here): run this script with .venv's interpreter instead."""
+    if importlib.util.find_spec("torch") is not None:
+        sys.path.insert(0, ROOT)  # this checkout's twinkle_strategy, also when it is not installed
+        return
+    if os.access(VENV_PYTHON, os.X_OK) and os.path.realpath(sys.executable) != os.path.realpath(VENV_PYTHON):
+        os.execv(VENV_PYTHON, [VENV_PYTHON, os.path.abspath(__file__), *sys.argv[1:]])
+    print(f"ep_fsdp_demo.py: torch is not installed for {sys.executable} and {VENV_PYTHON} does not exist; "
+          f"create it once with `bash {os.path.join(ROOT, 'scripts', 'demo.sh')}`, then run "
+          f"`{VENV_PYTHON} {os.path.abspath(__file__)}`", file=sys.stderr)
+    sys.exit(2)
 
 
 def worker(args) -> None:
+    import torch
+
     from twinkle_strategy import NativeFSDPStrategy
 
-    strategy = NativeFSDPStrategy(ep_size=args.ep_size, mixed_precision="no")
+    # memory_efficient_init: only each node's local rank 0 reads the checkpoint; the others build the model on
+    # the meta device, and wrap_model gives every rank exactly its shard.
+    strategy = NativeFSDPStrategy(ep_size=args.ep_size, mixed_precision="no", memory_efficient_init=True)
     model = strategy.from_pretrained(args.model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     model, optimizer = strategy.wrap_model(model, optimizer)
@@ -51,6 +73,7 @@ def worker(args) -> None:
 
 
 def main() -> None:
+    _run_where_torch_is()
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--output-dir", default=os.path.join(ROOT, "output", "demo"))
     p.add_argument("--model", default=None, help="checkpoint to train (default: build the embedded tiny model)")

@@ -1,9 +1,12 @@
 """hf:// and ms:// ids resolve offline, from local caches laid out as huggingface_hub and modelscope lay them out,
-through those clients; with memory_efficient_init only each node's source opens anything in them."""
+through those clients; with memory_efficient_init only each node's source opens anything in them. A bare org/name
+goes where swift sends it: ModelScope, or the Hugging Face Hub with --use_hf true / USE_HF=1."""
 
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -64,10 +67,10 @@ def hub_caches(tmp_path_factory):
 def test_hub_ids_train_offline_and_only_sources_open_the_caches(hub_caches, tmp_path):
     root, hf_snapshot, ms_snapshot = hub_caches
     env = {"HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1", "MODELSCOPE_CACHE": str(root / "ms")}
-    ids = [f"hf://{REPO_ID}", f"ms://{REPO_ID}"]
+    ids = [f"hf://{REPO_ID}", REPO_ID]  # the bare id: ModelScope's cache, as swift takes it
     result = launch("hub_ids.py", ["--recipe", str(REPO / "yaml" / "demo.yaml"), "--dataset", DATASET,
                                    "--output-dir", str(tmp_path / "out"), "--ids", *ids,
-                                   "--not-loadable", f"ms://{NO_WEIGHTS_ID}"],
+                                   "--not-loadable", NO_WEIGHTS_ID],
                     tmp_path / "launch", nnodes=2, nproc_per_node=2, timeout=600, env=env)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -84,6 +87,63 @@ def test_hub_ids_train_offline_and_only_sources_open_the_caches(hub_caches, tmp_
                 assert {"config.json", "model.safetensors", "tokenizer.json"} <= opened, (rank, run["opened"])
             else:  # the others get config and tokenizer from their source: they open nothing in the caches
                 assert run["opened"] == [], (rank, model_id, run["opened"])
-    refusal = ranks[0]["refused"][f"ms://{NO_WEIGHTS_ID}"]
+    refusal = ranks[0]["refused"][NO_WEIGHTS_ID]
     assert refusal is not None and refusal.startswith(f"model.path: the cached snapshot of ms://{NO_WEIGHTS_ID}: ")
     assert "has no safetensors weights" in refusal
+
+
+def test_bare_ids_go_to_swifts_hub(tmp_path, monkeypatch):
+    """ms-swift 4.6 (``swift.hub.get_hub``, ``safe_snapshot_download``): an existing local path wins; otherwise a
+    bare org/name comes from ModelScope, or from the Hugging Face Hub with --use_hf true, or USE_HF=1 when the
+    flag is not given."""
+    from twinkle_strategy.loading import Hub, hub_for_bare_ids, qualified_model_id
+    from twinkle_strategy.train.cli import parse
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("USE_HF", raising=False)
+    base = [str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}"]
+    assert parse([*base, "--model", "Qwen/Qwen3-30B-A3B"]).model.path == "ms://Qwen/Qwen3-30B-A3B"
+    assert parse([*base, "--model", "Qwen/Qwen3-30B-A3B", "--use_hf", "true"]).model.path == "hf://Qwen/Qwen3-30B-A3B"
+    assert parse([*base, "model.path=Qwen/Qwen3-30B-A3B", "model.use_hf=true"]).model.path == \
+        "hf://Qwen/Qwen3-30B-A3B"
+    monkeypatch.setenv("USE_HF", "1")
+    assert hub_for_bare_ids() is Hub.HUGGING_FACE
+    assert parse([*base, "--model", "Qwen/Qwen3-30B-A3B"]).model.path == "hf://Qwen/Qwen3-30B-A3B"
+    assert parse([*base, "--model", "Qwen/Qwen3-30B-A3B", "--use_hf", "false"]).model.path == \
+        "ms://Qwen/Qwen3-30B-A3B"  # the flag wins over the environment, as in swift
+    # Left as they are: prefixed ids, the embedded model, paths, and a local directory spelled like an id.
+    (tmp_path / "Qwen" / "Qwen3-30B-A3B").mkdir(parents=True)
+    for kept in ("Qwen/Qwen3-30B-A3B", "ms://Qwen/Qwen3-30B-A3B", "tiny://demo", "/models/Qwen3", "./Qwen3-30B-A3B",
+                 "Qwen3-30B-A3B", "a/b/c"):
+        assert qualified_model_id(kept, use_hf=True) == kept, kept
+
+
+def test_a_bare_id_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch, capsys):
+    """Offline, before launch (HF_HUB_OFFLINE=1, not in the cache), and unreachable, in the run (ModelScope at a
+    closed port: what a machine without network sees, without using the network): one line each, naming the hub
+    and the way to the other one."""
+    from twinkle_strategy.train.cli import main
+    from twinkle_strategy.train.launcher import free_port
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", "--model", "twinkle/not-cached",
+                 "--use_hf", "true"])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert err.startswith("twinkle-sft: error: model.path (--model): hf://twinkle/not-cached is not in the Hugging "
+                          "Face cache"), err
+    assert list(tmp_path.iterdir()) == []
+    env = {**os.environ, "MODELSCOPE_ENDPOINT": f"http://127.0.0.1:{free_port()}", "MODELSCOPE_API_MAX_RETRIES": "1",
+           "MODELSCOPE_REPO_TREE_PAGE_RETRY_MAX_DELAY_SECONDS": "1", "MODELSCOPE_CACHE": str(tmp_path / "ms"),
+           "USE_HF": "0"}
+    code = ("from twinkle_strategy.loading import CheckpointError, resolve_model_path\n"
+            "try:\n    resolve_model_path('twinkle/not-cached')\n"
+            "except CheckpointError as exc:\n    print(exc)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("\n") == 1, proc
+    assert proc.stdout.startswith("could not get ms://twinkle/not-cached from ModelScope: NetworkError: "), proc.stdout
+    assert proc.stdout.rstrip().endswith("check the id and the network, or take it from the Hugging Face Hub "
+                                         "(hf://twinkle/not-cached, or --use_hf true (USE_HF=1) for a bare id), or "
+                                         "pass a local checkpoint directory"), proc.stdout

@@ -235,7 +235,7 @@ def test_flags_are_read_as_swift_reads_them():
     assert recipe.data.dataset == [DATASET, DATASET] and recipe.train.max_steps == 3
 
 
-@pytest.mark.parametrize("args,expected,fix", [
+MISTAKES = [
     (["--max_stepz", "3"], "unknown flag --max_stepz; did you mean --max_steps?", ["--max_steps", "3"]),
     # No prefix matching: argparse used to take --max_step for --max_steps, silently.
     (["--max_step", "3"], "unknown flag --max_step; did you mean --max_steps?", ["--max_steps", "3"]),
@@ -267,8 +267,17 @@ def test_flags_are_read_as_swift_reads_them():
      "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
      "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights)",
      ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
-], ids=["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
-        "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear"])
+    # One node: the fix is the run test_the_suggested_fixes_start_the_run launches.
+    (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=2"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs 2 processes (or a multiple), this run has 1 (nodes "
+     "x processes per node = 1 x 1); set launch.nproc_per_node=2, or a smaller ep_size",
+     ["launch.nnodes=1", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
+]
+MISTAKE_IDS = ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
+               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node"]
+
+
+@pytest.mark.parametrize("args,expected,fix", MISTAKES, ids=MISTAKE_IDS)
 def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expected, fix, tmp_path, monkeypatch,
                                                                    capsys):
     """The CLI's main, in this process: status 2, one line naming key and flag, nothing written, no process
@@ -291,6 +300,47 @@ def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expecte
     assert captured.out == "" and list(tmp_path.iterdir()) == [] and not dist.is_initialized()
     check_before_launch(parse([*base, *fix]))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_suggested_fixes_start_the_run(tmp_path):
+    """The fixes the one-line errors above suggest, applied as the message says, train (issue 31: the fix once
+    suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way). Two launches: the expert-divisibility
+    fix (3 ranks, ep 1) together with the max_length and type fixes, and the world-size fix (2 ranks, ep 2)."""
+    mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
+    # Each fix applied below, as its message words it.
+    named = {"experts": "choose ep_size among [1]", "max-length": "e.g. --max_length 37",
+             "type-of-flag": "e.g. --learning_rate 0.0001", "world-size-one-node": "set launch.nproc_per_node=2"}
+    for fix_ids in (["experts", "max-length", "type-of-flag"], ["world-size-one-node"]):
+        args = [token for fix_id in fix_ids for token in mistakes[fix_id][2]]
+        for fix_id in fix_ids:
+            assert named[fix_id] in mistakes[fix_id][1], fix_id
+        out = tmp_path / "-".join(fix_ids)
+        proc = run_cli([DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}", "launch.simulated_nodes=false",
+                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path)
+        assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
+        with open(only_run_dir(out) / "logging.jsonl") as f:
+            assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/1"], fix_ids
+
+
+def test_world_size_fix_names_the_setting_the_launch_reads(monkeypatch, capsys, tmp_path):
+    """With swift's NPROC_PER_NODE set, it wins over launch.nproc_per_node, so the fix names it (issue 31 point 5:
+    the fix once named the other one, and failed the same way)."""
+    from twinkle_strategy.train import cli
+    from twinkle_strategy.train.recipe import planned_world_size
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("NNODES", raising=False)
+    monkeypatch.setenv("NPROC_PER_NODE", "1")
+    args = [DEMO, f"data.dataset={DATASET}", "strategy.ep_size=4"]
+    assert cli.main(args) == 2
+    assert capsys.readouterr().err == (
+        "twinkle-sft: error: strategy.ep_size (--expert_parallel_size): ep_size 4 needs 4 processes (or a multiple), "
+        "this run has 2 (the launch's world size); set NPROC_PER_NODE=2, or a smaller ep_size\n")
+    monkeypatch.setenv("NPROC_PER_NODE", "2")
+    recipe = cli.parse(args)
+    # The simulated nodes the demo launches read the same variable: 2 nodes x 2 ranks, the world it was checked for.
+    assert planned_world_size(recipe) == 4 == cli.simulated_launch_shape(recipe).world_size
 
 
 def test_installed_cli_blames_the_flag_in_one_line(tmp_path):

@@ -187,3 +187,31 @@ def _running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_a_failure_no_rank_recorded_is_named_by_its_cause(tmp_path, capsys):
+    """The master port taken between the check before launch and torchrun's bind (a race the check cannot
+    close) is one line, not torchrun's 30-line traceback under an "out of memory?" heading; out of memory is
+    named only for a rank torchrun saw killed by SIGKILL."""
+    from twinkle_strategy.train.launcher import run_logged, torchrun_command
+
+    scripts = {"exit": "import sys; sys.exit(3)\n", "sigkill": "import os, signal; os.kill(os.getpid(), signal.SIGKILL)\n"}
+    for name, text in scripts.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert not run_logged([torchrun_command([str(tmp_path / "exit.py")], 1, 0, 1, port)], str(tmp_path / "race"),
+                              [0], [0])
+    err = capsys.readouterr().err
+    assert err == (f"twinkle-sft: torchrun could not listen on master port {port}: another process took it after the "
+                   "check made before launch (address already in use); run the command again, or pick a free port "
+                   f"with MASTER_PORT=<port>; torchrun's output: {tmp_path}/race/logs/torchrun-node<N>.log\n"), err
+    headings = {}
+    for name in scripts:
+        assert not run_logged([torchrun_command([str(tmp_path / f"{name}.py")], 1, 0, 1, free_port())],
+                              str(tmp_path / name), [0], [0])
+        headings[name] = capsys.readouterr().err.splitlines()[0]
+    assert "out of memory" not in headings["exit"] and "killed by SIGKILL: out of memory" in headings["sigkill"], \
+        headings

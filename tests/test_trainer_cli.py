@@ -64,6 +64,15 @@ def test_demo_cli_trains_and_saves(demo_run):
         assert sorted(p.name for p in (state / "rng").iterdir()) == [f"rank{r}.pt" for r in range(4)]
     assert not list(run_dir.glob("*.tmp"))
     assert "memory_efficient_init:" in proc.stderr and "(source)" in proc.stderr  # the init log line
+    # The final metrics dict and the bars' 100% once appeared twice. Rank 0's output, which the terminal shows,
+    # as a terminal shows it: a bar redrawn in place with '\r' is one line, what overwrites it last stays.
+    # (Read from its log in bytes: proc.stderr came through text mode, which turned each '\r' into a newline.)
+    raw = (run_dir / "logs" / "rank0.log").read_bytes().decode()
+    shown = [[piece for piece in line.split("\r") if piece.strip()][-1] for line in raw.split("\n") if line.strip()]
+    assert sum(f"'global_step/max_steps': '{STEPS}/{STEPS}'" in line for line in shown) == 1, shown
+    assert sum(line.startswith("Train: 100%") for line in shown) == 1, shown
+    assert sum(line.startswith("memory_efficient_init: reading and sending shards: 100%") for line in shown) == 1
+    assert len(shown) == len(set(shown)), [line for line in shown if shown.count(line) > 1]
     assert f"last checkpoint: {run_dir.relative_to(work) / f'checkpoint-{STEPS}'}" in proc.stdout or \
         f"checkpoint-{STEPS}" in proc.stdout
 

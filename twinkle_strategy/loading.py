@@ -21,8 +21,10 @@ only mean something to a full load); callers then use the first.
 
 from __future__ import annotations
 
+import enum
 import logging
 import os
+import re
 from collections.abc import Callable
 
 import torch
@@ -47,12 +49,45 @@ from twinkle_strategy.quantized.formats import (
 )
 
 HF_PREFIX, MS_PREFIX = "hf://", "ms://"
+# ``org/name`` as both hubs spell repository ids (letters, digits, '-', '_', '.').
+_BARE_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+class Hub(str, enum.Enum):
+    """The hub a bare ``org/name`` model id is taken from; the value is its prefix."""
+
+    MODELSCOPE = MS_PREFIX
+    HUGGING_FACE = HF_PREFIX
+
+    @property
+    def title(self) -> str:
+        return "ModelScope" if self is Hub.MODELSCOPE else "the Hugging Face Hub"
+
+
+def hub_for_bare_ids(use_hf: bool | None = None) -> Hub:
+    """swift's rule (ms-swift 4.6 ``get_hub``): ModelScope, unless ``--use_hf true`` or, when the flag is not
+    given (None), the environment variable ``USE_HF`` is true."""
+    if use_hf is None:
+        use_hf = os.environ.get("USE_HF", "0").strip().lower() in ("1", "true", "yes", "y", "t", "on")
+    return Hub.HUGGING_FACE if use_hf else Hub.MODELSCOPE
+
+
+def qualified_model_id(path_or_id: str, *, use_hf: bool | None = None) -> str:
+    """``path_or_id`` with its hub named: a bare ``org/name`` that is not a local path becomes
+    ``ms://org/name`` or ``hf://org/name`` (:func:`hub_for_bare_ids`); anything else is returned as it is.
+
+    As swift does, an existing local path wins over a hub id of the same spelling.
+    """
+    if "://" in path_or_id or os.path.exists(path_or_id) or not _BARE_HUB_ID.match(path_or_id):
+        return path_or_id
+    return hub_for_bare_ids(use_hf).value + path_or_id
 
 logger = logging.getLogger(__name__)
 
 
 def resolve_model_path(path_or_id: str) -> str:
-    """A local directory for ``path_or_id``: a local path, ``ms://org/name`` (ModelScope) or ``hf://org/name``.
+    """A local directory for ``path_or_id``: a local path, ``ms://org/name`` (ModelScope) or ``hf://org/name``;
+    a bare ``org/name`` goes to the hub :func:`qualified_model_id` names (ModelScope unless ``USE_HF=1``).
 
     ``hf://``: huggingface_hub's ``snapshot_download`` and its rules: the snapshot in the
     cache (``HF_HOME``) when ``HF_HUB_OFFLINE=1`` or the Hub cannot be reached, else the
@@ -60,6 +95,7 @@ def resolve_model_path(path_or_id: str) -> str:
     (``MODELSCOPE_CACHE``) is used as it is, without network access (modelscope has no
     offline switch of its own); otherwise modelscope downloads it.
     """
+    path_or_id = qualified_model_id(path_or_id)
     if path_or_id.startswith((HF_PREFIX, MS_PREFIX)):
         cached = cached_model_path(path_or_id) if path_or_id.startswith(MS_PREFIX) else None
         if cached is not None:
@@ -67,7 +103,7 @@ def resolve_model_path(path_or_id: str) -> str:
         try:
             return _snapshot_download(path_or_id, local_files_only=False)
         except Exception as exc:  # noqa: BLE001 - network, authentication and cache errors of either client
-            raise CheckpointError(f"could not resolve {path_or_id}: {type(exc).__name__}: {exc}") from exc
+            raise CheckpointError(unavailable_id_message(path_or_id, exc)) from exc
     if not os.path.isdir(path_or_id):
         raise CheckpointError(
             f"model path {path_or_id!r} does not exist or is not a directory; pass a local checkpoint directory, "
@@ -75,6 +111,17 @@ def resolve_model_path(path_or_id: str) -> str:
         )
     raise_if_incomplete(path_or_id)
     return path_or_id
+
+
+def unavailable_id_message(model_id: str, exc: Exception) -> str:
+    """One line: which hub could not give ``model_id``, its client's reason (first line), and the fixes."""
+    hub = Hub(model_id[:len(MS_PREFIX)])
+    other = Hub.HUGGING_FACE if hub is Hub.MODELSCOPE else Hub.MODELSCOPE
+    reason = (str(exc).strip().splitlines() or [""])[0]
+    switch = "--use_hf true (USE_HF=1)" if hub is Hub.MODELSCOPE else "--use_hf false"
+    return (f"could not get {model_id} from {hub.title}: {type(exc).__name__}: {reason}; check the "
+            f"id and the network, or take it from {other.title} ({other.value}{model_id[len(MS_PREFIX):]}, or "
+            f"{switch} for a bare id), or pass a local checkpoint directory")
 
 
 def cached_model_path(model_id: str) -> str | None:

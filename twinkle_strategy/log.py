@@ -22,3 +22,8 @@ def _configure() -> None:
 
 
 _configure()
+
+
+def mib(num_bytes: float) -> str:
+    """Bytes as every log line and progress bar of the package shows them, so that figures agree."""
+    return f"{num_bytes / 2**20:.1f} MiB"

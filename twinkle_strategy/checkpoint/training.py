@@ -112,8 +112,10 @@ class SaveReport:
         mib = 2**20
         done = "staged" if self.background else "saved"
         wrote = "staged for its background writer" if self.background else "wrote"
+        # What it wrote (trained weights, optimizer state) is not a part of the model shard it keeps: two figures.
         return (f"{done} {self.path} in {self.seconds:.2f}s: rank {self.rank} {wrote} {self.bytes_written / mib:.1f} MiB "
-                f"of its {self.shard_bytes / mib:.1f} MiB shard, received {self.bytes_received / mib:.1f} MiB, "
+                f"(weights, and optimizer state when saved; it keeps a {self.shard_bytes / mib:.1f} MiB model shard), "
+                f"received {self.bytes_received / mib:.1f} MiB, "
                 f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB "
                 f"(+{(self.peak_rss_bytes - self.rss_before_bytes) / mib:.0f} MiB during the save)")
 

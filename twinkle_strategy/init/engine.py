@@ -17,6 +17,7 @@ import zlib
 import torch
 from torch import nn
 
+from twinkle_strategy import log
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport, QuantizedBase
 from twinkle_strategy.distributed.fail_together import raise_init_together
 from twinkle_strategy.distributed.liveness import StatusBoard
@@ -75,7 +76,7 @@ class InitReport:
 
     def log_line(self) -> str:
         mib = 1024 * 1024
-        read = (f"read {self.bytes_read / mib:.1f} MiB from the checkpoint in {self.read_seconds:.2f}s"
+        read = (f"read {log.mib(self.bytes_read)} from the checkpoint in {self.read_seconds:.2f}s"
                 + (f" ({len(self.whole_tensors)} tensors whole: {shorten(self.whole_tensors, 3)})"
                    if self.whole_tensors else "") + ", "
                 if self.is_source else "")
@@ -96,6 +97,11 @@ class InitReport:
                 f"{'as stored' if self.quantized_base == QuantizedBase.KEEP else 'dequantized'}: "
                 f"{self.frozen_held_bytes / mib:.1f} MiB ({stored / mib:.1f} MiB stored, {values / mib:.1f} MiB "
                 "in the model dtype)")
+
+
+def progress_postfix(bytes_read: int) -> str:
+    """The init bar's last word: the bytes the source read, as :meth:`InitReport.log_line` writes them."""
+    return f"read {log.mib(bytes_read)} from the checkpoint"
 
 
 def _standing_for(decoded: int, wire: int) -> str:
@@ -320,7 +326,7 @@ def _transfer(mine, sinks, all_needs, *, forms, capture, ep_plan: ExpertParallel
         except Exception as exc:  # noqa: BLE001 - reported to every rank by the caller
             outcome.error = exc
     if progress is not None:
-        progress.set_postfix_str(f"read {capture.bytes_read / 2**20:.0f} MiB from disk")
+        progress.set_postfix_str(progress_postfix(capture.bytes_read), refresh=False)  # close() draws it, once
         progress.close()
     if node.device.type != "cpu":
         torch.accelerator.synchronize()

@@ -5,39 +5,47 @@ from __future__ import annotations
 import dataclasses
 
 
+def _option(default, help: str, **kwargs):  # noqa: A002 - the name argparse and transformers use
+    """A field with its one-line help (``--help`` shows it under the flag of the same name)."""
+    return dataclasses.field(default=default, metadata={"help": help}, **kwargs)
+
+
 @dataclasses.dataclass
 class TrainingArguments:
-    output_dir: str = "output"
-    add_version: bool = True  # write into output_dir/v{N}-{YYYYMMDD-HHMMSS}, like swift
-    num_train_epochs: float = 1.0
-    max_steps: int = -1  # > 0 overrides num_train_epochs
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    learning_rate: float = 1e-4
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    lr_scheduler_type: str = "cosine"  # cosine | linear | constant
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0
-    max_grad_norm: float = 1.0
-    seed: int = 42
-    logging_steps: int = 5
-    save_steps: int = 0  # 0: save only at the end
-    save_total_limit: int | None = None
-    save_only_model: bool = False  # skip optimizer state (smaller, but not resumable exactly)
-    # Save in the background: training waits only while each rank copies its share to host memory (default off
-    # until it has run a release on a cluster).
-    async_save: bool = False
-    max_shard_size: str = "5GB"  # largest safetensors file of a saved model, as save_pretrained's
-    resume_from_checkpoint: str | None = None  # a checkpoint-* directory, or a run directory (latest is used)
-    gradient_checkpointing: bool = False  # recompute each decoder layer in the backward (EP dispatch replayed)
-    # The model's own load-balancing loss, its token fractions counted over the global batch; 0 = off.
-    router_aux_loss_coef: float = 0.0
-    # Aux-loss-free balancing of routers with e_score_correction_bias (DeepSeek-V3): bias step size; 0 = off.
-    load_balance_coeff: float = 0.0
-    peak_tflops: float = 0.0  # the device's peak for mfu; 0: known devices (H100, H200, Ascend 910B) only
+    output_dir: str = _option("output", "directory of the run directories")
+    add_version: bool = _option(True, "write into output_dir/v{N}-{YYYYMMDD-HHMMSS}, like swift; false: into "
+                                      "output_dir itself")
+    num_train_epochs: float = _option(1.0, "passes over the dataset (when max_steps is not > 0)")
+    max_steps: int = _option(-1, "optimizer steps to train; > 0 overrides num_train_epochs")
+    per_device_train_batch_size: int = _option(1, "examples per rank and micro-batch")
+    gradient_accumulation_steps: int = _option(1, "micro-batches per optimizer step")
+    learning_rate: float = _option(1e-4, "peak learning rate of AdamW")
+    weight_decay: float = _option(0.0, "AdamW weight decay")
+    adam_beta1: float = _option(0.9, "AdamW beta1")
+    adam_beta2: float = _option(0.999, "AdamW beta2")
+    adam_epsilon: float = _option(1e-8, "AdamW epsilon")
+    lr_scheduler_type: str = _option("cosine", "learning-rate schedule after warmup: cosine | linear | constant")
+    warmup_ratio: float = _option(0.0, "fraction of the steps spent warming the learning rate up from 0")
+    warmup_steps: int = _option(0, "warmup steps; > 0 overrides warmup_ratio")
+    max_grad_norm: float = _option(1.0, "clip the global gradient norm (over every rank) to this")
+    seed: int = _option(42, "seed of the data order, the #N subsets and fresh LoRA weights")
+    logging_steps: int = _option(5, "log loss, learning rate and expert load every N steps")
+    save_steps: int = _option(0, "save a checkpoint every N steps; 0: only at the end")
+    save_total_limit: int | None = _option(None, "keep the newest N checkpoints; null: keep all")
+    save_only_model: bool = _option(False, "skip optimizer state (smaller, but not resumable exactly)")
+    async_save: bool = _option(False, "save in the background: training waits only while each rank copies its share "
+                                      "to host memory (default off until it has run a release on a cluster)")
+    max_shard_size: str = _option("5GB", "largest safetensors file of a saved model, as save_pretrained's")
+    resume_from_checkpoint: str | None = _option(None, "a checkpoint-* directory, or a run directory (its newest "
+                                                       "checkpoint is used)")
+    gradient_checkpointing: bool = _option(False, "recompute each decoder layer in the backward (EP dispatch "
+                                                  "replayed)")
+    router_aux_loss_coef: float = _option(0.0, "the model's own load-balancing loss, its token fractions counted "
+                                               "over the global batch; 0: off")
+    load_balance_coeff: float = _option(0.0, "aux-loss-free balancing of routers with e_score_correction_bias "
+                                             "(DeepSeek-V3): the bias step size; 0: off")
+    peak_tflops: float = _option(0.0, "the device's peak TFLOPS for mfu; 0: known devices (H100, H200, Ascend "
+                                      "910B) only")
 
     def __post_init__(self) -> None:
         if self.lr_scheduler_type not in ("cosine", "linear", "constant"):

@@ -32,8 +32,10 @@ exceeds it, then a random subset seeded with --seed).
 
 Models: a local directory, hf://org/name (huggingface_hub; HF_HUB_OFFLINE=1 uses
 only the cache under HF_HOME) or ms://org/name (modelscope; a snapshot already under
-MODELSCOPE_CACHE is used without network access). With --memory_efficient_init true
-only each node's local rank 0 resolves and reads it.
+MODELSCOPE_CACHE is used without network access). A bare org/name is taken as swift
+takes it: a local path of that name if one exists, else from ModelScope, or from the
+Hugging Face Hub with --use_hf true (or USE_HF=1 when --use_hf is not given). With
+--memory_efficient_init true only each node's local rank 0 resolves and reads it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import enum
 import os
 import re
 import sys
@@ -66,7 +69,10 @@ from twinkle_strategy.train.run_dir import make_run_dir
 
 # swift sft flag -> recipe key, help
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
-    "model": ("model.path", "model dir, ms://org/name, hf://org/name or tiny://demo"),
+    "model": ("model.path", "model dir, org/name (ModelScope; the Hugging Face Hub with --use_hf true), "
+                            "ms://org/name, hf://org/name or tiny://demo"),
+    "use_hf": ("model.use_hf", "true: a bare --model org/name comes from the Hugging Face Hub, false: from "
+                               "ModelScope; unset: the USE_HF environment variable, else ModelScope (as swift)"),
     "torch_dtype": ("model.dtype", "float32 | bfloat16 | float16"),
     "dataset": ("data.dataset", "JSONL file(s) ('messages' or 'query'/'response' rows); FILE#N uses N examples"),
     "strict": ("data.strict", "true: stop at the first bad row; false (default): skip bad rows with a warning"),
@@ -88,16 +94,15 @@ SWIFT_NAMES_OF_STRATEGY_OPTIONS = {"ep_size": "expert_parallel_size", "ep_fsdp_s
                                    "timeout_s": "ddp_timeout", "backend": "ddp_backend"}
 for _name in config.option_names():
     _flag = SWIFT_NAMES_OF_STRATEGY_OPTIONS.get(_name, _name)
-    SWIFT_FLAGS[_flag] = (f"strategy.{_name}", f"{config.option_help(_name)} (default {config.option_default(_name)})")
+    SWIFT_FLAGS[_flag] = (f"strategy.{_name}", config.option_help(_name))
 for _field in dataclasses.fields(TrainingArguments):
-    SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", f"training argument (default {_field.default})"))
+    SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", _field.metadata["help"]))
 
 # swift sft flags twinkle-sft does not take, and why (one line each; the rest get "did you mean").
 SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
     "template": "twinkle-sft formats rows with the tokenizer's own chat template; drop it",
     "system": "put the system prompt in each row's 'messages' as a 'system' turn; drop it",
     "model_type": "twinkle-sft reads the model type from config.json; drop it",
-    "use_hf": "bare hub ids are not resolved yet: pass --model hf://org/name (or ms://org/name)",
     "deepspeed": "twinkle-sft shards with FSDP2 itself; drop it (see --help for the strategy flags)",
     "fsdp": "twinkle-sft is FSDP2 already; drop it",
     "bf16": "use --mixed_precision bf16 (and --torch_dtype for the weights)",
@@ -115,8 +120,12 @@ SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
 LIST_KEYS = {"data.dataset", "tuner.target_modules", "tuner.target_parameters"}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The parser behind ``--help``; :func:`split_argv` reads the command line itself (see there)."""
+def build_parser(*, recipe: Recipe | None = None, recipe_path: str | None = None) -> argparse.ArgumentParser:
+    """The parser behind ``--help``; :func:`split_argv` reads the command line itself (see there).
+
+    Each flag's help ends with its value: ``recipe``'s (the recipe at ``recipe_path`` with the command's flags
+    and ``key=value`` applied) when given, else the built-in default.
+    """
     parser = argparse.ArgumentParser(
         prog="twinkle-sft", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
         allow_abbrev=False)
@@ -124,11 +133,65 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("overrides", nargs="*", help="recipe overrides, e.g. train.max_steps=20")
     parser.add_argument("--swift-plugin-path", action="store_true",
                         help="print the path of the ms-swift --external_plugins module and exit")
-    group = parser.add_argument_group("swift sft compatible flags (--max-steps = --max_steps; --flag=value works)")
+    parser.add_argument("--version", action="store_true",
+                        help="print this package's version, the installed torch/transformers/peft and the "
+                             "tested ranges, and exit")
+    source = os.path.basename(recipe_path) if recipe is not None and recipe_path else "default"
+    group = parser.add_argument_group("swift sft compatible flags (--max-steps = --max_steps; --flag=value works)"
+                                      + (f"; values: {recipe_path} with this command's settings" if source != "default"
+                                         else ""))
+    defaults = {key: default for key, (_, default) in _schema_types().items()}
     for flag, (key, text) in SWIFT_FLAGS.items():
+        value = _recipe_value(recipe, key) if recipe is not None else defaults.get(key)
         group.add_argument(f"--{flag}", dest=flag, nargs="+" if key in LIST_KEYS else None, default=None,
-                           metavar="V", help=f"{text} [{key}]")
+                           metavar="V", help=f"{text} ({source}: {_shown(value)}) [{key}]")
     return parser
+
+
+def _recipe_value(recipe: Recipe, key: str) -> object:
+    section, name = key.split(".", 1)
+    return getattr(getattr(recipe, section), name)
+
+
+def _shown(value: object) -> str:
+    """A value as the user would write it (YAML spelling), escaped for argparse's %-formatting."""
+    if value is None or value == "???":
+        return "null" if value is None else "required"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, enum.Enum):
+        value = value.value
+    if isinstance(value, list | tuple):
+        value = "[" + ", ".join(str(v) for v in value) + "]"
+    return str(value).replace("%", "%%")
+
+
+def version_text() -> str:
+    """``twinkle-sft --version``: this package, the installed versions of what it reads internals of, and the
+    ranges ``setup.py`` declares tested (README "Tested versions"); a version outside its range is named."""
+    from importlib import metadata
+
+    from packaging.requirements import Requirement
+
+    import twinkle_strategy
+
+    try:
+        declared = {Requirement(r).name: Requirement(r) for r in metadata.requires("twinkle_strategy") or []
+                    if "extra ==" not in r}
+    except metadata.PackageNotFoundError:  # on PYTHONPATH, not installed (the swift env): no metadata
+        declared = {}
+    lines = [f"twinkle-sft {twinkle_strategy.__version__}"]
+    for name in ("torch", "transformers", "peft"):
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            installed = "not installed"
+        spec = declared.get(name)
+        tested = f"tested {name}{spec.specifier}" if spec else "tested range unknown (package not installed)"
+        outside = spec is not None and installed != "not installed" and \
+            not spec.specifier.contains(installed.split("+")[0], prereleases=True)
+        lines.append(f"  {name} {installed} ({tested}{'; OUTSIDE the tested range' if outside else ''})")
+    return "\n".join(lines)
 
 
 # A recipe override: a dotted key, '=', a value (tells a flag's list values from the overrides after them).
@@ -198,8 +261,8 @@ def _unknown_flag(flag: str) -> str:
 
 def parse(argv: list[str]) -> Recipe:
     positionals, flag_values = split_argv(argv)
-    if "-h" in positionals or "--help" in positionals:
-        build_parser().parse_args(["--help"])  # prints the help and exits
+    wants_help = "-h" in positionals or "--help" in positionals
+    positionals = [p for p in positionals if p not in ("-h", "--help")]
     overrides = [p for p in positionals if "=" in p]
     recipes = [p for p in positionals if "=" not in p]  # the YAML recipe, wherever it stands
     if len(recipes) > 1:
@@ -214,11 +277,27 @@ def parse(argv: list[str]) -> Recipe:
         else:
             check_value(key, values[0], f"--{flag}")
             flags.append(f"{key}={values[0]}")
+    if wants_help:
+        _print_help(recipe_path, flags + overrides)
     for override in overrides:
         key, eq, value = override.partition("=")
         if eq and key not in LIST_KEYS:
             check_value(key, value, None)
     return load_recipe(recipe_path, flags + overrides)
+
+
+def _print_help(recipe_path: str | None, settings: list[str]) -> typing.NoReturn:
+    """``--help``, with the values of the recipe and this command's settings (the recipe's alone if they do not
+    load, the defaults without a recipe); exits 0."""
+    recipe = None
+    for attempt in ([settings, []] if recipe_path else []):
+        try:
+            recipe = load_recipe(recipe_path, attempt)
+            break
+        except (RecipeError, TwinkleError):
+            continue
+    build_parser(recipe=recipe, recipe_path=recipe_path).print_help()
+    raise SystemExit(0)
 
 
 def _schema_types() -> dict[str, tuple[object, object]]:
@@ -306,6 +385,9 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--version" in argv:
+        print(version_text())
+        return 0
     if "--swift-plugin-path" in argv:
         # A path, not an import: importing the plugin would patch ms-swift in this process.
         print(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integrations", "swift", "plugin.py"))
@@ -350,8 +432,26 @@ def _describe(exc: Exception) -> str:
     return f"{key} ({flag}): {exc.reason}" if flag else str(exc)
 
 
+@dataclasses.dataclass(frozen=True)
+class LaunchShape:
+    nnodes: int
+    nproc_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+
+def simulated_launch_shape(recipe: Recipe) -> LaunchShape:
+    """The simulated nodes to start: as for a real launch (and the world size the recipe was checked
+    against, :func:`~twinkle_strategy.train.recipe.planned_world_size`), swift's NNODES/NPROC_PER_NODE win."""
+    return LaunchShape(nnodes=int(os.environ.get("NNODES", recipe.launch.nnodes)),
+                       nproc_per_node=int(os.environ.get("NPROC_PER_NODE", recipe.launch.nproc_per_node)))
+
+
 def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
-    nnodes, nproc = recipe.launch.nnodes, recipe.launch.nproc_per_node
+    shape = simulated_launch_shape(recipe)
+    nnodes, nproc = shape.nnodes, shape.nproc_per_node
     port = free_port()
     commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
                                  max_restarts=recipe.launch.max_restarts) for node in range(nnodes)]

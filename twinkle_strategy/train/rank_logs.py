@@ -145,10 +145,43 @@ def read_error_records(run_dir: str, ranks: list[int]) -> dict[int, ErrorRecord]
     return records
 
 
+# torchrun's report of a worker ended by SIGKILL (the kernel's out-of-memory killer sends it).
+_SIGKILLED = re.compile(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)")
+# torch's TCPStore when the master port was taken between the check before launch and torchrun's bind.
+_PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use")
+_STORE_PORT = re.compile(r"port: (\d+)")
+
+
+def _agent_logs_text(run_dir: str, node_ranks: list[int]) -> str:
+    texts = []
+    for node in node_ranks:
+        path = agent_log_path(run_dir, node)
+        if os.path.exists(path):
+            with open(path, errors="replace") as f:
+                texts.append(f.read())
+    return "\n".join(texts)
+
+
+def port_taken_line(run_dir: str, node_ranks: list[int]) -> str | None:
+    """One line when torchrun could not bind the master port (taken after the check made before launch)."""
+    text = _agent_logs_text(run_dir, node_ranks)
+    if _PORT_TAKEN.search(text) is None:
+        return None
+    port = _STORE_PORT.search(next(line for line in text.splitlines() if _PORT_TAKEN.search(line)))
+    which = f"master port {port.group(1)}" if port else "the master port"
+    return (f"twinkle-sft: torchrun could not listen on {which}: another process took it after the check made "
+            f"before launch (address already in use); run the command again, or pick a free port with "
+            f"MASTER_PORT=<port>; torchrun's output: {os.path.join(logs_dir(run_dir), 'torchrun-node<N>.log')}")
+
+
 def failure_summary(run_dir: str, ranks: list[int], node_ranks: list[int]) -> str:
     """Each distinct error once with the ranks that raised it, the first failing rank's traceback,
-    and where every rank's log is."""
+    and where every rank's log is. A clear cause no rank could record (the master port taken) is one line;
+    out of memory is named only where torchrun reports a SIGKILL."""
     records = read_error_records(run_dir, ranks)
+    if not records and (port_line := port_taken_line(run_dir, node_ranks)):
+        return port_line
+    killed = bool(_SIGKILLED.search(_agent_logs_text(run_dir, node_ranks)))
     lines = []
     if records:
         lines.append(f"twinkle-sft: the run failed; {len(records)} of {len(ranks)} ranks raised an error:")
@@ -160,14 +193,17 @@ def failure_summary(run_dir: str, ranks: list[int], node_ranks: list[int]) -> st
             lines.append(f"    raised on rank(s) {raised_by}")
         silent = [rank for rank in ranks if rank not in records]
         if silent:
-            lines.append(f"  rank(s) {silent} raised nothing: stopped by torchrun after another rank failed, or "
-                         "killed (out of memory?); see their logs")
+            why = ("killed by SIGKILL (out of memory?), or stopped by torchrun after another rank failed" if killed
+                   else "stopped by torchrun after another rank failed")
+            lines.append(f"  rank(s) {silent} raised nothing: {why}; see their logs")
         first = min(records.values(), key=lambda r: r.time)
         lines.append(f"Traceback of rank {first.rank}, the first to fail:")
         lines.append(first.traceback.rstrip())
     else:
-        lines.append("twinkle-sft: the run failed and no rank recorded a Python error (killed, out of memory, or "
-                     "stopped before start-up). The end of torchrun's output:")
+        why = ("torchrun reports a rank killed by SIGKILL: out of memory, or a kill -9" if killed
+               else "it stopped before the ranks started, or they were killed")
+        lines.append(f"twinkle-sft: the run failed and no rank recorded a Python error ({why}). The end of "
+                     "torchrun's output:")
         for node in node_ranks:
             lines.extend(_tail(agent_log_path(run_dir, node), AGENT_LOG_TAIL_LINES))
     logs = logs_dir(run_dir)

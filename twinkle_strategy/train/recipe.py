@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 import yaml
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
+from twinkle_strategy.loading import qualified_model_id
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.sequence import check_sequence_parallel
 from twinkle_strategy.train.arguments import TrainingArguments
@@ -36,8 +37,12 @@ class TunerType(str, enum.Enum):
 
 @dataclasses.dataclass
 class ModelConfig:
-    path: str = MISSING  # local dir, ms://org/name, hf://org/name, or tiny://demo (the embedded tiny MoE)
+    # local dir, ms://org/name, hf://org/name, tiny://demo (the embedded tiny MoE), or a bare org/name
+    # (ModelScope, or the Hugging Face Hub with use_hf, as swift takes it).
+    path: str = MISSING
     dtype: str = "bfloat16"  # float32 | bfloat16 | float16
+    # swift's --use_hf: the hub of a bare org/name; null: the environment's USE_HF (unset: ModelScope).
+    use_hf: bool | None = None
 
 
 @dataclasses.dataclass
@@ -125,6 +130,8 @@ def load_recipe(yaml_path: str | None = None, overrides: list[str] | None = None
         if isinstance(exc, TwinkleError):
             raise
         raise RecipeError(f"invalid recipe: {exc}") from exc
+    # A bare org/name becomes ms:// or hf:// here, once, so every later step (checks, workers) sees its hub.
+    recipe.model.path = qualified_model_id(recipe.model.path, use_hf=recipe.model.use_hf)
     validate_recipe(recipe)
     return recipe
 
@@ -174,9 +181,11 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     where = (f"nodes x processes per node = {recipe.launch.nnodes} x {recipe.launch.nproc_per_node}"
              if "WORLD_SIZE" not in os.environ and "NPROC_PER_NODE" not in os.environ else "the launch's world size")
     if world_size < ep:
-        per_node = -(-ep // recipe.launch.nnodes)
+        per_node = -(-ep // int(os.environ.get("NNODES", recipe.launch.nnodes)))
+        # The setting the launch reads: swift's NPROC_PER_NODE, when set, wins over the recipe's launch section.
+        setting = "NPROC_PER_NODE" if "NPROC_PER_NODE" in os.environ else "launch.nproc_per_node"
         reason = (f"ep_size {ep} needs {ep} processes (or a multiple), this run has {world_size} ({where}); "
-                  f"set launch.nproc_per_node={per_node}, or a smaller ep_size")
+                  f"set {setting}={per_node}, or a smaller ep_size")
         raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason)
     _check_sequence_parallel(recipe, world_size, where)
     try:

@@ -1,0 +1,149 @@
+"""What a newcomer reads in the first hour agrees with what runs (issue 31 point 5): ``--help`` after a recipe,
+``--version``, the versions the docs and scripts name, the expert-load heatmap's labels."""
+
+import re
+import subprocess
+import sys
+from importlib import metadata
+
+from multinode import REPO
+
+DEMO = str(REPO / "yaml" / "demo.yaml")
+DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+
+
+def pins(constraints: str) -> dict[str, str]:
+    lines = (REPO / constraints).read_text().splitlines()
+    return dict(line.split("==", 1) for line in lines if "==" in line and not line.startswith("#"))
+
+
+def test_help_after_a_recipe_shows_its_values_and_every_flag_a_real_help_line(capsys):
+    from twinkle_strategy.train.cli import SWIFT_FLAGS, build_parser, main
+
+    try:
+        main([DEMO, "train.max_steps=7", "--help", "--learning-rate", "0.002"])
+    except SystemExit as exc:
+        assert exc.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    # The recipe's values, with this command's settings: not the built-in defaults (max_steps -1, lr 0.0001).
+    assert "--max_steps V optimizer steps to train; > 0 overrides num_train_epochs (demo.yaml: 7) " \
+           "[train.max_steps]" in text, text
+    assert "(demo.yaml: 0.002) [train.learning_rate]" in text and "(demo.yaml: 2) [strategy.ep_size]" in text
+    assert "(demo.yaml: [q_proj, k_proj, v_proj, o_proj]) [tuner.target_modules]" in text
+    # Without a recipe: the defaults, named as such.
+    assert "(default: -1) [train.max_steps]" in " ".join(build_parser().format_help().split())
+    for flag, (key, help_line) in SWIFT_FLAGS.items():
+        assert len(help_line) > 8 and "training argument" not in help_line, (flag, help_line)
+        assert f"[{key}]" in text, flag
+
+
+def test_version_names_the_installed_and_the_tested_versions():
+    """``twinkle-sft --version``: the installed torch/transformers/peft and setup.py's tested ranges, which the
+    README's table repeats."""
+    cli = REPO / ".venv" / "bin" / "twinkle-sft"
+    command = [str(cli)] if cli.exists() else [sys.executable, "-m", "twinkle_strategy.train.cli"]
+    proc = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stderr == "", proc
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "twinkle-sft 0.1.0"
+    setup = (REPO / "setup.py").read_text()
+    readme = (REPO / "README.md").read_text()
+    for line, name in zip(lines[1:], ("torch", "transformers", "peft"), strict=True):
+        assert line.startswith(f"  {name} {metadata.version(name)} (tested {name}"), line
+        assert "OUTSIDE" not in line, line  # the suite runs on the pinned set, inside the ranges
+        declared = re.search(rf'"{name}(>=[^"]+)"', setup).group(1)
+        assert sorted(declared.split(",")) == sorted(line.split(f"tested {name}")[1].rstrip(")").split(",")), line
+        # The README's table: the declared range and the pinned version of the suite.
+        row = next(r for r in readme.splitlines() if r.startswith(f"| {name} |"))
+        assert f"`{declared}" in row and pins("constraints.txt")[name].split("+")[0] in row, row
+
+
+def test_docs_and_scripts_name_the_torch_their_environment_has():
+    """Every 'torch X.Y.Z' in the docs and scripts is a pinned one, and the swift scripts name the swift env's
+    (examples/swift_sft.sh once named .venv's 2.13.0 for an environment that has 2.14.1)."""
+    venv_torch = pins("constraints.txt")["torch"].split("+")[0]
+    swift_torch = pins("constraints-swift.txt")["torch"].split("+")[0]
+    assert venv_torch != swift_torch  # else this test could not tell them apart
+    swift_scripts = [*(REPO / "examples").glob("swift_*.sh"), REPO / "scripts" / "swift_env.sh"]
+    named = []
+    for path in [REPO / "README.md", *(REPO / "docs").glob("*.md"), *(REPO / "examples").glob("*.sh"),
+                 *(REPO / "scripts").glob("*.sh")]:
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for version in re.findall(r"torch (\d+\.\d+\.\d+)", line):
+                where = (path.relative_to(REPO), number, line)
+                assert version in (venv_torch, swift_torch), where
+                if path in swift_scripts and ".venv" not in line:  # the swift env, not .venv
+                    assert version == swift_torch, where
+                named.append(path.name)
+    assert "swift_sft.sh" in named and "README.md" in named, named
+
+
+def test_byte_figures_of_the_init_bar_and_logs_agree():
+    """The init bar once said "read 0 MiB from disk" where the log said 0.3 MiB, and the save log "wrote 0.5 MiB
+    of its 0.3 MiB shard" (what it wrote is not part of that shard)."""
+    from twinkle_strategy.checkpoint.training import SaveReport
+    from twinkle_strategy.init.engine import InitReport, progress_postfix
+
+    read = int(0.3 * 2**20)
+    report = InitReport(rank=0, is_source=True, seconds=1.0, bytes_sent=0, bytes_received=0, shard_bytes=read,
+                        buffer_bytes=0, buckets=1, collective_calls=1, peak_rss_bytes=0, tensors=1, bytes_read=read)
+    assert progress_postfix(read) == "read 0.3 MiB from the checkpoint"
+    assert "read 0.3 MiB from the checkpoint in 0.00s" in report.log_line()
+    save = SaveReport(path="ck", rank=0, seconds=1.0, bytes_written=int(0.5 * 2**20), bytes_received=0,
+                      shard_bytes=read, rss_before_bytes=0, peak_rss_bytes=0).log_line()
+    assert "wrote 0.5 MiB (weights, and optimizer state when saved; it keeps a 0.3 MiB model shard)" in save, save
+
+
+def test_example_runs_as_its_docstring_says_from_an_interpreter_without_torch(tmp_path):
+    """``python examples/ep_fsdp_demo.py`` from an interpreter without torch (``-S``: no site-packages): one
+    line saying how to create .venv; with a .venv in the checkout, the run moves there and trains with
+    memory_efficient_init (2 simulated nodes x 1 rank, 2 steps)."""
+    import os
+    import shutil
+
+    (tmp_path / "examples").mkdir()
+    script = tmp_path / "examples" / "ep_fsdp_demo.py"
+    shutil.copy(REPO / "examples" / "ep_fsdp_demo.py", script)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-S", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc
+    assert proc.stderr.startswith("ep_fsdp_demo.py: torch is not installed for ") and \
+        f"create it once with `bash {tmp_path}/scripts/demo.sh`" in proc.stderr, proc.stderr
+    venv_python = tmp_path / ".venv" / "bin" / "python"
+    venv_python.parent.mkdir(parents=True)
+    venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')  # the checkout's .venv: this one's python
+    venv_python.chmod(0o755)
+    proc = subprocess.run([sys.executable, "-S", str(script), "--steps", "2", "--nnodes", "2", "--nproc-per-node", "1",
+                           "--output-dir", str(tmp_path / "out")], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "step   2/2  loss " in proc.stdout and "saved the trained model" in proc.stdout, proc.stdout
+    assert "memory_efficient_init: node 1 streams " in proc.stderr and " rank 0 (source) kept " in proc.stderr, \
+        proc.stderr[-3000:]
+
+
+def test_expert_load_heatmap_labels_every_expert_and_layer(tmp_path):
+    """expert_load.png once labelled only the layers: which expert is overloaded could not be read off it."""
+    from twinkle_strategy.train.plots import MAX_LABELLED_ROWS, _pyplot, expert_load_figure, plot_expert_load
+
+    plt = _pyplot()
+    layers, experts = 2, 8  # the demo's
+    window = [[1.0] * experts for _ in range(layers)]
+    window[1][5] = 10.0  # layer 1's expert 5 takes most of its layer's tokens
+    counts = [window] * 3
+    fig = expert_load_figure(plt, [5, 10, 15], counts)
+    ax = fig.axes[0]
+    labels = {round(tick): label.get_text() for tick, label in zip(ax.get_yticks(), ax.get_yticklabels(),
+                                                                       strict=True)}
+    assert labels == {layer * experts + e: (f"layer {layer} expert 0" if e == 0 else f"expert {e}")
+                      for layer in range(layers) for e in range(experts)}
+    # The brightest row is labelled with the overloaded expert, below its layer's label.
+    brightest = int(ax.get_images()[0].get_array()[:, 0].argmax())
+    assert (brightest, labels[brightest], labels[brightest - 5]) == (13, "expert 5", "layer 1 expert 0")
+    plt.close(fig)
+    # A large model (48 layers x 128 experts): every layer still labelled, the experts at a readable spacing.
+    fig = expert_load_figure(plt, [1], [[[1.0] * 128] * 48])
+    shown = [label.get_text() for label in fig.axes[0].get_yticklabels()]
+    assert all(f"layer {layer} expert 0" in shown for layer in range(48)) and len(shown) <= 2 * MAX_LABELLED_ROWS
+    plt.close(fig)
+    assert plot_expert_load(str(tmp_path), [5, 10, 15], counts) == str(tmp_path / "images" / "expert_load.png")
