@@ -11,6 +11,7 @@ from twinkle_strategy.dtypes import float_dtype
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTDataset
 from twinkle_strategy.train.demo_model import prepare_demo_model
+from twinkle_strategy.train.packing import BatchLayout, DataCollatorForPacking
 from twinkle_strategy.train.recipe import Recipe, TunerType
 from twinkle_strategy.train.trainer import Trainer
 
@@ -42,6 +43,13 @@ def lora_config(recipe: Recipe):
     )
 
 
+def data_collator(recipe: Recipe, tokenizer):
+    """Padded rows, or one flattened row per micro-batch under data.packing / data.padding_free."""
+    if BatchLayout.of(packing=recipe.data.packing, padding_free=recipe.data.padding_free).flattened:
+        return DataCollatorForPacking()
+    return DataCollatorForSFT(tokenizer.pad_token_id)
+
+
 def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True):
     """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python.
 
@@ -68,7 +76,7 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
     dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing, strict=data.strict,
                                     seed=recipe.train.seed)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
-                      data_collator=DataCollatorForSFT(tokenizer.pad_token_id), processing_class=tokenizer,
+                      data_collator=data_collator(recipe, tokenizer), processing_class=tokenizer,
                       run_dir=run_dir, print_summary=print_summary)
     return trainer, strategy
 
