@@ -1,7 +1,7 @@
 """Packed training steps versus one process on the same examples unpacked, one example per padded row.
 
 Each rank runs the Trainer's own step (``compute_gradients``: data.packing's packs or padding-free
-micro-batches, flattened into one row each, gradient accumulation over 2 micro-batches, activation
+micro-batches, flattened into one row each, gradient accumulation over ``--accumulation`` micro-batches, activation
 checkpointing) with EP + FSDP2, then records: the step's loss, its gradient norm, and the loss of every
 example it trained (a no-grad forward of its micro-batches, cut at the position_ids restarts). Rank 0
 first computes the same figures in one process, unpacked. ``--refuse FAMILY`` instead builds a packing
@@ -27,7 +27,6 @@ from twinkle_strategy.train.trainer import Trainer  # noqa: E402
 
 LORA_SEED = 7
 MAX_LENGTH = 48
-ACCUMULATION = 2
 # Very different lengths (3 to 44 tokens): packs of several examples, one example alone in its pack.
 LENGTHS = [44, 3, 17, 9, 30, 5, 12, 26, 7, 40, 4, 21, 11, 6, 33, 14, 8, 19, 25, 10]
 
@@ -105,7 +104,7 @@ def run_case(args, strategy, *, lora: bool, packing: bool, out: str) -> dict:
     per_device = 1 if packing else 2
     trainer = Trainer(model=model, strategy=strategy, train_dataset=dataset, data_collator=DataCollatorForPacking(),
                       args=TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=per_device,
-                                             gradient_accumulation_steps=ACCUMULATION, gradient_checkpointing=True,
+                                             gradient_accumulation_steps=args.accumulation, gradient_checkpointing=True,
                                              seed=3))
     trainer.setup()
     trained = step_examples(trainer)
@@ -139,6 +138,7 @@ def main():
     p.add_argument("--ckpt", required=True)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--dtype", default="float32")
+    p.add_argument("--accumulation", type=int, default=2)
     p.add_argument("--cases", default="full-packing,lora-packing,lora-padding_free")
     p.add_argument("--out", required=True)
     p.add_argument("--refuse", action="store_true")
