@@ -146,6 +146,13 @@ def _check_args(args) -> None:
         raise SwiftPluginError("the twinkle plugin supports `swift sft` and `swift pt`, not `swift rlhf`")
     if getattr(args, "sequence_parallel_size", 1) > 1:
         raise SwiftPluginError("--sequence_parallel_size > 1 is not supported with the twinkle plugin; set it to 1")
+    packed = [f"--{name} true" for name in ("packing", "padding_free") if getattr(args, name, False)]
+    if packed:
+        # swift hands packed rows to flash-attention only, and the plugin does not check the model keeps
+        # packed examples apart (twinkle_strategy.train.packing does, on every attention backend).
+        raise SwiftPluginError(f"{' '.join(packed)} is not served by the twinkle plugin yet; drop it, or train with "
+                               "`twinkle-sft ... --packing true` (or --padding_free true), which keeps each packed "
+                               "example's attention to itself")
     if getattr(args, "deepspeed", None):
         raise SwiftPluginError("--deepspeed and the twinkle plugin both shard the model; drop --deepspeed")
     if getattr(args, "tuner_type", "lora") not in ("lora", "full"):
