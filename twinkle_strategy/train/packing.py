@@ -117,6 +117,17 @@ class DataCollatorForPacking:
         return dict(self._flatten(examples))
 
 
+def describe_layout(layout: BatchLayout, items: list, *, max_length: int) -> str:
+    """One log line saying how a run's batches are built (and, under packing, how full the packs are)."""
+    if layout is BatchLayout.PACKING:
+        examples = sum(len(p.examples) for p in items)
+        fill = sum(len(p) for p in items) / max(len(items) * max_length, 1)
+        return (f"data.packing: {examples} examples in {len(items)} packs of up to {max_length} tokens ({fill:.1%} "
+                "full), one row per micro-batch; each example attends only to itself")
+    return ("data.padding_free: each micro-batch's examples concatenated into one row without padding; each example "
+            "attends only to itself")
+
+
 def real_token_count(batch: dict[str, torch.Tensor]) -> int:
     """Non-padding tokens of a collated batch (a flattened batch has no padding)."""
     mask = batch.get("attention_mask")
