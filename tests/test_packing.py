@@ -152,10 +152,20 @@ def test_packing_is_exact_on_two_nodes(checkpoints, tmp_path):
     LoRA; 2 accumulation micro-batches; activation checkpointing. Several examples of 3 to 44 tokens per pack."""
     cases = "full-packing,lora-packing,lora-padding_free"
     result = launch("packing_parity.py", ["--ckpt", str(checkpoints / "qwen3_moe"), "--ep", "2", "--cases", cases,
-                                          "--out", str(tmp_path / "runs")], tmp_path, nnodes=2, nproc_per_node=2)
+                                          "--out", str(tmp_path / "runs"), "--lower-level"], tmp_path, nnodes=2,
+                    nproc_per_node=2)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
+    # The lower-level loop (strategy.global_loss_tokens as num_items_in_batch): the starved rank 0 adds 0, not
+    # NaN, and the summed shares are the global per-token mean of one process, gradient norm included.
+    ref = ranks[0]["lower_level"]["ref"]
+    assert ranks[0]["lower_level"]["share"] == 0.0
+    for data in ranks.values():
+        loop = data["lower_level"]
+        assert loop["count"] == ref["count"]
+        assert abs(loop["loss"] - ref["loss"]) <= FP32_TOLERANCE and abs(loop["grad_norm"] - ref["grad_norm"]) \
+            <= FP32_TOLERANCE, (loop, ref)
     packs = [len(c["example_losses"]) for data in ranks.values() for c in data["cases"] if c["name"] == "lora-packing"]
     assert max(packs) >= 4, f"examples per rank {packs}: too few examples per pack to test anything"
     check_against_one_process(ranks, loss_tol=FP32_TOLERANCE, example_tol=FP32_TOLERANCE,

@@ -4,7 +4,8 @@ Each rank runs the Trainer's own step (``compute_gradients``: data.packing's pac
 micro-batches, flattened into one row each, gradient accumulation over ``--accumulation`` micro-batches, activation
 checkpointing) with EP + FSDP2, then records: the step's loss, its gradient norm, and the loss of every
 example it trained (a no-grad forward of its micro-batches, cut at the position_ids restarts). Rank 0
-first computes the same figures in one process, unpacked. ``--refuse FAMILY`` instead builds a packing
+first computes the same figures in one process, unpacked. ``--lower-level`` adds the README's loop on the
+Python API, with a rank that has no token to learn. ``--refuse FAMILY`` instead builds a packing
 Trainer for a family whose layers would mix packed examples: each rank records the error it raised.
 """
 
@@ -122,6 +123,24 @@ def run_case(args, strategy, *, lora: bool, packing: bool, out: str) -> dict:
     return case
 
 
+def lower_level_loop(args, strategy) -> dict:
+    """The README's loop on a wrapped model: ``global_loss_tokens`` as ``num_items_in_batch``, with rank 0 starved
+    (its one example has only prompt tokens, nothing to learn), the other ranks one example each."""
+    model, _ = strategy.wrap_model(strategy.from_pretrained(args.ckpt))
+    examples = make_examples(model.config.vocab_size)[:strategy.world_size]
+    examples[0] = {"input_ids": examples[0]["input_ids"], "labels": [-100] * len(examples[0]["input_ids"])}
+    ref = reference(args.ckpt, torch.float32, False, examples) if strategy.rank == 0 else None
+    batch = DataCollatorForSFT(pad_token_id=0)([examples[strategy.rank]])
+    count = strategy.global_loss_tokens(batch["labels"])
+    model.train()
+    share = model(**batch, num_items_in_batch=count).loss
+    (share * strategy.world_size).backward()
+    norm = float(strategy.clip_grad_norm_(model, float("inf")))
+    return {"share": float(share), "loss": float(strategy.reduce_sum(share)), "grad_norm": norm, "count": int(count),
+            "ref": ref and {"loss": ref["loss"], "grad_norm": ref["grad_norm"],
+                            "count": sum(len(e["input_ids"]) - 1 - e["labels"][1:].count(-100) for e in examples)}}
+
+
 def refuse(args) -> dict:
     strategy = NativeFSDPStrategy(ep_size=1, mixed_precision="no", device_type="cpu")
     model = strategy.from_pretrained(args.ckpt)
@@ -142,6 +161,7 @@ def main():
     p.add_argument("--cases", default="full-packing,lora-packing,lora-padding_free")
     p.add_argument("--out", required=True)
     p.add_argument("--refuse", action="store_true")
+    p.add_argument("--lower-level", action="store_true", help="also run the README's lower-level loop")
     args = p.parse_args()
     if args.refuse:
         return refuse(args)
@@ -151,7 +171,7 @@ def main():
         tuner, layout = name.split("-")
         cases.append({"name": name, **run_case(args, strategy, lora=tuner == "lora", packing=layout == "packing",
                                                 out=os.path.join(args.out, name))})
-    return {"cases": cases}
+    return {"cases": cases, "lower_level": lower_level_loop(args, strategy) if args.lower_level else None}
 
 
 if __name__ == "__main__":
