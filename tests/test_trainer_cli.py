@@ -118,7 +118,7 @@ def test_padding_free_and_packing_through_twinkle_sft(demo_run):
         found = re.search(said, proc.stderr)
         assert found, proc.stderr[-3000:]
         if flag == "--packing":
-            assert int(found[1]) > 2 * int(found[2]), found[0]  # several examples per pack
+            assert int(found[1]) >= 2 * int(found[2]), found[0]  # two or more examples per pack
         losses = [e["loss"] for e in log]
         if flag == "--padding_free":
             for e in log:
