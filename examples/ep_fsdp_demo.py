@@ -52,12 +52,14 @@ def worker(args) -> None:
     for step in range(1, args.steps + 1):
         start = torch.randint(0, vocab, (args.batch_size, 1), generator=generator)
         ids = (start + torch.arange(args.seq_len)) % vocab
-        loss = model(input_ids=ids, labels=ids).loss
-        loss.backward()
+        # The global mean per token over all ranks: each rank's loss is its share of it (README, "Lower level").
+        count = strategy.global_loss_tokens(ids)
+        share = model(input_ids=ids, labels=ids, num_items_in_batch=count).loss
+        (share * strategy.world_size).backward()  # FSDP averages gradients over ranks
         norm = strategy.clip_grad_norm_(model, 1.0)
         optimizer.step()
         optimizer.zero_grad()
-        mean_loss = strategy.reduce_mean(loss)
+        mean_loss = strategy.reduce_sum(share)
         if strategy.is_main_process and (step == 1 or step % 5 == 0 or step == args.steps):
             print(f"step {step:3d}/{args.steps}  loss {mean_loss.item():.4f}  grad_norm {norm.item():.3f}", flush=True)
     state = strategy.full_state_dict(model, rank0_only=True)

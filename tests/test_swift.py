@@ -489,6 +489,13 @@ def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
     args.tuner_type, args.sequence_parallel_size = "lora", 2
     with pytest.raises(SwiftPluginError, match="sequence_parallel_size"):
         check_arguments(args)
+    args.sequence_parallel_size, args.packing = 1, True
+    with pytest.raises(SwiftPluginError, match=r"^--packing true is not served by the twinkle plugin yet; drop it, "
+                                               r"or train with `twinkle-sft \.\.\. --packing true`"):
+        check_arguments(args)
+    args.packing, args.padding_free = False, True
+    with pytest.raises(SwiftPluginError, match="^--padding_free true is not served"):
+        check_arguments(args)
 
 
 def test_plugin_module_imports_without_swift():

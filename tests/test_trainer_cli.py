@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +105,36 @@ def test_activation_checkpointing_logs_the_same_losses(demo_run):
     assert [e["global_step/max_steps"] for e in checkpointed] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
     for e in checkpointed:
         assert abs(e["loss"] - plain[e["global_step/max_steps"]]) <= 1e-5, (e, plain)
+
+
+def test_padding_free_and_packing_through_twinkle_sft(demo_run):
+    """--padding_free true: each micro-batch's examples in one row instead of padded rows, each attending only to
+    itself, so the demo's steps (the same examples) log the same losses. --packing true: examples packed into
+    rows of up to max_length tokens (other steps, so other losses) train as well."""
+    work, run_dir, _ = demo_run
+    padded = {e["global_step/max_steps"]: e["loss"] for e in read_log(run_dir)}
+    for flag in ("--padding_free", "--packing"):
+        out = work / flag.strip("-")
+        proc = run_cli([str(REPO / "yaml" / "demo.yaml"), "--dataset", DATASET, "--output_dir", str(out),
+                        "--max_steps", str(STEPS), "--save_steps", "100", "--logging_steps", "1", flag, "true"],
+                       cwd=work)
+        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+        run = only_run_dir(out)
+        log = read_log(run)
+        assert [e["global_step/max_steps"] for e in log] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
+        said = {"--padding_free": r"data\.padding_free: each micro-batch's examples concatenated into one row",
+                "--packing": r"data\.packing: (\d+) examples in (\d+) packs of up to 64 tokens"}[flag]
+        found = re.search(said, proc.stderr)
+        assert found, proc.stderr[-3000:]
+        if flag == "--packing":
+            assert int(found[1]) >= 2 * int(found[2]), found[0]  # two or more examples per pack
+        losses = [e["loss"] for e in log]
+        if flag == "--padding_free":
+            for e in log:
+                assert abs(e["loss"] - padded[e["global_step/max_steps"]]) <= 1e-5, (e, padded)
+        else:
+            assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5, losses
+        assert all(e["tokens_per_second"] > 0 for e in log)
 
 
 def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run, tmp_path):

@@ -86,6 +86,10 @@ class RecipeError(TwinkleError):
         self.reason = reason if reason is not None else message
 
 
+class PackingError(TwinkleError):
+    """A model that packed (padding-free) batches cannot serve: its layers would mix the packed examples."""
+
+
 class PreflightError(RecipeError):
     """A recipe value that cannot work on this machine; ``key`` is the recipe key to fix."""
 

@@ -296,6 +296,30 @@ class NativeFSDPStrategy:
         """EP-aware gradient clipping; returns the global gradient norm before clipping."""
         return clip_grad_norm_(model, max_norm, norm_type)
 
+    def global_loss_tokens(self, *labels: torch.Tensor) -> torch.Tensor:
+        """The tokens a causal LM's loss is taken over (``labels != -100`` after the one-token shift), in all of
+        ``labels`` (e.g. every accumulation micro-batch of a step) and summed over every rank. Collective.
+
+        Pass it as ``num_items_in_batch``: each rank's ``model(...).loss`` is then its share of the global
+        per-token mean (a rank without such a token contributes 0, not NaN), :meth:`reduce_sum` of the shares
+        is the step's loss, and ``(loss * strategy.world_size).backward()`` gives the gradient of that mean
+        (FSDP averages gradients over ranks).
+        """
+        self.setup()
+        count = sum(int((batch[..., 1:] != -100).sum()) for batch in labels)
+        return self._all_reduce_sum(torch.tensor(count, dtype=torch.long))  # int64: exact past 2**24 tokens
+
+    def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum of a scalar over all ranks (for logging: the step's loss from each rank's share)."""
+        return self._all_reduce_sum(value.detach().float().clone())
+
+    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        self.setup()
+        value = value.to(self.device)  # collectives need the backend's device (NCCL, HCCL)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a scalar over all ranks (for logging losses)."""
         value = value.detach().float().clone()

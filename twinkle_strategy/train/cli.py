@@ -77,7 +77,10 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "dataset": ("data.dataset", "JSONL file(s) ('messages' or 'query'/'response' rows); FILE#N uses N examples"),
     "strict": ("data.strict", "true: stop at the first bad row; false (default): skip bad rows with a warning"),
     "max_length": ("data.max_length", "truncate examples to this many tokens"),
-    "packing": ("data.packing", "pack examples into max_length sequences (true/false)"),
+    "packing": ("data.packing", "pack examples into rows of up to max_length tokens, each example attending "
+                                "only to itself (true/false)"),
+    "padding_free": ("data.padding_free", "concatenate each micro-batch's examples instead of padding them, each "
+                                          "attending only to itself (true/false)"),
     "tuner_type": ("tuner.type", "lora | full"),
     "train_type": ("tuner.type", "alias of --tuner_type"),
     "lora_rank": ("tuner.lora_rank", "LoRA rank r"),

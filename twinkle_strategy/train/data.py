@@ -1,4 +1,4 @@
-"""SFT data: JSONL rows -> token ids with labels on the responses only -> padded batches.
+"""SFT data: JSONL rows -> token ids with labels on the responses only -> padded batches (packed: packing.py).
 
 A row is either ``{"messages": [{"role": ..., "content": ...}, ...]}`` (chat,
 any number of turns) or ``{"query": ..., "response": ..., "system": ...}``.
@@ -30,6 +30,7 @@ import torch
 
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import DatasetError, RowError, shorten
+from twinkle_strategy.train.packing import Pack, pack_examples
 
 logger = logging.getLogger(__name__)
 
@@ -209,14 +210,17 @@ def load_examples(spec: DatasetSpec, tokenizer, max_length: int, strict: bool,
 
 
 class SFTDataset(torch.utils.data.Dataset):
-    """Tokenized examples, optionally packed into sequences of ``max_length`` tokens.
+    """Tokenized examples; with ``packing``, :class:`~twinkle_strategy.train.packing.Pack` s of examples of at
+    most ``max_length`` tokens in all (collate them with ``DataCollatorForPacking``: each example keeps its
+    own attention).
 
     ``skipped`` lists the rows that could not be used (see the module docstring).
     """
 
     def __init__(self, examples: list[dict[str, list[int]]], max_length: int = 512, packing: bool = False,
                  skipped: list[SkippedRow] | None = None):
-        self.examples = pack(examples, max_length) if packing else examples
+        self.examples: list[dict[str, list[int]] | Pack] = pack_examples(examples, max_length) if packing \
+            else examples
         self.skipped = list(skipped or [])
 
     @classmethod
@@ -244,7 +248,7 @@ class SFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.examples)
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    def __getitem__(self, index: int) -> dict[str, list[int]] | Pack:
         return self.examples[index]
 
 
@@ -256,23 +260,6 @@ def skipped_rows_warning(skipped: list[SkippedRow], rows: int, examples: int) ->
 
 def _is_first_rank() -> bool:
     return global_rank() == 0
-
-
-def pack(examples: list[dict[str, list[int]]], max_length: int) -> list[dict[str, list[int]]]:
-    """Greedily concatenate examples into sequences of at most ``max_length`` tokens.
-
-    Without a padding-free attention kernel, packed examples can attend to each
-    other; that is the usual trade-off of simple packing.
-    """
-    packed, ids, labels = [], [], []
-    for e in examples:
-        if ids and len(ids) + len(e["input_ids"]) > max_length:
-            packed.append({"input_ids": ids, "labels": labels})
-            ids, labels = [], []
-        ids, labels = ids + e["input_ids"], labels + e["labels"]
-    if ids:
-        packed.append({"input_ids": ids, "labels": labels})
-    return packed
 
 
 class DataCollatorForSFT:

@@ -51,7 +51,9 @@ class DataConfig:
     # A single path may be written as a plain string.
     dataset: list[str] = MISSING
     max_length: int = 2048
-    packing: bool = False
+    # Both train each example with its own attention, in one row per micro-batch without padding (packing.py):
+    packing: bool = False  # group examples into packs of up to max_length tokens (one pack = one item)
+    padding_free: bool = False  # concatenate each micro-batch's examples instead of padding them
     strict: bool = False  # true: stop at the first bad row; false (swift's default): skip bad rows with a warning
 
 

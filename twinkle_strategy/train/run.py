@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import warnings
 
@@ -11,8 +12,11 @@ from twinkle_strategy.dtypes import float_dtype
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTDataset
 from twinkle_strategy.train.demo_model import prepare_demo_model
+from twinkle_strategy.train.packing import BatchLayout, DataCollatorForPacking, describe_layout
 from twinkle_strategy.train.recipe import Recipe, TunerType
 from twinkle_strategy.train.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 TINY_PREFIX = "tiny://"
 
@@ -42,6 +46,16 @@ def lora_config(recipe: Recipe):
     )
 
 
+def data_collator(recipe: Recipe, tokenizer, dataset: SFTDataset, *, log: bool):
+    """Padded rows, or one flattened row per micro-batch under data.packing / data.padding_free (said in the log)."""
+    layout = BatchLayout.of(packing=recipe.data.packing, padding_free=recipe.data.padding_free)
+    if not layout.flattened:
+        return DataCollatorForSFT(tokenizer.pad_token_id)
+    if log:
+        logger.info(describe_layout(layout, dataset.examples, max_length=recipe.data.max_length))
+    return DataCollatorForPacking()
+
+
 def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True):
     """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python.
 
@@ -68,7 +82,7 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
     dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing, strict=data.strict,
                                     seed=recipe.train.seed)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
-                      data_collator=DataCollatorForSFT(tokenizer.pad_token_id), processing_class=tokenizer,
+                      data_collator=data_collator(recipe, tokenizer, dataset, log=strategy.is_main_process), processing_class=tokenizer,
                       run_dir=run_dir, print_summary=print_summary)
     return trainer, strategy
 

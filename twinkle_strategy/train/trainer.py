@@ -41,6 +41,12 @@ from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import StepSampler
 from twinkle_strategy.train.metrics import StepWindow
+from twinkle_strategy.train.packing import (
+    DataCollatorForPacking,
+    attention_length,
+    prepare_for_packed_batches,
+    real_token_count,
+)
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag
 from twinkle_strategy.train.run_dir import append_log, open_run_dir, rewrite_log
@@ -148,6 +154,8 @@ class Trainer:
 
     def _wrap_model(self) -> None:
         wrapped = isinstance(self.model, FSDPModule)
+        if isinstance(self.data_collator, DataCollatorForPacking):  # before training, the same on every rank
+            prepare_for_packed_batches(self.model)
         self._prepare_moe_training(ep_size=self.strategy.ep_size if wrapped else 1)
         if not wrapped:
             self.model, _ = self.strategy.wrap_model(self.model)
@@ -251,7 +259,7 @@ class Trainer:
         device = self.strategy.device
         batches = self._micro_batches(step)
         sizes = torch.tensor([sum(_label_tokens(b) for b in batches),
-                              sum(float(b["attention_mask"].sum()) for b in batches)], device=device)
+                              sum(real_token_count(b) for b in batches)], device=device)
         global_tokens, input_tokens = _all_reduce_sum(sizes)
         self.model.train()
         # Several micro-batches: their global router counts must be known before the first backward.
@@ -262,7 +270,7 @@ class Trainer:
             sums[:2] += torch.stack([loss, aux])
         sums[2] = float(self._preemption is not None and self._preemption.requested)
         loss, aux, preempted = _all_reduce_sum(sums).tolist()
-        seq_len = sum(b["input_ids"].shape[1] for b in batches) / len(batches)
+        seq_len = sum(attention_length(b) for b in batches) / len(batches)
         return {"loss": loss, "aux_loss": aux, "tokens": float(input_tokens), "seq_len": seq_len,
                 "preempted": preempted > 0}
 
@@ -295,12 +303,9 @@ class Trainer:
         total = None
         try:
             for batch in batches:
-                mask = batch["attention_mask"].to(self.strategy.device)
-                positions = batch.get("position_ids")
-                out = self.model(input_ids=batch["input_ids"].to(self.strategy.device), attention_mask=mask,
-                                 position_ids=None if positions is None else positions.to(self.strategy.device),
-                                 output_router_logits=True)
-                stats = self.balancing.statistics(out.router_logits, mask)
+                inputs = {k: v.to(self.strategy.device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
+                out = self.model(**inputs, output_router_logits=True)
+                stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"))
                 total = stats if total is None else total + stats
         finally:
             if self.expert_load is not None:

@@ -24,6 +24,13 @@ def check_arguments(args) -> None:
         raise SwiftPluginError("--sequence_parallel_size > 1 is not supported with the twinkle plugin yet (swift's "
                                "data path would need to give a sequence-parallel group one batch); set it to 1, "
                                "or train with twinkle-sft --sequence_parallel_size")
+    packed = [f"--{name} true" for name in ("packing", "padding_free") if getattr(args, name, False)]
+    if packed:
+        # swift hands packed rows to flash-attention only, and the plugin does not check the model keeps
+        # packed examples apart (twinkle_strategy.train.packing does, on every attention backend).
+        raise SwiftPluginError(f"{' '.join(packed)} is not served by the twinkle plugin yet; drop it, or train with "
+                               "`twinkle-sft ... --packing true` (or --padding_free true), which keeps each packed "
+                               "example's attention to itself")
     if getattr(args, "deepspeed", None):
         raise SwiftPluginError("--deepspeed and the twinkle plugin both shard the model; drop --deepspeed")
     if getattr(args, "tuner_type", "lora") not in ("lora", "full"):

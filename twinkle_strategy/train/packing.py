@@ -1,0 +1,209 @@
+"""Padding-free batches: several examples in one row, each attending only to itself.
+
+Two ways to get there, as in ms-swift:
+
+* ``data.packing`` (``--packing``): examples are first grouped into *packs* of at most
+  ``data.max_length`` tokens (best-fit decreasing, deterministic: the same packs for the same data);
+  a pack is one dataset item, so a micro-batch holds a steady number of tokens.
+* ``data.padding_free`` (``--padding_free``): every example is its own dataset item, as without
+  packing, but a micro-batch is concatenated instead of padded.
+
+Either way a micro-batch is collated by transformers' ``DataCollatorWithFlattening`` into ONE row
+``[1, tokens]`` with ``position_ids`` that restart at 0 for every example and no ``attention_mask``.
+transformers reads those position ids as packed sequences: its mask functions build a causal mask that
+stays inside each example (sdpa, eager, flex), and flash attention gets per-example ``cu_seqlens``
+(``_is_packed_sequence`` needs a batch of one row, hence one row). No mask is built here. The first
+label of every example is -100, so the last token of one example does not learn to predict the next
+example's first token (that label is never predicted without packing either).
+
+Every token of such a batch is real: load-balancing counts and ``tokens_per_second`` need no mask.
+
+Layers that carry state along the sequence (linear attention, Mamba, short convolutions) ignore
+``position_ids`` and would let one example leak into the next; :func:`check_packable` refuses them.
+
+A later sequence-parallel split composes with this layout: it cuts the one row into contiguous
+chunks and keeps the whole row's ``position_ids``.
+"""
+
+from __future__ import annotations
+
+import ast
+import bisect
+import dataclasses
+import enum
+import functools
+import inspect
+import textwrap
+
+import torch
+from torch import nn
+
+from twinkle_strategy.errors import PackingError
+
+# Decoder layer kinds (config.layer_types / layers_block_type) whose sequence mixing transformers masks
+# from position_ids, or that do not mix tokens at all.
+PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
+                                  "moe", "mlp"})
+
+
+class BatchLayout(str, enum.Enum):
+    """How a micro-batch's examples become tensors (``data.packing`` / ``data.padding_free``)."""
+
+    PADDED = "padded"  # one row per example, padded to the longest (attention_mask)
+    PACKING = "packing"  # packs of up to max_length tokens, flattened into one row
+    PADDING_FREE = "padding_free"  # one example per item, a micro-batch flattened into one row
+
+    @classmethod
+    def of(cls, *, packing: bool, padding_free: bool) -> BatchLayout:
+        if packing:
+            return cls.PACKING
+        return cls.PADDING_FREE if padding_free else cls.PADDED
+
+    @property
+    def flattened(self) -> bool:
+        return self is not BatchLayout.PADDED
+
+
+Example = dict[str, list[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Pack:
+    """Examples trained as one unit of at most ``max_length`` tokens (one dataset item under packing)."""
+
+    examples: tuple[Example, ...]
+
+    def __len__(self) -> int:
+        return sum(len(e["input_ids"]) for e in self.examples)
+
+
+def pack_examples(examples: list[Example], max_length: int) -> list[Pack]:
+    """Best-fit decreasing: longest example first, into the fullest pack it still fits.
+
+    Deterministic (ties broken by dataset order), so every rank and every resumed run builds the same
+    packs. Inside a pack examples keep their dataset order. Examples are already truncated to
+    ``max_length``.
+    """
+    order = sorted(range(len(examples)), key=lambda i: (-len(examples[i]["input_ids"]), i))
+    members: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # (tokens still free, pack index), sorted: best fit = first that fits
+    for i in order:
+        length = len(examples[i]["input_ids"])
+        at = bisect.bisect_left(free, (length, -1))
+        if at == len(free):
+            members.append([i])
+            bisect.insort(free, (max_length - length, len(members) - 1))
+            continue
+        room, pack = free.pop(at)
+        members[pack].append(i)
+        bisect.insort(free, (room - length, pack))
+    return [Pack(tuple(examples[i] for i in sorted(m))) for m in members]
+
+
+class DataCollatorForPacking:
+    """A micro-batch of examples or :class:`Pack` s -> one row: input_ids, labels, position_ids.
+
+    transformers' ``DataCollatorWithFlattening`` does the flattening (position ids restarting at 0,
+    -100 as every example's first label); this class only unpacks packs first.
+    """
+
+    def __init__(self) -> None:
+        from transformers import DataCollatorWithFlattening
+
+        self._flatten = DataCollatorWithFlattening(return_tensors="pt", return_position_ids=True)
+
+    def __call__(self, features: list[Example | Pack]) -> dict[str, torch.Tensor]:
+        examples = [e for f in features for e in (f.examples if isinstance(f, Pack) else (f,))]
+        return dict(self._flatten(examples))
+
+
+def describe_layout(layout: BatchLayout, items: list, *, max_length: int) -> str:
+    """One log line saying how a run's batches are built (and, under packing, how full the packs are)."""
+    if layout is BatchLayout.PACKING:
+        examples = sum(len(p.examples) for p in items)
+        fill = sum(len(p) for p in items) / max(len(items) * max_length, 1)
+        return (f"data.packing: {examples} examples in {len(items)} packs of up to {max_length} tokens ({fill:.1%} "
+                "full), one row per micro-batch; each example attends only to itself")
+    return ("data.padding_free: each micro-batch's examples concatenated into one row without padding; each example "
+            "attends only to itself")
+
+
+def real_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """Non-padding tokens of a collated batch (a flattened batch has no padding)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
+def attention_length(batch: dict[str, torch.Tensor]) -> float:
+    """The sequence length a token attends over on average, for the attention FLOPs: the padded length, or,
+    in a flattened batch, each example's length weighted by its tokens (sum of squares / tokens)."""
+    positions = batch.get("position_ids")
+    if positions is None or "attention_mask" in batch:
+        return float(batch["input_ids"].shape[1])
+    starts = (positions.reshape(-1) == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
+    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return sum(n * n for n in lengths) / max(sum(lengths), 1)
+
+
+def prepare_for_packed_batches(model: nn.Module) -> None:
+    """Refuse a model whose layers mix packed examples (:func:`check_packable`), and turn its KV cache off.
+
+    transformers builds per-example masks from ``position_ids`` only without a cache, and its causal LMs
+    make a ``DynamicCache`` whenever ``config.use_cache`` is true (in training too): packed examples would
+    then silently attend to each other. Training never reads the cache.
+    """
+    check_packable(model)
+    for config in {id(c): c for c in (model.config, _text_config(model))}.values():
+        config.use_cache = False
+
+
+def _text_config(model: nn.Module):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def check_packable(model: nn.Module) -> None:
+    """Raise :class:`PackingError` naming the family and the reason if ``model`` cannot keep packed examples apart.
+
+    Attention is masked per example by transformers from ``position_ids``, in the models whose forward hands
+    ``position_ids`` to its mask functions (gpt-oss's does not, in transformers 5.24). Linear attention (Gated
+    DeltaNet: Qwen3-Next, Qwen3.5-MoE), Mamba (Nemotron-H, Jamba) and short convolutions carry state from
+    one token to the next regardless: transformers passes them per-example boundaries only through optional
+    fused kernels, not by default. The check reads the config and the code, so it gives the same answer on
+    every rank before training: every rank raises it and none waits for the others.
+    """
+    config = _text_config(model)
+    family = getattr(config, "model_type", type(model).__name__)
+    kinds = set(getattr(config, "layer_types", None) or []) | set(getattr(config, "layers_block_type", None) or [])
+    stateful = sorted(kinds - PACKABLE_LAYER_TYPES)
+    convolution = next((name for name, m in model.named_modules() if isinstance(m, nn.Conv1d)), None)
+    blind = next((cls for cls in {type(m) for m in model.modules()} if _builds_masks_without_positions(cls)), None)
+    if stateful:
+        why = f"its layers of type {stateful} mix tokens along the sequence outside the attention mask"
+    elif convolution is not None:
+        why = f"its convolution along the sequence ({convolution}) carries state from one token to the next"
+    elif blind is not None:
+        why = (f"{blind.__name__}.forward builds its attention masks without position_ids, so transformers cannot "
+               "tell the packed examples apart")
+    else:
+        return
+    raise PackingError(
+        f"data.packing / data.padding_free cannot train {family}: {why}, and each packed example would see the ones "
+        "before it; set data.packing=false and data.padding_free=false (--packing false --padding_free false)")
+
+
+@functools.cache
+def _builds_masks_without_positions(cls: type) -> bool:
+    """Whether ``cls.forward`` calls transformers' mask functions (``create_causal_mask(config=...,
+    inputs_embeds=...)`` and kin) without ``position_ids``, the argument packed-sequence detection reads."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):  # no Python source (builtins, compiled): nothing to read
+        return False
+    mask_arguments = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            mask_arguments.append({k.arg for k in node.keywords})
+        elif isinstance(node, ast.Dict):
+            mask_arguments.append({k.value for k in node.keys if isinstance(k, ast.Constant)})
+    mask_arguments = [names for names in mask_arguments if {"config", "inputs_embeds"} <= names]
+    return bool(mask_arguments) and not any("position_ids" in names for names in mask_arguments)
