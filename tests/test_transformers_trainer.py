@@ -4,7 +4,9 @@ One launch on 2 simulated nodes x 2 ranks (ep_size=2, memory_efficient_init) tra
 (attention and experts) and then a full-parameter run; one plain process runs plain
 ``transformers.Trainer`` on the same global batches. Per-step losses and gradient norms must agree
 (fp32), and the saved checkpoints must load with plain PEFT / transformers and give the logits
-the plain run's saved checkpoints give. A DeepSpeed ZeRO-3 config next to the strategy must end
+the plain run's saved checkpoints give. A third, full-parameter run with the model's load-balancing loss
+on must count it over the global batch: the plain process takes the global batch in one micro-batch.
+A DeepSpeed ZeRO-3 config next to the strategy must end
 every rank with one line naming it, before any weight is read.
 """
 
@@ -51,7 +53,7 @@ def runs(tiny_model, tmp_path_factory) -> dict:
     return {"strategy": result.rank_results(), "plain": _plain(tiny_model, root / "plain")}
 
 
-@pytest.mark.parametrize("run", ["lora", "full"])
+@pytest.mark.parametrize("run", ["lora", "full", "aux"])
 def test_hf_trainer_matches_one_process_plain_trainer(runs, run):
     plain = runs["plain"][run]
     for rank, result in runs["strategy"].items():

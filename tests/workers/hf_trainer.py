@@ -4,6 +4,9 @@ Both train a LoRA run (attention and experts), then a full-parameter run, on the
 checkpoint and the same global batches, and write per rank: each run's per-step losses and
 gradient norms, and rank 0 the logits on a probe batch of (LoRA) the saved adapter loaded with
 plain PEFT on this process, (full) the saved checkpoint loaded with plain ``from_pretrained``.
+A third run, full-parameter with the model's own load-balancing loss on (``output_router_logits``,
+``router_aux_loss_coef``), takes one micro-batch of the whole global batch in the plain process, so
+that its aux loss is the global batch's: the strategy's two micro-batches per rank must give the same.
 ``--mode refuse``: a DeepSpeed ZeRO-3 config next to the strategy; every rank must raise at once.
 """
 
@@ -19,6 +22,7 @@ import worker_common  # noqa: E402
 STEPS, SEQ, SAVE_STEP = 3, 16, 2
 LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
             target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+AUX_COEF = 0.5  # large, so that a locally counted aux loss would move the losses well past the tolerance
 ZERO3 = {"zero_optimization": {"stage": 3}, "train_micro_batch_size_per_gpu": "auto"}
 
 
@@ -36,11 +40,11 @@ def dataset(global_batch: int, vocab: int):
     return rows
 
 
-def training_args(output_dir: str, per_device: int, **extra):
+def training_args(output_dir: str, per_device: int, accumulation: int = 2, **extra):
     from transformers import TrainingArguments
 
     return TrainingArguments(
-        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=per_device, gradient_accumulation_steps=2,
+        output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=per_device, gradient_accumulation_steps=accumulation,
         learning_rate=1e-2, max_grad_norm=0.5, logging_steps=1, save_steps=SAVE_STEP, save_strategy="steps",
         train_sampling_strategy="sequential", use_cpu=True, report_to=[], seed=0, dataloader_num_workers=0,
         disable_tqdm=True, **extra)
@@ -70,21 +74,27 @@ def saved_logits(base: str, checkpoint: str, rows, lora: bool) -> list:
     return probe_logits(model, rows)
 
 
-def run(mode: str, base: str, out: str, lora: bool, world: int):
+def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = False):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, Trainer
 
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.integrations.transformers import with_strategy
 
-    name = "lora" if lora else "full"
+    name = "aux" if aux else "lora" if lora else "full"
     micro = 2  # per rank and micro-batch; one process takes the whole global batch
-    args = training_args(os.path.join(out, name), micro if mode == "strategy" else micro * world)
+    if aux and mode == "plain":  # one micro-batch of the global batch: the model's own aux loss is the global one
+        args = training_args(os.path.join(out, name), micro * world * 2, accumulation=1)
+    else:
+        args = training_args(os.path.join(out, name), micro if mode == "strategy" else micro * world)
     if mode == "strategy":
         strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
         model = strategy.from_pretrained(base, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if aux:  # what a user sets to train with the model's load-balancing loss
+        model.config.output_router_logits = True
+        model.config.router_aux_loss_coef = model.router_aux_loss_coef = AUX_COEF
     if lora:
         torch.manual_seed(0)  # the same fresh adapter in both runs
         model = get_peft_model(model, LoraConfig(**LORA))
@@ -95,7 +105,7 @@ def run(mode: str, base: str, out: str, lora: bool, world: int):
         trainer = Trainer(model=model, args=args, train_dataset=rows)
     trainer.train()
     result = history(trainer)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if int(os.environ.get("RANK", "0")) == 0 and not aux:
         result["saved_logits"] = saved_logits(base, os.path.join(out, name, f"checkpoint-{SAVE_STEP}"), rows, lora)
     return {name: result}
 
@@ -126,7 +136,8 @@ def main():
     if a.mode == "refuse":
         return refuse(a.model, a.out)
     return {**run(a.mode, a.model, a.out, lora=True, world=a.world),
-            **run(a.mode, a.model, a.out, lora=False, world=a.world)}
+            **run(a.mode, a.model, a.out, lora=False, world=a.world),
+            **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True)}
 
 
 if __name__ == "__main__":

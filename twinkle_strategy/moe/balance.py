@@ -26,6 +26,7 @@ the bias after each step from the global expert counts, as torchtitan's
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -111,6 +112,53 @@ class BalancingLoss:
                 f"router_aux_loss_coef: {type(self.owner).__name__}'s load-balancing loss ({theirs}) is not the "
                 f"Switch-Transformer form counted over the global batch here (which gives {ours} on the same "
                 "batch); set router_aux_loss_coef=0 for this model")
+
+
+@dataclasses.dataclass
+class GlobalBatchAuxLoss:
+    """The model's load-balancing loss, counted over the global batch, in place of its own local one.
+
+    Shared by twinkle's Trainer and the ``transformers.Trainer`` mixin: each training forward of a
+    (rank, micro-batch) adds ``coef * share`` to its loss; the shares add up, over ranks and micro-batches,
+    to the loss one process computes on the concatenated batch.
+    """
+
+    balancing: BalancingLoss
+    coef: float
+    checked: bool = False  # the model's own aux loss was compared with ours once
+
+    @classmethod
+    def replacing_model_term(cls, model: nn.Module, *, coef: float) -> GlobalBatchAuxLoss:
+        balancing = BalancingLoss.of(model)
+        balancing.silence_model_term()
+        return cls(balancing, coef)
+
+    def share(self, outputs, attention_mask: torch.Tensor | None,
+              router: RouterStats | None) -> tuple[torch.Tensor, RouterStats]:
+        """This forward's share of the global aux loss (``outputs`` from a forward with ``output_router_logits``),
+        and the global statistics it used: ``router`` (from :meth:`prepass`), or with ``None`` this forward's own
+        statistics summed over ranks (a collective: every rank must call it)."""
+        if getattr(outputs, "router_logits", None) is None:
+            raise ModelStructureError(f"router_aux_loss_coef: {type(self.balancing.owner).__name__} returned no "
+                                      "router_logits with output_router_logits=True; set router_aux_loss_coef=0")
+        local = self.balancing.statistics(outputs.router_logits, attention_mask)
+        if not self.checked:
+            self.balancing.check_matches_model(local, getattr(outputs, "aux_loss", None))
+            self.checked = True
+        router = router if router is not None else local.reduced()
+        return self.balancing.loss_part(local, router), router
+
+    @torch.no_grad()
+    def prepass(self, model: nn.Module, batches: Iterable[dict]) -> RouterStats:
+        """Router statistics of every micro-batch of a step (inputs without labels, on the device), summed over
+        ranks: one forward without gradients each, so that the first micro-batch's backward already sees the
+        whole global batch."""
+        total = None
+        for inputs in batches:
+            out = model(**inputs, output_router_logits=True)
+            stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"))
+            total = stats if total is None else total + stats
+        return total.reduced()
 
 
 def correction_biases(model: nn.Module) -> list[torch.Tensor]:

@@ -31,7 +31,7 @@ from twinkle_strategy.distributed.liveness import StatusBoard
 from twinkle_strategy.distributed.runtime import peak_rss_bytes
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
-from twinkle_strategy.moe.balance import BalancingLoss, correction_biases, update_correction_bias
+from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, correction_biases, update_correction_bias
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops
 from twinkle_strategy.moe.load import ExpertLoad
@@ -111,10 +111,9 @@ class Trainer:
         self.sampler: StepSampler | None = None
         self.flops: FlopsModel | None = None
         self.expert_load: ExpertLoad | None = None
-        self.balancing: BalancingLoss | None = None
+        self.balancing: GlobalBatchAuxLoss | None = None
         self.correction_biases: list = []
         self.save_report = None  # of this rank's last save
-        self._aux_checked = False
         self._board: StatusBoard | None = None
         self._preemption: PreemptionFlag | None = None
 
@@ -212,10 +211,8 @@ class Trainer:
         """Expert-load counting, the global-batch balancing loss, aux-loss-free biases, activation checkpointing."""
         args, model = self.args, self.model
         self.expert_load = _expert_load_or_none(model, ep_size=ep_size)
-        self.balancing = BalancingLoss.of(model) if args.router_aux_loss_coef > 0 else None
-        if self.balancing is not None:
-            self.balancing.silence_model_term()
-        self._aux_checked = False
+        self.balancing = (GlobalBatchAuxLoss.replacing_model_term(model, coef=args.router_aux_loss_coef)
+                          if args.router_aux_loss_coef > 0 else None)
         self.correction_biases = correction_biases(model) if args.load_balance_coeff > 0 else []
         if args.load_balance_coeff > 0 and not self.correction_biases:
             raise ValueError("load_balance_coeff > 0 needs routers with an e_score_correction_bias (DeepSeek-V3 "
@@ -285,32 +282,21 @@ class Trainer:
         # ranks, so scaling by the world size makes the result the global per-token mean.
         loss, aux = out.loss, torch.zeros((), device=out.loss.device)
         if self.balancing is not None:
-            local = self.balancing.statistics(out.router_logits, batch.get("attention_mask"))
-            if not self._aux_checked:
-                self.balancing.check_matches_model(local, out.aux_loss)
-                self._aux_checked = True
-            router = router if router is not None else local.reduced()
-            aux = self.balancing.loss_part(local, router)
+            aux, router = self.balancing.share(out, batch.get("attention_mask"), router)
         ((loss + self.args.router_aux_loss_coef * aux) * self.strategy.world_size).backward()
         return loss.detach(), aux.detach(), router
 
-    @torch.no_grad()
     def _router_prepass(self, batches: list[dict]):
-        """Router statistics of every micro-batch of the step, summed over ranks: one forward without
-        gradients first, so the first micro-batch's backward already sees the whole global batch."""
+        """Global router statistics of the step's micro-batches (:meth:`GlobalBatchAuxLoss.prepass`)."""
         if self.expert_load is not None:
             self.expert_load.active = False  # the training forwards count the load
-        total = None
         try:
-            for batch in batches:
-                inputs = {k: v.to(self.strategy.device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
-                out = self.model(**inputs, output_router_logits=True)
-                stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"))
-                total = stats if total is None else total + stats
+            return self.balancing.prepass(self.model, (
+                {k: v.to(self.strategy.device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
+                for batch in batches))
         finally:
             if self.expert_load is not None:
                 self.expert_load.active = True
-        return total.reduced()
 
     def train(self) -> list[dict]:
         state = self.setup()

@@ -21,6 +21,10 @@ What changes, and why:
   broadcast from rank 0. Settings that would shard again are refused in one line
   (:mod:`.refusals`). The data stays accelerate's: each rank its own part of every global batch.
 * Gradient norms and clipping span the expert and non-expert meshes.
+* Where the model adds its own load-balancing loss (``output_router_logits`` and
+  ``router_aux_loss_coef > 0``), its token fractions are counted over the global batch (every
+  rank, every micro-batch of the step), as twinkle's own Trainer does
+  (:class:`twinkle_strategy.moe.balance.GlobalBatchAuxLoss`).
 * Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
   (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
@@ -49,6 +53,7 @@ from twinkle_strategy.integrations.transformers.refusals import (
     refuse_transformers_expert_parallel,
 )
 from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
+from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
@@ -75,6 +80,47 @@ class StrategyTrainerMixin:
         mark_accelerate_prepared(self.model)  # accelerate must neither wrap it in DDP nor shard it again
         self.model_wrapped = self.model
         self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
+        self.global_aux_loss = _global_aux_loss_or_none(self.model)
+        if self.global_aux_loss is not None and getattr(self, "aux_loss_enabled", False):
+            self.aux_loss_enabled = False  # TRL's SFTTrainer would add the local aux loss once more
+        self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
+
+    # -- the model's load-balancing loss over the global batch
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        self._step_router_stats = None
+        if self.global_aux_loss is not None and len(batch_samples) > 1:
+            # Several micro-batches: the global counts must be known before the first one's backward.
+            self._step_router_stats = self._router_prepass(batch_samples)
+        return batch_samples, num_items_in_batch
+
+    def _router_prepass(self, batch_samples: list[dict]) -> RouterStats:
+        expert_load = self.step_metrics.expert_load
+        if expert_load is not None:
+            expert_load.active = False  # the training forwards count the load
+        self.model.train()
+        try:
+            return self.global_aux_loss.prepass(self.model, (
+                {k: v for k, v in self._prepare_inputs(batch).items() if k not in ("labels", "shift_labels")}
+                for batch in batch_samples))
+        finally:
+            if expert_load is not None:
+                expert_load.active = True
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        if self.global_aux_loss is None or not model.training:
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        loss, outputs = super().compute_loss(model, {**inputs, "output_router_logits": True}, return_outputs=True,
+                                             num_items_in_batch=num_items_in_batch)
+        share, _ = self.global_aux_loss.share(outputs, inputs.get("attention_mask"), self._step_router_stats)
+        # The shares add up over ranks and micro-batches to the global loss; FSDP averages gradients over the
+        # ranks, and training_step divides by the accumulation steps where the loss is a per-micro-batch mean.
+        scale = self.strategy.world_size
+        if (not self.model_accepts_loss_kwargs or num_items_in_batch is None) and self.compute_loss_func is None:
+            scale *= self.current_gradient_accumulation_steps
+        loss = loss + self.global_aux_loss.coef * share * scale
+        return (loss, outputs) if return_outputs else loss
 
     # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
     def training_step(self, model, inputs, *args, **kwargs):
@@ -137,6 +183,14 @@ class StrategyTrainerMixin:
         """Optimizer, scheduler and (same world size) RNG state of ``checkpoint``'s ``trainer_state/``."""
         load_trainer_state(checkpoint, self.model, self.strategy.ep_plan, optimizer=self.optimizer,
                            scheduler=self.lr_scheduler)
+
+
+def _global_aux_loss_or_none(model) -> GlobalBatchAuxLoss | None:
+    """Where the model adds its own load-balancing loss, the same loss counted over the global batch replaces it."""
+    owner = next((m for m in model.modules() if hasattr(m, "router_aux_loss_coef")), None)
+    if owner is None or not getattr(owner.config, "output_router_logits", False) or not owner.router_aux_loss_coef > 0:
+        return None
+    return GlobalBatchAuxLoss.replacing_model_term(model, coef=float(owner.router_aux_loss_coef))
 
 
 _CLASSES: dict[type, type] = {}
