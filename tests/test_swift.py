@@ -157,7 +157,8 @@ def lora_runs(swift_bin, tiny_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("swift_plain")
     fsdp = {"fsdp": "full_shard auto_wrap",
             "fsdp_config": {"fsdp_version": 2, "twinkle": {"ep_size": 2, "memory_efficient_init": False}}}
-    runs["plain"] = run_swift_sft(swift_bin, tiny_model, out, [*BATCH_2, *LORA_ARGS, "--fsdp", json.dumps(fsdp)], {})
+    runs["plain"] = run_swift_sft(swift_bin, tiny_model, out, [*BATCH_2, *LORA_ARGS, "--fsdp", json.dumps(fsdp)],
+                                  {"TWINKLE_PROBE_LEGACY_STATE": "1"})  # and the old plugin's state, aside
     out = tmp_path_factory.mktemp("swift_resume")
     checkpoint = runs["plain"]["run_dir"] / "checkpoint-5"
     runs["resume"] = run_swift_sft(swift_bin, tiny_model, out,
@@ -255,6 +256,28 @@ def test_swift_sft_resume_continues_exactly(lora_runs):
     assert sorted(resumed["losses"]) == list(range(6, MAX_STEPS + 1)), resumed["losses"]
     for step, loss in resumed["losses"].items():
         assert abs(loss - plain["losses"][step]) <= 1e-5, (step, resumed["losses"], plain["losses"])
+
+
+def test_swift_sft_reads_an_older_twinkle_state_once(lora_runs, swift_bin, tiny_model, tmp_path):
+    """A checkpoint as the plugin before its rebuild wrote it (per-rank twinkle_state/, no trainer_state/)
+    resumes at the same layout with the same losses, announced by one deprecation line; the next save is
+    the library's trainer_state/."""
+    plain = lora_runs["plain"]
+    old = tmp_path / "checkpoint-5"
+    shutil.copytree(plain["run_dir"] / "checkpoint-5", old, ignore=shutil.ignore_patterns("trainer_state"))
+    shutil.copytree(plain["probe_dir"] / "legacy" / "checkpoint-5", old, dirs_exist_ok=True)
+    assert sorted(p.name for p in (old / "twinkle_state").iterdir()) == ["rank0.pt", "rank1.pt"]
+    (tmp_path / "run").mkdir()
+    resumed = run_swift_sft(swift_bin, tiny_model, tmp_path / "run",
+                            [*BATCH_2, *LORA_ARGS, "--resume_from_checkpoint", str(old)], {"TWINKLE_EP_SIZE": "2"})
+    assert resumed["log"].count("holds twinkle_state/ (an older version's per-rank state") == 1, \
+        _tail(resumed["log"], 6000)
+    assert sorted(resumed["losses"]) == list(range(6, MAX_STEPS + 1)), resumed["losses"]
+    for step, loss in resumed["losses"].items():
+        assert abs(loss - plain["losses"][step]) <= 1e-5, (step, resumed["losses"], plain["losses"])
+        assert abs(resumed["grad_norms"][step] - plain["grad_norms"][step]) <= 1e-5, step
+    final = resumed["run_dir"] / f"checkpoint-{MAX_STEPS}"
+    assert (final / "trainer_state").is_dir() and not (final / "twinkle_state").exists()
 
 
 def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):

@@ -7,6 +7,10 @@ rank writes ``rank<R>.json`` (whether it read the checkpoint, its memory_efficie
 With an image-text dataset, ``logits.pt`` also holds ``image_text``: the first two training samples
 as swift's template and collator make them (token ids, pixel values, image grids), and the model's
 logits on them.
+With ``TWINKLE_PROBE_LEGACY_STATE=1``, every save also writes what the plugin before its rebuild (git
+d5f1785, ``_save_optimizer_and_scheduler``) wrote next to the weights: per-rank ``twinkle_state/rank<R>.pt``
+(the local shards of the trainable weights and of the optimizer state) and ``scheduler.pt``, under
+``$TWINKLE_PROBE_OUT/legacy/checkpoint-<step>/`` (not into the checkpoint: other tests resume from it).
 """
 
 import dataclasses
@@ -54,7 +58,35 @@ def probe_image_text(trainer, model, device) -> dict | None:
     return {"inputs": batch, "logits": logits}
 
 
+def write_legacy_state(directory: str, model, optimizer, scheduler) -> None:
+    """The old plugin's per-rank resume state, as it wrote it (same world size and ep_size to resume)."""
+    from twinkle_strategy.compat.transformers_internals import scheduler_file_name
+    from twinkle_strategy.distributed.dtensor import local_tensor
+    from twinkle_strategy.integrations.swift import plugin as swift_plugin
+
+    strategy = swift_plugin.get_strategy()
+    optimizer_state = optimizer.state_dict()
+    local = {
+        "layout": {"world_size": strategy.world_size, "ep_size": strategy.ep_size},
+        "params": {n: local_tensor(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad},
+        "optimizer": {
+            "state": {i: {k: local_tensor(v).clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                      for i, s in optimizer_state["state"].items()},
+            "param_groups": optimizer_state["param_groups"],
+        },
+    }
+    os.makedirs(os.path.join(directory, "twinkle_state"), exist_ok=True)
+    torch.save(local, os.path.join(directory, "twinkle_state", f"rank{strategy.rank}.pt"))
+    if strategy.rank == 0:
+        torch.save(scheduler.state_dict(), os.path.join(directory, scheduler_file_name()))
+
+
 class TwinkleProbe(TrainerCallback):
+
+    def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
+        if os.environ.get("TWINKLE_PROBE_LEGACY_STATE") == "1":
+            write_legacy_state(os.path.join(os.environ["TWINKLE_PROBE_OUT"], "legacy", f"checkpoint-{state.global_step}"),
+                               model, optimizer, lr_scheduler)
 
     def on_train_end(self, args, state, control, **kwargs):
         from twinkle_strategy.integrations.swift import plugin as swift_plugin

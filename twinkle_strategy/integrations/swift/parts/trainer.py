@@ -64,6 +64,7 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, strategy=get_strategy(), **kwargs)
+        self._legacy_state_of: tuple[str, dict | None] | None = None  # (checkpoint, its older per-rank state)
 
     @property
     def twinkle_strategy(self):
@@ -101,8 +102,14 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
         return super()._save_model(output_dir, state_dict)
 
     # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
+    def _legacy_state(self, checkpoint: str) -> dict | None:
+        """``checkpoint``'s older per-rank state, read (and announced) once for the weights and the optimizer."""
+        if self._legacy_state_of is None or self._legacy_state_of[0] != checkpoint:
+            self._legacy_state_of = (checkpoint, _legacy_local_state(checkpoint, self.strategy))
+        return self._legacy_state_of[1]
+
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        legacy = _legacy_local_state(resume_from_checkpoint, self.strategy)
+        legacy = self._legacy_state(resume_from_checkpoint)
         if legacy is not None:
             params = dict((model or self.model).named_parameters())
             with torch.no_grad():
@@ -121,7 +128,8 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or self.args.resume_only_model:
             return
-        legacy = _legacy_local_state(checkpoint, self.strategy)
+        legacy = self._legacy_state(checkpoint)
+        self._legacy_state_of = None  # read: its host copy is not needed any more
         if legacy is not None:
             self.optimizer.load_state_dict(_optimizer_from_local(legacy["optimizer"], self.optimizer))
             scheduler = os.path.join(checkpoint, scheduler_file_name())
