@@ -497,6 +497,19 @@ def test_plugin_options_from_environment_and_fsdp_json():
         resolve_options({"memory_efficient_init": "maybe"}, {})
 
 
+def test_plugin_refuses_async_save_before_any_weight_loads():
+    # resolve_options runs in swift's argument parsing, before any model is loaded (parts/arguments.py).
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, resolve_options
+
+    for env, fsdp in (({"TWINKLE_ASYNC_SAVE": "1"}, None), ({}, {"async_save": True}),
+                      ({"TWINKLE_ASYNC_SAVE": "soon"}, None)):
+        with pytest.raises(SwiftPluginError, match=r"(?i)async_save.*=.*: asynchronous saves are not served by the "
+                                                   r"swift plugin yet .*`twinkle-sft --async_save true`$"):
+            resolve_options(fsdp, env)
+    # off, as the default is: accepted, and not a strategy option
+    assert resolve_options({"async_save": False}, {"TWINKLE_ASYNC_SAVE": "0"}) == {"memory_efficient_init": True}
+
+
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
     from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, check_arguments
 

@@ -44,7 +44,7 @@ def get_strategy() -> NativeFSDPStrategy:
     """The process's NativeFSDPStrategy, built on first use from the options and swift's arguments."""
     if STATE.strategy is None:
         options = resolve_options(STATE.fsdp_options)
-        if options["sequence_parallel_size"] > 1:  # the same refusal as swift's own flag, before the model loads
+        if options.get("sequence_parallel_size", 1) > 1:  # the same refusal as swift's own flag, before the model loads
             raise SwiftPluginError(f"{env_var('sequence_parallel_size')}={options['sequence_parallel_size']}: "
                                    "sequence parallelism is not supported with the twinkle plugin yet; set it to 1, "
                                    "or train with twinkle-sft --sequence_parallel_size")
