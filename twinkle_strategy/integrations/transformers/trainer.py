@@ -24,7 +24,7 @@ What changes, and why:
 * Where the model adds its own load-balancing loss (``output_router_logits`` and
   ``router_aux_loss_coef > 0``), its token fractions are counted over the global batch (every
   rank, every micro-batch of the step), as twinkle's own Trainer does
-  (:class:`twinkle_strategy.moe.balance.GlobalBatchAuxLoss`).
+  (:class:`twinkle_strategy.moe.balance.GlobalBatchAuxLoss`); not yet under TRL's trainers.
 * Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
   (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
@@ -80,9 +80,9 @@ class StrategyTrainerMixin:
         mark_accelerate_prepared(self.model)  # accelerate must neither wrap it in DDP nor shard it again
         self.model_wrapped = self.model
         self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
-        self.global_aux_loss = _global_aux_loss_or_none(self.model)
-        if self.global_aux_loss is not None and getattr(self, "aux_loss_enabled", False):
-            self.aux_loss_enabled = False  # TRL's SFTTrainer would add the local aux loss once more
+        # TRL's trainers (their own ``aux_loss_enabled``) add the aux loss themselves to a loss built from fused
+        # forwards; theirs stays per micro-batch and rank until that path is wired and tested here.
+        self.global_aux_loss = None if hasattr(self, "aux_loss_enabled") else _global_aux_loss_or_none(self.model)
         self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
 
     # -- the model's load-balancing loss over the global batch
