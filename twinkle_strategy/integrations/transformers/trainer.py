@@ -63,6 +63,10 @@ logger = logging.getLogger(__name__)
 class StrategyTrainerMixin:
     """Placed before a ``transformers.Trainer`` subclass: trains the model through ``strategy``."""
 
+    # The model's own load-balancing loss is replaced by the global-batch one; False for trainer classes that
+    # set the model's coefficient and add the loss themselves (swift's).
+    replaces_model_aux_loss = True
+
     def __init__(self, *args, strategy: NativeFSDPStrategy, **kwargs) -> None:
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         refuse_conflicting_sharding(training_args)  # before the trainer class does anything with the model
@@ -82,7 +86,8 @@ class StrategyTrainerMixin:
         self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
         # TRL's trainers (their own ``aux_loss_enabled``) add the aux loss themselves to a loss built from fused
         # forwards; theirs stays per micro-batch and rank until that path is wired and tested here.
-        self.global_aux_loss = None if hasattr(self, "aux_loss_enabled") else _global_aux_loss_or_none(self.model)
+        serves = self.replaces_model_aux_loss and not hasattr(self, "aux_loss_enabled")
+        self.global_aux_loss = _global_aux_loss_or_none(self.model) if serves else None
         self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
 
     # -- the model's load-balancing loss over the global batch

@@ -62,6 +62,10 @@ def _optimizer_from_local(local: dict, optimizer) -> dict:
 class TwinkleTrainerMixin(StrategyTrainerMixin):
     """What swift's trainer needs beyond any transformers.Trainer: swift's save layout, its tuner's resume."""
 
+    # swift's --router_aux_loss_coef: swift sets the model's coefficient before every forward and adds the aux
+    # loss itself (per micro-batch and rank); the global-batch one is not wired into swift's loss yet.
+    replaces_model_aux_loss = False
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, strategy=get_strategy(), **kwargs)
         self._legacy_state_of: tuple[str, dict | None] | None = None  # (checkpoint, its older per-rank state)
