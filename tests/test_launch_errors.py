@@ -252,9 +252,9 @@ MISTAKES = [
     (["launch.nnodes=1", "launch.nproc_per_node=3", "--expert_parallel_size", "3"],
      "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible by ep_size 3; "
      "choose ep_size among [1]", ["launch.nnodes=1", "launch.nproc_per_node=3", "--expert_parallel_size", "1"]),
-    (["strategy.ep_size=8"], "strategy.ep_size (--expert_parallel_size): ep_size 8 needs 8 processes (or a "
-                             "multiple), this run has 4 (nodes x processes per node = 2 x 2); set "
-                             "launch.nproc_per_node=4, or a smaller ep_size",
+    (["strategy.ep_size=8"], "strategy.ep_size (--expert_parallel_size): ep_size 8 needs a multiple of 8 "
+                             "processes, this run has 4 (nodes x processes per node = 2 x 2); set "
+                             "launch.nproc_per_node=4, or ep_size among [1, 2, 4]",
      ["strategy.ep_size=8", "launch.nproc_per_node=4"]),
     # Every row truncated to nothing: used to fail after launch with a misleading "Rows need 'messages'" tail.
     (["data.max_length=8"], "data.max_length (--max_length): max_length=8 truncates every row to nothing to train "
@@ -269,12 +269,28 @@ MISTAKES = [
      ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
     # One node: the fix is the run test_the_suggested_fixes_start_the_run launches.
     (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=2"],
-     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs 2 processes (or a multiple), this run has 1 (nodes "
-     "x processes per node = 1 x 1); set launch.nproc_per_node=2, or a smaller ep_size",
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 1 (nodes "
+     "x processes per node = 1 x 1); set launch.nproc_per_node=2, or ep_size among [1]",
      ["launch.nnodes=1", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
+    # ep 3 in a world of 1: the divisibility by the 8 experts comes first (the world-size fix, 3 processes,
+    # used to be suggested here and then failed on the experts).
+    (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=3"],
+     "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible by ep_size 3; "
+     "choose ep_size among [1]", ["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=1"]),
+    # 3 nodes: processes per node for a world divisible by ep (ceil(ep / nodes) = 1 used to be suggested).
+    (["launch.nnodes=3", "launch.nproc_per_node=1", "strategy.ep_size=2"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
+     "x processes per node = 3 x 1); set launch.nproc_per_node=2, or ep_size among [1]",
+     ["launch.nnodes=3", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
+    # ep and sp both misfit: the suggested world fits both (lcm 4), and ep x sp = 8 may exceed it (issue 27).
+    (["launch.nnodes=1", "launch.nproc_per_node=3", "strategy.ep_size=2", "--sequence_parallel_size", "4"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
+     "x processes per node = 1 x 3); set launch.nproc_per_node=4, or ep_size among [1]",
+     ["launch.nnodes=1", "launch.nproc_per_node=4", "strategy.ep_size=2", "--sequence_parallel_size", "4"]),
 ]
 MISTAKE_IDS = ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
-               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node"]
+               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
+               "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp"]
 
 
 @pytest.mark.parametrize("args,expected,fix", MISTAKES, ids=MISTAKE_IDS)
@@ -335,8 +351,8 @@ def test_world_size_fix_names_the_setting_the_launch_reads(monkeypatch, capsys, 
     args = [DEMO, f"data.dataset={DATASET}", "strategy.ep_size=4"]
     assert cli.main(args) == 2
     assert capsys.readouterr().err == (
-        "twinkle-sft: error: strategy.ep_size (--expert_parallel_size): ep_size 4 needs 4 processes (or a multiple), "
-        "this run has 2 (the launch's world size); set NPROC_PER_NODE=2, or a smaller ep_size\n")
+        "twinkle-sft: error: strategy.ep_size (--expert_parallel_size): ep_size 4 needs a multiple of 4 processes, "
+        "this run has 2 (the launch's world size); set NPROC_PER_NODE=2, or ep_size among [1, 2]\n")
     monkeypatch.setenv("NPROC_PER_NODE", "2")
     recipe = cli.parse(args)
     # The simulated nodes the demo launches read the same variable: 2 nodes x 2 ranks, the world it was checked for.
