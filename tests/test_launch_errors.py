@@ -152,6 +152,7 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
 def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     """Through the torchrun re-launch (2 ranks on one node): 17 of 20 rows are trained on, one warning."""
     from twinkle_strategy.train.launcher import free_port
+    from twinkle_strategy.train.versions import startup_line
 
     dataset = twenty_rows_three_bad(tmp_path / "bad20.jsonl")
     out = tmp_path / "out"
@@ -172,6 +173,9 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     assert warning in (run_dir / "logs" / "rank0.log").read_text()
     assert "rows that cannot become" not in (run_dir / "logs" / "rank1.log").read_text()  # once per run
     assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
+    # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
+    assert proc.stderr.count(f"{startup_line()}\ntwinkle-sft: torchrun, 2 ranks on this node;") == 1, proc.stderr[:3000]
+    assert proc.stderr.count(" within the tested ranges ") == 1
 
 
 # ------------------------------------------------------------------- the pieces, without processes
@@ -379,3 +383,30 @@ def test_swift_flags_and_key_value_in_any_order_train(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(only_run_dir(tmp_path / "out") / "logging.jsonl") as f:
         assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/2", "2/2"]
+    # One process: the versions, in a line of their own, once, before training starts.
+    from twinkle_strategy.train.versions import startup_line
+
+    err = "\n" + proc.stderr
+    assert err.count(f"\n{startup_line()}\n") == 1 and err.count(" within the tested ranges ") == 1, err[:3000]
+    assert err.index(startup_line()) < err.index("Train:"), err[:3000]
+
+
+def test_startup_line_names_a_version_outside_its_tested_range():
+    """The run's start-up line says in one line what ``--version`` says in four: within, outside, or unknown."""
+    from packaging.specifiers import SpecifierSet
+
+    from twinkle_strategy.train.versions import PackageVersion, startup_line, version_text
+
+    tested = [PackageVersion("torch", "2.13.0+cpu", SpecifierSet(">=2.13")),
+              PackageVersion("transformers", "5.24.0", SpecifierSet(">=5.19,<5.25")),
+              PackageVersion("peft", "0.21.2", SpecifierSet(">=0.20,<0.22"))]
+    assert startup_line(tested).endswith(" with torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2: within the "
+                                         "tested ranges (twinkle-sft --version)")
+    outside = [tested[0], PackageVersion("transformers", "5.25.0", SpecifierSet(">=5.19,<5.25")), tested[2]]
+    line = startup_line(outside)
+    assert line.endswith(": transformers 5.25.0 is OUTSIDE the tested range transformers<5.25,>=5.19 "
+                         "(twinkle-sft --version)") and "\n" not in line, line
+    assert "  transformers 5.25.0 (tested transformers<5.25,>=5.19; OUTSIDE the tested range)" in version_text(outside)
+    unknown = [PackageVersion("torch", "2.13.0", None), *tested[1:]]
+    assert startup_line(unknown).endswith(": tested ranges unknown (twinkle_strategy is on PYTHONPATH, not "
+                                          "installed) (twinkle-sft --version)")
