@@ -41,9 +41,10 @@ from twinkle_strategy.errors import ParallelConfigError
 logger = logging.getLogger(__name__)
 
 # twinkle-sft checks its recipe before launch and names the exact count there; a script that builds the strategy
-# itself only learns here. The recipe's launch section sets the world (NPROC_PER_NODE, swift's, wins over it).
-_TWINKLE_SFT_FIX = ("with twinkle-sft: set launch.nproc_per_node so that nodes x processes per node is a "
-                    "multiple of {size}")
+# itself, or swift with the plugin, only learns here. twinkle-sft's world is its recipe's launch section (swift's
+# NPROC_PER_NODE, when set, wins over it); swift's is NPROC_PER_NODE.
+_TWINKLE_SFT_FIX = ("with twinkle-sft set launch.nproc_per_node, with swift sft NPROC_PER_NODE, so that nodes x "
+                    "processes per node is a multiple of {size}")
 
 
 @dataclasses.dataclass
