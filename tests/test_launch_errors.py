@@ -326,6 +326,8 @@ def test_the_suggested_fixes_start_the_run(tmp_path):
     """The fixes the one-line errors above suggest, applied as the message says, train (issue 31: the fix once
     suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way). Two launches: the expert-divisibility
     fix (3 ranks, ep 1) together with the max_length and type fixes, and the world-size fix (2 ranks, ep 2)."""
+    from twinkle_strategy.train.launcher import free_port
+
     mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
     # Each fix applied below, as its message words it.
     named = {"experts": "choose ep_size among [1]", "max-length": "e.g. --max_length 37",
@@ -336,7 +338,8 @@ def test_the_suggested_fixes_start_the_run(tmp_path):
             assert named[fix_id] in mistakes[fix_id][1], fix_id
         out = tmp_path / "-".join(fix_ids)
         proc = run_cli([DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}", "launch.simulated_nodes=false",
-                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path)
+                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path,
+                       env={"MASTER_PORT": str(free_port())})  # not 29500, which a run beside this one may hold
         assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
         with open(only_run_dir(out) / "logging.jsonl") as f:
             assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/1"], fix_ids
