@@ -51,6 +51,17 @@ venv_path() {
 # What a process using one of these envs needs in its environment: this checkout's package.
 venv_pythonpath() { echo "$TWINKLE_REPO${PYTHONPATH:+:$PYTHONPATH}"; }
 
+# .venv, the checkout's own env (scripts/_env.sh): its stamp, .venv/.twinkle-env, is a hash of this checkout's
+# path, its constraints and setup.py.
+dot_venv_stamp() { { echo "$TWINKLE_REPO"; cat "$1" "$TWINKLE_REPO/setup.py"; } | sha256sum | cut -c1-64; }
+
+# True (pip is skipped) when the virtualenv DIR has the stamp of CONSTRAINTS and its installed versions are their
+# pins; tests/test_scripts_env.py runs it on a throwaway layout, never on the real .venv.
+dot_venv_is_current() {
+  [ "$(cat "$1/.twinkle-env" 2>/dev/null)" = "$(dot_venv_stamp "$2")" ] &&
+    "$1/bin/python" "$TWINKLE_REPO/scripts/venv_current.py" "$2" 2>/dev/null
+}
+
 venv_is_current() {
   [ -f "$1/.twinkle-complete" ] && "$1/bin/python" "$TWINKLE_REPO/scripts/venv_current.py" "$2"
 }

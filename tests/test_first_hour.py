@@ -147,3 +147,61 @@ def test_expert_load_heatmap_labels_every_expert_and_layer(tmp_path):
     assert all(f"layer {layer} expert 0" in shown for layer in range(48)) and len(shown) <= 2 * MAX_LABELLED_ROWS
     plt.close(fig)
     assert plot_expert_load(str(tmp_path), [5, 10, 15], counts) == str(tmp_path / "images" / "expert_load.png")
+
+
+def _throwaway_checkout(tmp_path):
+    """A copy of the scripts with a .venv whose python is this interpreter, except that ``python -m pip`` only
+    notes its call in pip-calls.log (an install would go into the real environment); constraints.txt pins what
+    this interpreter has installed, so that the copy's .venv is current once stamped."""
+    repo = tmp_path / "checkout"
+    (repo / ".venv" / "bin").mkdir(parents=True)
+    (repo / "scripts").mkdir()
+    for name in ("_env.sh", "_venvs.sh", "venv_current.py"):
+        (repo / "scripts" / name).write_text((REPO / "scripts" / name).read_text())
+    (repo / "setup.py").write_text((REPO / "setup.py").read_text())
+    (repo / "constraints.txt").write_text(
+        "".join(f"{name}=={metadata.version(name)}\n" for name in ("torch", "transformers", "peft")))
+    python = repo / ".venv" / "bin" / "python"
+    python.write_text(f'#!/bin/sh\nif [ "$1 $2" = "-m pip" ]; then echo "$*" >> "{tmp_path}/pip-calls.log"; '
+                      f'exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    python.chmod(0o755)
+    (repo / ".venv" / "bin" / "activate").write_text(f'PATH="{repo}/.venv/bin:$PATH"\n')
+    return repo
+
+
+def test_scripts_install_into_dot_venv_only_when_it_is_stale(tmp_path):
+    """Issue 31 point 5: every scripts/*.sh run used to reinstall the package. scripts/_env.sh on a throwaway
+    checkout (never the real .venv): pip runs for a .venv without the stamp, not again once it is current, and
+    again when constraints.txt changes; the decision also catches a version that differs from its pin."""
+    repo = _throwaway_checkout(tmp_path)
+    log = tmp_path / "pip-calls.log"
+
+    def source_env():
+        proc = subprocess.run(["bash", "-c", "source scripts/_env.sh"], cwd=repo, capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0, proc
+        calls = log.read_text().splitlines() if log.exists() else []
+        log.unlink(missing_ok=True)
+        return calls, proc.stderr
+
+    calls, err = source_env()  # a fresh .venv: no stamp
+    assert len(calls) == 2 and "-e .[test]" in calls[1] and "installing the pinned set" in err, (calls, err)
+    assert (repo / ".venv" / ".twinkle-env").read_text().strip()
+    assert source_env() == ([], "")  # current: no pip, not a line
+    with open(repo / "constraints.txt", "a") as f:
+        f.write("# a new pin would go here\n")  # the stamp hashes constraints.txt and setup.py
+    calls, _ = source_env()
+    assert len(calls) == 2, calls
+    assert source_env() == ([], "")
+
+    def is_current(constraints):
+        return subprocess.run(["bash", "-c", 'source scripts/_venvs.sh && dot_venv_is_current .venv "$0"',
+                               constraints], cwd=repo, capture_output=True, timeout=60).returncode == 0
+
+    assert is_current("constraints.txt")
+    # A stamp that matches, but an installed version that differs from its pin (say, a pip install by hand).
+    stale = repo / "stale.txt"
+    stale.write_text(f"peft=={metadata.version('peft')}.post9\n")
+    subprocess.run(["bash", "-c", 'source scripts/_venvs.sh && dot_venv_stamp "$0" > .venv/.twinkle-env',
+                    str(stale)], cwd=repo, check=True, timeout=60)
+    assert not is_current(str(stale))

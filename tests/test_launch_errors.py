@@ -152,6 +152,7 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
 def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     """Through the torchrun re-launch (2 ranks on one node): 17 of 20 rows are trained on, one warning."""
     from twinkle_strategy.train.launcher import free_port
+    from twinkle_strategy.train.versions import startup_line
 
     dataset = twenty_rows_three_bad(tmp_path / "bad20.jsonl")
     out = tmp_path / "out"
@@ -172,6 +173,9 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     assert warning in (run_dir / "logs" / "rank0.log").read_text()
     assert "rows that cannot become" not in (run_dir / "logs" / "rank1.log").read_text()  # once per run
     assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
+    # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
+    assert proc.stderr.count(f"{startup_line()}\ntwinkle-sft: torchrun, 2 ranks on this node;") == 1, proc.stderr[:3000]
+    assert proc.stderr.count(" within the tested ranges ") == 1
 
 
 # ------------------------------------------------------------------- the pieces, without processes
@@ -252,9 +256,9 @@ MISTAKES = [
     (["launch.nnodes=1", "launch.nproc_per_node=3", "--expert_parallel_size", "3"],
      "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible by ep_size 3; "
      "choose ep_size among [1]", ["launch.nnodes=1", "launch.nproc_per_node=3", "--expert_parallel_size", "1"]),
-    (["strategy.ep_size=8"], "strategy.ep_size (--expert_parallel_size): ep_size 8 needs 8 processes (or a "
-                             "multiple), this run has 4 (nodes x processes per node = 2 x 2); set "
-                             "launch.nproc_per_node=4, or a smaller ep_size",
+    (["strategy.ep_size=8"], "strategy.ep_size (--expert_parallel_size): ep_size 8 needs a multiple of 8 "
+                             "processes, this run has 4 (nodes x processes per node = 2 x 2); set "
+                             "launch.nproc_per_node=4, or ep_size among [1, 2, 4]",
      ["strategy.ep_size=8", "launch.nproc_per_node=4"]),
     # Every row truncated to nothing: used to fail after launch with a misleading "Rows need 'messages'" tail.
     (["data.max_length=8"], "data.max_length (--max_length): max_length=8 truncates every row to nothing to train "
@@ -269,12 +273,28 @@ MISTAKES = [
      ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
     # One node: the fix is the run test_the_suggested_fixes_start_the_run launches.
     (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=2"],
-     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs 2 processes (or a multiple), this run has 1 (nodes "
-     "x processes per node = 1 x 1); set launch.nproc_per_node=2, or a smaller ep_size",
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 1 (nodes "
+     "x processes per node = 1 x 1); set launch.nproc_per_node=2, or ep_size among [1]",
      ["launch.nnodes=1", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
+    # ep 3 in a world of 1: the divisibility by the 8 experts comes first (the world-size fix, 3 processes,
+    # used to be suggested here and then failed on the experts).
+    (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=3"],
+     "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible by ep_size 3; "
+     "choose ep_size among [1]", ["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=1"]),
+    # 3 nodes: processes per node for a world divisible by ep (ceil(ep / nodes) = 1 used to be suggested).
+    (["launch.nnodes=3", "launch.nproc_per_node=1", "strategy.ep_size=2"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
+     "x processes per node = 3 x 1); set launch.nproc_per_node=2, or ep_size among [1]",
+     ["launch.nnodes=3", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
+    # ep and sp both misfit: the suggested world fits both (lcm 4), and ep x sp = 8 may exceed it (issue 27).
+    (["launch.nnodes=1", "launch.nproc_per_node=3", "strategy.ep_size=2", "--sequence_parallel_size", "4"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
+     "x processes per node = 1 x 3); set launch.nproc_per_node=4, or ep_size among [1]",
+     ["launch.nnodes=1", "launch.nproc_per_node=4", "strategy.ep_size=2", "--sequence_parallel_size", "4"]),
 ]
 MISTAKE_IDS = ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
-               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node"]
+               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
+               "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp"]
 
 
 @pytest.mark.parametrize("args,expected,fix", MISTAKES, ids=MISTAKE_IDS)
@@ -306,6 +326,8 @@ def test_the_suggested_fixes_start_the_run(tmp_path):
     """The fixes the one-line errors above suggest, applied as the message says, train (issue 31: the fix once
     suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way). Two launches: the expert-divisibility
     fix (3 ranks, ep 1) together with the max_length and type fixes, and the world-size fix (2 ranks, ep 2)."""
+    from twinkle_strategy.train.launcher import free_port
+
     mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
     # Each fix applied below, as its message words it.
     named = {"experts": "choose ep_size among [1]", "max-length": "e.g. --max_length 37",
@@ -316,7 +338,8 @@ def test_the_suggested_fixes_start_the_run(tmp_path):
             assert named[fix_id] in mistakes[fix_id][1], fix_id
         out = tmp_path / "-".join(fix_ids)
         proc = run_cli([DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}", "launch.simulated_nodes=false",
-                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path)
+                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path,
+                       env={"MASTER_PORT": str(free_port())})  # not 29500, which a run beside this one may hold
         assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
         with open(only_run_dir(out) / "logging.jsonl") as f:
             assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/1"], fix_ids
@@ -335,8 +358,8 @@ def test_world_size_fix_names_the_setting_the_launch_reads(monkeypatch, capsys, 
     args = [DEMO, f"data.dataset={DATASET}", "strategy.ep_size=4"]
     assert cli.main(args) == 2
     assert capsys.readouterr().err == (
-        "twinkle-sft: error: strategy.ep_size (--expert_parallel_size): ep_size 4 needs 4 processes (or a multiple), "
-        "this run has 2 (the launch's world size); set NPROC_PER_NODE=2, or a smaller ep_size\n")
+        "twinkle-sft: error: strategy.ep_size (--expert_parallel_size): ep_size 4 needs a multiple of 4 processes, "
+        "this run has 2 (the launch's world size); set NPROC_PER_NODE=2, or ep_size among [1, 2]\n")
     monkeypatch.setenv("NPROC_PER_NODE", "2")
     recipe = cli.parse(args)
     # The simulated nodes the demo launches read the same variable: 2 nodes x 2 ranks, the world it was checked for.
@@ -363,3 +386,30 @@ def test_swift_flags_and_key_value_in_any_order_train(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     with open(only_run_dir(tmp_path / "out") / "logging.jsonl") as f:
         assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/2", "2/2"]
+    # One process: the versions, in a line of their own, once, before training starts.
+    from twinkle_strategy.train.versions import startup_line
+
+    err = "\n" + proc.stderr
+    assert err.count(f"\n{startup_line()}\n") == 1 and err.count(" within the tested ranges ") == 1, err[:3000]
+    assert err.index(startup_line()) < err.index("Train:"), err[:3000]
+
+
+def test_startup_line_names_a_version_outside_its_tested_range():
+    """The run's start-up line says in one line what ``--version`` says in four: within, outside, or unknown."""
+    from packaging.specifiers import SpecifierSet
+
+    from twinkle_strategy.train.versions import PackageVersion, startup_line, version_text
+
+    tested = [PackageVersion("torch", "2.13.0+cpu", SpecifierSet(">=2.13")),
+              PackageVersion("transformers", "5.24.0", SpecifierSet(">=5.19,<5.25")),
+              PackageVersion("peft", "0.21.2", SpecifierSet(">=0.20,<0.22"))]
+    assert startup_line(tested).endswith(" with torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2: within the "
+                                         "tested ranges (twinkle-sft --version)")
+    outside = [tested[0], PackageVersion("transformers", "5.25.0", SpecifierSet(">=5.19,<5.25")), tested[2]]
+    line = startup_line(outside)
+    assert line.endswith(": transformers 5.25.0 is OUTSIDE the tested range transformers<5.25,>=5.19 "
+                         "(twinkle-sft --version)") and "\n" not in line, line
+    assert "  transformers 5.25.0 (tested transformers<5.25,>=5.19; OUTSIDE the tested range)" in version_text(outside)
+    unknown = [PackageVersion("torch", "2.13.0", None), *tested[1:]]
+    assert startup_line(unknown).endswith(": tested ranges unknown (twinkle_strategy is on PYTHONPATH, not "
+                                          "installed) (twinkle-sft --version)")

@@ -108,8 +108,8 @@ def test_split_batch_keeps_global_positions_and_shifts_labels_on_the_whole_row()
 @pytest.mark.parametrize("args,expected,fix", [
     (["launch.nnodes=1", "launch.nproc_per_node=2", "--sequence_parallel_size", "4"],
      "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size 4 needs a multiple of 4 "
-     "processes, this run has 2 (nodes x processes per node = 1 x 2); set launch.nproc_per_node=4, or a smaller "
-     "sequence_parallel_size",
+     "processes, this run has 2 (nodes x processes per node = 1 x 2); set launch.nproc_per_node=4, or "
+     "sequence_parallel_size among [1, 2]",
      ["launch.nnodes=1", "launch.nproc_per_node=4", "--sequence_parallel_size", "4"]),
     (["launch.nproc_per_node=4", "--sequence_parallel_size", "8"],
      "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size=8 must divide the 4 "

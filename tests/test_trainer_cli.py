@@ -176,8 +176,8 @@ def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run
                                            "strategy.memory_efficent_init=true; did you mean "
                                            "strategy.memory_efficient_init?"),
     ("train.max_steps=ten", "train.max_steps"),
-    ("strategy.ep_size=3", "strategy.ep_size (--expert_parallel_size): world size 4 is not divisible by ep_size 3; "
-                           "choose ep_size among [1, 2, 4]"),
+    ("strategy.ep_size=3", "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible "
+                           "by ep_size 3; choose ep_size among [1, 2, 4]"),
 ])
 def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
     import torch.distributed as dist

@@ -40,6 +40,12 @@ from twinkle_strategy.errors import ParallelConfigError
 
 logger = logging.getLogger(__name__)
 
+# twinkle-sft checks its recipe before launch and names the exact count there; a script that builds the strategy
+# itself, or swift with the plugin, only learns here. twinkle-sft's world is its recipe's launch section (swift's
+# NPROC_PER_NODE, when set, wins over it); swift's is NPROC_PER_NODE.
+_TWINKLE_SFT_FIX = ("with twinkle-sft set launch.nproc_per_node, with swift sft NPROC_PER_NODE, so that nodes x "
+                    "processes per node is a multiple of {size}")
+
 
 @dataclasses.dataclass
 class ParallelDims:
@@ -61,7 +67,7 @@ class ParallelDims:
         if w < ep:
             raise ParallelConfigError(
                 f"ep_size {ep} needs {ep} processes (or a multiple), this job has {w}: launch them, e.g. "
-                f"NPROC_PER_NODE={ep} twinkle-sft ... or torchrun --nproc_per_node {ep} your_script.py"
+                f"torchrun --nproc_per_node {ep} your_script.py ({_TWINKLE_SFT_FIX.format(size=ep)})"
             )
         if w % ep != 0:
             divisors = [d for d in range(1, w + 1) if w % d == 0]
@@ -85,7 +91,7 @@ class ParallelDims:
         if w < sp:
             raise ParallelConfigError(
                 f"sequence_parallel_size {sp} needs {sp} processes (or a multiple), this job has {w}: launch them, "
-                f"e.g. NPROC_PER_NODE={sp} twinkle-sft ... or torchrun --nproc_per_node {sp} your_script.py"
+                f"e.g. torchrun --nproc_per_node {sp} your_script.py ({_TWINKLE_SFT_FIX.format(size=sp)})"
             )
         if w % sp != 0:
             divisors = [d for d in range(1, w + 1) if w % d == 0]

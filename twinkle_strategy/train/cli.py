@@ -66,6 +66,7 @@ from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, l
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
 from twinkle_strategy.train.run import prepare_model_path, run_recipe
 from twinkle_strategy.train.run_dir import make_run_dir
+from twinkle_strategy.train.versions import startup_line, version_text
 
 # swift sft flag -> recipe key, help
 SWIFT_FLAGS: dict[str, tuple[str, str]] = {
@@ -167,34 +168,6 @@ def _shown(value: object) -> str:
     if isinstance(value, list | tuple):
         value = "[" + ", ".join(str(v) for v in value) + "]"
     return str(value).replace("%", "%%")
-
-
-def version_text() -> str:
-    """``twinkle-sft --version``: this package, the installed versions of what it reads internals of, and the
-    ranges ``setup.py`` declares tested (README "Tested versions"); a version outside its range is named."""
-    from importlib import metadata
-
-    from packaging.requirements import Requirement
-
-    import twinkle_strategy
-
-    try:
-        declared = {Requirement(r).name: Requirement(r) for r in metadata.requires("twinkle_strategy") or []
-                    if "extra ==" not in r}
-    except metadata.PackageNotFoundError:  # on PYTHONPATH, not installed (the swift env): no metadata
-        declared = {}
-    lines = [f"twinkle-sft {twinkle_strategy.__version__}"]
-    for name in ("torch", "transformers", "peft"):
-        try:
-            installed = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            installed = "not installed"
-        spec = declared.get(name)
-        tested = f"tested {name}{spec.specifier}" if spec else "tested range unknown (package not installed)"
-        outside = spec is not None and installed != "not installed" and \
-            not spec.specifier.contains(installed.split("+")[0], prereleases=True)
-        lines.append(f"  {name} {installed} ({tested}{'; OUTSIDE the tested range' if outside else ''})")
-    return "\n".join(lines)
 
 
 # A recipe override: a dotted key, '=', a value (tells a flag's list values from the overrides after them).
@@ -425,6 +398,7 @@ def _parse_and_launch(argv: list[str]) -> int:
     code = _launch_torchrun(argv, recipe)
     if code is not None:
         return code
+    print(startup_line(), file=sys.stderr, flush=True)
     run_recipe(recipe)  # one process: train here
     return 0
 
@@ -466,6 +440,8 @@ def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], nod
                 waiting: str | None = None) -> int:
     # Chosen here, not by rank 0, so the logs have a home even if the run fails before training.
     run_dir = make_run_dir(recipe.train.output_dir, recipe.train.add_version)
+    if 0 in ranks:  # the node of rank 0, once
+        print(startup_line(), file=sys.stderr, flush=True)
     print(f"twinkle-sft: {what}; rank {ranks[0]}'s output follows, every rank's is in {logs_dir(run_dir)}",
           file=sys.stderr, flush=True)
     if not run_logged(commands, run_dir, ranks, node_ranks, waiting):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import json
+import math
 import os
 
 from omegaconf import MISSING, DictConfig, OmegaConf
@@ -179,47 +180,89 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:
         world_size = planned_world_size(recipe)
-    ep = recipe.strategy.ep_size
+    # The model's own limits first, then the world size: a fix for the world (launch.nproc_per_node=...) is
+    # computed for sizes the model accepts, so applying it passes every check (issue 31: ep_size 3 in a world
+    # of 1 once suggested 3 processes, which then failed on the demo's 8 experts).
+    num_experts = _num_experts(recipe.model.path)
+    _check_experts(recipe, num_experts, world_size)
+    _check_sequence_parallel_model(recipe)
     where = (f"nodes x processes per node = {recipe.launch.nnodes} x {recipe.launch.nproc_per_node}"
              if "WORLD_SIZE" not in os.environ and "NPROC_PER_NODE" not in os.environ else "the launch's world size")
-    if world_size < ep:
-        per_node = -(-ep // int(os.environ.get("NNODES", recipe.launch.nnodes)))
-        # The setting the launch reads: swift's NPROC_PER_NODE, when set, wins over the recipe's launch section.
-        setting = "NPROC_PER_NODE" if "NPROC_PER_NODE" in os.environ else "launch.nproc_per_node"
-        reason = (f"ep_size {ep} needs {ep} processes (or a multiple), this run has {world_size} ({where}); "
-                  f"set {setting}={per_node}, or a smaller ep_size")
-        raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason)
-    _check_sequence_parallel(recipe, world_size, where)
+    _check_world_size(recipe, world_size, where, num_experts)
     try:
-        dims = ParallelDims(world_size=world_size, ep_size=ep, ep_fsdp_size=recipe.strategy.ep_fsdp_size)
+        ParallelDims(world_size=world_size, ep_size=recipe.strategy.ep_size, ep_fsdp_size=recipe.strategy.ep_fsdp_size)
     except TwinkleError as exc:
         reason = f"{exc} ({where} = {world_size})"
         raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason) from exc
-    num_experts = _num_experts(recipe.model.path)
-    if num_experts is not None and dims.ep_size > 1:
-        try:
-            dims.validate_num_experts(num_experts, where=recipe.model.path)
-        except TwinkleError as exc:
-            raise RecipeError(f"strategy.ep_size: {exc}", key="strategy.ep_size", reason=str(exc)) from exc
 
 
-def _check_sequence_parallel(recipe: Recipe, world_size: int, where: str) -> None:
-    """sequence_parallel_size against the world size and the model's attention heads (see parallel.py for how SP
-    groups are carved: they need sp | world, independently of ep)."""
-    sp, key = recipe.strategy.sequence_parallel_size, "strategy.sequence_parallel_size"
-    if sp == 1:
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _check_experts(recipe: Recipe, num_experts: int | None, world_size: int) -> None:
+    """Every EP rank holds the same number of experts: ep_size divides the model's experts."""
+    ep = recipe.strategy.ep_size
+    if num_experts is None or ep <= 1 or num_experts % ep == 0:
         return
-    if world_size < sp or world_size % sp:
-        per_node = -(-sp // recipe.launch.nnodes)
-        reason = (f"sequence_parallel_size {sp} needs a multiple of {sp} processes, this run has {world_size} "
-                  f"({where}); set launch.nproc_per_node={per_node}, or a smaller sequence_parallel_size")
-        raise RecipeError(f"{key}: {reason}", key=key, reason=reason)
-    config = _model_config(recipe.model.path)
+    # Choices that also divide this run's world, so the one picked passes the world-size check too.
+    choices = [d for d in _divisors(num_experts) if world_size % d == 0]
+    reason = (f"{recipe.model.path} has {num_experts} experts, not divisible by ep_size {ep}; "
+              f"choose ep_size among {choices}")
+    raise RecipeError(f"strategy.ep_size: {reason}", key="strategy.ep_size", reason=reason)
+
+
+def _check_sequence_parallel_model(recipe: Recipe) -> None:
+    """sequence_parallel_size against the model (whole attention heads per rank, attention layers only)."""
+    sp, key = recipe.strategy.sequence_parallel_size, "strategy.sequence_parallel_size"
+    config = _model_config(recipe.model.path) if sp > 1 else None
     if config is not None:
         try:
             check_sequence_parallel(config, sp)
         except TwinkleError as exc:
             raise RecipeError(f"{key}: {exc}", key=key, reason=str(exc)) from exc
+
+
+def _check_world_size(recipe: Recipe, world_size: int, where: str, num_experts: int | None) -> None:
+    """ep_size and sequence_parallel_size each divide the world size. They are carved independently (see
+    parallel.py), so ep x sp may exceed the world: the world needs a multiple of lcm(ep, sp), not of ep x sp."""
+    ep, sp = recipe.strategy.ep_size, recipe.strategy.sequence_parallel_size
+    if world_size % ep == 0 and world_size % sp == 0:
+        return
+    nnodes = int(os.environ.get("NNODES", recipe.launch.nnodes))
+    # The setting the launch reads: swift's NPROC_PER_NODE, when set, wins over the recipe's launch section.
+    setting = "NPROC_PER_NODE" if "NPROC_PER_NODE" in os.environ else "launch.nproc_per_node"
+    per_node = processes_per_node_for(nnodes=nnodes, ep_size=ep, sequence_parallel_size=sp,
+                                      ep_fsdp_size=recipe.strategy.ep_fsdp_size)
+    if world_size % ep:
+        key, size, name = "strategy.ep_size", ep, "ep_size"
+        choices = [d for d in _divisors(world_size) if num_experts is None or num_experts % d == 0]
+    else:
+        key, size, name = "strategy.sequence_parallel_size", sp, "sequence_parallel_size"
+        choices = [d for d in _divisors(world_size) if _model_takes_sequence_parallel(recipe, d)]
+    reason = (f"{name} {size} needs a multiple of {size} processes, this run has {world_size} ({where}); "
+              f"set {setting}={per_node}, or {name} among {choices}")
+    raise RecipeError(f"{key}: {reason}", key=key, reason=reason)
+
+
+def processes_per_node_for(*, nnodes: int, ep_size: int, sequence_parallel_size: int,
+                           ep_fsdp_size: int | None = None) -> int:
+    """The fewest processes per node whose world (``nnodes`` x it) ep_size and sequence_parallel_size both
+    divide (and equals ep_size x ep_fsdp_size when that is set, if some count can)."""
+    need = math.lcm(ep_size, sequence_parallel_size)
+    fits = [p for p in range(1, need * (ep_fsdp_size or 1) + 1) if (nnodes * p) % need == 0]
+    exact = [p for p in fits if ep_fsdp_size is not None and nnodes * p == ep_size * ep_fsdp_size]
+    return (exact or fits)[0]
+
+
+def _model_takes_sequence_parallel(recipe: Recipe, sp: int) -> bool:
+    config = _model_config(recipe.model.path) if sp > 1 else None
+    try:
+        if config is not None:
+            check_sequence_parallel(config, sp)
+    except TwinkleError:
+        return False
+    return True
 
 
 def _model_config(path: str):
