@@ -149,3 +149,29 @@ def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
     assert sorted(ranks) == list(range(8))
     for rank, data in ranks.items():
         check_case("deepseek_fp8", data["cases"]["deepseek_fp8"], rank)
+
+
+def test_keep_refusals_of_a_release_it_cannot_hold_name_a_fix_that_keep_accepts():
+    """A format the streamed init does not serve, or a release that cannot be streamed, cannot be kept: the fix is
+    dequantize with a whole load, not the whole load alone (which keep refuses when the strategy is made)."""
+    from transformers import PretrainedConfig
+
+    from twinkle_strategy.distributed.node import NodeTopology
+    from twinkle_strategy.errors import CheckpointError
+    from twinkle_strategy.loading import open_on_this_rank
+    from twinkle_strategy.quantized.formats import quant_format
+
+    awq = PretrainedConfig(quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(CheckpointError, match="'awq'.*quantized_base=dequantize with stream_checkpoint=False"):
+        quant_format(awq, quantized_base="keep")
+    with pytest.raises(CheckpointError, match=r"'awq'.*load it whole with NativeFSDPStrategy\(\.\.\., stream_check"):
+        quant_format(awq)  # dequantize: the whole load is the fix
+    unblocked = PretrainedConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    source = NodeTopology(num_nodes=1, local_world_size=1, node_ranks=((0,),), rank=0)
+    loaded_whole = []
+    with pytest.raises(CheckpointError, match="quantized_base=keep: /release cannot be streamed "
+                                              r"\(from_pretrained was given positional arguments\).*dequantize"):
+        open_on_this_rank("/release", unblocked, torch.bfloat16, topology=source, stream=True,
+                          full_load=lambda: loaded_whole.append(True), quantized_base="keep",
+                          blocker="from_pretrained was given positional arguments")
+    assert loaded_whole == []

@@ -34,7 +34,7 @@ from twinkle_strategy.checkpoint.model_files import save_model_config, save_mode
 from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
-from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.config import QuantizedBase, StrategyConfig
 from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
@@ -178,7 +178,8 @@ class NativeFSDPStrategy:
         config = config_from_text(text, os.path.join(path, "config.json"))
         check_sequence_parallel(config, self.dims.sp_size)
         return open_on_this_rank(path, config, dtype, topology=self.topology, stream=self.config.stream_checkpoint,
-                                 full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs)
+                                 full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs,
+                                 quantized_base=QuantizedBase(self.config.quantized_base))
 
     def resolved_model_path(self, path_or_id: str) -> str:
         """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not)."""
