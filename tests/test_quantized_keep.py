@@ -136,6 +136,16 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     with pytest.raises(FrozenWeightError, match="'w' is a frozen weight"):
         kept.copy_(want)
     assert torch.equal(torch.empty(20, 32, dtype=torch.bfloat16).copy_(kept), want)  # reading it out is fine
+    # The receiver's side: the shard in the model's dtype that to_empty allocated is freed as soon as the region
+    # is known to be kept, before its stored bytes are allocated (the init never holds both for one region).
+    from twinkle_strategy.quantized.kept import KeepingSink
+
+    shard = torch.empty(20, 32, dtype=torch.bfloat16)
+    sink = KeepingSink("w", shard, form, None)
+    assert shard.untyped_storage().nbytes() == 0 and sink.stored.numel() == stored.numel()
+    sink.write(stored[:100])
+    sink.write(stored[100:])
+    assert torch.equal(KeptWeight.of(sink.region()).values(), want)
 
 
 def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
