@@ -21,20 +21,47 @@ The export consumes the model (its adapters are merged away): call it once train
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import json
 import math
+import os
+import shutil
 
 import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.compat.torch_internals import replace_local_tensor
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 
-def merge_adapters(peft_model: nn.Module) -> nn.Module:
+class MergedFormat(str, enum.Enum):
+    """How a merged export stores the weights no adapter touched."""
+
+    BF16 = "bf16"  # every weight in the model's dtype: a plain checkpoint
+    # A quantized release's own files for them, byte for byte (quantized bytes and scales); each merged weight in
+    # the model's dtype, listed in quantization_config.modules_to_not_convert. Re-quantizing a merged weight is
+    # not exact (base + delta is not on the release's grid of block-scaled FP8/FP4 values), so it is not done.
+    RELEASE = "release"
+
+
+@dataclasses.dataclass
+class MergedModel:
+    """The transformers model after :func:`merge_adapters`, and what a save of it needs."""
+
+    model: nn.Module
+    ep_plan: ExpertParallelPlan | None  # the strategy's plan under the model's own names (PEFT's prefixes gone)
+    merged: set[str]  # the model's names of the weights an adapter was merged into
+
+
+def merge_adapters(peft_model: nn.Module, ep_plan: ExpertParallelPlan | None) -> MergedModel:
     """Merge ``peft_model``'s active adapters into its FSDP2 shards (collective) and return the transformers
     model without the adapters. Kept weights (``quantized_base: keep``) are never written: a merged one is
     replaced by a plain shard of its merged values."""
     from peft.tuners.lora import LoraLayer
+
+    peft_names = {id(param): name for name, param in peft_model.named_parameters()}
 
     merged: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # id(sharded parameter) -> (it, merged rows)
     units = [module for module in peft_model.modules() if isinstance(module, FSDPModule)]
@@ -55,7 +82,11 @@ def merge_adapters(peft_model: nn.Module) -> nn.Module:
     model = peft_model.unload()  # the LoRA layers replaced by their base layers: the same parameters
     for param, rows in merged.values():
         replace_local_tensor(param, rows)
-    return model
+    names = {peft_names[id(param)]: name for name, param in model.named_parameters()}
+    if ep_plan is not None:
+        ep_plan = dataclasses.replace(ep_plan, axes={names[old]: axis for old, axis in ep_plan.axes.items()
+                                                     if old in names})
+    return MergedModel(model, ep_plan, {names[peft_names[key]] for key in merged})
 
 
 def _owned_by(unit: nn.Module, name: str, units: list[nn.Module]) -> bool:
@@ -88,3 +119,78 @@ def _my_rows(param, full: torch.Tensor) -> torch.Tensor:
     if rows.shape != local.shape:
         raise AssertionError(f"merged rows {tuple(rows.shape)} do not fit the shard {tuple(local.shape)}")
     return rows
+
+
+MERGED_PREFIX = "model-merged"  # the files of the merged weights, next to the release's
+
+
+def assemble_release_format(release: str, merged_dir: str, directory: str, *, quantized_index) -> list[str]:
+    """Fill ``directory`` (one process) with ``release``'s files for every weight no adapter touched, byte for
+    byte, and the merged weights saved in ``merged_dir`` (model dtype, checkpoint keys) in place of theirs.
+
+    ``quantized_index`` (a :class:`~twinkle_strategy.quantized.formats.QuantizedIndex` of the release) names the
+    stored tensors of each checkpoint key: a merged FP8 weight drops its ``weight_scale_inv``, an MXFP4 one its
+    ``_blocks`` and ``_scales``. A release file that holds none of them is copied whole; one that does is
+    rewritten without them (its other tensors as stored). Returns the merged modules, which config.json lists in
+    ``quantization_config.modules_to_not_convert`` (transformers' quantizers then load them as they are)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    merged_keys = _index_keys(merged_dir)
+    dropped = set()
+    for key in merged_keys:
+        logical = quantized_index.tensors[key]
+        dropped |= {logical.data_key} | ({logical.scale_key} if logical.scale_key else set())
+    weight_map = {}
+    for file, keys in _files_of(release).items():
+        if not dropped & set(keys):
+            shutil.copyfile(os.path.join(release, file), os.path.join(directory, file))
+        else:
+            with safe_open(os.path.join(release, file), "pt") as reader:
+                kept = {key: reader.get_tensor(key) for key in keys if key not in dropped}
+                metadata = reader.metadata()
+            save_file(kept, os.path.join(directory, file), metadata=metadata)
+        weight_map.update({key: file for key in keys if key not in dropped})
+    for file, keys in _files_of(merged_dir).items():
+        renamed = MERGED_PREFIX + file.removeprefix("model")  # model-00001-of-00002.safetensors, model.safetensors
+        shutil.copyfile(os.path.join(merged_dir, file), os.path.join(directory, renamed))
+        weight_map.update({key: renamed for key in keys})
+    with open(os.path.join(directory, "model.safetensors.index.json"), "w") as out:
+        json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, out, indent=2)
+    modules = sorted({_module_of(key) for key in merged_keys})
+    with open(os.path.join(release, "config.json")) as source:
+        config = json.load(source)
+    spec = config["quantization_config"]
+    spec["modules_to_not_convert"] = sorted(set(spec.get("modules_to_not_convert") or []) | set(modules))
+    with open(os.path.join(directory, "config.json"), "w") as out:
+        json.dump(config, out, indent=2)
+    for name in os.listdir(release):  # tokenizer, generation config ...: as the release has them
+        if not name.endswith(".safetensors") and name not in ("model.safetensors.index.json", "config.json") \
+                and os.path.isfile(os.path.join(release, name)):
+            shutil.copyfile(os.path.join(release, name), os.path.join(directory, name))
+    return modules
+
+
+def _files_of(directory: str) -> dict[str, list[str]]:
+    """The safetensors files of a checkpoint directory and the keys each holds."""
+    from safetensors import safe_open
+
+    out = {}
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".safetensors"):
+            with safe_open(os.path.join(directory, file), "pt") as reader:
+                out[file] = list(reader.keys())
+    return out
+
+
+def _index_keys(directory: str) -> list[str]:
+    return sorted(key for keys in _files_of(directory).values() for key in keys)
+
+
+def _module_of(key: str) -> str:
+    """The module a checkpoint weight belongs to: ``...q_b_proj.weight`` -> ``...q_b_proj``; an experts
+    tensor (``...mlp.experts.gate_up_proj``, ``...experts.0.w1.weight``) -> its experts module."""
+    parts = key.split(".")
+    if "experts" in parts:
+        return ".".join(parts[:parts.index("experts") + 1])
+    return key.rsplit(".", 1)[0]
