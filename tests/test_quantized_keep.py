@@ -78,11 +78,30 @@ def check_case(name: str, case: dict, rank: int) -> None:
     assert 0 < case["decoded_peak"] <= case["largest_unit"] < case["kept_shards"], (where, case)
 
 
+def check_merged_export(name: str, export: dict) -> None:
+    """merge_lora of a keep run in the release's format, against the release and the dequantize run's bf16 export.
+
+    Every weight no adapter touched is the release's tensor byte for byte (quantized bytes and scales, same
+    dtype); each merged weight is bf16, replaces the release's quantized tensor and its scale, is listed in
+    modules_to_not_convert, and equals the dequantize run's merged weight bit for bit (the same decoded base and
+    the same adapters, merged by the same PEFT delta) and not the base's decoded values (the adapter is in).
+    Loaded back, the export holds exactly the bf16 export's values."""
+    where = (name, export["modules"])
+    assert export["merged"] and export["untouched"] and export["untouched_bytes_equal"], where
+    assert export["untouched_dtypes_equal"] and export["merged_dtypes"] == ["torch.bfloat16"], where
+    assert export["merged_equal_dequantize"] and export["merged_differs_from_base"], where
+    assert export["dropped"] and not set(export["dropped"]) & set(export["untouched"]), where
+    assert any(key.endswith(("_scale_inv", ".scale", "_scales")) for key in export["dropped"]), where
+    assert {m for m in export["modules_to_not_convert"]} >= set(export["modules"]) and \
+        any("experts" in m for m in export["modules"]) and any("attn" in m for m in export["modules"]), where
+    assert export["reloaded_equal_bf16"], where
+
+
 def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
     cases = [f"{name}={path}:{family}" for name, path, family in [
-        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save"),
-        ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4"),
-        ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss"),
+        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save+export"),
+        ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4+export"),
+        ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss+export"),
         ("refuse", releases["deepseek_fp8"], "refuse")]]
     result = launch("quantized_keep.py", ["--cases", ",".join(cases), "--save-root", str(tmp_path / "saved")],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=500)
@@ -99,6 +118,9 @@ def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
         assert rank != 0 or (fp8["adapter"] is not None and fp8["adapter"] == fp8["ref_adapter"]), rank
         assert fp8["resume"]["resumed"] == fp8["resume"]["continued"], (rank, fp8["resume"])
         assert fp8["resume"]["base_unchanged"], rank
+        if rank == 0:
+            for name in STORED_DTYPES:
+                check_merged_export(name, data["cases"][name]["export"])
         kinds = {name: set(data["cases"][name]["frozen_stored"]) for name in STORED_DTYPES}
         assert kinds == {"deepseek_fp8": {"fp8_block"}, "deepseek_v4": {"fp8_block", "fp4_block"},
                          "gpt_oss_mxfp4": {"mxfp4"}}, (rank, kinds)

@@ -32,8 +32,14 @@ from torch import nn
 from twinkle_strategy.checkpoint import is_peft_model, trainable_names
 from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.merged_export import MergedFormat, assemble_release_format, merge_adapters
-from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
+from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.merged_export import (
+    MergedFormat,
+    assemble_release_format,
+    merge_adapters,
+    release_keys_of,
+)
+from twinkle_strategy.checkpoint.model_files import plan_model_files, save_model_config, save_model_files
 from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
@@ -394,6 +400,7 @@ class NativeFSDPStrategy:
             raise ValueError("save_merged takes a PEFT model (its adapters are what is merged); "
                              "save a full model with save_pretrained")
         merged = merge_adapters(model, self.ep_plan)
+        self.ep_plan = merged.ep_plan  # the model the strategy wraps is now the merged one, under its own names
         if merged_format == MergedFormat.BF16:
             self.save_pretrained(merged.model, directory, max_shard_size=max_shard_size)
             return []
@@ -405,7 +412,7 @@ class NativeFSDPStrategy:
         staging = staging_path(directory)
         merged_dir = os.path.join(staging, ".merged-weights")
         step_done(on_rank0(lambda: os.makedirs(merged_dir)), "creating the directory")
-        save_model_files(merged_dir, merged.model, ep_plan=merged.ep_plan, stats=IOStats(), step_done=step_done,
+        save_model_files(merged_dir, merged.model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
                          max_file_bytes=file_size_bytes(max_shard_size), chunk_bytes=self.init_bucket_bytes,
                          names=merged.merged)
         modules: list[str] = []
@@ -414,7 +421,12 @@ class NativeFSDPStrategy:
             index = QuantizedIndex(SafetensorsIndex.from_directory(release), quant_format(load_config(release)),
                                    merged.model)
             try:
-                modules.extend(assemble_release_format(release, merged_dir, staging, quantized_index=index))
+                save_layout = plan_model_files(merged.model, self.ep_plan, names=merged.merged)[0]
+                release_layout = CheckpointLayout(index, merged.model, release,
+                                                  model_tensors=save_layout.model_tensors)
+                keys = release_keys_of(save_layout, release_layout, merged.merged)
+                modules.extend(assemble_release_format(release, merged_dir, staging, quantized_index=index,
+                                                       release_keys=keys))
             finally:
                 index.close()
             shutil.rmtree(merged_dir)

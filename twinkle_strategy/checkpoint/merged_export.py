@@ -124,9 +124,29 @@ def _my_rows(param, full: torch.Tensor) -> torch.Tensor:
 MERGED_PREFIX = "model-merged"  # the files of the merged weights, next to the release's
 
 
-def assemble_release_format(release: str, merged_dir: str, directory: str, *, quantized_index) -> list[str]:
+def release_keys_of(save_layout, release_layout, names: set[str]) -> dict[str, str]:
+    """Checkpoint key as saved -> the release's key for the same tensor, for the model tensors ``names``.
+
+    A save writes transformers' own key layout, which may name a tensor otherwise than the release does
+    (DeepSeek-V4-Flash ships its keys without ``model.``). Both layouts list, per model tensor and source
+    pattern of its rule, the checkpoint keys it is made of, in transformers' order: the pairs are read there."""
+    out = {}
+    for name in sorted(names):
+        saved, released = save_layout.recipes[name].sources, release_layout.recipes[name].sources
+        pairs = ([(saved[p], released[p]) for p in saved] if saved.keys() == released.keys()
+                 else [([k for keys in saved.values() for k in keys], [k for keys in released.values() for k in keys])])
+        for saved_keys, released_keys in pairs:
+            if len(saved_keys) != len(released_keys):
+                raise AssertionError(f"'{name}' is saved as {saved_keys} but the release has {released_keys}")
+            out.update(zip(saved_keys, released_keys, strict=True))
+    return out
+
+
+def assemble_release_format(release: str, merged_dir: str, directory: str, *, quantized_index,
+                            release_keys: dict[str, str]) -> list[str]:
     """Fill ``directory`` (one process) with ``release``'s files for every weight no adapter touched, byte for
-    byte, and the merged weights saved in ``merged_dir`` (model dtype, checkpoint keys) in place of theirs.
+    byte, and the merged weights saved in ``merged_dir`` (model dtype, checkpoint keys as saved, renamed by
+    ``release_keys`` to the release's) in place of theirs.
 
     ``quantized_index`` (a :class:`~twinkle_strategy.quantized.formats.QuantizedIndex` of the release) names the
     stored tensors of each checkpoint key: a merged FP8 weight drops its ``weight_scale_inv``, an MXFP4 one its
@@ -136,7 +156,7 @@ def assemble_release_format(release: str, merged_dir: str, directory: str, *, qu
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    merged_keys = _index_keys(merged_dir)
+    merged_keys = [release_keys[key] for key in _index_keys(merged_dir)]
     dropped = set()
     for key in merged_keys:
         logical = quantized_index.tensors[key]
@@ -153,8 +173,10 @@ def assemble_release_format(release: str, merged_dir: str, directory: str, *, qu
         weight_map.update({key: file for key in keys if key not in dropped})
     for file, keys in _files_of(merged_dir).items():
         renamed = MERGED_PREFIX + file.removeprefix("model")  # model-00001-of-00002.safetensors, model.safetensors
-        shutil.copyfile(os.path.join(merged_dir, file), os.path.join(directory, renamed))
-        weight_map.update({key: renamed for key in keys})
+        with safe_open(os.path.join(merged_dir, file), "pt") as reader:  # one file of merged weights at a time
+            save_file({release_keys[key]: reader.get_tensor(key) for key in keys}, os.path.join(directory, renamed),
+                      metadata=reader.metadata())
+        weight_map.update({release_keys[key]: renamed for key in keys})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as out:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, out, indent=2)
     modules = sorted({_module_of(key) for key in merged_keys})
