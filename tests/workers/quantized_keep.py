@@ -153,6 +153,22 @@ def checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def attention_oracle(adapter: dict, base: dict, exported: dict) -> dict:
+    """The merged attention weights against PEFT's Linear merge computed here in one process, from the saved
+    adapter and the release's decoded values: ``base + (B @ A) * alpha / r``, with the adapter in bf16 as FSDP2's
+    mixed precision gathers it for the forward and the export's merge. Independent of how the ranks split rows."""
+    checked = mismatched = 0
+    for key, merged in exported.items():
+        prefix = "base_model.model." + key.removesuffix(".weight")
+        if f"{prefix}.lora_A.weight" not in adapter:
+            continue
+        a, b = (adapter[f"{prefix}.lora_{x}.weight"].to(torch.bfloat16) for x in "AB")
+        want = base[key] + (b @ a) * 2.0  # lora_alpha 4 / r 2
+        checked += 1
+        mismatched += not torch.equal(merged, want)
+    return dict(checked=checked, mismatched=mismatched)
+
+
 def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dict | None:
     """merge_lora after the steps: keep's model in the release's format, dequantize's in bf16 (both consumed);
     then the release-format export loaded back (dequantize) and saved in bf16. Rank 0 compares the files."""
@@ -187,6 +203,11 @@ def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dic
     base = {key: index.read(key).to(torch.bfloat16) for key in merged_keys}  # the release's values, decoded
     index.close()
     reloaded = checkpoint_tensors(reloaded_dir)
+    adapter_dir = os.path.join(os.path.dirname(root), "keep-adapter")  # saved by the "save" flag, same state
+    if os.path.isdir(adapter_dir):
+        oracle = attention_oracle(checkpoint_tensors(adapter_dir), base, exported)
+    else:
+        oracle = None
     return dict(modules=modules, merged=sorted(merged_keys), untouched=untouched,
                 dropped=sorted(set(release) - set(exported)),
                 untouched_bytes_equal=all(torch.equal(as_bytes(exported[k]), as_bytes(release[k])) for k in untouched),
@@ -194,7 +215,7 @@ def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dic
                 merged_dtypes=sorted({str(exported[k].dtype) for k in merged_keys}),
                 merged_equal_dequantize=all(torch.equal(exported[k], by_release_key[k]) for k in merged_keys),
                 merged_differs_from_base=all(not torch.equal(exported[k], base[k]) for k in merged_keys),
-                reloaded_equal_bf16=sorted(reloaded) == sorted(bf16)
+                attention_oracle=oracle, reloaded_equal_bf16=sorted(reloaded) == sorted(bf16)
                 and all(torch.equal(reloaded[k], bf16[k]) for k in bf16),
                 modules_to_not_convert=json.load(open(os.path.join(release_dir, "config.json")))
                 ["quantization_config"]["modules_to_not_convert"])
