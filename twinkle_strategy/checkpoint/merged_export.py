@@ -13,7 +13,11 @@ Then PEFT's ``unload`` gives back the transformers model (the LoRA layers replac
 parameters the same FSDP2 ones), each merged weight's shard becomes its merged rows, and
 :meth:`NativeFSDPStrategy.save_pretrained <twinkle_strategy.strategy.NativeFSDPStrategy.save_pretrained>`
 writes it in the checkpoint's key layout, every rank its own rows. The frozen weights no adapter touched are
-written as they are held (a kept one decoded): a plain checkpoint in the model's dtype.
+written as they are held (a kept one decoded): a plain checkpoint in the model's dtype (``MergedFormat.BF16``).
+
+``MergedFormat.RELEASE`` saves only the merged weights that way, then one process assembles the directory from
+the release's own files (:func:`assemble_release_format`): every untouched tensor byte for byte, the merged
+ones under the release's keys.
 
 Peak memory: this rank's merged shards (the adapters' targets, in the model dtype) plus one gathered unit.
 The export consumes the model (its adapters are merged away): call it once training is done.
