@@ -78,11 +78,33 @@ def check_case(name: str, case: dict, rank: int) -> None:
     assert 0 < case["decoded_peak"] <= case["largest_unit"] < case["kept_shards"], (where, case)
 
 
+def check_merged_export(name: str, export: dict) -> None:
+    """merge_lora of a keep run in the release's format, against the release and the dequantize run's bf16 export.
+
+    Every weight no adapter touched is the release's tensor byte for byte (quantized bytes and scales, same
+    dtype); each merged weight is bf16, replaces the release's quantized tensor and its scale, is listed in
+    modules_to_not_convert, and equals the dequantize run's merged weight bit for bit (the same decoded base and
+    the same adapters, merged by the same PEFT delta) and not the base's decoded values (the adapter is in).
+    Loaded back, the export holds exactly the bf16 export's values."""
+    where = (name, export["modules"])
+    assert export["merged"] and export["untouched"] and export["untouched_bytes_equal"], where
+    assert export["untouched_dtypes_equal"] and export["merged_dtypes"] == ["torch.bfloat16"], where
+    assert export["merged_equal_dequantize"] and export["merged_differs_from_base"], where
+    assert export["dropped"] and not set(export["dropped"]) & set(export["untouched"]), where
+    assert any(key.endswith(("_scale_inv", ".scale", "_scales")) for key in export["dropped"]), where
+    assert {m for m in export["modules_to_not_convert"]} >= set(export["modules"]) and \
+        any("experts" in m for m in export["modules"]) and any("attn" in m for m in export["modules"]), where
+    assert export["reloaded_equal_bf16"], where
+    if name == "deepseek_fp8":  # the independent oracle, from the adapter the "save" flag wrote
+        assert export["attention_oracle"]["checked"] >= 6 and export["attention_oracle"]["mismatched"] == 0, \
+            (where, export["attention_oracle"])
+
+
 def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
     cases = [f"{name}={path}:{family}" for name, path, family in [
-        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save"),
-        ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4"),
-        ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss"),
+        ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save+export"),
+        ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4+export"),
+        ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss+export"),
         ("refuse", releases["deepseek_fp8"], "refuse")]]
     result = launch("quantized_keep.py", ["--cases", ",".join(cases), "--save-root", str(tmp_path / "saved")],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=500)
@@ -99,6 +121,9 @@ def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
         assert rank != 0 or (fp8["adapter"] is not None and fp8["adapter"] == fp8["ref_adapter"]), rank
         assert fp8["resume"]["resumed"] == fp8["resume"]["continued"], (rank, fp8["resume"])
         assert fp8["resume"]["base_unchanged"], rank
+        if rank == 0:
+            for name in STORED_DTYPES:
+                check_merged_export(name, data["cases"][name]["export"])
         kinds = {name: set(data["cases"][name]["frozen_stored"]) for name in STORED_DTYPES}
         assert kinds == {"deepseek_fp8": {"fp8_block"}, "deepseek_v4": {"fp8_block", "fp4_block"},
                          "gpt_oss_mxfp4": {"mxfp4"}}, (rank, kinds)
@@ -136,6 +161,16 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     with pytest.raises(FrozenWeightError, match="'w' is a frozen weight"):
         kept.copy_(want)
     assert torch.equal(torch.empty(20, 32, dtype=torch.bfloat16).copy_(kept), want)  # reading it out is fine
+    # The receiver's side: the shard in the model's dtype that to_empty allocated is freed as soon as the region
+    # is known to be kept, before its stored bytes are allocated (the init never holds both for one region).
+    from twinkle_strategy.quantized.kept import KeepingSink
+
+    shard = torch.empty(20, 32, dtype=torch.bfloat16)
+    sink = KeepingSink("w", shard, form, None)
+    assert shard.untyped_storage().nbytes() == 0 and sink.stored.numel() == stored.numel()
+    sink.write(stored[:100])
+    sink.write(stored[100:])
+    assert torch.equal(KeptWeight.of(sink.region()).values(), want)
 
 
 def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
@@ -149,3 +184,29 @@ def test_lora_over_a_kept_fp8_release_at_two_nodes_of_four(releases, tmp_path):
     assert sorted(ranks) == list(range(8))
     for rank, data in ranks.items():
         check_case("deepseek_fp8", data["cases"]["deepseek_fp8"], rank)
+
+
+def test_keep_refusals_of_a_release_it_cannot_hold_name_a_fix_that_keep_accepts():
+    """A format the streamed init does not serve, or a release that cannot be streamed, cannot be kept: the fix is
+    dequantize with a whole load, not the whole load alone (which keep refuses when the strategy is made)."""
+    from transformers import PretrainedConfig
+
+    from twinkle_strategy.distributed.node import NodeTopology
+    from twinkle_strategy.errors import CheckpointError
+    from twinkle_strategy.loading import open_on_this_rank
+    from twinkle_strategy.quantized.formats import quant_format
+
+    awq = PretrainedConfig(quantization_config={"quant_method": "awq", "bits": 4})
+    with pytest.raises(CheckpointError, match="'awq'.*quantized_base=dequantize with stream_checkpoint=False"):
+        quant_format(awq, quantized_base="keep")
+    with pytest.raises(CheckpointError, match=r"'awq'.*load it whole with NativeFSDPStrategy\(\.\.\., stream_check"):
+        quant_format(awq)  # dequantize: the whole load is the fix
+    unblocked = PretrainedConfig(quantization_config={"quant_method": "fp8", "weight_block_size": [16, 16]})
+    source = NodeTopology(num_nodes=1, local_world_size=1, node_ranks=((0,),), rank=0)
+    loaded_whole = []
+    with pytest.raises(CheckpointError, match="quantized_base=keep: /release cannot be streamed "
+                                              r"\(from_pretrained was given positional arguments\).*dequantize"):
+        open_on_this_rank("/release", unblocked, torch.bfloat16, topology=source, stream=True,
+                          full_load=lambda: loaded_whole.append(True), quantized_base="keep",
+                          blocker="from_pretrained was given positional arguments")
+    assert loaded_whole == []

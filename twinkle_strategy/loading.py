@@ -34,6 +34,7 @@ from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomple
 from twinkle_strategy.checkpoint.files import SafetensorsIndex, checkpoint_files
 from twinkle_strategy.checkpoint.layout import CheckpointLayout, Problem, raise_for_problems
 from twinkle_strategy.compat.transformers_internals import set_weight_conversions, weight_conversions
+from twinkle_strategy.config import QuantizedBase
 from twinkle_strategy.distributed.node import broadcast_from_source
 from twinkle_strategy.errors import (
     CheckpointError,  # noqa: F401  (raised here, importable from here)
@@ -318,13 +319,15 @@ def stream_blocker(path: str, config, kwargs: dict) -> str | None:
     return None
 
 
-def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None, **init_kwargs):
+def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None, *,
+                         quantized_base: QuantizedBase = QuantizedBase.DEQUANTIZE, **init_kwargs):
     """The model of ``path`` with placeholders for its weights, checked against the checkpoint's headers.
 
     Reads config and headers only. Raises :class:`CheckpointError` naming every
     missing, unexpected or wrong-shaped tensor, by checkpoint key.
     """
-    fmt = quant_format(config)  # a format we do not serve is refused here, before any read
+    # A format we do not serve is refused here, before any read, with the fix that fits quantized_base.
+    fmt = quant_format(config, quantized_base=quantized_base)
     drop_quantization_config(config)
     model = mark_quantized_release(build_meta_model(model_class or model_class_for(config), config, dtype,
                                                     **init_kwargs), fmt is not None)
@@ -341,23 +344,32 @@ def open_streaming_model(path: str, config, dtype: torch.dtype, model_class=None
 
 def open_on_this_rank(path: str, config, dtype: torch.dtype, *, topology, stream: bool,
                       full_load: Callable[[], nn.Module], model_class=None, kwargs: dict | None = None,
-                      blocker: str | None = None) -> nn.Module:
+                      blocker: str | None = None,
+                      quantized_base: QuantizedBase = QuantizedBase.DEQUANTIZE) -> nn.Module:
     """memory_efficient_init's model on this rank, from the checkpoint in ``path`` (``NativeFSDPStrategy.from_pretrained``
     and the swift plugin both load through here).
 
     A rank that is not its node's source builds the model on meta from ``config``. The source streams
     (:func:`open_streaming_model`: headers only now, its node's rows in ``wrap_model``) unless ``stream`` is False,
     the caller names a ``blocker``, or :func:`stream_blocker` finds one; then ``full_load()`` loads it whole.
+    ``quantized_base=keep`` needs the stream for a quantized release (a whole load dequantizes it), so a blocker
+    is then refused.
     """
     kwargs = kwargs or {}
     if not topology.is_source:
         return meta_skeleton(config, dtype, model_class=model_class, **init_kwargs(kwargs))
     if blocker is None:
         blocker = stream_blocker(path, config, kwargs) if stream else "stream_checkpoint=False"
+    if blocker is not None and QuantizedBase(quantized_base) == QuantizedBase.KEEP \
+            and getattr(config, "quantization_config", None):
+        raise CheckpointError(
+            f"quantized_base=keep: {path} cannot be streamed ({blocker}), and keep holds only what the streamed "
+            "init sends as stored; remove that cause, or set quantized_base=dequantize")
     if blocker is None:
         logger.info("memory_efficient_init: node %d streams %s: wrap_model reads only the rows this node keeps",
                     topology.node_index, path)
-        return open_streaming_model(path, config, dtype, model_class=model_class, **init_kwargs(kwargs))
+        return open_streaming_model(path, config, dtype, model_class=model_class, quantized_base=quantized_base,
+                                    **init_kwargs(kwargs))
     logger.info("memory_efficient_init: node %d loads %s whole in host memory (%s)", topology.node_index, path, blocker)
     return full_load()
 

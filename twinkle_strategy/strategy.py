@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -30,11 +31,19 @@ from torch import nn
 
 from twinkle_strategy.checkpoint import is_peft_model, trainable_names
 from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
-from twinkle_strategy.checkpoint.model_files import save_model_config, save_model_files
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.merged_export import (
+    MergedFormat,
+    assemble_release_format,
+    merge_adapters,
+    release_keys_of,
+)
+from twinkle_strategy.checkpoint.model_files import plan_model_files, save_model_config, save_model_files
 from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
-from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.config import QuantizedBase, StrategyConfig
 from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
@@ -45,6 +54,7 @@ from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, mo
 from twinkle_strategy.init.engine import InitReport, distribute
 from twinkle_strategy.loading import (
     config_from_text,
+    load_config,
     load_pretrained_strict,
     open_on_this_rank,
     read_config_text,
@@ -53,6 +63,7 @@ from twinkle_strategy.loading import (
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
+from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
 
@@ -178,7 +189,8 @@ class NativeFSDPStrategy:
         config = config_from_text(text, os.path.join(path, "config.json"))
         check_sequence_parallel(config, self.dims.sp_size)
         return open_on_this_rank(path, config, dtype, topology=self.topology, stream=self.config.stream_checkpoint,
-                                 full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs)
+                                 full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs,
+                                 quantized_base=QuantizedBase(self.config.quantized_base))
 
     def resolved_model_path(self, path_or_id: str) -> str:
         """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not)."""
@@ -367,6 +379,61 @@ class NativeFSDPStrategy:
         if tokenizer is not None:
             step_done(on_rank0(lambda: tokenizer.save_pretrained(staging)), "tokenizer")
         step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
+
+    def save_merged(self, model: nn.Module, directory: str, *, merged_format: MergedFormat | str = MergedFormat.BF16,
+                    release: str | None = None, max_shard_size: int | str = "5GB") -> list[str]:
+        """Merge a PEFT model's adapters into its base and save the result in ``directory`` (collective):
+        ``merge_lora``. Consumes the model (:mod:`twinkle_strategy.checkpoint.merged_export`); works on a
+        ``quantized_base: keep`` run without writing its kept weights.
+
+        ``merged_format=bf16``: a plain checkpoint in the model's dtype. ``release``: the quantized release the
+        model was loaded from (``release`` is its local directory), its files byte for byte for every weight no
+        adapter touched and the merged weights in the model's dtype. Returns the merged modules (release, rank 0).
+        """
+        self.setup()
+        merged_format = MergedFormat(merged_format)
+        if merged_format == MergedFormat.RELEASE and (release is None or not os.path.isfile(
+                os.path.join(release, "config.json"))):
+            raise ValueError(f"save_merged(merged_format='release') needs release= the local directory of the "
+                             f"quantized release the model was loaded from (got {release!r})")
+        if not is_peft_model(model):
+            raise ValueError("save_merged takes a PEFT model (its adapters are what is merged); "
+                             "save a full model with save_pretrained")
+        merged = merge_adapters(model, self.ep_plan)
+        self.ep_plan = merged.ep_plan  # the model the strategy wraps is now the merged one, under its own names
+        if merged_format == MergedFormat.BF16:
+            self.save_pretrained(merged.model, directory, max_shard_size=max_shard_size)
+            return []
+        directory = os.path.normpath(directory)
+        check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_merged")
+        step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError,
+                                  cleanup=lambda: abandon_staging(directory))
+        step_done(on_rank0(lambda: start_staging(directory)), "creating the directory")
+        staging = staging_path(directory)
+        merged_dir = os.path.join(staging, ".merged-weights")
+        step_done(on_rank0(lambda: os.makedirs(merged_dir)), "creating the directory")
+        save_model_files(merged_dir, merged.model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
+                         max_file_bytes=file_size_bytes(max_shard_size), chunk_bytes=self.init_bucket_bytes,
+                         names=merged.merged)
+        modules: list[str] = []
+
+        def assemble():
+            index = QuantizedIndex(SafetensorsIndex.from_directory(release), quant_format(load_config(release)),
+                                   merged.model)
+            try:
+                save_layout = plan_model_files(merged.model, self.ep_plan, names=merged.merged)[0]
+                release_layout = CheckpointLayout(index, merged.model, release,
+                                                  model_tensors=save_layout.model_tensors)
+                keys = release_keys_of(save_layout, release_layout, merged.merged)
+                modules.extend(assemble_release_format(release, merged_dir, staging, quantized_index=index,
+                                                       release_keys=keys))
+            finally:
+                index.close()
+            shutil.rmtree(merged_dir)
+
+        step_done(on_rank0(assemble), "the release's files")
+        step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
+        return modules
 
     def shutdown(self) -> None:
         if dist.is_initialized():

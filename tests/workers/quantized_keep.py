@@ -143,6 +143,84 @@ def resume_case(path: str, family: str, mine, *, ep: int, root: str) -> dict:
                 files=sorted(os.listdir(directory)))
 
 
+def checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for file in sorted(os.listdir(directory)):
+        if file.endswith(".safetensors"):
+            out.update(load_file(os.path.join(directory, file)))
+    return out
+
+
+def attention_oracle(adapter: dict, base: dict, exported: dict) -> dict:
+    """The merged attention weights against PEFT's Linear merge computed here in one process, from the saved
+    adapter and the release's decoded values: ``base + (B @ A) * alpha / r``, with the adapter in bf16 as FSDP2's
+    mixed precision gathers it for the forward and the export's merge. Independent of how the ranks split rows."""
+    checked = mismatched = 0
+    for key, merged in exported.items():
+        prefix = "base_model.model." + key.removesuffix(".weight")
+        if f"{prefix}.lora_A.weight" not in adapter:
+            continue
+        a, b = (adapter[f"{prefix}.lora_{x}.weight"].to(torch.bfloat16) for x in "AB")
+        want = base[key] + (b @ a) * 2.0  # lora_alpha 4 / r 2
+        checked += 1
+        mismatched += not torch.equal(merged, want)
+    return dict(checked=checked, mismatched=mismatched)
+
+
+def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dict | None:
+    """merge_lora after the steps: keep's model in the release's format, dequantize's in bf16 (both consumed);
+    then the release-format export loaded back (dequantize) and saved in bf16. Rank 0 compares the files."""
+    from safetensors import safe_open
+
+    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.loading import load_config
+    from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
+    from twinkle_strategy.testing.releases import _v4_release_key
+
+    release_dir, bf16_dir, reloaded_dir = (os.path.join(root, d) for d in ("merged-release", "merged-bf16",
+                                                                            "reloaded"))
+    modules = keep["strategy"].save_merged(keep["model"], release_dir, merged_format="release", release=path)
+    ref["strategy"].save_merged(ref["model"], bf16_dir)
+    strategy = NativeFSDPStrategy(ep_size=keep["strategy"].config.ep_size, mixed_precision="bf16",
+                                  memory_efficient_init=True, timeout_s=300)
+    model, _ = strategy.wrap_model(strategy.from_pretrained(release_dir, dtype=torch.bfloat16))
+    strategy.save_pretrained(model, reloaded_dir)
+    if strategy.rank != 0:
+        return None
+    release, exported, bf16 = (checkpoint_tensors(d) for d in (path, release_dir, bf16_dir))
+    # The bf16 export has transformers' key names; DeepSeek-V4-Flash's release has its own (no ``model.``).
+    by_release_key = {(_v4_release_key(k) if family == "deepseek_v4" else k): v for k, v in bf16.items()}
+    merged_keys = set()
+    for file in os.listdir(release_dir):
+        if file.startswith("model-merged"):
+            with safe_open(os.path.join(release_dir, file), "pt") as reader:
+                merged_keys |= set(reader.keys())
+    untouched = sorted(set(exported) - merged_keys)
+    as_bytes = lambda t: t.contiguous().view(torch.uint8).reshape(-1)  # noqa: E731
+    index = QuantizedIndex(SafetensorsIndex.from_directory(path), quant_format(load_config(path)))
+    base = {key: index.read(key).to(torch.bfloat16) for key in merged_keys}  # the release's values, decoded
+    index.close()
+    reloaded = checkpoint_tensors(reloaded_dir)
+    adapter_dir = os.path.join(os.path.dirname(root), "keep-adapter")  # saved by the "save" flag, same state
+    if os.path.isdir(adapter_dir):
+        oracle = attention_oracle(checkpoint_tensors(adapter_dir), base, exported)
+    else:
+        oracle = None
+    return dict(modules=modules, merged=sorted(merged_keys), untouched=untouched,
+                dropped=sorted(set(release) - set(exported)),
+                untouched_bytes_equal=all(torch.equal(as_bytes(exported[k]), as_bytes(release[k])) for k in untouched),
+                untouched_dtypes_equal=all(exported[k].dtype == release[k].dtype for k in untouched),
+                merged_dtypes=sorted({str(exported[k].dtype) for k in merged_keys}),
+                merged_equal_dequantize=all(torch.equal(exported[k], by_release_key[k]) for k in merged_keys),
+                merged_differs_from_base=all(not torch.equal(exported[k], base[k]) for k in merged_keys),
+                attention_oracle=oracle, reloaded_equal_bf16=sorted(reloaded) == sorted(bf16)
+                and all(torch.equal(reloaded[k], bf16[k]) for k in bf16),
+                modules_to_not_convert=json.load(open(os.path.join(release_dir, "config.json")))
+                ["quantization_config"]["modules_to_not_convert"])
+
+
 def compare(keep: dict, ref: dict) -> dict:
     """keep against dequantize: the largest differences of logits and of every LoRA gradient, and the losses."""
     grad_diff = 0.0
@@ -173,6 +251,8 @@ def good_case(path: str, family: str, flags: list[str], ep: int, world: int, ran
         out["adapter"] = adapter_bytes(keep["strategy"], keep["model"], os.path.join(root, "keep-adapter"))
         out["ref_adapter"] = adapter_bytes(ref["strategy"], ref["model"], os.path.join(root, "dequantize-adapter"))
         out["resume"] = resume_case(path, family, mine, ep=ep, root=root)
+    if "export" in flags:
+        out["export"] = export_case(keep, ref, path, family, os.path.join(root, "export"))
     if "ckpt" in flags:
         out["checkpointed_losses"] = run(path, family, "keep", mine, ep=ep, checkpointing=True)["losses"]
     return out

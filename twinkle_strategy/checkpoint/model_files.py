@@ -26,10 +26,11 @@ def _model_tensors(regions) -> dict[str, TensorSpec]:
     return {r.name: TensorSpec(r.full_shape, r.need.dtype) for r in regions}
 
 
-def plan_model_files(model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
-                     ) -> tuple[CheckpointLayout, FilePlan, list]:
-    """The save layout and file plan of ``model`` (the same on every rank: names, shapes and dtypes only)."""
-    regions = regions_of(model, ep_plan)
+def plan_model_files(model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                     *, names: set[str] | None = None) -> tuple[CheckpointLayout, FilePlan, list]:
+    """The save layout and file plan of ``model`` (the same on every rank: names, shapes and dtypes only);
+    of its tensors ``names`` only, if given."""
+    regions = regions_of(model, ep_plan, names)
     layout = CheckpointLayout.for_saving(model, _model_tensors(regions))
     return layout, plan_files(layout.saved_tensors(), max_file_bytes), regions
 
@@ -52,14 +53,15 @@ def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, 
 
 def save_model_files(directory: str, model: nn.Module, *, ep_plan: ExpertParallelPlan | None, stats: IOStats, step_done,
                      max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = 32 * 2**20,
-                     open_writer: OpenWriter = ParallelFileWriter) -> None:
-    """The whole collective save of ``model``'s weights into ``directory`` (which must exist).
+                     open_writer: OpenWriter = ParallelFileWriter, names: set[str] | None = None) -> None:
+    """The whole collective save of ``model``'s weights (``names`` only, if given) into ``directory`` (which
+    must exist).
 
     ``step_done(error, what)`` is the caller's fail-together check, called on every rank after each
     step: the files are created (rank 0) before any rank writes into them.
     """
     rank = global_rank()
-    layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes)
+    layout, plan, regions = plan_model_files(model, ep_plan, max_file_bytes, names=names)
     error = None
     if rank == 0:
         try:

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from twinkle_strategy.compat.transformers_internals import fp8_scale_renamings
+from twinkle_strategy.config import QuantizedBase
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError
 
@@ -73,31 +74,42 @@ class QuantFormat:
     block: tuple[int, int] | None  # FP8 weight_block_size
 
 
-def quant_format(config) -> QuantFormat | None:
+def quant_format(config, *, quantized_base: QuantizedBase = QuantizedBase.DEQUANTIZE) -> QuantFormat | None:
     """The served format of ``config``'s ``quantization_config`` (None if not quantized).
 
-    Raises :class:`CheckpointError` naming a format this reader does not serve, before any weight is read.
+    Raises :class:`CheckpointError` naming a format this reader does not serve, before any weight is read,
+    with the fix that fits ``quantized_base``.
     """
     spec = getattr(config, "quantization_config", None)
     if not spec:
         return None
     spec = spec.to_dict() if hasattr(spec, "to_dict") else dict(spec)
     method = str(spec.get("quant_method", "")).lower()
+    fix = unserved_format_fix(quantized_base)
     if method not in SERVED_METHODS:
         raise CheckpointError(
             f"the checkpoint is quantized with quant_method '{method}', which memory_efficient_init cannot stream "
-            f"(it streams {', '.join(SERVED_METHODS)}: FP8 blocks, DeepSeek-V4 FP8/FP4, MXFP4); load it whole "
-            "with NativeFSDPStrategy(..., stream_checkpoint=False) or convert it to bf16 first")
+            f"(it streams {', '.join(SERVED_METHODS)}: FP8 blocks, DeepSeek-V4 FP8/FP4, MXFP4); {fix}")
     if method == QuantMethod.MXFP4:
         return QuantFormat(QuantMethod.MXFP4, None)
     block = spec.get("weight_block_size")
     if not block or len(block) != 2:
         raise CheckpointError(
             f"the checkpoint is FP8 with weight_block_size {block!r}: only block-scaled FP8 (two block sizes, "
-            "e.g. [128, 128]) streams; load it with stream_checkpoint=False")
+            f"e.g. [128, 128]) streams; {fix}")
     if str(spec.get("fmt", "e4m3")).lower() not in ("e4m3", "e5m2"):
-        raise CheckpointError(f"the checkpoint is FP8 with fmt '{spec.get('fmt')}'; only e4m3 and e5m2 stream")
+        raise CheckpointError(f"the checkpoint is FP8 with fmt '{spec.get('fmt')}'; only e4m3 and e5m2 stream; {fix}")
     return QuantFormat(QuantMethod.FP8, (int(block[0]), int(block[1])))
+
+
+def unserved_format_fix(quantized_base: QuantizedBase) -> str:
+    """What to do with a release the streamed init cannot serve. Loading it whole (``stream_checkpoint=False``)
+    dequantizes it, which ``keep`` cannot be (its bytes reach the ranks only through the streamed init)."""
+    if QuantizedBase(quantized_base) == QuantizedBase.KEEP:
+        return ("quantized_base=keep holds only FP8-block, DeepSeek-V4 FP8/FP4 and MXFP4 releases as stored; "
+                "set quantized_base=dequantize with stream_checkpoint=False to load it whole, or convert it to "
+                "bf16 first")
+    return "load it whole with NativeFSDPStrategy(..., stream_checkpoint=False) or convert it to bf16 first"
 
 
 RELEASE_ATTR = "_twinkle_quantized_release"  # set on a model built from a quantized release, on every rank

@@ -200,8 +200,12 @@ class KeepingSink:
     """The receiver's side with ``keep``: takes a region's stream bytes in order and keeps them as stored."""
 
     def __init__(self, name: str, local: torch.Tensor, form: WireForm, config):
-        self.name, self.local, self.form, self.config = name, local, form, config
+        self.name, self.form, self.config = name, form, config
+        self.rows_shape = tuple(local.shape)
         self.nbytes = form.nbytes
+        # The shard in the model's dtype (allocated by the model's to_empty) is never filled: freed before the
+        # stored bytes are allocated, so the init never holds both for a region.
+        local.untyped_storage().resize_(0)
         self.stored = torch.empty(form.nbytes, dtype=torch.uint8, device=local.device)
         self._filled = 0
 
@@ -212,18 +216,17 @@ class KeepingSink:
     def region(self) -> KeptRegion:
         if self._filled != self.nbytes:
             raise AssertionError(f"'{self.name}': kept {self._filled} of {self.nbytes} bytes")
-        return KeptRegion(self.name, self.form, self.stored, tuple(self.local.shape), self.config)
+        return KeptRegion(self.name, self.form, self.stored, self.rows_shape, self.config)
 
 
 def keep_regions(model, sinks) -> list[KeptRegion]:
-    """Put each :class:`KeepingSink`'s region in place of its parameter's FSDP2 shard, whose memory is freed."""
+    """Put each :class:`KeepingSink`'s region in place of its parameter's FSDP2 shard (freed by the sink)."""
     regions = []
     for sink in sinks:
         if not isinstance(sink, KeepingSink):
             continue
         region = sink.region()
-        old = replace_local_tensor(model.get_parameter(sink.name), KeptWeight.of(region))
-        old.untyped_storage().resize_(0)  # the shard in the model's dtype, never filled
+        replace_local_tensor(model.get_parameter(sink.name), KeptWeight.of(region))
         regions.append(region)
     return regions
 

@@ -15,6 +15,7 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint.durable import raise_if_incomplete
+from twinkle_strategy.config import QuantizedBase
 from twinkle_strategy.distributed.fail_together import raise_init_together
 from twinkle_strategy.integrations.swift.parts.state import STATE, get_strategy
 from twinkle_strategy.loading import open_on_this_rank, raise_for_loading_info, share_weight_conversions
@@ -80,7 +81,8 @@ def _strategy_from_pretrained(strategy):
             path, config, dtype, topology=strategy.topology, stream=strategy.config.stream_checkpoint,
             full_load=lambda: _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs),
             model_class=cls, kwargs={k: v for k, v in kwargs.items() if k != "output_loading_info"},
-            blocker="from_pretrained was given positional arguments" if args else None)
+            blocker="from_pretrained was given positional arguments" if args else None,
+            quantized_base=QuantizedBase(strategy.config.quantized_base))
         if isinstance(model, tuple):  # the full load, asked for its loading report
             return model
         report = {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
