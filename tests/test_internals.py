@@ -454,11 +454,13 @@ def _attn_implementation(tiny):
     # Ulysses relies on transformers building no mask for an attention function outside its mask registry.
     from transformers.masking_utils import create_causal_mask
 
+    from twinkle_strategy.sequence.attention import _MASK_CACHE_ARGUMENT
+
     custom = hf.config_with_attention(model.config, "not_a_mask_kind")
     embeds = torch.zeros(1, 4, 8)
     positions = torch.tensor([[0, 1, 0, 1]])
-    assert create_causal_mask(config=custom, inputs_embeds=embeds, attention_mask=None, cache=None,
-                              position_ids=positions) is None
+    assert create_causal_mask(config=custom, inputs_embeds=embeds, attention_mask=None, position_ids=positions,
+                              **{_MASK_CACHE_ARGUMENT: None}) is None
 
 
 @checks("utils.hub.convert_file_size_to_int")

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 from multinode import REPO
 
+from twinkle_strategy.train.launcher import free_port
+
 DEMO = str(REPO / "yaml" / "demo.yaml")
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
@@ -35,7 +37,9 @@ def twenty_rows_three_bad(path):
 
 
 def run_cli(args, cwd, env=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    # A free master port unless the test names one: 29500 may be held by a run beside this one.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_PORT": str(free_port()),
+           **(env or {})}
     return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -151,7 +155,6 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
 
 def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     """Through the torchrun re-launch (2 ranks on one node): 17 of 20 rows are trained on, one warning."""
-    from twinkle_strategy.train.launcher import free_port
     from twinkle_strategy.train.versions import startup_line
 
     dataset = twenty_rows_three_bad(tmp_path / "bad20.jsonl")
@@ -326,8 +329,6 @@ def test_the_suggested_fixes_start_the_run(tmp_path):
     """The fixes the one-line errors above suggest, applied as the message says, train (issue 31: the fix once
     suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way). Two launches: the expert-divisibility
     fix (3 ranks, ep 1) together with the max_length and type fixes, and the world-size fix (2 ranks, ep 2)."""
-    from twinkle_strategy.train.launcher import free_port
-
     mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
     # Each fix applied below, as its message words it.
     named = {"experts": "choose ep_size among [1]", "max-length": "e.g. --max_length 37",

@@ -16,7 +16,8 @@ STEPS = 8
 
 
 def run_cli(args, cwd, timeout=600):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    # A free master port: 29500 may be held by a run beside this one.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())}
     return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 

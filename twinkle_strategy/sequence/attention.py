@@ -18,14 +18,20 @@ at 0) get its block-diagonal causal mask, plain sequences get none (sdpa's ``is_
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import torch
 from torch import nn
+from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
 from twinkle_strategy.compat.transformers_internals import attention_implementation, config_with_attention
 from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.sequence.exchange import gather_sequence, heads_to_sequence, sequence_to_heads
+
+# transformers 5.24 renamed the mask functions' KV-cache argument from ``past_key_values`` to ``cache``
+# (the same rename as the decoder layers'); setup.py allows both sides of it.
+_MASK_CACHE_ARGUMENT = "cache" if "cache" in inspect.signature(create_causal_mask).parameters else "past_key_values"
 
 _NAME_PREFIX = "twinkle_ulysses_"
 
@@ -87,13 +93,12 @@ class UlyssesAttention:
         if (last.positions is not None and last.sliding_window == sliding_window
                 and last.positions.shape == positions.shape and torch.equal(last.positions, positions)):
             return last.mask
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
         build = create_sliding_window_causal_mask if sliding_window else create_causal_mask
         batch, sequence = query.shape[0], query.shape[2]
         shape_only = query.new_zeros(()).expand(batch, sequence, 1)  # the mask functions read shape, dtype, device
-        mask = build(config=self.mask_config, inputs_embeds=shape_only, attention_mask=None, cache=None,
-                     position_ids=positions)
+        no_cache = {_MASK_CACHE_ARGUMENT: None}
+        mask = build(config=self.mask_config, inputs_embeds=shape_only, attention_mask=None, position_ids=positions,
+                     **no_cache)
         self._last = _LastMask(positions, sliding_window, mask)
         return mask
 
