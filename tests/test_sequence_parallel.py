@@ -145,14 +145,15 @@ def flops_per_token(line: dict) -> float:
 
 def test_twinkle_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_without_it(tmp_path):
     """The demo (LoRA on attention and experts, ep=2, memory_efficient_init) on 2 ranks, packed, with the global
-    aux loss: sequence_parallel_size 2 (one data-parallel group of 4 packs, each row cut in two) logs the losses,
-    aux losses, gradient norms and expert load of the run without it (2 ranks x 2 packs), in fp32. That run,
-    resumed from its step-1 checkpoint, builds the same packs and logs the same step 2."""
-    base = [DEMO, f"data.dataset={DATASET}", "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=2",
+    aux loss: sequence_parallel_size 2 (one data-parallel group: a row of 2 packs, cut in two) logs the losses,
+    aux losses, gradient norms and expert load of the run without it (2 ranks x 1 pack), in fp32. That run, resumed from its step-1 checkpoint, builds the same packs and logs the same steps 2 and 3."""
+    # Packs of up to 96 tokens hold three demo examples; step 3's row of two packs has 183 tokens, which the split
+    # pads by one token (steps 1 and 2 are even).
+    base = [DEMO, f"data.dataset={DATASET}", "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=3",
             "train.logging_steps=1", "--mixed_precision", "no", "--torch_dtype", "float32", "--packing", "true",
-            "--router_aux_loss_coef", "0.05"]
-    runs = {"sp": ["train.per_device_train_batch_size=4", "--sequence_parallel_size", "2"],
-            "ref": ["train.per_device_train_batch_size=2", "train.save_steps=1"]}
+            "data.max_length=96", "--router_aux_loss_coef", "0.05"]
+    runs = {"sp": ["train.per_device_train_batch_size=2", "--sequence_parallel_size", "2"],
+            "ref": ["train.per_device_train_batch_size=1", "train.save_steps=1"]}
     logged = {}
     for name in ("sp", "ref", "resumed"):
         if name == "resumed":
@@ -162,7 +163,7 @@ def test_twinkle_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_w
         proc = run_cli([*base, f"train.output_dir={name}", *extra], cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         logged[name] = read_log(tmp_path / name)
-    assert len(logged["sp"]) == len(logged["ref"]) == 2 and len(logged["resumed"]) == 1
+    assert len(logged["sp"]) == len(logged["ref"]) == 3 and len(logged["resumed"]) == 2
     for sp, ref in zip(logged["sp"], logged["ref"], strict=True):
         for key in ("loss", "aux_loss", "grad_norm"):
             assert abs(sp[key] - ref[key]) <= 1e-5, (key, sp, ref)
@@ -171,7 +172,7 @@ def test_twinkle_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_w
         # The attention FLOPs of a chunk's token are those of its whole packed example, as without the split
         # (tflops_per_device is rounded to 6 decimals, hence 2%; the chunk's length instead is 20% off).
         assert flops_per_token(sp) == pytest.approx(flops_per_token(ref), rel=0.02), (sp, ref)
-    resumed, ref = logged["resumed"][0], logged["ref"][1]
-    assert resumed["global_step/max_steps"] == "2/2"
-    for key in ("loss", "aux_loss", "grad_norm", "moe_load_imbalance"):
-        assert abs(resumed[key] - ref[key]) <= 1e-5, (key, resumed, ref)
+    for resumed, ref in zip(logged["resumed"], logged["ref"][1:], strict=True):
+        assert resumed["global_step/max_steps"] == ref["global_step/max_steps"]
+        for key in ("loss", "aux_loss", "grad_norm", "moe_load_imbalance"):
+            assert abs(resumed[key] - ref[key]) <= 1e-5, (key, resumed, ref)
