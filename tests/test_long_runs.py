@@ -234,3 +234,18 @@ def test_aux_loss_free_bias_moves_towards_balance_and_other_losses_are_refused()
         assert change[0] < 0 < change[1] and abs(float(change.sum())) < 1e-6, change
     with pytest.raises(ModelStructureError, match="load_balance_coeff"):
         BalancingLoss.of(model)  # DeepSeek-V3 has no load-balancing loss of its own
+
+
+def test_the_models_own_aux_term_is_silenced_beneath_peft():
+    """PEFT's wrappers answer ``router_aux_loss_coef`` for the model they wrap: the coefficient to zero is the causal
+    LM's own, or its ``coef * local aux loss`` stays in every loss next to the global one (LoRA runs)."""
+    from peft import LoraConfig, get_peft_model
+
+    from twinkle_strategy.moe.balance import BalancingLoss
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
+
+    model = build_tiny_model("qwen3_moe")
+    assert model.router_aux_loss_coef > 0
+    balancing = BalancingLoss.of(get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"])))
+    balancing.silence_model_term()
+    assert balancing.owner is model and model.router_aux_loss_coef == 0.0

@@ -133,19 +133,46 @@ def test_twinkle_sft_refuses_sizes_before_launch(args, expected, fix, tmp_path, 
     check_before_launch(parse([*base, *fix]))  # the fix passes every check (the run below trains with one)
 
 
-def test_twinkle_sft_sequence_parallel_logs_the_losses_of_the_run_without_it(tmp_path):
-    """The demo (LoRA on attention and experts, ep=2, memory_efficient_init) on 2 ranks: sequence_parallel_size 2
-    (one data-parallel group of 4 rows) logs the losses and gradient norms of the run without it (2 ranks x 2 rows),
-    in fp32."""
-    base = [DEMO, f"data.dataset={DATASET}", "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=2",
-            "train.logging_steps=1", "--mixed_precision", "no", "--torch_dtype", "float32"]
+def read_log(output_dir) -> list[dict]:
+    with open(only_run_dir(output_dir) / "logging.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+def flops_per_token(line: dict) -> float:
+    """tflops_per_device / tokens_per_second: the FLOPs model's figure per token, whatever the step took."""
+    return line["tflops_per_device"] / line["tokens_per_second"]
+
+
+def test_twinkle_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_without_it(tmp_path):
+    """The demo (LoRA on attention and experts, ep=2, memory_efficient_init) on 2 ranks, packed, with the global
+    aux loss: sequence_parallel_size 2 (one data-parallel group: a row of 2 packs, cut in two) logs the losses,
+    aux losses, gradient norms and expert load of the run without it (2 ranks x 1 pack), in fp32. That run, resumed from its step-1 checkpoint, builds the same packs and logs the same steps 2 and 3."""
+    # Packs of up to 96 tokens hold three demo examples; step 3's row of two packs has 183 tokens, which the split
+    # pads by one token (steps 1 and 2 are even).
+    base = [DEMO, f"data.dataset={DATASET}", "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=3",
+            "train.logging_steps=1", "--mixed_precision", "no", "--torch_dtype", "float32", "--packing", "true",
+            "data.max_length=96", "--router_aux_loss_coef", "0.05"]
+    runs = {"sp": ["train.per_device_train_batch_size=2", "--sequence_parallel_size", "2"],
+            "ref": ["train.per_device_train_batch_size=1", "train.save_steps=1"]}
     logged = {}
-    for name, extra in (("sp", ["train.per_device_train_batch_size=4", "--sequence_parallel_size", "2"]),
-                        ("ref", ["train.per_device_train_batch_size=2"])):
+    for name in ("sp", "ref", "resumed"):
+        if name == "resumed":
+            checkpoint = only_run_dir(tmp_path / "ref") / "checkpoint-1"
+            runs[name] = [*runs["ref"], f"train.resume_from_checkpoint={checkpoint}"]
+        extra = runs[name]
         proc = run_cli([*base, f"train.output_dir={name}", *extra], cwd=tmp_path)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        with open(only_run_dir(tmp_path / name) / "logging.jsonl") as f:
-            logged[name] = [json.loads(line) for line in f]
-    assert len(logged["sp"]) == len(logged["ref"]) == 2
+        logged[name] = read_log(tmp_path / name)
+    assert len(logged["sp"]) == len(logged["ref"]) == 3 and len(logged["resumed"]) == 2
     for sp, ref in zip(logged["sp"], logged["ref"], strict=True):
-        assert abs(sp["loss"] - ref["loss"]) <= 1e-5 and abs(sp["grad_norm"] - ref["grad_norm"]) <= 1e-5, (sp, ref)
+        for key in ("loss", "aux_loss", "grad_norm"):
+            assert abs(sp[key] - ref[key]) <= 1e-5, (key, sp, ref)
+        # Expert load counts real tokens only (not the padding that evens a row out for the split).
+        assert sp["moe_load_imbalance"] == ref["moe_load_imbalance"], (sp, ref)
+        # The attention FLOPs of a chunk's token are those of its whole packed example, as without the split
+        # (tflops_per_device is rounded to 6 decimals, hence 2%; the chunk's length instead is 20% off).
+        assert flops_per_token(sp) == pytest.approx(flops_per_token(ref), rel=0.02), (sp, ref)
+    for resumed, ref in zip(logged["resumed"], logged["ref"][1:], strict=True):
+        assert resumed["global_step/max_steps"] == ref["global_step/max_steps"]
+        for key in ("loss", "aux_loss", "grad_norm", "moe_load_imbalance"):
+            assert abs(resumed[key] - ref[key]) <= 1e-5, (key, resumed, ref)

@@ -65,7 +65,9 @@ class BalancingLoss:
 
     @classmethod
     def of(cls, model: nn.Module) -> BalancingLoss:
-        owner = next((m for m in model.modules() if hasattr(m, "router_aux_loss_coef")), None)
+        # The module that holds the coefficient itself: PEFT's wrappers forward attribute reads to the model they
+        # wrap (hasattr is true on them), so setting it there would leave the model's own term in its loss.
+        owner = next((m for m in model.modules() if "router_aux_loss_coef" in vars(m)), None)
         config = getattr(owner, "config", None)
         if owner is None or not hasattr(config, "output_router_logits"):
             raise ModelStructureError(

@@ -13,6 +13,7 @@ result does not depend on how the batch is split across ranks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import logging
 import math
@@ -79,6 +80,14 @@ def _label_tokens(batch: dict[str, torch.Tensor]) -> float:
     if "shift_labels" in batch:
         return float((batch["shift_labels"] != -100).sum())
     return float((batch["labels"][:, 1:] != -100).sum())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatches:
+    """This rank's micro-batches of one optimizer step, and the length their tokens attend over (for the FLOPs)."""
+
+    tensors: list[dict[str, torch.Tensor]]  # as the model takes them (under sequence parallelism: the rank's chunks)
+    attention_length: float  # mean over the micro-batches, measured on whole rows (see packing.attention_length)
 
 
 def _format_seconds(s: float) -> str:
@@ -228,15 +237,20 @@ class Trainer:
     def _micro_batches(self, step: int) -> list[dict[str, torch.Tensor]]:
         """This rank's micro-batches of optimizer step ``step``: its share of each micro-batch of the global batch
         (with sequence parallelism: its group's share, cut to this rank's chunk of the sequence)."""
+        return self._step_batches(step).tensors
+
+    def _step_batches(self, step: int) -> StepBatches:
         args, rank = self.args, self.strategy.data_parallel_rank
         per_device = args.per_device_train_batch_size
         rows = self.sampler.rows(step)
-        batches = []
+        tensors, lengths = [], []
         for micro in range(args.gradient_accumulation_steps):
             begin = (micro * self.strategy.data_parallel_size + rank) * per_device
             batch = self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]])
-            batches.append(self.strategy.split_sequence(batch))
-        return batches
+            # Before the split: a chunk's tokens attend over the whole row (and, packed, over their example).
+            lengths.append(attention_length(batch))
+            tensors.append(self.strategy.split_sequence(batch))
+        return StepBatches(tensors=tensors, attention_length=sum(lengths) / len(lengths))
 
     # ---------------------------------------------------------------- training
     def training_step(self, step: int) -> dict:
@@ -254,7 +268,8 @@ class Trainer:
     def compute_gradients(self, step: int) -> dict:
         """Forward and backward of every micro-batch of step ``step``; global loss, aux loss and token sums."""
         device = self.strategy.device
-        batches = self._micro_batches(step)
+        step_batches = self._step_batches(step)
+        batches = step_batches.tensors
         sizes = torch.tensor([sum(_label_tokens(b) for b in batches),
                               sum(real_token_count(b) for b in batches)], device=device)
         global_tokens, input_tokens = _all_reduce_sum(sizes)
@@ -267,9 +282,8 @@ class Trainer:
             sums[:2] += torch.stack([loss, aux])
         sums[2] = float(self._preemption is not None and self._preemption.requested)
         loss, aux, preempted = _all_reduce_sum(sums).tolist()
-        seq_len = sum(attention_length(b) for b in batches) / len(batches)
-        return {"loss": loss, "aux_loss": aux, "tokens": float(input_tokens), "seq_len": seq_len,
-                "preempted": preempted > 0}
+        return {"loss": loss, "aux_loss": aux, "tokens": float(input_tokens),
+                "seq_len": step_batches.attention_length, "preempted": preempted > 0}
 
     def _forward_backward(self, batch: dict, global_tokens: torch.Tensor, router):
         """One micro-batch; returns (its loss share, its aux-loss share, the global router statistics)."""
