@@ -1,6 +1,8 @@
 """TRL's SFTTrainer with NativeFSDPStrategy: LoRA on attention and experts, ep_size=2, memory_efficient_init.
 
-On a cluster, 2 nodes x 8 GPUs (run on each node, NODE_RANK 0 and 1)::
+``--ep-size`` (default 2): each group of that many ranks splits every MoE layer's experts among
+itself, and FSDP2 shards them further across the groups. On a cluster, 2 nodes x 8 GPUs, the experts of
+Qwen3-30B-A3B are better spread over a whole node (run on each node, NODE_RANK 0 and 1)::
 
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $MASTER --master_port 29500 \\
         examples/trl_sft.py --model Qwen/Qwen3-30B-A3B --dataset sft.jsonl --ep-size 8 --bf16
@@ -65,7 +67,7 @@ def demo() -> None:
 
     dataset = os.path.join(ROOT, "examples", "data", "demo_sft.jsonl")
     model = prepare_demo_model(os.path.join(ROOT, "output", "demo_model"), dataset)
-    result = run_simulated_nodes([os.path.abspath(__file__), "--model", model, "--dataset", dataset, "--ep-size", "2",
+    result = run_simulated_nodes([os.path.abspath(__file__), "--model", model, "--dataset", dataset,
                                   "--max-steps", "5", "--output-dir", os.path.join(ROOT, "output", "trl_sft")],
                                  nnodes=2, nproc_per_node=2, timeout=600,
                                  env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
@@ -77,7 +79,7 @@ def main() -> None:
     p.add_argument("--demo", action="store_true", help="the tiny demo model, 2 simulated nodes x 2 ranks on CPU")
     p.add_argument("--model", help="a local checkpoint, hf://org/name or ms://org/name")
     p.add_argument("--dataset", help="conversational JSONL")
-    p.add_argument("--ep-size", type=int, default=8)
+    p.add_argument("--ep-size", type=int, default=2, help="expert-parallel size (default 2; a divisor of the world)")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--max-steps", type=int, default=100)
     p.add_argument("--bf16", action="store_true")

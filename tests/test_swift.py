@@ -361,6 +361,26 @@ def test_swift_sft_bad_checkpoint_fails_on_every_rank(swift_bin, tiny_model, tmp
     assert not glob.glob(str(tmp_path / "output" / "v0-*" / "checkpoint-*"))
 
 
+def test_swift_sft_deepspeed_is_refused_by_the_plugin_while_swift_parses_its_arguments(swift_bin, tiny_model,
+                                                                                         tmp_path):
+    """`swift sft --deepspeed zero3`: swift reads --deepspeed (and requires the deepspeed package) before the hook
+    that reads the plugin's options; the plugin refuses it first, in one line, while swift is still parsing its
+    arguments (one process: nothing is launched, no model is loaded)."""
+    cmd = [str(swift_bin / "swift"), "sft", "--external_plugins", str(PLUGIN), "--model", str(tiny_model),
+           "--template", "qwen3_nothinking", "--dataset", str(DATASET), "--output_dir", str(tmp_path / "output"),
+           "--report_to", "none", "--deepspeed", "zero3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode != 0, _tail(log)
+    (line,) = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
+    assert line.endswith("SwiftPluginError: --deepspeed zero3 and the twinkle plugin both shard the model: drop "
+                         "--deepspeed (the plugin applies FSDP2 and EP itself; its options are TWINKLE_* variables "
+                         'or the --fsdp JSON\'s "twinkle" object)'), line
+    assert "_init_deepspeed" in log and "require_version" not in log  # before swift's own handling of --deepspeed
+
+
 # ------------------------------------------------------------- image-text SFT of vision-language MoE models
 VL_STEPS = 4
 # family -> (swift template, --freeze_vit). Qwen3-VL-MoE as examples/swift_vl_sft.sh runs it (vision tower

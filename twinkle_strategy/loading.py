@@ -249,21 +249,35 @@ def config_from_text(text: str, file: str = "config.json"):
     return config
 
 
-def load_pretrained_strict(path: str, dtype: torch.dtype, **kwargs):
-    """``from_pretrained`` (of :func:`model_class_for`'s class) on CPU that refuses missing, unexpected or
-    mismatched tensors."""
+def load_pretrained_strict(path: str, dtype: torch.dtype | None = None, *, from_pretrained: Callable | None = None,
+                           strict: bool = True, output_loading_info: bool = False, **kwargs):
+    """``from_pretrained`` on CPU that refuses missing, unexpected or mismatched tensors, naming them.
+
+    The one whole-model load of the package: ``NativeFSDPStrategy.from_pretrained`` and the swift plugin
+    (inside swift's own model loading) both load through here. ``from_pretrained(path, **kwargs)``: default
+    that of :func:`model_class_for`'s class (the swift plugin passes the class swift asked for, with
+    transformers' own method, which it has patched meanwhile). ``strict=False`` only for a
+    caller that asked transformers to ignore mismatched sizes on purpose (swift replacing a head): transformers'
+    report is then not refused. ``output_loading_info``: return ``(model, report)``, as transformers does.
+    Any failure to read the checkpoint is a :class:`CheckpointError` naming ``path``.
+    """
     kwargs.setdefault("ignore_mismatched_sizes", True)  # report them ourselves, by name
+    if dtype is not None:
+        kwargs["dtype"] = dtype
     raise_if_incomplete(path)
     try:
-        model_class = model_class_for(load_config(path, trust_remote_code=kwargs.get("trust_remote_code", False)))
-        model, info = model_class.from_pretrained(path, dtype=dtype, output_loading_info=True, **kwargs)
+        if from_pretrained is None:
+            from_pretrained = model_class_for(load_config(
+                path, trust_remote_code=kwargs.get("trust_remote_code", False))).from_pretrained
+        model, info = from_pretrained(path, output_loading_info=True, **kwargs)
     except Exception as exc:  # noqa: BLE001 - safetensors, OS and transformers errors alike
         raise CheckpointError(
             f"could not load the checkpoint in {path}: {type(exc).__name__}: {exc}. A file may be truncated or "
             "corrupt (re-download or re-export it), or the directory is not a transformers checkpoint"
         ) from exc
-    raise_for_loading_info(path, info)
-    return model
+    if strict:
+        raise_for_loading_info(path, info)
+    return (model, info) if output_loading_info else model
 
 
 def raise_for_loading_info(path: str, info: dict) -> None:

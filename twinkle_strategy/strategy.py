@@ -46,6 +46,7 @@ from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import QuantizedBase, StrategyConfig
 from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
+from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
 from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
 from twinkle_strategy.distributed.runtime import current_device, init_distributed
 from twinkle_strategy.errors import CheckpointSaveError, DistributedInitError
@@ -152,8 +153,11 @@ class NativeFSDPStrategy:
           sends from it by reference.
 
         A checkpoint with missing, unexpected or wrong-shaped tensors raises on every
-        rank, naming them, before any weight is read.
+        rank, naming them, before any weight is read. So does, first of all (before the
+        process group and any file), an environment that asks accelerate to shard or
+        broadcast the model too (its DeepSpeed or FSDP plugin, FSDP's cpu_ram_efficient_loading).
         """
+        refuse_accelerate_sharding()  # the same variables on every rank: each raises on its own, none waits
         self.setup()
         what = f"loading {path_or_id}"
         if not self.memory_efficient_init:

@@ -1,9 +1,13 @@
 """TRL's SFTTrainer on a conversational dataset, LoRA on attention and experts passed as ``peft_config``.
 
-``--mode plain``: plain SFTTrainer on one process, the whole global batch per micro-batch.
+``--mode plain``: plain SFTTrainer on one process, the whole global batch per optimizer step.
 ``--mode strategy``: ``with_strategy(SFTTrainer)`` with NativeFSDPStrategy(ep_size=--ep, memory_efficient_init),
 each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved.
-Writes per rank the per-step losses and gradient norms (with their step numbers).
+Two runs (one with --resume): ``lora`` with TRL's MoE aux loss off (router_aux_loss_coef=0), saving a checkpoint;
+``aux`` with it on (a coefficient large enough that a per-rank aux loss would show), where the plain process
+takes the whole global batch in one micro-batch, so that TRL's own aux loss there is the global batch's: the
+strategy's ranks, two micro-batches each, must give the same.
+Writes per rank and run the per-step losses and gradient norms (with their step numbers).
 """
 
 import argparse
@@ -17,6 +21,7 @@ import torch  # noqa: E402
 import worker_common  # noqa: E402
 
 STEPS, SAVE_STEP, MICRO, GLOBAL_BATCH = 4, 2, 1, 8  # GLOBAL_BATCH = MICRO x ranks x accumulation steps
+AUX_COEF = 0.5  # SFTConfig.router_aux_loss_coef of the aux run (TRL's default, None, takes the model's: 0.001)
 
 
 def conversations(path: str, count: int) -> list[dict]:
@@ -24,15 +29,7 @@ def conversations(path: str, count: int) -> list[dict]:
     return [{"messages": r["messages"]} for r in rows if "messages" in r][:count]
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument("--mode", choices=["strategy", "plain"], required=True)
-    p.add_argument("--model", required=True)
-    p.add_argument("--dataset", required=True)
-    p.add_argument("--out", required=True)
-    p.add_argument("--ep", type=int, default=2)
-    p.add_argument("--resume", default=None)
-    a = p.parse_args()
+def train(a, *, aux: bool) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -41,16 +38,22 @@ def main():
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.integrations.transformers import with_strategy
 
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    micro = MICRO if a.mode == "strategy" else MICRO * 4  # one process takes the 4 ranks' micro-batches at once
+    name = "aux" if aux else "lora"
+    ranks = 4  # the global batch is the same on 1 and 4 processes
+    accumulation = GLOBAL_BATCH // (MICRO * ranks)
+    if a.mode == "strategy":
+        micro = MICRO
+    elif aux:  # one micro-batch of the global batch: TRL's own aux loss is then the global batch's
+        micro, accumulation = GLOBAL_BATCH, 1
+    else:
+        micro = MICRO * ranks  # one process takes the 4 ranks' micro-batches at once
     args = SFTConfig(
-        output_dir=a.out, max_steps=STEPS, per_device_train_batch_size=micro,
-        gradient_accumulation_steps=GLOBAL_BATCH // (MICRO * 4), learning_rate=1e-2, max_grad_norm=0.5,
-        logging_steps=1, save_steps=SAVE_STEP, train_sampling_strategy="sequential", use_cpu=True, report_to=[],
-        seed=0, bf16=False,  # precision is the strategy's (mixed_precision)
-        router_aux_loss_coef=0.0,  # a per-micro-batch mean in TRL: not the same objective on another batch split
-        disable_tqdm=True, dataset_num_proc=None, max_length=64)
-    assert world in (1, 4), world  # the global batch is the same on 1 and 4 processes
+        output_dir=os.path.join(a.out, name), max_steps=STEPS, per_device_train_batch_size=micro,
+        gradient_accumulation_steps=accumulation, learning_rate=1e-2, max_grad_norm=0.5,
+        logging_steps=1, save_steps=SAVE_STEP, save_strategy="no" if aux else "steps",
+        train_sampling_strategy="sequential", use_cpu=True, report_to=[], seed=0,
+        bf16=False,  # precision is the strategy's (mixed_precision)
+        router_aux_loss_coef=AUX_COEF if aux else 0.0, disable_tqdm=True, dataset_num_proc=None, max_length=64)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     dataset = Dataset.from_list(conversations(a.dataset, STEPS * GLOBAL_BATCH))
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
@@ -66,11 +69,27 @@ def main():
     torch.manual_seed(0)  # SFTTrainer applies peft_config at once: the same fresh adapter in every run
     trainer = trainer_class(model=model, args=args, train_dataset=dataset, processing_class=tokenizer,
                             peft_config=lora, **extra)
-    trainer.train(resume_from_checkpoint=a.resume)
+    trainer.train(resume_from_checkpoint=None if aux else a.resume)
     logs = [h for h in trainer.state.log_history if "loss" in h]
-    return {"steps": [h["step"] for h in logs], "losses": [h["loss"] for h in logs],
-            "grad_norms": [h["grad_norm"] for h in logs],
-            "extra_fields": [{k: h.get(k) for k in ("tokens_per_second", "moe_load_imbalance", "mfu")} for h in logs]}
+    return {name: {
+        "steps": [h["step"] for h in logs], "losses": [h["loss"] for h in logs],
+        "grad_norms": [h["grad_norm"] for h in logs],
+        "extra_fields": [{k: h.get(k) for k in ("tokens_per_second", "moe_load_imbalance", "mfu")} for h in logs]}}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--mode", choices=["strategy", "plain"], required=True)
+    p.add_argument("--model", required=True)
+    p.add_argument("--dataset", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--ep", type=int, default=2)
+    p.add_argument("--resume", default=None)
+    a = p.parse_args()
+    assert int(os.environ.get("WORLD_SIZE", "1")) in (1, 4)  # the global batch is the same on 1 and 4 processes
+    if a.resume:
+        return train(a, aux=False)
+    return {**train(a, aux=False), **train(a, aux=True)}
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ fail_together.py  an error on one rank becomes the same error on every rank; ``c
 liveness.py       naming the rank that died or hung (a status board in the job's store)
 dtensor.py        helpers for tensors that may be DTensors
 grad_clip.py      gradient-norm clipping over parameters on several meshes
+launch_conflicts.py  what accelerate's launcher asks for that would shard the model too, refused before the load
 
 Nothing above this package knows how a message travels.
 """

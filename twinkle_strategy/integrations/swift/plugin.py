@@ -11,9 +11,10 @@ in every training process and before anything else happens. Importing it hooks f
 ms-swift 4.x (:mod:`twinkle_strategy.integrations.swift.parts`, one module each); everything else
 (data, template, loss, logging, output layout) stays swift's own:
 
-1. **Arguments** (``SftArguments._init_fsdp``): reads the strategy options (``TWINKLE_*``
-   environment variables, or a ``"twinkle"`` object in the ``--fsdp`` JSON) and checks them and the
-   LoRA options before any model is loaded. ``--fsdp`` is then cleared: transformers and
+1. **Arguments** (``SftArguments._init_deepspeed`` and ``_init_fsdp``): refuses ``--deepspeed``
+   first, then reads the strategy options (``TWINKLE_*`` environment variables, or a ``"twinkle"``
+   object in the ``--fsdp`` JSON) and checks them, the LoRA options and accelerate's launch
+   settings before any model is loaded. ``--fsdp`` is then cleared: transformers and
    accelerate must not shard, wrap or save the model themselves.
 2. **Model loading** (``ModelLoader.load``): with ``memory_efficient_init`` every rank builds the
    model from its config without weights; each node's local rank 0 checks the checkpoint's headers

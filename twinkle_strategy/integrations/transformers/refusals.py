@@ -1,41 +1,35 @@
-"""Settings that would shard the model a second time, refused in one line before any weight is read.
+"""Settings that would shard the model a second time, refused in one line.
 
 NativeFSDPStrategy owns EP and FSDP2. DeepSpeed, accelerate's FSDP plugin and transformers' own
 ``distributed_config`` EP each shard (or broadcast) the same parameters their own way: combined,
 training would hang at load (DeepSpeed ZeRO-3 with EP, transformers#45548) or run on rank 0's
 experts everywhere (accelerate's FSDP2 broadcast, transformers#45662). Nothing here needs a
 collective: every rank reads the same settings and raises the same error on its own.
+
+When each check runs:
+
+* what ``accelerate launch`` put in the environment
+  (:func:`twinkle_strategy.distributed.launch_conflicts.refuse_accelerate_sharding`):
+  first thing in ``NativeFSDPStrategy.from_pretrained``, before the process group and any file,
+  and again when the trainer is built (for a model loaded some other way);
+* ``TrainingArguments`` (``deepspeed=``, ``fsdp=``, ``bf16``/``fp16``) and a model transformers sharded at
+  load: when the trainer is built (``with_strategy(...)(...)``), before it touches the model; the model is
+  then only loaded, not sharded, and no rank has received a weight from another.
 """
 
 from __future__ import annotations
 
-import json
-import os
-from collections.abc import Mapping
-
-from twinkle_strategy.config import parse_bool
+from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding, zero_stage
 from twinkle_strategy.errors import ConflictingShardingError
 
-_DROP_ACCELERATE = ("drop it from the accelerate config (distributed_type: MULTI_GPU, or `accelerate launch` "
-                    "without --use_deepspeed/--use_fsdp): NativeFSDPStrategy shards the model itself")
 
-
-def refuse_conflicting_sharding(training_args=None, *, environ: Mapping[str, str] | None = None) -> None:
+def refuse_conflicting_sharding(training_args=None, *, environ=None) -> None:
     """Raise :class:`ConflictingShardingError` naming the first setting that shards the model besides the strategy.
 
     ``training_args``: a ``transformers.TrainingArguments`` (TRL's configs subclass it), or None to check only
-    what ``accelerate launch`` put in the environment.
+    what ``accelerate launch`` put in the environment (``environ``, default ``os.environ``).
     """
-    environ = os.environ if environ is None else environ
-    if parse_bool(environ.get("ACCELERATE_USE_DEEPSPEED", "false")):
-        stage = environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE") or _zero_stage(environ.get(
-            "ACCELERATE_DEEPSPEED_CONFIG_FILE"))
-        raise ConflictingShardingError(
-            f"accelerate's DeepSpeed{f' ZeRO-{stage}' if stage else ''} (ACCELERATE_USE_DEEPSPEED=true) cannot run "
-            f"with NativeFSDPStrategy: {_DROP_ACCELERATE}")
-    if parse_bool(environ.get("ACCELERATE_USE_FSDP", "false")):
-        raise ConflictingShardingError(
-            f"accelerate's FSDP plugin (ACCELERATE_USE_FSDP=true) cannot run with NativeFSDPStrategy: {_DROP_ACCELERATE}")
+    refuse_accelerate_sharding(environ)
     if training_args is not None:
         _refuse_in_training_arguments(training_args)
 
@@ -43,7 +37,7 @@ def refuse_conflicting_sharding(training_args=None, *, environ: Mapping[str, str
 def _refuse_in_training_arguments(args) -> None:
     deepspeed = getattr(args, "deepspeed", None)
     if deepspeed:
-        stage = _zero_stage(deepspeed)
+        stage = zero_stage(deepspeed)
         raise ConflictingShardingError(
             f"TrainingArguments.deepspeed={_shown(deepspeed)} (DeepSpeed{f' ZeRO-{stage}' if stage else ''}) cannot "
             "run with NativeFSDPStrategy, which shards the model itself: drop deepspeed= (--deepspeed)")
@@ -64,20 +58,6 @@ def refuse_transformers_expert_parallel(model) -> None:
         raise ConflictingShardingError(
             "the model was sharded by transformers at load (from_pretrained(distributed_config=...)): "
             "load it with NativeFSDPStrategy.from_pretrained instead, which applies EP and FSDP2 itself")
-
-
-def _zero_stage(config) -> int | None:
-    """The ZeRO stage of a DeepSpeed config (a dict, a JSON file or a JSON string), or None if unreadable."""
-    try:
-        if isinstance(config, str):
-            if os.path.isfile(config):
-                with open(config) as f:
-                    config = json.load(f)
-            else:
-                config = json.loads(config)
-        return int(config["zero_optimization"]["stage"])
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
 
 
 def _shown(value) -> str:

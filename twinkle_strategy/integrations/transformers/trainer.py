@@ -22,9 +22,9 @@ What changes, and why:
   (:mod:`.refusals`). The data stays accelerate's: each rank its own part of every global batch.
 * Gradient norms and clipping span the expert and non-expert meshes.
 * Where the model adds its own load-balancing loss (``output_router_logits`` and
-  ``router_aux_loss_coef > 0``), its token fractions are counted over the global batch (every
-  rank, every micro-batch of the step), as twinkle's own Trainer does
-  (:class:`twinkle_strategy.moe.balance.GlobalBatchAuxLoss`); not yet under TRL's trainers.
+  ``router_aux_loss_coef > 0``), or TRL's trainers add it (on by default, with the model's
+  coefficient), its token fractions are counted over the global batch (every rank, every
+  micro-batch of the step), as twinkle's own Trainer does (:mod:`.aux_loss`).
 * Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
   (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
@@ -38,6 +38,7 @@ import logging
 import os
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.checkpoint.training import (
@@ -48,12 +49,13 @@ from twinkle_strategy.checkpoint.training import (
 from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, mark_accelerate_prepared
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.errors import CheckpointSaveError, ResumeError
+from twinkle_strategy.integrations.transformers.aux_loss import first_forward_routing, share_scale, take_over_aux_loss
 from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
 from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
-from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
+from twinkle_strategy.moe.balance import RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
@@ -76,18 +78,11 @@ class StrategyTrainerMixin:
         self._wrap_with_strategy()
 
     def _wrap_with_strategy(self) -> None:
-        if not isinstance(self.model, FSDPModule):
-            self.strategy.wrap_model(self.model)  # in place: the trainer's references stay valid
-        # transformers' gradient checkpointing must replay the EP dispatch in its recomputation (no second
-        # all-to-all, no re-routing), as twinkle-sft's own checkpointing does.
-        replay_in_transformers_checkpointing(self.model)
-        mark_accelerate_prepared(self.model)  # accelerate must neither wrap it in DDP nor shard it again
+        prepare_for_trainer(self.strategy, self.model)  # in place: the trainer's references stay valid
         self.model_wrapped = self.model
         self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
-        # TRL's trainers (their own ``aux_loss_enabled``) add the aux loss themselves to a loss built from fused
-        # forwards; theirs stays per micro-batch and rank until that path is wired and tested here.
-        serves = self.replaces_model_aux_loss and not hasattr(self, "aux_loss_enabled")
-        self.global_aux_loss = _global_aux_loss_or_none(self.model) if serves else None
+        # The model's (or TRL's) load-balancing loss, counted over the global batch instead (.aux_loss).
+        self.global_aux_loss = take_over_aux_loss(self, self.model) if self.replaces_model_aux_loss else None
         self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
 
     # -- the model's load-balancing loss over the global batch
@@ -116,15 +111,13 @@ class StrategyTrainerMixin:
         if self.global_aux_loss is None or not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
-        loss, outputs = super().compute_loss(model, {**inputs, "output_router_logits": True}, return_outputs=True,
-                                             num_items_in_batch=num_items_in_batch)
-        share, _ = self.global_aux_loss.share(outputs, inputs.get("attention_mask"), self._step_router_stats)
-        # The shares add up over ranks and micro-batches to the global loss; FSDP averages gradients over the
-        # ranks, and training_step divides by the accumulation steps where the loss is a per-micro-batch mean.
-        scale = self.strategy.world_size
-        if (not self.model_accepts_loss_kwargs or num_items_in_batch is None) and self.compute_loss_func is None:
-            scale *= self.current_gradient_accumulation_steps
-        loss = loss + self.global_aux_loss.coef * share * scale
+        # Router logits are read off the forward (TRL's fused forwards do not return them).
+        with first_forward_routing(model, self.global_aux_loss) as routing:
+            result = super().compute_loss(model, {**inputs, "output_router_logits": True},
+                                          return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        loss, outputs = result if return_outputs else (result, None)
+        share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats)
+        loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
@@ -190,21 +183,30 @@ class StrategyTrainerMixin:
                            scheduler=self.lr_scheduler)
 
 
-def _global_aux_loss_or_none(model) -> GlobalBatchAuxLoss | None:
-    """Where the model adds its own load-balancing loss, the same loss counted over the global batch replaces it."""
-    owner = next((m for m in model.modules() if hasattr(m, "router_aux_loss_coef")), None)
-    if owner is None or not getattr(owner.config, "output_router_logits", False) or not owner.router_aux_loss_coef > 0:
-        return None
-    return GlobalBatchAuxLoss.replacing_model_term(model, coef=float(owner.router_aux_loss_coef))
+def prepare_for_trainer(strategy: NativeFSDPStrategy, model: nn.Module) -> nn.Module:
+    """``model`` (in place) as a ``transformers.Trainer`` trains it through ``strategy``: EP and FSDP2 applied
+    (unless already), transformers' activation checkpointing replaying the EP dispatch, accelerate told it is
+    prepared. Also the swift plugin's, after swift's tuner."""
+    if not isinstance(model, FSDPModule):
+        strategy.wrap_model(model)
+    # transformers' gradient checkpointing must replay the EP dispatch in its recomputation (no second
+    # all-to-all, no re-routing), as twinkle-sft's own checkpointing does.
+    replay_in_transformers_checkpointing(model)
+    mark_accelerate_prepared(model)  # accelerate must neither wrap it in DDP nor shard it again
+    return model
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
 
 
-def with_strategy(trainer_class: type) -> type:
+def with_strategy(trainer_class: type, *, mixin: type[StrategyTrainerMixin] = StrategyTrainerMixin) -> type:
     """``trainer_class`` (``transformers.Trainer`` or a subclass) training through a NativeFSDPStrategy:
-    the returned class takes a ``strategy=`` keyword argument. The same class for the same input."""
-    if trainer_class not in _CLASSES:
-        check_trainer_overrides(StrategyTrainerMixin)  # a private hook transformers renamed would never run
-        _CLASSES[trainer_class] = type(f"Strategy{trainer_class.__name__}", (StrategyTrainerMixin, trainer_class), {})
-    return _CLASSES[trainer_class]
+    the returned class takes a ``strategy=`` keyword argument. The same class for the same input.
+
+    ``mixin``: a subclass of :class:`StrategyTrainerMixin` adding a front-end's own hooks (the swift plugin's);
+    the class is named after it (``StrategyTrainer``, ``TwinkleSeq2SeqTrainer``)."""
+    if (mixin, trainer_class) not in _CLASSES:
+        check_trainer_overrides(mixin)  # a private hook transformers renamed would never run
+        prefix = mixin.__name__.removesuffix("TrainerMixin")
+        _CLASSES[mixin, trainer_class] = type(f"{prefix}{trainer_class.__name__}", (mixin, trainer_class), {})
+    return _CLASSES[mixin, trainer_class]

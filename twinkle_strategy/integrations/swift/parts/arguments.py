@@ -31,8 +31,7 @@ def check_arguments(args) -> None:
         raise SwiftPluginError(f"{' '.join(packed)} is not served by the twinkle plugin yet; drop it, or train with "
                                "`twinkle-sft ... --packing true` (or --padding_free true), which keeps each packed "
                                "example's attention to itself")
-    if getattr(args, "deepspeed", None):
-        raise SwiftPluginError("--deepspeed and the twinkle plugin both shard the model; drop --deepspeed")
+    refuse_deepspeed(args)
     if getattr(args, "tuner_type", "lora") not in ("lora", "full"):
         raise SwiftPluginError(f"--tuner_type {args.tuner_type} is not supported with the twinkle plugin; "
                                "use lora (with --target_parameters for expert LoRA) or full")
@@ -48,6 +47,23 @@ def check_arguments(args) -> None:
                 raise SwiftPluginError(
                     f"{option} cannot be used with --target_parameters {' '.join(args.target_parameters)} "
                     f"(LoRA on fused expert weights): pass {fix}, or drop --target_parameters")
+
+
+def refuse_deepspeed(args) -> None:
+    """``--deepspeed`` refused in one line (NativeFSDPStrategy shards the model, DeepSpeed would again)."""
+    value = getattr(args, "deepspeed", None)
+    if value:
+        shown = value if isinstance(value, str) else "{...}"
+        raise SwiftPluginError(f"--deepspeed {shown} and the twinkle plugin both shard the model: drop --deepspeed "
+                               "(the plugin applies FSDP2 and EP itself; its options are TWINKLE_* variables or "
+                               'the --fsdp JSON\'s "twinkle" object)')
+
+
+def init_deepspeed(orig, self) -> None:
+    """Hook of ``SftArguments._init_deepspeed``, which swift runs just before ``_init_fsdp``: ``--deepspeed``
+    is refused in the plugin's words before swift asks for the deepspeed package or reads its config."""
+    refuse_deepspeed(self)
+    return orig(self)
 
 
 def _read_fsdp_json(value) -> dict:

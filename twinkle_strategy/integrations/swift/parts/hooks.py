@@ -1,6 +1,7 @@
-"""Installing the plugin into ms-swift 4.x: four hooks, each a wrapper around swift's own method.
+"""Installing the plugin into ms-swift 4.x: hooks, each a wrapper around swift's own method.
 
-1. ``SftArguments._init_fsdp``    -> :func:`~.arguments.init_fsdp`
+1. ``SftArguments._init_deepspeed`` -> :func:`~.arguments.init_deepspeed` (``--deepspeed`` refused first)
+   ``SftArguments._init_fsdp``    -> :func:`~.arguments.init_fsdp`
 2. ``ModelLoader.load``           -> :func:`~.loading.load`
 3. ``TunerMixin.prepare_model``   -> :func:`prepare_model` (swift's tuner, then EP + FSDP2)
 4. ``TrainerFactory.get_trainer_cls`` -> :func:`~.trainer.get_trainer_cls`
@@ -13,12 +14,11 @@ import functools
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.compat.transformers_internals import mark_accelerate_prepared
-from twinkle_strategy.integrations.swift.parts.arguments import init_fsdp
+from twinkle_strategy.integrations.swift.parts.arguments import init_deepspeed, init_fsdp
 from twinkle_strategy.integrations.swift.parts.loading import install_experts_patch_hooks, load
 from twinkle_strategy.integrations.swift.parts.state import get_strategy
 from twinkle_strategy.integrations.swift.parts.trainer import get_trainer_cls
-from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
+from twinkle_strategy.integrations.transformers.trainer import prepare_for_trainer
 
 
 def prepare_model(orig, cls, args, model, *pargs, **kwargs):
@@ -30,14 +30,8 @@ def prepare_model(orig, cls, args, model, *pargs, **kwargs):
     # adapter is the one every rank receives, so only its RNG matters; without it all ranks agree.
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
-    model, _ = strategy.wrap_model(model)
-    # swift's --gradient_checkpointing goes through transformers' activation checkpointing: make its
-    # recomputation replay the EP dispatch (no second all-to-all, no re-routing), as twinkle-sft's does.
-    replay_in_transformers_checkpointing(model)
-    # Sharded and placed already: accelerate must neither wrap it in DDP nor shard it again.
-    mark_accelerate_prepared(model)  # (the strategy has logged its init report already)
-    return model
-
+    # EP + FSDP2, checkpointing that replays the EP dispatch, accelerate kept off: as for any transformers.Trainer
+    return prepare_for_trainer(strategy, model)  # (the strategy has logged its init report already)
 
 
 def _patch(owner, name: str, hook, kind: str = "method") -> None:
@@ -67,6 +61,7 @@ def install() -> None:
     from swift.pipelines.train.tuner import TunerMixin
     from swift.trainers import TrainerFactory
 
+    _patch(SftArguments, "_init_deepspeed", init_deepspeed)
     _patch(SftArguments, "_init_fsdp", init_fsdp)
     _patch(ModelLoader, "load", load)
     _patch(TunerMixin, "prepare_model", prepare_model, kind="classmethod")

@@ -1,7 +1,7 @@
 """Model loading inside swift: ``PreTrainedModel.from_pretrained`` as the strategy wants it while swift loads.
 
-Without memory_efficient_init every rank loads on CPU, strictly (missing, unexpected or wrong-shaped
-tensors raise, named). With it, each node's source opens the checkpoint (streaming where it can) and
+Without memory_efficient_init every rank loads on CPU through the library's one whole-model load,
+``loading.load_pretrained_strict`` (missing, unexpected or wrong-shaped tensors raise, named). With it, each node's source opens the checkpoint (streaming where it can) and
 every other rank builds the model on meta; failures are raised on every rank.
 """
 
@@ -10,30 +10,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import os
 
 import torch
 
-from twinkle_strategy.checkpoint.durable import raise_if_incomplete
 from twinkle_strategy.config import QuantizedBase
 from twinkle_strategy.distributed.fail_together import raise_init_together
 from twinkle_strategy.integrations.swift.parts.state import STATE, get_strategy
-from twinkle_strategy.loading import open_on_this_rank, raise_for_loading_info, share_weight_conversions
+from twinkle_strategy.loading import load_pretrained_strict, open_on_this_rank, share_weight_conversions
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 def _dtype(config, kwargs):
@@ -43,21 +28,14 @@ def _dtype(config, kwargs):
     return getattr(torch, dtype) if isinstance(dtype, str) else dtype
 
 
-def _checked_load(from_pretrained, cls, path, *args, **kwargs):
-    if os.path.isdir(str(path)):
-        raise_if_incomplete(str(path))
+def _load_whole(from_pretrained, cls, path, *args, **kwargs):
+    """swift's ``cls.from_pretrained(path, ...)`` as the library loads a whole model (``load_pretrained_strict``)."""
     kwargs["device_map"] = None  # CPU: shards go to the devices in wrap_model; no rank holds a whole model there
-    want_info = kwargs.pop("output_loading_info", False)
     # swift asks for ignore_mismatched_sizes only where it replaces a head on purpose (reward models); otherwise
-    # we ask for it ourselves, so that transformers reports the mismatched tensors and we raise naming them.
-    strict = kwargs.get("ignore_mismatched_sizes") is not True
-    kwargs["ignore_mismatched_sizes"] = True
-    # transformers' own FSDP loading would give every non-local-rank-0 process a zero-filled copy.
-    with _env("FSDP_CPU_RAM_EFFICIENT_LOADING", "false"):
-        model, info = from_pretrained(cls, path, *args, output_loading_info=True, **kwargs)
-    if strict:
-        raise_for_loading_info(path, info)
-    return (model, info) if want_info else model
+    # the library asks for it itself, so that transformers reports the mismatched tensors and it raises naming them.
+    strict = kwargs.pop("ignore_mismatched_sizes", None) is not True
+    return load_pretrained_strict(str(path), from_pretrained=lambda p, **kw: from_pretrained(cls, p, *args, **kw),
+                                  strict=strict, **kwargs)
 
 
 @contextlib.contextmanager
@@ -70,7 +48,7 @@ def _strategy_from_pretrained(strategy):
 
     def patched(cls, path, *args, config=None, **kwargs):
         if not strategy.memory_efficient_init:
-            return _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs)
+            return _load_whole(from_pretrained, cls, path, *args, config=config, **kwargs)
         if config is None:
             from transformers import AutoConfig
 
@@ -79,7 +57,7 @@ def _strategy_from_pretrained(strategy):
         # swift asks for ignore_mismatched_sizes where it replaces a head on purpose (reward models): a full load.
         model = open_on_this_rank(
             path, config, dtype, topology=strategy.topology, stream=strategy.config.stream_checkpoint,
-            full_load=lambda: _checked_load(from_pretrained, cls, path, *args, config=config, **kwargs),
+            full_load=lambda: _load_whole(from_pretrained, cls, path, *args, config=config, **kwargs),
             model_class=cls, kwargs={k: v for k, v in kwargs.items() if k != "output_loading_info"},
             blocker="from_pretrained was given positional arguments" if args else None,
             quantized_base=QuantizedBase(strategy.config.quantized_base))

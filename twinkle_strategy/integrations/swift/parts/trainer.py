@@ -12,10 +12,10 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint import ResumeError
-from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, scheduler_file_name, trainer_save
+from twinkle_strategy.compat.transformers_internals import scheduler_file_name, trainer_save
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.integrations.swift.parts.state import get_strategy
-from twinkle_strategy.integrations.transformers import StrategyTrainerMixin
+from twinkle_strategy.integrations.transformers import StrategyTrainerMixin, with_strategy
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
 
@@ -143,13 +143,6 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
             self.load_trainer_state(checkpoint)
 
 
-_TRAINER_CLASSES: dict[type, type] = {}
-
-
 def get_trainer_cls(orig, cls, args):
     """Hook of ``TrainerFactory.get_trainer_cls``: swift's trainer class with :class:`TwinkleTrainerMixin` first."""
-    base = orig.__func__(cls, args)
-    if base not in _TRAINER_CLASSES:
-        check_trainer_overrides(TwinkleTrainerMixin)
-        _TRAINER_CLASSES[base] = type(f"Twinkle{base.__name__}", (TwinkleTrainerMixin, base), {})
-    return _TRAINER_CLASSES[base]
+    return with_strategy(orig.__func__(cls, args), mixin=TwinkleTrainerMixin)

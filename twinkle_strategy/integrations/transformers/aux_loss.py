@@ -1,0 +1,80 @@
+"""The MoE load-balancing loss counted over the global batch inside ``transformers.Trainer`` and TRL's ``SFTTrainer``.
+
+Under data parallelism transformers' Trainer (the model's own ``aux_loss``) and TRL's trainers
+(``router_aux_loss_coef * outputs.aux_loss``, on by default with the model's coefficient since TRL
+1.x) balance each rank's micro-batch on its own. Here the same term is counted over the global batch
+(:class:`twinkle_strategy.moe.balance.GlobalBatchAuxLoss`): the one each takes over is silenced, and
+each (rank, micro-batch) adds its share, scaled so that the step's gradient is that of the loss one
+process computes on the concatenated batch.
+
+TRL's fused forwards return no router logits, so they are read where every forward produces them:
+from the output of the model's backbone (``base_model``), the first forward of each ``compute_loss``
+(TRL's later forwards there are gradient-free, for metrics).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator
+
+from torch import nn
+
+from twinkle_strategy.moe.balance import GlobalBatchAuxLoss
+
+
+def take_over_aux_loss(trainer, model: nn.Module) -> GlobalBatchAuxLoss | None:
+    """The global-batch loss replacing the per-rank, per-micro-batch one ``trainer`` would add, or None if it
+    adds none."""
+    if hasattr(trainer, "aux_loss_enabled") and hasattr(trainer, "router_aux_loss_coef"):
+        # TRL's trainers: their coefficient (SFTConfig.router_aux_loss_coef; None takes the model's), and they add
+        # `coef * outputs.aux_loss` themselves. From here on they add zero; their logged aux_loss stays the local one.
+        if not trainer.aux_loss_enabled:
+            return None
+        coef = float(trainer.router_aux_loss_coef)
+        trainer.router_aux_loss_coef = 0.0
+        return GlobalBatchAuxLoss.replacing_model_term(model, coef=coef)
+    owner = next((m for m in model.modules() if hasattr(m, "router_aux_loss_coef")), None)
+    if owner is None or not getattr(owner.config, "output_router_logits", False) or not owner.router_aux_loss_coef > 0:
+        return None
+    return GlobalBatchAuxLoss.replacing_model_term(model, coef=float(owner.router_aux_loss_coef))
+
+
+@contextlib.contextmanager
+def first_forward_routing(model: nn.Module, aux_loss: GlobalBatchAuxLoss) -> Iterator[types.SimpleNamespace]:
+    """While open: the first forward's ``router_logits`` (its backbone's output) and the model's own ``aux_loss``
+    (the output of ``model``, what the trainer calls), as the namespace yielded; None where absent."""
+    found = types.SimpleNamespace(router_logits=None, aux_loss=None)
+    seen = {"backbone": False, "model": False}
+
+    def on_backbone(_module, _args, output):
+        if not seen["backbone"]:
+            seen["backbone"] = True
+            found.router_logits = getattr(output, "router_logits", None)
+
+    def on_model(_module, _args, output):
+        if not seen["model"]:
+            seen["model"] = True
+            found.aux_loss = getattr(output, "aux_loss", None)
+
+    backbone = aux_loss.balancing.owner.base_model
+    handles = [backbone.register_forward_hook(on_backbone), model.register_forward_hook(on_model)]
+    try:
+        yield found
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def share_scale(trainer, num_items_in_batch) -> int:
+    """What a (rank, micro-batch) share of the global loss is multiplied by: the shares add up over ranks and
+    micro-batches to the global loss, FSDP averages gradients over the ranks, and ``training_step`` divides the
+    loss by the accumulation steps unless it is already scaled for them (transformers' own rule)."""
+    scale = trainer.strategy.world_size
+    scaled_for_accumulation = getattr(trainer, "loss_is_scaled_for_ga", None)
+    if scaled_for_accumulation is None:
+        scaled_for_accumulation = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \
+            or trainer.compute_loss_func is not None
+    if not scaled_for_accumulation:
+        scale *= trainer.current_gradient_accumulation_steps
+    return scale
