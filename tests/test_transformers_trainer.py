@@ -6,8 +6,9 @@ One launch on 2 simulated nodes x 2 ranks (ep_size=2, memory_efficient_init) tra
 (fp32), and the saved checkpoints must load with plain PEFT / transformers and give the logits
 the plain run's saved checkpoints give. A third, full-parameter run with the model's load-balancing loss
 on must count it over the global batch: the plain process takes the global batch in one micro-batch.
-A DeepSpeed ZeRO-3 config next to the strategy must end
-every rank with one line naming it, before any weight is read.
+A DeepSpeed ZeRO-3 setting next to the strategy must end every rank with one line naming it, within seconds:
+accelerate's (its launcher's environment) in from_pretrained before the process group and any file is read,
+TrainingArguments' when the trainer is built, before any weight moves.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,6 +29,7 @@ from twinkle_strategy.integrations.transformers import refuse_conflicting_shardi
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 ATOL = 1e-5  # fp32, as one process
+REFUSAL_SPREAD_S = 20  # first refusal to the end of the launch (measured: ranks within 0.02 s, logs closed 0.4 s later)
 
 
 @pytest.fixture(scope="module")
@@ -75,14 +78,34 @@ def test_hf_trainer_saves_what_plain_peft_and_transformers_load(runs, run):
 def test_deepspeed_zero3_next_to_the_strategy_stops_every_rank_before_weights_load(tiny_model, tmp_path):
     result = launch("hf_trainer.py", ["--mode", "refuse", "--model", tiny_model, "--out", str(tmp_path)],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=120)
+    ended = time.time()  # every rank and both torchrun agents are gone
     assert not result.timed_out and all(rc != 0 for rc in result.returncodes), result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3], result.describe()
     for rank, data in ranks.items():
+        # accelerate's ZeRO-3 (its launcher's variables): refused by from_pretrained, before the process group
+        assert data["env_error"].startswith("accelerate's DeepSpeed ZeRO-3 (ACCELERATE_USE_DEEPSPEED=true) cannot "
+                                            "run with NativeFSDPStrategy: drop it from the accelerate config"), data
+        assert "\n" not in data["env_error"] and data["env_refused_before_process_group"] is True
+        # a ZeRO-3 config in TrainingArguments: refused by the trainer, before any weight moves
         assert data["error_type"] == "ConflictingShardingError", (rank, data.get("traceback"))
         assert "TrainingArguments.deepspeed" in data["error"] and "ZeRO-3" in data["error"], data["error"]
         assert "\n" not in data["error"]
         assert data["init_report_before"] is False  # no rank had received a weight
+    # Every rank refused on its own and the whole launch ended seconds later (no rank waits for another).
+    refused = [data["refused_at"] for data in ranks.values()]
+    assert max(refused) - min(refused) < REFUSAL_SPREAD_S and ended - min(refused) < REFUSAL_SPREAD_S, \
+        (refused, ended)
+
+
+def test_from_pretrained_refuses_accelerate_sharding_before_the_process_group_and_any_file(monkeypatch, tmp_path):
+    from twinkle_strategy import NativeFSDPStrategy
+
+    monkeypatch.setenv("FSDP_CPU_RAM_EFFICIENT_LOADING", "true")
+    with pytest.raises(ConflictingShardingError, match=r"^FSDP_CPU_RAM_EFFICIENT_LOADING=true \(accelerate's FSDP "
+                                                       r"cpu_ram_efficient_loading.*: unset it"):
+        NativeFSDPStrategy(ep_size=1, device_type="cpu").from_pretrained(str(tmp_path / "no-such-checkpoint"))
+    assert not torch.distributed.is_initialized()
 
 
 def test_accelerate_launch_with_deepspeed_or_fsdp_is_refused(tmp_path):
@@ -93,7 +116,10 @@ def test_accelerate_launch_with_deepspeed_or_fsdp_is_refused(tmp_path):
                                              "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(config)})
     with pytest.raises(ConflictingShardingError, match="ACCELERATE_USE_FSDP=true"):
         refuse_conflicting_sharding(environ={"ACCELERATE_USE_FSDP": "true"})
-    refuse_conflicting_sharding(environ={"ACCELERATE_USE_DEEPSPEED": "false"})  # what `accelerate launch` sets
+    with pytest.raises(ConflictingShardingError, match="^FSDP_CPU_RAM_EFFICIENT_LOADING=true"):
+        refuse_conflicting_sharding(environ={"FSDP_CPU_RAM_EFFICIENT_LOADING": "1"})
+    # what `accelerate launch` sets without them, and TrainingArguments(fsdp_config=...) by default
+    refuse_conflicting_sharding(environ={"ACCELERATE_USE_DEEPSPEED": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"})
 
 
 def test_a_model_transformers_sharded_at_load_is_refused(tiny_model):

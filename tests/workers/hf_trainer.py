@@ -7,12 +7,14 @@ plain PEFT on this process, (full) the saved checkpoint loaded with plain ``from
 A third run, full-parameter with the model's own load-balancing loss on (``output_router_logits``,
 ``router_aux_loss_coef``), takes one micro-batch of the whole global batch in the plain process, so
 that its aux loss is the global batch's: the strategy's two micro-batches per rank must give the same.
-``--mode refuse``: a DeepSpeed ZeRO-3 config next to the strategy; every rank must raise at once.
+``--mode refuse``: accelerate's ZeRO-3 in the environment, then a DeepSpeed ZeRO-3 config in TrainingArguments,
+next to the strategy; every rank must raise at once.
 """
 
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -111,19 +113,37 @@ def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = Fals
 
 
 def refuse(base: str, out: str):
+    """Two refusals on every rank: accelerate's ZeRO-3 in the environment, by from_pretrained before the process
+    group exists; then a ZeRO-3 config in TrainingArguments, by the trainer before any weight moves."""
+    import torch.distributed as dist
     from transformers import Trainer
 
     from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.errors import ConflictingShardingError
     from twinkle_strategy.integrations.transformers import with_strategy
 
     strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
+    # What `accelerate launch --use_deepspeed --zero_stage 3` exports to every process.
+    os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
+    try:
+        strategy.from_pretrained(base, dtype=torch.float32)
+        env_error = None
+    except ConflictingShardingError as exc:
+        env_error = str(exc)
+    finally:
+        del os.environ["ACCELERATE_USE_DEEPSPEED"], os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
+    worker_common.write_result({"env_error": env_error, "env_refused_before_process_group": not dist.is_initialized()})
     model = strategy.from_pretrained(base, dtype=torch.float32)
     args = training_args(out, 2)
     # What TrainingArguments(deepspeed=...) keeps where DeepSpeed is installed (this machine has no deepspeed
     # package, and transformers refuses to build the arguments without it).
     args.deepspeed = ZERO3
     worker_common.write_result({"init_report_before": strategy.init_report is not None})
-    with_strategy(Trainer)(model=model, args=args, train_dataset=[], strategy=strategy)
+    try:
+        with_strategy(Trainer)(model=model, args=args, train_dataset=[], strategy=strategy)
+    except ConflictingShardingError:
+        worker_common.write_result({"refused_at": time.time()})  # the test measures how soon every rank is gone
+        raise
 
 
 def main():
