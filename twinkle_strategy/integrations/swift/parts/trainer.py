@@ -81,29 +81,20 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
                 p.grad = None
         return norm
 
-    # -- saving: swift's own _save and layout; the weights without a gather
+    # -- saving: the weights as the shared mixin writes them; the rest of the checkpoint is swift's own _save
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.args.tuner_type == "full":
-            # Every rank writes its rows straight into the checkpoint's safetensors files (in the layout of
-            # the checkpoint the run started from); process zero then lets swift write everything else.
-            self.strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
-            if self.args.should_save:
-                trainer_save(self, output_dir, state_dict=None)
-        else:
-            # The adapter is small: gathered (all experts, as plain PEFT loads it) and written by process zero.
-            keys = {n for n, p in self.model.named_parameters() if p.requires_grad}
-            state = self.strategy.full_state_dict(self.model, rank0_only=True, keys=keys)
-            if self.args.should_save:
-                trainer_save(self, output_dir, state_dict=state)
-            del state
+        # strategy.save_pretrained, on every rank: full-parameter rows straight into the checkpoint's safetensors
+        # files (in the layout of the checkpoint the run started from), or the whole adapter in PEFT's format;
+        # process zero then lets swift write everything else of its layout (args.json, training_args.bin...).
+        self.strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
+        if self.args.should_save:
+            trainer_save(self, output_dir, state_dict=None)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
     def _save_model(self, output_dir: str | None = None, state_dict=None):
-        if self.args.tuner_type == "full":
-            return  # written by every rank in save_model, config included
-        return super()._save_model(output_dir, state_dict)
+        return  # written by every rank in save_model, config included
 
     # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
     def _legacy_state(self, checkpoint: str) -> dict | None:
