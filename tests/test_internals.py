@@ -503,6 +503,17 @@ def _trainer_save(tiny):
     assert list(inspect.signature(Trainer._save).parameters) == ["self", "output_dir", "state_dict"]
 
 
+@checks("Trainer._prepare_inputs")
+def _trainer_prepare_inputs(tiny):
+    from transformers import Trainer, TrainingArguments
+
+    trainer = Trainer(model=tiny.loaded, args=TrainingArguments(output_dir="unused", use_cpu=True, report_to=[]))
+    batch = {"input_ids": torch.tensor([[1, 2, 3]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
+    prepared = hf.trainer_prepare_inputs(trainer, batch)
+    assert set(prepared) == set(batch) and prepared["input_ids"].device == trainer.args.device
+    assert list(inspect.signature(Trainer._prepare_inputs).parameters) == ["self", "inputs"]
+
+
 @checks("trainer.SCHEDULER_NAME")
 def _scheduler_file(tiny):
     import transformers.trainer

@@ -430,6 +430,19 @@ def trainer_save(trainer, output_dir: str, state_dict=None) -> None:
     TRAINER_SAVE.attribute(trainer, "_save")(output_dir, state_dict=state_dict)
 
 
+TRAINER_PREPARE_INPUTS = Internal(
+    "Trainer._prepare_inputs", "transformers",
+    used_for="put a step's micro-batches on the device as the training step does, for the gradient-free routing "
+             "pass of the global-batch aux loss before the step's first backward",
+    checked=_ALL, replacement="none: the HF Trainer has no public method that prepares a batch")
+
+
+@TRAINER_PREPARE_INPUTS.wrapper
+def trainer_prepare_inputs(trainer, inputs: dict) -> dict:
+    """``trainer._prepare_inputs(inputs)``: a micro-batch as the HF Trainer's training step hands it to the model."""
+    return TRAINER_PREPARE_INPUTS.attribute(trainer, "_prepare_inputs")(inputs)
+
+
 SCHEDULER_FILE = Internal(
     "trainer.SCHEDULER_NAME", "transformers",
     used_for="save and resume the learning-rate scheduler under the file name the HF Trainer uses",

@@ -20,7 +20,8 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from twinkle_strategy.moe.balance import GlobalBatchAuxLoss
+from twinkle_strategy.compat.transformers_internals import trainer_prepare_inputs
+from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
 
 
 def take_over_aux_loss(trainer, model: nn.Module) -> GlobalBatchAuxLoss | None:
@@ -64,6 +65,22 @@ def first_forward_routing(model: nn.Module, aux_loss: GlobalBatchAuxLoss) -> Ite
     finally:
         for handle in handles:
             handle.remove()
+
+
+def router_prepass(trainer, batch_samples: list[dict]) -> RouterStats:
+    """The router statistics of a step's micro-batches over every rank (one gradient-free forward each), so that
+    the first micro-batch's backward already sees the global batch's expert fractions."""
+    expert_load = trainer.step_metrics.expert_load
+    if expert_load is not None:
+        expert_load.active = False  # the training forwards count the load
+    trainer.model.train()
+    try:
+        return trainer.global_aux_loss.prepass(trainer.model, (
+            {k: v for k, v in trainer_prepare_inputs(trainer, batch).items() if k not in ("labels", "shift_labels")}
+            for batch in batch_samples))
+    finally:
+        if expert_load is not None:
+            expert_load.active = True
 
 
 def share_scale(trainer, num_items_in_batch) -> int:

@@ -49,7 +49,12 @@ from twinkle_strategy.checkpoint.training import (
 from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, mark_accelerate_prepared
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.errors import CheckpointSaveError, ResumeError
-from twinkle_strategy.integrations.transformers.aux_loss import first_forward_routing, share_scale, take_over_aux_loss
+from twinkle_strategy.integrations.transformers.aux_loss import (
+    first_forward_routing,
+    router_prepass,
+    share_scale,
+    take_over_aux_loss,
+)
 from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
@@ -91,21 +96,8 @@ class StrategyTrainerMixin:
         self._step_router_stats = None
         if self.global_aux_loss is not None and len(batch_samples) > 1:
             # Several micro-batches: the global counts must be known before the first one's backward.
-            self._step_router_stats = self._router_prepass(batch_samples)
+            self._step_router_stats = router_prepass(self, batch_samples)
         return batch_samples, num_items_in_batch
-
-    def _router_prepass(self, batch_samples: list[dict]) -> RouterStats:
-        expert_load = self.step_metrics.expert_load
-        if expert_load is not None:
-            expert_load.active = False  # the training forwards count the load
-        self.model.train()
-        try:
-            return self.global_aux_loss.prepass(self.model, (
-                {k: v for k, v in self._prepare_inputs(batch).items() if k not in ("labels", "shift_labels")}
-                for batch in batch_samples))
-        finally:
-            if expert_load is not None:
-                expert_load.active = True
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         if self.global_aux_loss is None or not model.training:

@@ -43,6 +43,14 @@ def _legacy_local_state(checkpoint: str, strategy) -> dict | None:
     return local
 
 
+def _legacy_state(trainer, checkpoint: str) -> dict | None:
+    """``checkpoint``'s older per-rank state, read (and announced) once for the weights and the optimizer
+    (a function, not a method: the trainer mixins' private methods are the HF Trainer's hooks only)."""
+    if trainer._legacy_state_of is None or trainer._legacy_state_of[0] != checkpoint:
+        trainer._legacy_state_of = (checkpoint, _legacy_local_state(checkpoint, trainer.strategy))
+    return trainer._legacy_state_of[1]
+
+
 def _optimizer_from_local(local: dict, optimizer) -> dict:
     from torch.distributed.tensor import DTensor
 
@@ -97,14 +105,8 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
         return  # written by every rank in save_model, config included
 
     # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
-    def _legacy_state(self, checkpoint: str) -> dict | None:
-        """``checkpoint``'s older per-rank state, read (and announced) once for the weights and the optimizer."""
-        if self._legacy_state_of is None or self._legacy_state_of[0] != checkpoint:
-            self._legacy_state_of = (checkpoint, _legacy_local_state(checkpoint, self.strategy))
-        return self._legacy_state_of[1]
-
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        legacy = self._legacy_state(resume_from_checkpoint)
+        legacy = _legacy_state(self, resume_from_checkpoint)
         if legacy is not None:
             params = dict((model or self.model).named_parameters())
             with torch.no_grad():
@@ -123,7 +125,7 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
     def _load_optimizer_and_scheduler(self, checkpoint):
         if checkpoint is None or self.args.resume_only_model:
             return
-        legacy = self._legacy_state(checkpoint)
+        legacy = _legacy_state(self, checkpoint)
         self._legacy_state_of = None  # read: its host copy is not needed any more
         if legacy is not None:
             self.optimizer.load_state_dict(_optimizer_from_local(legacy["optimizer"], self.optimizer))
