@@ -3,7 +3,7 @@
 options.py    the options: every StrategyConfig field as TWINKLE_<NAME> or the --fsdp JSON's "twinkle" object
 state.py      this process's PluginState (swift's arguments, the options, the strategy)
 arguments.py  swift's arguments checked and FSDP hidden from transformers/accelerate (SftArguments._init_deepspeed/_init_fsdp)
-loading.py    the model loaded as the strategy loads it (ModelLoader.load), through loading.open_on_this_rank
+loading.py    the model loaded as the strategy loads it (ModelLoader.load): loading.open_on_this_rank / load_pretrained_strict
 trainer.py    swift's trainer on the shared transformers layer (TrainerFactory.get_trainer_cls)
 hooks.py      swift's tuner then EP + FSDP2 (TunerMixin.prepare_model); installing the hooks
 
