@@ -172,6 +172,12 @@ def _shown(value: object) -> str:
 
 # A recipe override: a dotted key, '=', a value (tells a flag's list values from the overrides after them).
 _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+RECIPE_SUFFIXES = (".yaml", ".yml")  # a positional with one is the recipe, never a list flag's value
+
+
+def _ends_list(token: str) -> bool:
+    """Whether ``token`` ends a list flag's values: the next flag, a ``key=value`` or the YAML recipe."""
+    return token.startswith("--") or bool(_OVERRIDE.match(token)) or token.lower().endswith(RECIPE_SUFFIXES)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
@@ -179,7 +185,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
 
     Like swift: ``--max-steps`` is ``--max_steps``, ``--flag=value`` is ``--flag value``; unlike argparse,
     no prefix of a flag is taken for it (``--max_step``), and a list flag (``--dataset a b``) stops at the
-    next flag or ``key=value``. An unknown flag is a :class:`RecipeError` with the nearest flag.
+    next flag, ``key=value`` or ``*.yaml``/``*.yml`` (the recipe: ``--dataset d.jsonl yaml/demo.yaml``).
+    An unknown flag is a :class:`RecipeError` with the reason (a swift flag not taken) or the nearest flag.
     """
     positionals: list[str] = []
     flags: list[tuple[str, list[str]]] = []
@@ -204,7 +211,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
             values = [inline]
         elif SWIFT_FLAGS[name][0] in LIST_KEYS:
             values = []
-            while i < len(argv) and not (argv[i].startswith("--") or _OVERRIDE.match(argv[i])):
+            while i < len(argv) and not _ends_list(argv[i]):
                 values.append(argv[i])
                 i += 1
         else:
@@ -212,8 +219,10 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
             i += len(values)
         if not values:
             key = SWIFT_FLAGS[name][0]
-            raise RecipeError(f"--{name} needs a value, e.g. --{name} {_example_value(key)}", key=key,
-                              reason=f"--{name} needs a value, e.g. --{name} {_example_value(key)}")
+            after = f" before {argv[i]} (a YAML file is the recipe)" if i < len(argv) and \
+                argv[i].lower().endswith(RECIPE_SUFFIXES) else ""
+            reason = f"--{name} needs a value{after}, e.g. --{name} {_example_value(key)}"
+            raise RecipeError(reason, key=key, reason=reason)
         flags.append((name, values))
     return positionals, flags
 
