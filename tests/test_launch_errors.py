@@ -228,18 +228,41 @@ def test_flags_are_read_as_swift_reads_them():
     docs/swift.md with swift's meaning."""
     from twinkle_strategy.train.cli import parse
 
-    recipe = parse(["--max-steps", "2", "train.logging_steps=1", DEMO, "--model", "tiny://demo", "--dataset", DATASET,
+    recipe = parse(["--max-steps", "2", "train.warmup_steps=1", DEMO, "--model", "tiny://demo", "--dataset", DATASET,
                     "--lora-dropout=0.05", "tuner.target_parameters=[]", "--torch_dtype", "bfloat16",
                     "--max_length", "128", "--warmup-ratio", "0.1", "--save_steps", "5", "--save_total_limit", "2",
                     "--logging_steps", "3", "--seed", "11"])
     assert (recipe.train.max_steps, recipe.tuner.lora_dropout, recipe.model.path, recipe.data.dataset) == \
         (2, 0.05, "tiny://demo", [DATASET])
+    # Each flag's own value (the recipe has logging_steps 5, save_steps 20, seed 42, max_length 64).
     assert (recipe.model.dtype, recipe.data.max_length, recipe.train.warmup_ratio, recipe.train.save_steps,
-            recipe.train.save_total_limit, recipe.train.logging_steps, recipe.train.seed) == \
-        ("bfloat16", 128, 0.1, 5, 2, 1, 11)  # key=value wins over a flag, wherever each stands
+            recipe.train.save_total_limit, recipe.train.logging_steps, recipe.train.seed,
+            recipe.train.warmup_steps) == ("bfloat16", 128, 0.1, 5, 2, 3, 11, 1)
+    # key=value wins over a flag, wherever each stands.
+    for args in (["train.logging_steps=1", DEMO, "--logging_steps", "3"], ["--logging_steps", "3", DEMO,
+                                                                           "train.logging_steps=1"]):
+        assert parse(args).train.logging_steps == 1, args
     # A list flag stops at the next key=value, which may come before the recipe.
     recipe = parse(["--dataset", DATASET, DATASET, "train.max_steps=3", DEMO])
     assert recipe.data.dataset == [DATASET, DATASET] and recipe.train.max_steps == 3
+
+
+def test_a_list_flag_stops_at_the_yaml_recipe(tmp_path):
+    """``--dataset d.jsonl yaml/demo.yaml`` once took the recipe for a second dataset."""
+    from twinkle_strategy.errors import RecipeError
+    from twinkle_strategy.train.cli import parse, split_argv
+
+    assert split_argv(["--dataset", DATASET, DEMO, "--max_steps", "3"]) == \
+        ([DEMO], [("dataset", [DATASET]), ("max_steps", ["3"])])
+    recipe = parse(["--dataset", DATASET, DATASET, DEMO])
+    assert recipe.data.dataset == [DATASET, DATASET] and recipe.train.max_steps == 40  # demo.yaml's
+    recipe_yml = tmp_path / "Recipe.YML"
+    recipe_yml.write_text((REPO / "yaml" / "demo.yaml").read_text().replace("max_steps: 40", "max_steps: 7"))
+    assert parse(["--target_modules", "q_proj", str(recipe_yml)]).train.max_steps == 7
+    with pytest.raises(RecipeError) as raised:
+        parse(["--dataset", DEMO])
+    assert str(raised.value) == (f"--dataset needs a value before {DEMO} (a YAML file is the recipe), e.g. "
+                                 "--dataset VALUE")
 
 
 MISTAKES = [
@@ -268,11 +291,16 @@ MISTAKES = [
                             "on (checked the first 100 rows of each dataset; they need up to 37 tokens); raise it, "
                             "e.g. --max_length 37", ["--max_length", "37"]),
     (["--lora_dropout", "0.05"], "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
-                                 "tuner.target_parameters=", ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
+                                 "tuner.target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] (LoRA "
+                                 "on fused expert weights): set tuner.lora_dropout=0, or set tuner.target_parameters=[] "
+                                 "to train attention/linear layers only",
+     ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
     # all-linear (the default without a recipe) on the demo's MoE: PEFT used to refuse it after launch.
     (["--lora_dropout", "0.05", "tuner.target_modules=[all-linear]", "tuner.target_parameters=[]"],
      "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
-     "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights)",
+     "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights) (LoRA on fused expert "
+     "weights): set tuner.lora_dropout=0, or set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj] to train "
+     "attention/linear layers only",
      ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
     # One node: the fix is the run test_the_suggested_fixes_start_the_run launches.
     (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=2"],
@@ -289,15 +317,46 @@ MISTAKES = [
      "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
      "x processes per node = 3 x 1); set launch.nproc_per_node=2, or ep_size among [1]",
      ["launch.nnodes=3", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
-    # ep and sp both misfit: the suggested world fits both (lcm 4), and ep x sp = 8 may exceed it (issue 27).
+    # ep and sp both misfit: the suggested world fits both (lcm 4), and ep x sp = 8 may exceed it (issue 27); the
+    # line names both sizes, keys and flags.
     (["launch.nnodes=1", "launch.nproc_per_node=3", "strategy.ep_size=2", "--sequence_parallel_size", "4"],
-     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
-     "x processes per node = 1 x 3); set launch.nproc_per_node=4, or ep_size among [1]",
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 and sequence_parallel_size 4 (strategy.sequence_parallel_"
+     "size, --sequence_parallel_size) must each divide the number of processes (SP groups sit inside the data-"
+     "parallel and EP ranks, so ep x sp may exceed it), this run has 3 (nodes x processes per node = 1 x 3); set "
+     "launch.nproc_per_node=4, or ep_size among [1] and sequence_parallel_size among [1]",
      ["launch.nnodes=1", "launch.nproc_per_node=4", "strategy.ep_size=2", "--sequence_parallel_size", "4"]),
+    # The issue's own: ep_size 8 (the 8 experts of tiny://demo) in a world of 4; the fix it once suggested,
+    # NPROC_PER_NODE=8, lost to the recipe's launch section.
+    (["launch.nnodes=1", "launch.nproc_per_node=4", "strategy.ep_size=8"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 8 needs a multiple of 8 processes, this run has 4 (nodes "
+     "x processes per node = 1 x 4); set launch.nproc_per_node=8, or ep_size among [1, 2, 4]",
+     ["launch.nnodes=1", "launch.nproc_per_node=8", "strategy.ep_size=8"]),
 ]
 MISTAKE_IDS = ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
                "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
-               "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp"]
+               "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp", "world-size-issue-31"]
+# What each line tells the user to do, which its fix does.
+FIX_SAID = {"unknown-flag": "did you mean --max_steps?", "prefix": "did you mean --max_steps?", "swift-only": "drop it",
+            "type-of-flag": "e.g. --learning_rate 0.0001", "type-of-key": "e.g. train.learning_rate=0.0001",
+            "int": "e.g. --seed 42", "unknown-key": "did you mean train.max_steps?",
+            "experts": "choose ep_size among [1]", "world-size": "set launch.nproc_per_node=4",
+            "max-length": "e.g. --max_length 37", "lora-dropout": "set tuner.target_parameters=[]",
+            "lora-dropout-all-linear": "set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+            "world-size-one-node": "set launch.nproc_per_node=2", "experts-before-world": "choose ep_size among [1]",
+            "world-size-three-nodes": "set launch.nproc_per_node=2", "world-size-ep-and-sp": "set launch.nproc_per_node=4",
+            "world-size-issue-31": "set launch.nproc_per_node=8"}
+# The launches that prove the fixes start the run (issue 31: "each suggested fix is then applied and the run
+# starts"): (world size, the fixes applied together). Fixes of a kind launched already are in SAME_KIND.
+FIX_LAUNCHES = [
+    (1, ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "max-length",
+         "lora-dropout", "lora-dropout-all-linear", "experts-before-world"]),
+    (8, ["world-size-issue-31"]),  # 1 node x 8, ep 8
+    (4, ["world-size-ep-and-sp"]),  # 1 node x 4, ep 2, sp 4
+]
+SAME_KIND = {"experts": "experts-before-world",  # ep_size among [1], there in a world of 3
+             # launch.nproc_per_node=N, N from processes_per_node_for, there on 2 and 3 (simulated) nodes and on 1
+             "world-size": "world-size-issue-31", "world-size-three-nodes": "world-size-issue-31",
+             "world-size-one-node": "world-size-issue-31"}
 
 
 @pytest.mark.parametrize("args,expected,fix", MISTAKES, ids=MISTAKE_IDS)
@@ -325,25 +384,51 @@ def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expecte
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_suggested_fixes_start_the_run(tmp_path):
-    """The fixes the one-line errors above suggest, applied as the message says, train (issue 31: the fix once
-    suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way). Two launches: the expert-divisibility
-    fix (3 ranks, ep 1) together with the max_length and type fixes, and the world-size fix (2 ranks, ep 2)."""
+def test_each_fix_is_what_its_line_says_and_each_is_launched():
+    """Cheap: the table below the mistakes is complete, and each fix does what its one line says."""
     mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
-    # Each fix applied below, as its message words it.
-    named = {"experts": "choose ep_size among [1]", "max-length": "e.g. --max_length 37",
-             "type-of-flag": "e.g. --learning_rate 0.0001", "world-size-one-node": "set launch.nproc_per_node=2"}
-    for fix_ids in (["experts", "max-length", "type-of-flag"], ["world-size-one-node"]):
-        args = [token for fix_id in fix_ids for token in mistakes[fix_id][2]]
-        for fix_id in fix_ids:
-            assert named[fix_id] in mistakes[fix_id][1], fix_id
-        out = tmp_path / "-".join(fix_ids)
-        proc = run_cli([DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}", "launch.simulated_nodes=false",
-                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path,
-                       env={"MASTER_PORT": str(free_port())})  # not 29500, which a run beside this one may hold
-        assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
-        with open(only_run_dir(out) / "logging.jsonl") as f:
-            assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/1"], fix_ids
+    assert set(FIX_SAID) == set(mistakes)
+    for mistake_id, (args, expected, fix) in mistakes.items():
+        said = FIX_SAID[mistake_id]
+        assert said in expected, mistake_id
+        if said.startswith("set "):
+            assert said.removeprefix("set ") in fix, mistake_id
+        elif said.startswith("e.g. "):
+            assert said.removeprefix("e.g. ") in " ".join(fix), mistake_id
+        elif said.startswith("did you mean "):
+            name = said.removeprefix("did you mean ").rstrip("?")
+            assert name in fix or any(token.startswith(f"{name}=") for token in fix), mistake_id
+        elif said.startswith("choose ep_size among "):
+            chosen = fix[fix.index("--expert_parallel_size") + 1] if "--expert_parallel_size" in fix else \
+                next(t for t in fix if t.startswith("strategy.ep_size=")).split("=")[1]
+            assert int(chosen) in json.loads(said.removeprefix("choose ep_size among ")), mistake_id
+        else:  # drop the flag swift takes and twinkle-sft does not
+            assert said == "drop it" and [t for t in args if t not in fix] == ["--deepspeed", "zero3"], mistake_id
+    launched = [fix_id for _, fix_ids in FIX_LAUNCHES for fix_id in fix_ids]
+    assert sorted(launched + list(SAME_KIND)) == sorted(MISTAKE_IDS)  # each one launched, or its kind is
+    assert all(kind in launched for kind in SAME_KIND.values())
+
+
+@pytest.mark.parametrize("world,fix_ids", FIX_LAUNCHES, ids=["one-process", "ep8-on-8-ranks", "ep2-sp4-on-4-ranks"])
+def test_the_suggested_fixes_start_the_run(world, fix_ids, tmp_path):
+    """The fixes the one-line errors above suggest, applied as the messages say, train (issue 31: the fix once
+    suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way): one launch per kind of fix, the fixes
+    of one launch applied together, each value they set in force (the steps logged are the fixed max_steps)."""
+    from twinkle_strategy.train.cli import parse
+
+    mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
+    args = [DEMO, f"data.dataset={DATASET}", f"train.output_dir={tmp_path / 'out'}", "launch.simulated_nodes=false",
+            "train.logging_steps=1", "train.save_steps=0", "--max_steps", "1",  # a fix's --max_steps 3 comes later
+            *[token for fix_id in fix_ids for token in mistakes[fix_id][2]]]
+    recipe = parse(args)
+    assert recipe.launch.nnodes * recipe.launch.nproc_per_node == world
+    proc = run_cli(args, cwd=tmp_path)
+    assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
+    assert world == 1 or f"torchrun, {world} ranks on this node" in proc.stderr, proc.stderr[-3000:]
+    steps = recipe.train.max_steps
+    with open(only_run_dir(tmp_path / "out") / "logging.jsonl") as f:
+        assert [json.loads(line)["global_step/max_steps"] for line in f] == [f"{i}/{steps}" for i in
+                                                                             range(1, steps + 1)], fix_ids
 
 
 def test_world_size_fix_names_the_setting_the_launch_reads(monkeypatch, capsys, tmp_path):

@@ -234,14 +234,26 @@ def _check_world_size(recipe: Recipe, world_size: int, where: str, num_experts: 
     setting = "NPROC_PER_NODE" if "NPROC_PER_NODE" in os.environ else "launch.nproc_per_node"
     per_node = processes_per_node_for(nnodes=nnodes, ep_size=ep, sequence_parallel_size=sp,
                                       ep_fsdp_size=recipe.strategy.ep_fsdp_size)
-    if world_size % ep:
-        key, size, name = "strategy.ep_size", ep, "ep_size"
-        choices = [d for d in _divisors(world_size) if num_experts is None or num_experts % d == 0]
+    ep_choices = [d for d in _divisors(world_size) if num_experts is None or num_experts % d == 0]
+    sp_choices = [d for d in _divisors(world_size) if _model_takes_sequence_parallel(recipe, d)]
+    # (name, size, the other sizes' choices) of each size that does not divide the world, ep first.
+    misfits = [(name, size, choices) for name, size, choices in
+               (("ep_size", ep, ep_choices), ("sequence_parallel_size", sp, sp_choices)) if world_size % size]
+    other = [(name, size) for name, size in (("ep_size", ep), ("sequence_parallel_size", sp))
+             if size > 1 and name != misfits[0][0]]
+    if not other:
+        needs = f"{misfits[0][0]} {misfits[0][1]} needs a multiple of {misfits[0][1]} processes"
     else:
-        key, size, name = "strategy.sequence_parallel_size", sp, "sequence_parallel_size"
-        choices = [d for d in _divisors(world_size) if _model_takes_sequence_parallel(recipe, d)]
-    reason = (f"{name} {size} needs a multiple of {size} processes, this run has {world_size} ({where}); "
-              f"set {setting}={per_node}, or {name} among {choices}")
+        # Both are in use: say that each divides the world (not that the world holds ep x sp), naming the other
+        # one's key and flag too, since changing either size, or the world, is a fix.
+        (name, size), flag = other[0], {"ep_size": "--expert_parallel_size",
+                                        "sequence_parallel_size": "--sequence_parallel_size"}[other[0][0]]
+        needs = (f"{misfits[0][0]} {misfits[0][1]} and {name} {size} (strategy.{name}, {flag}) must each divide the "
+                 "number of processes (SP groups sit inside the data-parallel and EP ranks, so ep x sp may exceed "
+                 "it)")
+    alternatives = " and ".join(f"{name} among {choices}" for name, _, choices in misfits)
+    reason = f"{needs}, this run has {world_size} ({where}); set {setting}={per_node}, or {alternatives}"
+    key = f"strategy.{misfits[0][0]}"
     raise RecipeError(f"{key}: {reason}", key=key, reason=reason)
 
 
