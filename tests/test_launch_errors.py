@@ -265,12 +265,82 @@ def test_a_list_flag_stops_at_the_yaml_recipe(tmp_path):
                                  "--dataset VALUE")
 
 
+def test_every_flag_of_swift_sft_is_taken_with_its_meaning_or_refused_with_the_reason(capsys):
+    """Each field of ms-swift 4.6.0's SftArguments (twinkle_strategy/train/swift_flags.py; tests/test_swift.py checks
+    the list against the installed swift) is a twinkle-sft flag, or one line with the reason, never a "did you
+    mean" pointing at another flag (--use_cpu once got "did you mean --use_hf?")."""
+    from twinkle_strategy.errors import RecipeError
+    from twinkle_strategy.train.cli import SWIFT_FLAGS, main, split_argv
+    from twinkle_strategy.train.swift_flags import SWIFT_FLAGS_NOT_TAKEN, SWIFT_SFT_FLAGS
+
+    assert len(SWIFT_SFT_FLAGS) == len(set(SWIFT_SFT_FLAGS)) == 333
+    assert set(SWIFT_FLAGS_NOT_TAKEN) <= set(SWIFT_SFT_FLAGS)  # no reason for a flag swift does not have
+    taken = [flag for flag in SWIFT_SFT_FLAGS if flag in SWIFT_FLAGS]
+    assert not set(taken) & set(SWIFT_FLAGS_NOT_TAKEN)
+    for flag in SWIFT_SFT_FLAGS:
+        if flag in SWIFT_FLAGS:
+            continue
+        for spelling in (f"--{flag}", f"--{flag.replace('_', '-')}"):
+            with pytest.raises(RecipeError) as raised:
+                split_argv([spelling, "1"])
+            line = str(raised.value)
+            assert line == f"swift's --{flag} is not a twinkle-sft flag: {SWIFT_FLAGS_NOT_TAKEN[flag]}", line
+            assert "did you mean" not in line and "\n" not in line and len(line) < 300, line
+    # The flags the README and docs/swift.md name, the issue's list among them, are taken.
+    for flag in ("lora_dropout", "torch_dtype", "max_length", "warmup_ratio", "save_steps", "save_total_limit",
+                 "logging_steps", "seed", "truncation_strategy", "use_dora", "model", "dataset", "tuner_type",
+                 "lora_rank", "lora_alpha", "target_modules", "target_parameters", "use_hf", "sequence_parallel_size"):
+        assert flag in taken, flag
+    # The ones the audit found answered by a "did you mean" to a different flag, through the CLI: one line each.
+    for flag in ("freeze_vit", "freeze_llm", "freeze_aligner", "external_plugins", "use_cpu", "streaming",
+                 "dataset_num_proc", "per_device_eval_batch_size", "save_strategy", "logging_dir"):
+        assert main([DEMO, f"--{flag}", "x"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"twinkle-sft: error: swift's --{flag} is not a twinkle-sft flag: " \
+                      f"{SWIFT_FLAGS_NOT_TAKEN[flag]}\n", err
+    assert "--device_type cpu" in SWIFT_FLAGS_NOT_TAKEN["use_cpu"]
+    # A flag swift does not have either still gets the nearest one.
+    with pytest.raises(RecipeError, match="unknown flag --lora_rnak; did you mean --lora_rank"):
+        split_argv(["--lora_rnak", "8"])
+
+
+def test_truncation_strategy_is_swifts(tmp_path):
+    """swift 4.6 drops a row longer than --max_length (truncation_strategy delete, its default): twinkle-sft does
+    too, and cuts it with right / left, as swift does."""
+    from transformers import AutoTokenizer
+
+    from twinkle_strategy.train.cli import parse
+    from twinkle_strategy.train.data import SFTDataset
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+
+    assert parse([DEMO]).data.truncation_strategy == "delete"
+    assert parse([DEMO, "--truncation_strategy", "left"]).data.truncation_strategy == "left"
+    model = tmp_path / "tiny"
+    prepare_demo_model(str(model), [DATASET])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = demo_rows(3)
+    rows[1] = {"query": "What is 1 plus 1? " * 30, "response": "1 plus 1 is 2."}
+    path = write_rows(tmp_path / "long.jsonl", rows)
+    kept = {strategy: SFTDataset.from_jsonl(path, tokenizer, max_length=64, truncation_strategy=strategy)
+            for strategy in ("delete", "right", "left")}
+    assert len(kept["delete"]) == 2 and len(kept["left"]) == 3 and len(kept["right"]) == 2  # right: prompt only
+    (skipped,) = kept["delete"].skipped
+    assert skipped.line == 2 and skipped.reason.endswith("longer than max_length=64 (dropped, as swift's default "
+                                                         "truncation_strategy delete does; raise data.max_length, or "
+                                                         "set data.truncation_strategy=right to cut it)"), skipped
+    long_row = kept["left"].examples[1]
+    assert len(long_row["input_ids"]) == 64 and long_row["labels"][-1] != -100  # its end, the response, kept
+    assert kept["right"].skipped[0].reason.startswith("nothing to train on after truncation to max_length=64")
+
+
 MISTAKES = [
     (["--max_stepz", "3"], "unknown flag --max_stepz; did you mean --max_steps?", ["--max_steps", "3"]),
     # No prefix matching: argparse used to take --max_step for --max_steps, silently.
     (["--max_step", "3"], "unknown flag --max_step; did you mean --max_steps?", ["--max_steps", "3"]),
     (["--max_steps", "3", "--deepspeed", "zero3"], "swift's --deepspeed is not a twinkle-sft flag: twinkle-sft "
-                                                   "shards with FSDP2 itself; drop it", ["--max_steps", "3"]),
+                                                   "shards with FSDP2 and expert parallelism itself; drop it "
+                                                   "(twinkle-sft --help lists the strategy flags, e.g. "
+                                                   "--expert_parallel_size)", ["--max_steps", "3"]),
     (["--learning_rate", "fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
                                   "e.g. --learning_rate 0.0001", ["--learning_rate", "0.0001"]),
     (["train.learning_rate=fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
@@ -287,9 +357,18 @@ MISTAKES = [
                              "launch.nproc_per_node=4, or ep_size among [1, 2, 4]",
      ["strategy.ep_size=8", "launch.nproc_per_node=4"]),
     # Every row truncated to nothing: used to fail after launch with a misleading "Rows need 'messages'" tail.
-    (["data.max_length=8"], "data.max_length (--max_length): max_length=8 truncates every row to nothing to train "
-                            "on (checked the first 100 rows of each dataset; they need up to 37 tokens); raise it, "
-                            "e.g. --max_length 37", ["--max_length", "37"]),
+    (["data.max_length=8"], "data.max_length (--max_length): max_length=8 drops every row as longer "
+                            "(truncation_strategy delete, swift's default); the first 100 rows of each dataset need "
+                            "up to 37 tokens: raise it, e.g. --max_length 37", ["--max_length", "37"]),
+    # Cut instead (swift's --truncation_strategy right): every row's response is cut off.
+    (["data.max_length=8", "--truncation_strategy", "right"],
+     "data.max_length (--max_length): max_length=8 truncates every row to nothing to train on; the first 100 rows of "
+     "each dataset need up to 37 tokens: raise it, e.g. --max_length 37",
+     ["--max_length", "37", "--truncation_strategy", "right"]),
+    # swift's truncation_strategy split is for pre-training.
+    (["--truncation_strategy", "split"], "data.truncation_strategy (--truncation_strategy): 'split' ('split' is "
+                                         "swift's for pre-training); use delete (swift's default), right or left",
+     ["--truncation_strategy", "left"]),
     (["--lora_dropout", "0.05"], "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
                                  "tuner.target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] (LoRA "
                                  "on fused expert weights): set tuner.lora_dropout=0, or set tuner.target_parameters=[] "
@@ -333,14 +412,15 @@ MISTAKES = [
      ["launch.nnodes=1", "launch.nproc_per_node=8", "strategy.ep_size=8"]),
 ]
 MISTAKE_IDS = ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
-               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
+               "world-size", "max-length", "max-length-cut", "truncation-split", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
                "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp", "world-size-issue-31"]
 # What each line tells the user to do, which its fix does.
 FIX_SAID = {"unknown-flag": "did you mean --max_steps?", "prefix": "did you mean --max_steps?", "swift-only": "drop it",
             "type-of-flag": "e.g. --learning_rate 0.0001", "type-of-key": "e.g. train.learning_rate=0.0001",
             "int": "e.g. --seed 42", "unknown-key": "did you mean train.max_steps?",
             "experts": "choose ep_size among [1]", "world-size": "set launch.nproc_per_node=4",
-            "max-length": "e.g. --max_length 37", "lora-dropout": "set tuner.target_parameters=[]",
+            "max-length": "e.g. --max_length 37", "max-length-cut": "e.g. --max_length 37",
+            "truncation-split": "use delete (swift's default), right or left", "lora-dropout": "set tuner.target_parameters=[]",
             "lora-dropout-all-linear": "set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]",
             "world-size-one-node": "set launch.nproc_per_node=2", "experts-before-world": "choose ep_size among [1]",
             "world-size-three-nodes": "set launch.nproc_per_node=2", "world-size-ep-and-sp": "set launch.nproc_per_node=4",
@@ -351,9 +431,10 @@ FIX_LAUNCHES = [
     (1, ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "max-length",
          "lora-dropout", "lora-dropout-all-linear", "experts-before-world"]),
     (8, ["world-size-issue-31"]),  # 1 node x 8, ep 8
-    (4, ["world-size-ep-and-sp"]),  # 1 node x 4, ep 2, sp 4
+    (4, ["world-size-ep-and-sp", "truncation-split"]),  # 1 node x 4, ep 2, sp 4, rows cut on the left
 ]
 SAME_KIND = {"experts": "experts-before-world",  # ep_size among [1], there in a world of 3
+             "max-length-cut": "max-length",  # --max_length 37, there with rows cut instead of dropped
              # launch.nproc_per_node=N, N from processes_per_node_for, there on 2 and 3 (simulated) nodes and on 1
              "world-size": "world-size-issue-31", "world-size-three-nodes": "world-size-issue-31",
              "world-size-one-node": "world-size-issue-31"}
@@ -402,6 +483,8 @@ def test_each_fix_is_what_its_line_says_and_each_is_launched():
             chosen = fix[fix.index("--expert_parallel_size") + 1] if "--expert_parallel_size" in fix else \
                 next(t for t in fix if t.startswith("strategy.ep_size=")).split("=")[1]
             assert int(chosen) in json.loads(said.removeprefix("choose ep_size among ")), mistake_id
+        elif said.startswith("use delete"):
+            assert fix[fix.index("--truncation_strategy") + 1] in ("delete", "right", "left"), mistake_id
         else:  # drop the flag swift takes and twinkle-sft does not
             assert said == "drop it" and [t for t in args if t not in fix] == ["--deepspeed", "zero3"], mistake_id
     launched = [fix_id for _, fix_ids in FIX_LAUNCHES for fix_id in fix_ids]

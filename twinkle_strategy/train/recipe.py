@@ -23,6 +23,7 @@ from twinkle_strategy.loading import qualified_model_id
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.sequence import check_sequence_parallel
 from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.data import TRUNCATION_STRATEGIES
 from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS, qwen3_moe_config, sized_config
 
 # target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
@@ -52,6 +53,9 @@ class DataConfig:
     # A single path may be written as a plain string.
     dataset: list[str] = MISSING
     max_length: int = 2048
+    # A row longer than max_length, as swift's --truncation_strategy: delete (swift's default: skipped, with the
+    # bad rows' warning) | right (its first max_length tokens) | left (its last).
+    truncation_strategy: str = "delete"
     # Both train each example with its own attention, in one row per micro-batch without padding (packing.py):
     packing: bool = False  # group examples into packs of up to max_length tokens (one pack = one item)
     padding_free: bool = False  # concatenate each micro-batch's examples instead of padding them
@@ -176,6 +180,10 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
                 raise RecipeError(reason, key=key, reason=reason)
     if not recipe.data.dataset:
         raise RecipeError("data.dataset is empty; name one or more JSONL files")
+    if recipe.data.truncation_strategy not in TRUNCATION_STRATEGIES:
+        split = " ('split' is swift's for pre-training)" if recipe.data.truncation_strategy == "split" else ""
+        reason = f"{recipe.data.truncation_strategy!r}{split}; use delete (swift's default), right or left"
+        raise RecipeError(f"data.truncation_strategy: {reason}", key="data.truncation_strategy", reason=reason)
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:
