@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,13 @@ def write_rows(path, rows):
     return str(path)
 
 
+TOO_LONG = (r"\d+ tokens, longer than max_length=64 \(swift's default truncation_strategy delete drops such rows; "
+            r"raise data.max_length, or set data.truncation_strategy=right to cut them\)")
+
+
 def twenty_rows_three_bad(path):
-    """Rows 4 (not JSON), 9 (no assistant turn) and 15 (nothing left after truncation to 64 tokens) are bad."""
+    """Rows 4 (not JSON), 9 (no assistant turn) and 15 (longer than max_length 64: dropped, as swift drops it)
+    are bad."""
     rows = demo_rows(20)
     rows[3] = '{"query": "What is 2 plus 2?", "response": '
     rows[8] = {"messages": [{"role": "user", "content": "What is 3 plus 3?"}]}
@@ -125,8 +131,8 @@ def test_installed_cli_stops_a_missing_dataset_before_any_process(tmp_path):
 
 # --------------------------------------------------------------- a run that fails: one summary
 def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
-    """2 simulated nodes x 2 ranks; row 15 only turns out empty once tokenized, so the checks before launch
-    pass and every rank stops on it (data.strict=true)."""
+    """2 simulated nodes x 2 ranks; the check of max_length before launch passes (it needs one row that fits), and
+    every rank stops on row 15, too long once tokenized (data.strict=true)."""
     rows = demo_rows(20)
     rows[14] = {"query": "What is 1 plus 1? " * 30, "response": "1 plus 1 is 2."}
     dataset = write_rows(tmp_path / "long_row.jsonl", rows)
@@ -134,11 +140,10 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
                    cwd=tmp_path)
     terminal = proc.stdout + proc.stderr
     assert proc.returncode == 1, terminal[-5000:]
-    error = (f"DatasetError: {dataset}:15: nothing to train on after truncation to max_length=64 (the prompt "
-             "fills it); fix the row, or set data.strict=false (--strict false)")
-    assert f"  {error}" in terminal and f"{error} to skip bad rows with a warning, or raise data.max_length\n    " \
-        "raised on rank(s) [0, 1, 2, 3]\n" in terminal, terminal
-    assert terminal.count(error) == 2, terminal  # the summary's line, and the last line of the one traceback
+    error = (f"DatasetError: {re.escape(dataset)}:15: {TOO_LONG}; fix the row, or set data.strict=false "
+             r"\(--strict false\) to skip bad rows with a warning")
+    assert re.search(f"  {error}\n    raised on rank\\(s\\) \\[0, 1, 2, 3\\]\n", terminal), terminal
+    assert len(re.findall(error, terminal)) == 2, terminal  # the summary's line, and the last line of the traceback
     assert terminal.count("Traceback (most recent call last)") == 1, terminal
     assert "Traceback of rank " in terminal and "the first to fail:" in terminal
     assert "[rank" not in terminal and "ChildFailedError" not in terminal  # no worker's or torchrun's own report
@@ -149,7 +154,7 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
         # The whole output of the rank: from its start to its traceback.
         assert log.startswith(f"rank {rank} of 4 (node {rank // 2}, local rank {rank % 2}), pid ")
         assert "Traceback (most recent call last)" in log, log[-3000:]
-        assert f"{dataset}:15: nothing to train on" in log
+        assert re.search(f"{re.escape(dataset)}:15: {TOO_LONG}", log)
     assert "ChildFailedError" in (logs / "torchrun-node0.log").read_text()  # kept, off the terminal
 
 
@@ -164,16 +169,16 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
                     "train.per_device_train_batch_size=2", "train.logging_steps=1"],
                    cwd=tmp_path, env={"MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    warning = (f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not valid JSON "
-               f"(Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: nothing to train "
-               "on after truncation to max_length=64 (the prompt fills it)); training on 17 examples")
-    assert proc.stderr.count(warning) == 1, proc.stderr[-5000:]
+    warning = (re.escape(f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not "
+                         f"valid JSON (Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: ")
+               + TOO_LONG + re.escape("); training on 17 examples"))
+    assert len(re.findall(warning, proc.stderr)) == 1, proc.stderr[-5000:]
     run_dir = only_run_dir(out)
     with open(run_dir / "logging.jsonl") as f:
         steps = [json.loads(line)["global_step/max_steps"] for line in f]
     # One epoch of 17 examples at 2 ranks x 2 per rank is 4 steps (20 examples would be 5).
     assert steps == ["1/4", "2/4", "3/4", "4/4"]
-    assert warning in (run_dir / "logs" / "rank0.log").read_text()
+    assert re.search(warning, (run_dir / "logs" / "rank0.log").read_text())
     assert "rows that cannot become" not in (run_dir / "logs" / "rank1.log").read_text()  # once per run
     assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
     # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
@@ -325,9 +330,10 @@ def test_truncation_strategy_is_swifts(tmp_path):
             for strategy in ("delete", "right", "left")}
     assert len(kept["delete"]) == 2 and len(kept["left"]) == 3 and len(kept["right"]) == 2  # right: prompt only
     (skipped,) = kept["delete"].skipped
-    assert skipped.line == 2 and skipped.reason.endswith("longer than max_length=64 (dropped, as swift's default "
-                                                         "truncation_strategy delete does; raise data.max_length, or "
-                                                         "set data.truncation_strategy=right to cut it)"), skipped
+    assert skipped.line == 2 and skipped.reason.endswith("longer than max_length=64 (swift's default "
+                                                         "truncation_strategy delete drops such rows; raise "
+                                                         "data.max_length, or set data.truncation_strategy=right to "
+                                                         "cut them)"), skipped
     long_row = kept["left"].examples[1]
     assert len(long_row["input_ids"]) == 64 and long_row["labels"][-1] != -100  # its end, the response, kept
     assert kept["right"].skipped[0].reason.startswith("nothing to train on after truncation to max_length=64")

@@ -190,8 +190,8 @@ def fit_to_max_length(example: dict[str, list[int]], max_length: int,
 
 
 def too_long_reason(length: int, max_length: int) -> str:
-    return (f"{length} tokens, longer than max_length={max_length} (dropped, as swift's default truncation_strategy "
-            "delete does; raise data.max_length, or set data.truncation_strategy=right to cut it)")
+    return (f"{length} tokens, longer than max_length={max_length} (swift's default truncation_strategy delete drops "
+            "such rows; raise data.max_length, or set data.truncation_strategy=right to cut them)")
 
 
 def has_labels(example: dict[str, list[int]]) -> bool:
@@ -220,11 +220,12 @@ def load_examples(spec: DatasetSpec, tokenizer, max_length: int, strict: bool, g
         if example is not None and has_labels(example):
             examples.append(example)
             continue
-        reason = too_long_reason(len(whole["input_ids"]), max_length) if example is None else \
+        too_long = example is None
+        reason = too_long_reason(len(whole["input_ids"]), max_length) if too_long else \
             f"nothing to train on after truncation to max_length={max_length} (the prompt fills it)"
         bad = SkippedRow(spec.path, lineno, reason)
         if strict:
-            raise DatasetError(f"{bad}; {STRICT_FIX}, or raise data.max_length")
+            raise DatasetError(f"{bad}; {STRICT_FIX}" + ("" if too_long else ", or raise data.max_length"))
         skipped.append(bad)
     if not examples:
         raise no_usable_row_error(spec.path, skipped)
