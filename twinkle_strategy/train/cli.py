@@ -26,9 +26,10 @@ error once with the ranks that raised it, and the first failing rank's traceback
 Data: JSONL rows with 'messages', or 'query' and 'response'. As with swift's default
 --strict false, a row that cannot become an example (not JSON, no assistant turn,
 longer than --max_length under swift's default --truncation_strategy delete) is
-skipped, with one warning naming the lines; --strict true stops at the first. --dataset a.jsonl b.jsonl#1000 is all of
-a.jsonl and 1000 examples of b.jsonl (swift's #N: whole copies of the file while N
-exceeds it, then a random subset seeded with --seed).
+skipped, with one warning naming the lines; --strict true stops at the first.
+--dataset a.jsonl b.jsonl#1000 is all of a.jsonl and 1000 examples of b.jsonl
+(swift's #N: whole copies of the file while N exceeds it, then a random subset
+seeded with --seed).
 
 Models: a local directory, hf://org/name (huggingface_hub; HF_HUB_OFFLINE=1 uses
 only the cache under HF_HOME) or ms://org/name (modelscope; a snapshot already under
