@@ -205,3 +205,31 @@ def test_scripts_install_into_dot_venv_only_when_it_is_stale(tmp_path):
     subprocess.run(["bash", "-c", 'source scripts/_venvs.sh && dot_venv_stamp "$0" > .venv/.twinkle-env',
                     str(stale)], cwd=repo, check=True, timeout=60)
     assert not is_current(str(stale))
+
+
+def _family_counts(text: str) -> list[tuple[int, int | None]]:
+    """Every family count ``text`` states: (matching, of how many), None where it gives no total."""
+    flat = " ".join(text.replace("*", "").split())
+    counts = [(int(a), int(b)) for a, b in re.findall(r"\b(\d+) of (\d+)(?: families)? (?:match|served|run)", flat)]
+    counts += [(int(a), None) for a in re.findall(r"\b(\d+) (?:more )?families\b", flat)]
+    counts += [(int(a), None) for a in re.findall(r"(?<! of )\b(\d+) match\b", flat)]
+    return counts
+
+
+def test_the_readme_states_only_the_family_counts_docs_models_md_generates():
+    """The README once said "column bf16: 25 of 26 match" beside docs/models.md's generated 28 of 30 (and earlier,
+    three counts of its own). It points to docs/models.md; any count it states must be one docs/models.md has."""
+    models = (REPO / "docs" / "models.md").read_text()
+    headline = re.search(r"\*\*(\d+) of (\d+) families match\.\*\*", models)
+    bf16 = re.search(r"keeps tensors in fp32 under bf16 \((\d+);.*?\*\*(\d+) match\*\*", models)
+    assert headline and bf16, "docs/models.md's generated counts moved: update this test"
+    generated = {(int(headline[1]), int(headline[2])), (int(bf16[2]), int(bf16[1]))}
+    allowed = generated | {(a, None) for a, _ in generated} | {(b, None) for _, b in generated}
+    assert (int(headline[1]), int(headline[2])) in _family_counts(models) and set(_family_counts(models)) <= allowed
+    readme = (REPO / "README.md").read_text()
+    stated = _family_counts(readme)
+    assert set(stated) <= allowed, (stated, generated)
+    assert "docs/models.md" in readme
+    # The check sees the spellings the README once used.
+    assert _family_counts("column bf16: 25 of 26 match; 48 more families; 54 of 57 served") == \
+        [(25, 26), (54, 57), (48, None)]

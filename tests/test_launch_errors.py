@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -27,8 +28,13 @@ def write_rows(path, rows):
     return str(path)
 
 
+TOO_LONG = (r"\d+ tokens, longer than max_length=64 \(swift's default truncation_strategy delete drops such rows; "
+            r"raise data.max_length, or set data.truncation_strategy=right to cut them\)")
+
+
 def twenty_rows_three_bad(path):
-    """Rows 4 (not JSON), 9 (no assistant turn) and 15 (nothing left after truncation to 64 tokens) are bad."""
+    """Rows 4 (not JSON), 9 (no assistant turn) and 15 (longer than max_length 64: dropped, as swift drops it)
+    are bad."""
     rows = demo_rows(20)
     rows[3] = '{"query": "What is 2 plus 2?", "response": '
     rows[8] = {"messages": [{"role": "user", "content": "What is 3 plus 3?"}]}
@@ -125,8 +131,8 @@ def test_installed_cli_stops_a_missing_dataset_before_any_process(tmp_path):
 
 # --------------------------------------------------------------- a run that fails: one summary
 def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
-    """2 simulated nodes x 2 ranks; row 15 only turns out empty once tokenized, so the checks before launch
-    pass and every rank stops on it (data.strict=true)."""
+    """2 simulated nodes x 2 ranks; the check of max_length before launch passes (it needs one row that fits), and
+    every rank stops on row 15, too long once tokenized (data.strict=true)."""
     rows = demo_rows(20)
     rows[14] = {"query": "What is 1 plus 1? " * 30, "response": "1 plus 1 is 2."}
     dataset = write_rows(tmp_path / "long_row.jsonl", rows)
@@ -134,11 +140,10 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
                    cwd=tmp_path)
     terminal = proc.stdout + proc.stderr
     assert proc.returncode == 1, terminal[-5000:]
-    error = (f"DatasetError: {dataset}:15: nothing to train on after truncation to max_length=64 (the prompt "
-             "fills it); fix the row, or set data.strict=false (--strict false)")
-    assert f"  {error}" in terminal and f"{error} to skip bad rows with a warning, or raise data.max_length\n    " \
-        "raised on rank(s) [0, 1, 2, 3]\n" in terminal, terminal
-    assert terminal.count(error) == 2, terminal  # the summary's line, and the last line of the one traceback
+    error = (f"DatasetError: {re.escape(dataset)}:15: {TOO_LONG}; fix the row, or set data.strict=false "
+             r"\(--strict false\) to skip bad rows with a warning")
+    assert re.search(f"  {error}\n    raised on rank\\(s\\) \\[0, 1, 2, 3\\]\n", terminal), terminal
+    assert len(re.findall(error, terminal)) == 2, terminal  # the summary's line, and the last line of the traceback
     assert terminal.count("Traceback (most recent call last)") == 1, terminal
     assert "Traceback of rank " in terminal and "the first to fail:" in terminal
     assert "[rank" not in terminal and "ChildFailedError" not in terminal  # no worker's or torchrun's own report
@@ -149,7 +154,7 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
         # The whole output of the rank: from its start to its traceback.
         assert log.startswith(f"rank {rank} of 4 (node {rank // 2}, local rank {rank % 2}), pid ")
         assert "Traceback (most recent call last)" in log, log[-3000:]
-        assert f"{dataset}:15: nothing to train on" in log
+        assert re.search(f"{re.escape(dataset)}:15: {TOO_LONG}", log)
     assert "ChildFailedError" in (logs / "torchrun-node0.log").read_text()  # kept, off the terminal
 
 
@@ -164,16 +169,16 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
                     "train.per_device_train_batch_size=2", "train.logging_steps=1"],
                    cwd=tmp_path, env={"MASTER_PORT": str(free_port())})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    warning = (f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not valid JSON "
-               f"(Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: nothing to train "
-               "on after truncation to max_length=64 (the prompt fills it)); training on 17 examples")
-    assert proc.stderr.count(warning) == 1, proc.stderr[-5000:]
+    warning = (re.escape(f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not "
+                         f"valid JSON (Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: ")
+               + TOO_LONG + re.escape("); training on 17 examples"))
+    assert len(re.findall(warning, proc.stderr)) == 1, proc.stderr[-5000:]
     run_dir = only_run_dir(out)
     with open(run_dir / "logging.jsonl") as f:
         steps = [json.loads(line)["global_step/max_steps"] for line in f]
     # One epoch of 17 examples at 2 ranks x 2 per rank is 4 steps (20 examples would be 5).
     assert steps == ["1/4", "2/4", "3/4", "4/4"]
-    assert warning in (run_dir / "logs" / "rank0.log").read_text()
+    assert re.search(warning, (run_dir / "logs" / "rank0.log").read_text())
     assert "rows that cannot become" not in (run_dir / "logs" / "rank1.log").read_text()  # once per run
     assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
     # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
@@ -228,18 +233,110 @@ def test_flags_are_read_as_swift_reads_them():
     docs/swift.md with swift's meaning."""
     from twinkle_strategy.train.cli import parse
 
-    recipe = parse(["--max-steps", "2", "train.logging_steps=1", DEMO, "--model", "tiny://demo", "--dataset", DATASET,
+    recipe = parse(["--max-steps", "2", "train.warmup_steps=1", DEMO, "--model", "tiny://demo", "--dataset", DATASET,
                     "--lora-dropout=0.05", "tuner.target_parameters=[]", "--torch_dtype", "bfloat16",
                     "--max_length", "128", "--warmup-ratio", "0.1", "--save_steps", "5", "--save_total_limit", "2",
                     "--logging_steps", "3", "--seed", "11"])
     assert (recipe.train.max_steps, recipe.tuner.lora_dropout, recipe.model.path, recipe.data.dataset) == \
         (2, 0.05, "tiny://demo", [DATASET])
+    # Each flag's own value (the recipe has logging_steps 5, save_steps 20, seed 42, max_length 64).
     assert (recipe.model.dtype, recipe.data.max_length, recipe.train.warmup_ratio, recipe.train.save_steps,
-            recipe.train.save_total_limit, recipe.train.logging_steps, recipe.train.seed) == \
-        ("bfloat16", 128, 0.1, 5, 2, 1, 11)  # key=value wins over a flag, wherever each stands
+            recipe.train.save_total_limit, recipe.train.logging_steps, recipe.train.seed,
+            recipe.train.warmup_steps) == ("bfloat16", 128, 0.1, 5, 2, 3, 11, 1)
+    # key=value wins over a flag, wherever each stands.
+    for args in (["train.logging_steps=1", DEMO, "--logging_steps", "3"], ["--logging_steps", "3", DEMO,
+                                                                           "train.logging_steps=1"]):
+        assert parse(args).train.logging_steps == 1, args
     # A list flag stops at the next key=value, which may come before the recipe.
     recipe = parse(["--dataset", DATASET, DATASET, "train.max_steps=3", DEMO])
     assert recipe.data.dataset == [DATASET, DATASET] and recipe.train.max_steps == 3
+
+
+def test_a_list_flag_stops_at_the_yaml_recipe(tmp_path):
+    """``--dataset d.jsonl yaml/demo.yaml`` once took the recipe for a second dataset."""
+    from twinkle_strategy.errors import RecipeError
+    from twinkle_strategy.train.cli import parse, split_argv
+
+    assert split_argv(["--dataset", DATASET, DEMO, "--max_steps", "3"]) == \
+        ([DEMO], [("dataset", [DATASET]), ("max_steps", ["3"])])
+    recipe = parse(["--dataset", DATASET, DATASET, DEMO])
+    assert recipe.data.dataset == [DATASET, DATASET] and recipe.train.max_steps == 40  # demo.yaml's
+    recipe_yml = tmp_path / "Recipe.YML"
+    recipe_yml.write_text((REPO / "yaml" / "demo.yaml").read_text().replace("max_steps: 40", "max_steps: 7"))
+    assert parse(["--target_modules", "q_proj", str(recipe_yml)]).train.max_steps == 7
+    with pytest.raises(RecipeError) as raised:
+        parse(["--dataset", DEMO])
+    assert str(raised.value) == (f"--dataset needs a value before {DEMO} (a YAML file is the recipe), e.g. "
+                                 "--dataset VALUE")
+
+
+def test_every_flag_of_swift_sft_is_taken_with_its_meaning_or_refused_with_the_reason(capsys):
+    """Each field of ms-swift 4.6.0's SftArguments (twinkle_strategy/train/swift_flags.py; tests/test_swift.py checks
+    the list against the installed swift) is a twinkle-sft flag, or one line with the reason, never a "did you
+    mean" pointing at another flag (--use_cpu once got "did you mean --use_hf?")."""
+    from twinkle_strategy.errors import RecipeError
+    from twinkle_strategy.train.cli import SWIFT_FLAGS, main, split_argv
+    from twinkle_strategy.train.swift_flags import SWIFT_FLAGS_NOT_TAKEN, SWIFT_SFT_FLAGS
+
+    assert len(SWIFT_SFT_FLAGS) == len(set(SWIFT_SFT_FLAGS)) == 333
+    assert set(SWIFT_FLAGS_NOT_TAKEN) <= set(SWIFT_SFT_FLAGS)  # no reason for a flag swift does not have
+    taken = [flag for flag in SWIFT_SFT_FLAGS if flag in SWIFT_FLAGS]
+    assert not set(taken) & set(SWIFT_FLAGS_NOT_TAKEN)
+    for flag in SWIFT_SFT_FLAGS:
+        if flag in SWIFT_FLAGS:
+            continue
+        for spelling in (f"--{flag}", f"--{flag.replace('_', '-')}"):
+            with pytest.raises(RecipeError) as raised:
+                split_argv([spelling, "1"])
+            line = str(raised.value)
+            assert line == f"swift's --{flag} is not a twinkle-sft flag: {SWIFT_FLAGS_NOT_TAKEN[flag]}", line
+            assert "did you mean" not in line and "\n" not in line and len(line) < 300, line
+    # The flags the README and docs/swift.md name, the issue's list among them, are taken.
+    for flag in ("lora_dropout", "torch_dtype", "max_length", "warmup_ratio", "save_steps", "save_total_limit",
+                 "logging_steps", "seed", "truncation_strategy", "use_dora", "model", "dataset", "tuner_type",
+                 "lora_rank", "lora_alpha", "target_modules", "target_parameters", "use_hf", "sequence_parallel_size"):
+        assert flag in taken, flag
+    # The ones the audit found answered by a "did you mean" to a different flag, through the CLI: one line each.
+    for flag in ("freeze_vit", "freeze_llm", "freeze_aligner", "external_plugins", "use_cpu", "streaming",
+                 "dataset_num_proc", "per_device_eval_batch_size", "save_strategy", "logging_dir"):
+        assert main([DEMO, f"--{flag}", "x"]) == 2
+        err = capsys.readouterr().err
+        assert err == f"twinkle-sft: error: swift's --{flag} is not a twinkle-sft flag: " \
+                      f"{SWIFT_FLAGS_NOT_TAKEN[flag]}\n", err
+    assert "--device_type cpu" in SWIFT_FLAGS_NOT_TAKEN["use_cpu"]
+    # A flag swift does not have either still gets the nearest one.
+    with pytest.raises(RecipeError, match="unknown flag --lora_rnak; did you mean --lora_rank"):
+        split_argv(["--lora_rnak", "8"])
+
+
+def test_truncation_strategy_is_swifts(tmp_path):
+    """swift 4.6 drops a row longer than --max_length (truncation_strategy delete, its default): twinkle-sft does
+    too, and cuts it with right / left, as swift does."""
+    from transformers import AutoTokenizer
+
+    from twinkle_strategy.train.cli import parse
+    from twinkle_strategy.train.data import SFTDataset
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+
+    assert parse([DEMO]).data.truncation_strategy == "delete"
+    assert parse([DEMO, "--truncation_strategy", "left"]).data.truncation_strategy == "left"
+    model = tmp_path / "tiny"
+    prepare_demo_model(str(model), [DATASET])
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    rows = demo_rows(3)
+    rows[1] = {"query": "What is 1 plus 1? " * 30, "response": "1 plus 1 is 2."}
+    path = write_rows(tmp_path / "long.jsonl", rows)
+    kept = {strategy: SFTDataset.from_jsonl(path, tokenizer, max_length=64, truncation_strategy=strategy)
+            for strategy in ("delete", "right", "left")}
+    assert len(kept["delete"]) == 2 and len(kept["left"]) == 3 and len(kept["right"]) == 2  # right: prompt only
+    (skipped,) = kept["delete"].skipped
+    assert skipped.line == 2 and skipped.reason.endswith("longer than max_length=64 (swift's default "
+                                                         "truncation_strategy delete drops such rows; raise "
+                                                         "data.max_length, or set data.truncation_strategy=right to "
+                                                         "cut them)"), skipped
+    long_row = kept["left"].examples[1]
+    assert len(long_row["input_ids"]) == 64 and long_row["labels"][-1] != -100  # its end, the response, kept
+    assert kept["right"].skipped[0].reason.startswith("nothing to train on after truncation to max_length=64")
 
 
 MISTAKES = [
@@ -247,7 +344,9 @@ MISTAKES = [
     # No prefix matching: argparse used to take --max_step for --max_steps, silently.
     (["--max_step", "3"], "unknown flag --max_step; did you mean --max_steps?", ["--max_steps", "3"]),
     (["--max_steps", "3", "--deepspeed", "zero3"], "swift's --deepspeed is not a twinkle-sft flag: twinkle-sft "
-                                                   "shards with FSDP2 itself; drop it", ["--max_steps", "3"]),
+                                                   "shards with FSDP2 and expert parallelism itself; drop it "
+                                                   "(twinkle-sft --help lists the strategy flags, e.g. "
+                                                   "--expert_parallel_size)", ["--max_steps", "3"]),
     (["--learning_rate", "fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
                                   "e.g. --learning_rate 0.0001", ["--learning_rate", "0.0001"]),
     (["train.learning_rate=fast"], "train.learning_rate (--learning_rate): 'fast' is not a number; "
@@ -264,15 +363,29 @@ MISTAKES = [
                              "launch.nproc_per_node=4, or ep_size among [1, 2, 4]",
      ["strategy.ep_size=8", "launch.nproc_per_node=4"]),
     # Every row truncated to nothing: used to fail after launch with a misleading "Rows need 'messages'" tail.
-    (["data.max_length=8"], "data.max_length (--max_length): max_length=8 truncates every row to nothing to train "
-                            "on (checked the first 100 rows of each dataset; they need up to 37 tokens); raise it, "
-                            "e.g. --max_length 37", ["--max_length", "37"]),
+    (["data.max_length=8"], "data.max_length (--max_length): max_length=8 drops every row as longer "
+                            "(truncation_strategy delete, swift's default); the first 100 rows of each dataset need "
+                            "up to 37 tokens: raise it, e.g. --max_length 37", ["--max_length", "37"]),
+    # Cut instead (swift's --truncation_strategy right): every row's response is cut off.
+    (["data.max_length=8", "--truncation_strategy", "right"],
+     "data.max_length (--max_length): max_length=8 truncates every row to nothing to train on; the first 100 rows of "
+     "each dataset need up to 37 tokens: raise it, e.g. --max_length 37",
+     ["--max_length", "37", "--truncation_strategy", "right"]),
+    # swift's truncation_strategy split is for pre-training.
+    (["--truncation_strategy", "split"], "data.truncation_strategy (--truncation_strategy): 'split' ('split' is "
+                                         "swift's for pre-training); use delete (swift's default), right or left",
+     ["--truncation_strategy", "left"]),
     (["--lora_dropout", "0.05"], "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
-                                 "tuner.target_parameters=", ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
+                                 "tuner.target_parameters=['mlp.experts.gate_up_proj', 'mlp.experts.down_proj'] (LoRA "
+                                 "on fused expert weights): set tuner.lora_dropout=0, or set tuner.target_parameters=[] "
+                                 "to train attention/linear layers only",
+     ["--lora_dropout", "0.05", "tuner.target_parameters=[]"]),
     # all-linear (the default without a recipe) on the demo's MoE: PEFT used to refuse it after launch.
     (["--lora_dropout", "0.05", "tuner.target_modules=[all-linear]", "tuner.target_parameters=[]"],
      "tuner.lora_dropout (--lora_dropout): tuner.lora_dropout=0.05 cannot be used with "
-     "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights)",
+     "tuner.target_modules=['all-linear'] (PEFT puts it on the fused expert weights) (LoRA on fused expert "
+     "weights): set tuner.lora_dropout=0, or set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj] to train "
+     "attention/linear layers only",
      ["--lora_dropout", "0.05", "tuner.target_parameters=[]", "tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]"]),
     # One node: the fix is the run test_the_suggested_fixes_start_the_run launches.
     (["launch.nnodes=1", "launch.nproc_per_node=1", "strategy.ep_size=2"],
@@ -289,15 +402,48 @@ MISTAKES = [
      "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
      "x processes per node = 3 x 1); set launch.nproc_per_node=2, or ep_size among [1]",
      ["launch.nnodes=3", "launch.nproc_per_node=2", "strategy.ep_size=2"]),
-    # ep and sp both misfit: the suggested world fits both (lcm 4), and ep x sp = 8 may exceed it (issue 27).
+    # ep and sp both misfit: the suggested world fits both (lcm 4), and ep x sp = 8 may exceed it (issue 27); the
+    # line names both sizes, keys and flags.
     (["launch.nnodes=1", "launch.nproc_per_node=3", "strategy.ep_size=2", "--sequence_parallel_size", "4"],
-     "strategy.ep_size (--expert_parallel_size): ep_size 2 needs a multiple of 2 processes, this run has 3 (nodes "
-     "x processes per node = 1 x 3); set launch.nproc_per_node=4, or ep_size among [1]",
+     "strategy.ep_size (--expert_parallel_size): ep_size 2 and sequence_parallel_size 4 (strategy.sequence_parallel_"
+     "size, --sequence_parallel_size) must each divide the number of processes (SP groups sit inside the data-"
+     "parallel and EP ranks, so ep x sp may exceed it), this run has 3 (nodes x processes per node = 1 x 3); set "
+     "launch.nproc_per_node=4, or ep_size among [1] and sequence_parallel_size among [1]",
      ["launch.nnodes=1", "launch.nproc_per_node=4", "strategy.ep_size=2", "--sequence_parallel_size", "4"]),
+    # The issue's own: ep_size 8 (the 8 experts of tiny://demo) in a world of 4; the fix it once suggested,
+    # NPROC_PER_NODE=8, lost to the recipe's launch section.
+    (["launch.nnodes=1", "launch.nproc_per_node=4", "strategy.ep_size=8"],
+     "strategy.ep_size (--expert_parallel_size): ep_size 8 needs a multiple of 8 processes, this run has 4 (nodes "
+     "x processes per node = 1 x 4); set launch.nproc_per_node=8, or ep_size among [1, 2, 4]",
+     ["launch.nnodes=1", "launch.nproc_per_node=8", "strategy.ep_size=8"]),
 ]
 MISTAKE_IDS = ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "experts",
-               "world-size", "max-length", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
-               "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp"]
+               "world-size", "max-length", "max-length-cut", "truncation-split", "lora-dropout", "lora-dropout-all-linear", "world-size-one-node",
+               "experts-before-world", "world-size-three-nodes", "world-size-ep-and-sp", "world-size-issue-31"]
+# What each line tells the user to do, which its fix does.
+FIX_SAID = {"unknown-flag": "did you mean --max_steps?", "prefix": "did you mean --max_steps?", "swift-only": "drop it",
+            "type-of-flag": "e.g. --learning_rate 0.0001", "type-of-key": "e.g. train.learning_rate=0.0001",
+            "int": "e.g. --seed 42", "unknown-key": "did you mean train.max_steps?",
+            "experts": "choose ep_size among [1]", "world-size": "set launch.nproc_per_node=4",
+            "max-length": "e.g. --max_length 37", "max-length-cut": "e.g. --max_length 37",
+            "truncation-split": "use delete (swift's default), right or left", "lora-dropout": "set tuner.target_parameters=[]",
+            "lora-dropout-all-linear": "set tuner.target_modules=[q_proj,k_proj,v_proj,o_proj]",
+            "world-size-one-node": "set launch.nproc_per_node=2", "experts-before-world": "choose ep_size among [1]",
+            "world-size-three-nodes": "set launch.nproc_per_node=2", "world-size-ep-and-sp": "set launch.nproc_per_node=4",
+            "world-size-issue-31": "set launch.nproc_per_node=8"}
+# The launches that prove the fixes start the run (issue 31: "each suggested fix is then applied and the run
+# starts"): (world size, the fixes applied together). Fixes of a kind launched already are in SAME_KIND.
+FIX_LAUNCHES = [
+    (1, ["unknown-flag", "prefix", "swift-only", "type-of-flag", "type-of-key", "int", "unknown-key", "max-length",
+         "lora-dropout", "lora-dropout-all-linear", "experts-before-world"]),
+    (8, ["world-size-issue-31"]),  # 1 node x 8, ep 8
+    (4, ["world-size-ep-and-sp", "truncation-split"]),  # 1 node x 4, ep 2, sp 4, rows cut on the left
+]
+SAME_KIND = {"experts": "experts-before-world",  # ep_size among [1], there in a world of 3
+             "max-length-cut": "max-length",  # --max_length 37, there with rows cut instead of dropped
+             # launch.nproc_per_node=N, N from processes_per_node_for, there on 2 and 3 (simulated) nodes and on 1
+             "world-size": "world-size-issue-31", "world-size-three-nodes": "world-size-issue-31",
+             "world-size-one-node": "world-size-issue-31"}
 
 
 @pytest.mark.parametrize("args,expected,fix", MISTAKES, ids=MISTAKE_IDS)
@@ -325,25 +471,53 @@ def test_each_mistake_is_one_line_before_launch_and_its_fix_passes(args, expecte
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_suggested_fixes_start_the_run(tmp_path):
-    """The fixes the one-line errors above suggest, applied as the message says, train (issue 31: the fix once
-    suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way). Two launches: the expert-divisibility
-    fix (3 ranks, ep 1) together with the max_length and type fixes, and the world-size fix (2 ranks, ep 2)."""
+def test_each_fix_is_what_its_line_says_and_each_is_launched():
+    """Cheap: the table below the mistakes is complete, and each fix does what its one line says."""
     mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
-    # Each fix applied below, as its message words it.
-    named = {"experts": "choose ep_size among [1]", "max-length": "e.g. --max_length 37",
-             "type-of-flag": "e.g. --learning_rate 0.0001", "world-size-one-node": "set launch.nproc_per_node=2"}
-    for fix_ids in (["experts", "max-length", "type-of-flag"], ["world-size-one-node"]):
-        args = [token for fix_id in fix_ids for token in mistakes[fix_id][2]]
-        for fix_id in fix_ids:
-            assert named[fix_id] in mistakes[fix_id][1], fix_id
-        out = tmp_path / "-".join(fix_ids)
-        proc = run_cli([DEMO, f"data.dataset={DATASET}", f"train.output_dir={out}", "launch.simulated_nodes=false",
-                        "train.max_steps=1", "train.logging_steps=1", "train.save_steps=0", *args], cwd=tmp_path,
-                       env={"MASTER_PORT": str(free_port())})  # not 29500, which a run beside this one may hold
-        assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
-        with open(only_run_dir(out) / "logging.jsonl") as f:
-            assert [json.loads(line)["global_step/max_steps"] for line in f] == ["1/1"], fix_ids
+    assert set(FIX_SAID) == set(mistakes)
+    for mistake_id, (args, expected, fix) in mistakes.items():
+        said = FIX_SAID[mistake_id]
+        assert said in expected, mistake_id
+        if said.startswith("set "):
+            assert said.removeprefix("set ") in fix, mistake_id
+        elif said.startswith("e.g. "):
+            assert said.removeprefix("e.g. ") in " ".join(fix), mistake_id
+        elif said.startswith("did you mean "):
+            name = said.removeprefix("did you mean ").rstrip("?")
+            assert name in fix or any(token.startswith(f"{name}=") for token in fix), mistake_id
+        elif said.startswith("choose ep_size among "):
+            chosen = fix[fix.index("--expert_parallel_size") + 1] if "--expert_parallel_size" in fix else \
+                next(t for t in fix if t.startswith("strategy.ep_size=")).split("=")[1]
+            assert int(chosen) in json.loads(said.removeprefix("choose ep_size among ")), mistake_id
+        elif said.startswith("use delete"):
+            assert fix[fix.index("--truncation_strategy") + 1] in ("delete", "right", "left"), mistake_id
+        else:  # drop the flag swift takes and twinkle-sft does not
+            assert said == "drop it" and [t for t in args if t not in fix] == ["--deepspeed", "zero3"], mistake_id
+    launched = [fix_id for _, fix_ids in FIX_LAUNCHES for fix_id in fix_ids]
+    assert sorted(launched + list(SAME_KIND)) == sorted(MISTAKE_IDS)  # each one launched, or its kind is
+    assert all(kind in launched for kind in SAME_KIND.values())
+
+
+@pytest.mark.parametrize("world,fix_ids", FIX_LAUNCHES, ids=["one-process", "ep8-on-8-ranks", "ep2-sp4-on-4-ranks"])
+def test_the_suggested_fixes_start_the_run(world, fix_ids, tmp_path):
+    """The fixes the one-line errors above suggest, applied as the messages say, train (issue 31: the fix once
+    suggested for ep_size > world, NPROC_PER_NODE=8, failed the same way): one launch per kind of fix, the fixes
+    of one launch applied together, each value they set in force (the steps logged are the fixed max_steps)."""
+    from twinkle_strategy.train.cli import parse
+
+    mistakes = dict(zip(MISTAKE_IDS, MISTAKES, strict=True))
+    args = [DEMO, f"data.dataset={DATASET}", f"train.output_dir={tmp_path / 'out'}", "launch.simulated_nodes=false",
+            "train.logging_steps=1", "train.save_steps=0", "--max_steps", "1",  # a fix's --max_steps 3 comes later
+            *[token for fix_id in fix_ids for token in mistakes[fix_id][2]]]
+    recipe = parse(args)
+    assert recipe.launch.nnodes * recipe.launch.nproc_per_node == world
+    proc = run_cli(args, cwd=tmp_path)
+    assert proc.returncode == 0, (fix_ids, proc.stdout[-3000:] + proc.stderr[-3000:])
+    assert world == 1 or f"torchrun, {world} ranks on this node" in proc.stderr, proc.stderr[-3000:]
+    steps = recipe.train.max_steps
+    with open(only_run_dir(tmp_path / "out") / "logging.jsonl") as f:
+        assert [json.loads(line)["global_step/max_steps"] for line in f] == [f"{i}/{steps}" for i in
+                                                                             range(1, steps + 1)], fix_ids
 
 
 def test_world_size_fix_names_the_setting_the_launch_reads(monkeypatch, capsys, tmp_path):

@@ -5,6 +5,7 @@ rank and frees the master port; a master port in use or a missing device is one 
 """
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -76,12 +77,17 @@ def _gone_within(run: Cli, seconds: float) -> list[int]:
 
 
 def test_a_two_node_recipe_on_one_machine_says_what_it_waits_for_and_stops_on_sigint(tmp_path):
+    """The waiting line within 10 s, then again every TWINKLE_WAITING_EVERY_S (60 s unless set; 2 s here)."""
     port = free_port()
     run = Cli([DEMO, "launch.simulated_nodes=false", "launch.nproc_per_node=1", f"train.output_dir={tmp_path}"],
-              {"NNODES": "2", "NODE_RANK": "0", "MASTER_PORT": str(port)}, cwd=REPO)
+              {"NNODES": "2", "NODE_RANK": "0", "MASTER_PORT": str(port), "TWINKLE_WAITING_EVERY_S": "2"}, cwd=REPO)
     try:
         run.wait_for("torchrun, 1 ranks on this node", timeout=240)
         assert run.wait_for("is waiting for node(s) 1", timeout=10) < 10
+        deadline = time.monotonic() + 20
+        while run.stderr.count("is waiting for node(s) 1") < 3 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert run.stderr.count("is waiting for node(s) 1") >= 3, run.stderr  # said, then repeated twice
         line = next(x for x in run.stderr.splitlines() if "is waiting for" in x)
         assert "NODE_RANK=1" in line and f"MASTER_PORT={port}" in line and "MASTER_ADDR=" in line, line
         assert "on the other node" in line, line
@@ -92,36 +98,54 @@ def test_a_two_node_recipe_on_one_machine_says_what_it_waits_for_and_stops_on_si
         assert run.proc.returncode == 130, run.stderr
         assert "Traceback" not in run.stderr and "KeyboardInterrupt" not in run.stderr, run.stderr
         after = [x for x in run.stderr.rsplit("(Ctrl-C stops this one)", 1)[1].splitlines() if x.strip()]
-        assert len(after) == 1 and after[0].startswith("twinkle-sft: stopped by SIGINT"), run.stderr
+        assert len(after) == 1 and after[0].startswith("twinkle-sft: stopped by SIGINT; every process of the run "
+                                                       "has ended; last checkpoint: none saved (logs in "), run.stderr
         assert not port_in_use(port)
     finally:
         run.stop()
 
 
-def test_sigterm_during_training_checkpoints_ends_every_process_and_frees_the_port(tmp_path):
-    port = free_port()
-    env = {"NNODES": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(port)}
+def _stop_during_training(output_dir: Path, env: dict[str, str], sig: signal.Signals) -> None:
+    """Start a run of 2 ranks, send ``sig`` to twinkle-sft once it trains: every process ends within 30 s, the
+    ranks save a checkpoint of their last step, and the terminal gets one line after the signal, naming it."""
     run = Cli([DEMO, "launch.simulated_nodes=false", "launch.nnodes=1", "train.max_steps=100000",
-               "train.save_steps=100000", "train.logging_steps=1", f"train.output_dir={tmp_path / 'a'}"], env, cwd=REPO)
+               "train.save_steps=100000", "train.logging_steps=1", f"train.output_dir={output_dir}"], env, cwd=REPO)
     try:
         run.wait_for("Train:", timeout=300)
         time.sleep(2)  # a few steps
         ranks = [pid for pid, _ in run.seen.items() if b"twinkle_strategy.train.cli" in Path(f"/proc/{pid}/cmdline")
                  .read_bytes() and pid != run.proc.pid]
         assert len(ranks) >= 2, "torchrun and its ranks should be running"
-        run.proc.send_signal(signal.SIGTERM)
+        shown = len(run.err)
+        run.proc.send_signal(sig)
         assert _gone_within(run, 30) == [], run.stderr
-        assert run.proc.returncode == 0, run.stderr  # every rank saved a checkpoint of its last step and exited 0
-        assert "last checkpoint:" in run.out.decode() and "checkpoint-" in run.out.decode(), run.out.decode()
-        assert not port_in_use(port)
     finally:
         run.stop()
-    # The next run on the same port starts (and trains).
-    again = subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", DEMO, "launch.simulated_nodes=false",
-                            "launch.nnodes=1", "train.max_steps=1", f"train.output_dir={tmp_path / 'b'}"],
-                           cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True, text=True,
-                           timeout=300)
-    assert again.returncode == 0, again.stderr
+    assert run.proc.returncode == 128 + sig, run.stderr  # a shell's status for a command ended by a signal
+    (run_dir,) = [p for p in output_dir.iterdir() if p.name.startswith("v")]
+    checkpoint = str(run_dir / "checkpoint-")
+    # One line after the signal (a progress bar left mid-line is ended first): no rank output, no traceback.
+    after = [x for x in re.split(r"[\r\n]", run.err[shown:].decode(errors="replace")) if x.strip()]
+    assert after[-1].startswith(f"twinkle-sft: stopped by {sig.name}; every process of the run has ended; last "
+                                f"checkpoint: {checkpoint}"), run.stderr[-3000:]
+    # Before it, at most the step the terminal was showing as the signal came (its bar, its metrics).
+    assert all(x.startswith(("Train:", "{'loss'")) for x in after[:-1]), after
+    assert "Traceback" not in run.stderr and run.out.decode() == "", run.stderr[-3000:]
+    saved = after[-1].split("last checkpoint: ")[1].split(" (logs in ")[0]
+    assert os.path.isdir(saved), saved
+    # What the ranks said while saving is in their logs, off the terminal.
+    assert "saving a checkpoint at the end of this step" in (run_dir / "logs" / "rank0.log").read_text()
+    assert "saving a checkpoint at the end of this step" not in run.stderr
+
+
+def test_sigterm_during_training_checkpoints_ends_every_process_and_frees_the_port(tmp_path):
+    """SIGTERM, then the next run on the same port starts and trains, and Ctrl-C (SIGINT) stops it the same way."""
+    port = free_port()
+    env = {"NNODES": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(port)}
+    _stop_during_training(tmp_path / "a", env, signal.SIGTERM)
+    assert not port_in_use(port)
+    _stop_during_training(tmp_path / "b", env, signal.SIGINT)
+    assert not port_in_use(port)
 
 
 def test_a_master_port_in_use_is_one_line_before_launch(tmp_path):

@@ -107,9 +107,10 @@ def test_split_batch_keeps_global_positions_and_shifts_labels_on_the_whole_row()
 # ------------------------------------------------------------------ twinkle-sft
 @pytest.mark.parametrize("args,expected,fix", [
     (["launch.nnodes=1", "launch.nproc_per_node=2", "--sequence_parallel_size", "4"],
-     "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size 4 needs a multiple of 4 "
-     "processes, this run has 2 (nodes x processes per node = 1 x 2); set launch.nproc_per_node=4, or "
-     "sequence_parallel_size among [1, 2]",
+     "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size 4 and ep_size 2 "
+     "(strategy.ep_size, --expert_parallel_size) must each divide the number of processes (SP groups sit inside the "
+     "data-parallel and EP ranks, so ep x sp may exceed it), this run has 2 (nodes x processes per node = 1 x 2); "
+     "set launch.nproc_per_node=4, or sequence_parallel_size among [1, 2]",
      ["launch.nnodes=1", "launch.nproc_per_node=4", "--sequence_parallel_size", "4"]),
     (["launch.nproc_per_node=4", "--sequence_parallel_size", "8"],
      "strategy.sequence_parallel_size (--sequence_parallel_size): sequence_parallel_size=8 must divide the 4 "

@@ -500,6 +500,23 @@ def test_swift_vl_freeze_vit_decides_whether_the_vision_tower_trains(vl_runs):
             assert saved[name].abs().max() > 0, f"{name} did not train"
 
 
+def test_twinkle_sft_knows_every_flag_of_the_installed_swift_sft(swift_bin):
+    """twinkle_strategy/train/swift_flags.py lists the fields of ms-swift's SftArguments, each taken by twinkle-sft
+    or refused with its reason (tests/test_launch_errors.py checks which): this fails when the pinned ms-swift
+    adds, renames or drops a flag, so that the list and its reasons are brought up to date."""
+    from twinkle_strategy.train.swift_flags import SWIFT_SFT_FLAGS, SWIFT_VERSION
+
+    code = ("import dataclasses, json, swift; from swift.arguments import SftArguments; "
+            "print(json.dumps([swift.__version__, sorted(f.name for f in dataclasses.fields(SftArguments))]))")
+    proc = subprocess.run([str(swift_bin / "python"), "-c", code], check=False, capture_output=True, text=True,
+                          timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
+    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
+    version, fields = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert version == SWIFT_VERSION
+    assert sorted(SWIFT_SFT_FLAGS) == fields, (sorted(set(fields) - set(SWIFT_SFT_FLAGS)),
+                                               sorted(set(SWIFT_SFT_FLAGS) - set(fields)))
+
+
 # ------------------------------------------------------------- options and argument checks (no swift needed)
 def test_plugin_options_from_environment_and_fsdp_json():
     from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, resolve_options

@@ -25,10 +25,11 @@ error once with the ranks that raised it, and the first failing rank's traceback
 
 Data: JSONL rows with 'messages', or 'query' and 'response'. As with swift's default
 --strict false, a row that cannot become an example (not JSON, no assistant turn,
-nothing left after truncation to --max_length) is skipped, with one warning naming
-the lines; --strict true stops at the first. --dataset a.jsonl b.jsonl#1000 is all of
-a.jsonl and 1000 examples of b.jsonl (swift's #N: whole copies of the file while N
-exceeds it, then a random subset seeded with --seed).
+longer than --max_length under swift's default --truncation_strategy delete) is
+skipped, with one warning naming the lines; --strict true stops at the first.
+--dataset a.jsonl b.jsonl#1000 is all of a.jsonl and 1000 examples of b.jsonl
+(swift's #N: whole copies of the file while N exceeds it, then a random subset
+seeded with --seed).
 
 Models: a local directory, hf://org/name (huggingface_hub; HF_HUB_OFFLINE=1 uses
 only the cache under HF_HOME) or ms://org/name (modelscope; a snapshot already under
@@ -66,6 +67,7 @@ from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, l
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
 from twinkle_strategy.train.run import prepare_model_path, run_recipe
 from twinkle_strategy.train.run_dir import make_run_dir
+from twinkle_strategy.train.swift_flags import SWIFT_FLAGS_NOT_TAKEN
 from twinkle_strategy.train.versions import startup_line, version_text
 
 # swift sft flag -> recipe key, help
@@ -77,7 +79,11 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "torch_dtype": ("model.dtype", "float32 | bfloat16 | float16"),
     "dataset": ("data.dataset", "JSONL file(s) ('messages' or 'query'/'response' rows); FILE#N uses N examples"),
     "strict": ("data.strict", "true: stop at the first bad row; false (default): skip bad rows with a warning"),
-    "max_length": ("data.max_length", "truncate examples to this many tokens"),
+    "max_length": ("data.max_length", "the most tokens of an example; a longer row is dropped with a warning "
+                                      "(--truncation_strategy delete, swift's default) or cut (right / left)"),
+    "truncation_strategy": ("data.truncation_strategy", "a row longer than --max_length: delete (swift's default: "
+                                                        "skip it, with a warning) | right (cut its end) | left "
+                                                        "(cut its start)"),
     "packing": ("data.packing", "pack examples into rows of up to max_length tokens, each example attending "
                                 "only to itself (true/false)"),
     "padding_free": ("data.padding_free", "concatenate each micro-batch's examples instead of padding them, each "
@@ -86,6 +92,7 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "train_type": ("tuner.type", "alias of --tuner_type"),
     "lora_rank": ("tuner.lora_rank", "LoRA rank r"),
     "lora_alpha": ("tuner.lora_alpha", "LoRA alpha"),
+    "use_dora": ("tuner.use_dora", "DoRA (weight-decomposed LoRA); not on fused expert weights (true/false)"),
     "lora_dropout": ("tuner.lora_dropout", "LoRA dropout; 0 with --target_parameters (PEFT cannot drop out on fused "
                                            "expert weights)"),
     "target_modules": ("tuner.target_modules", "LoRA target modules (e.g. all-linear, or q_proj v_proj)"),
@@ -101,25 +108,6 @@ for _name in config.option_names():
     SWIFT_FLAGS[_flag] = (f"strategy.{_name}", config.option_help(_name))
 for _field in dataclasses.fields(TrainingArguments):
     SWIFT_FLAGS.setdefault(_field.name, (f"train.{_field.name}", _field.metadata["help"]))
-
-# swift sft flags twinkle-sft does not take, and why (one line each; the rest get "did you mean").
-SWIFT_FLAGS_NOT_TAKEN: dict[str, str] = {
-    "template": "twinkle-sft formats rows with the tokenizer's own chat template; drop it",
-    "system": "put the system prompt in each row's 'messages' as a 'system' turn; drop it",
-    "model_type": "twinkle-sft reads the model type from config.json; drop it",
-    "deepspeed": "twinkle-sft shards with FSDP2 itself; drop it (see --help for the strategy flags)",
-    "fsdp": "twinkle-sft is FSDP2 already; drop it",
-    "bf16": "use --mixed_precision bf16 (and --torch_dtype for the weights)",
-    "fp16": "use --mixed_precision fp16 (and --torch_dtype for the weights)",
-    "eval_strategy": "twinkle-sft does not evaluate during training; drop it",
-    "eval_steps": "twinkle-sft does not evaluate during training; drop it",
-    "split_dataset_ratio": "twinkle-sft trains on every row and does not evaluate; drop it",
-    "report_to": "twinkle-sft logs to <run dir>/logging.jsonl and images/ only; drop it",
-    "dataloader_num_workers": "twinkle-sft tokenizes before training and loads batches in the training process; "
-                              "drop it",
-    "check_model": "twinkle-sft checks the model directory before launch itself; drop it",
-    "attn_impl": "twinkle-sft uses the model's default attention implementation; drop it",
-}
 
 LIST_KEYS = {"data.dataset", "tuner.target_modules", "tuner.target_parameters"}
 
@@ -172,6 +160,12 @@ def _shown(value: object) -> str:
 
 # A recipe override: a dotted key, '=', a value (tells a flag's list values from the overrides after them).
 _OVERRIDE = re.compile(r"^[A-Za-z_]\w*(\.\w+)+=")
+RECIPE_SUFFIXES = (".yaml", ".yml")  # a positional with one is the recipe, never a list flag's value
+
+
+def _ends_list(token: str) -> bool:
+    """Whether ``token`` ends a list flag's values: the next flag, a ``key=value`` or the YAML recipe."""
+    return token.startswith("--") or bool(_OVERRIDE.match(token)) or token.lower().endswith(RECIPE_SUFFIXES)
 
 
 def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]:
@@ -179,7 +173,8 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
 
     Like swift: ``--max-steps`` is ``--max_steps``, ``--flag=value`` is ``--flag value``; unlike argparse,
     no prefix of a flag is taken for it (``--max_step``), and a list flag (``--dataset a b``) stops at the
-    next flag or ``key=value``. An unknown flag is a :class:`RecipeError` with the nearest flag.
+    next flag, ``key=value`` or ``*.yaml``/``*.yml`` (the recipe: ``--dataset d.jsonl yaml/demo.yaml``).
+    An unknown flag is a :class:`RecipeError` with the reason (a swift flag not taken) or the nearest flag.
     """
     positionals: list[str] = []
     flags: list[tuple[str, list[str]]] = []
@@ -204,7 +199,7 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
             values = [inline]
         elif SWIFT_FLAGS[name][0] in LIST_KEYS:
             values = []
-            while i < len(argv) and not (argv[i].startswith("--") or _OVERRIDE.match(argv[i])):
+            while i < len(argv) and not _ends_list(argv[i]):
                 values.append(argv[i])
                 i += 1
         else:
@@ -212,8 +207,10 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[tuple[str, list[str]]]]
             i += len(values)
         if not values:
             key = SWIFT_FLAGS[name][0]
-            raise RecipeError(f"--{name} needs a value, e.g. --{name} {_example_value(key)}", key=key,
-                              reason=f"--{name} needs a value, e.g. --{name} {_example_value(key)}")
+            after = f" before {argv[i]} (a YAML file is the recipe)" if i < len(argv) and \
+                argv[i].lower().endswith(RECIPE_SUFFIXES) else ""
+            reason = f"--{name} needs a value{after}, e.g. --{name} {_example_value(key)}"
+            raise RecipeError(reason, key=key, reason=reason)
         flags.append((name, values))
     return positionals, flags
 

@@ -5,10 +5,14 @@ any number of turns) or ``{"query": ..., "response": ..., "system": ...}``.
 Tokens come from the tokenizer's own chat template; only assistant turns are
 trained on (every other label is -100), as in ms-swift.
 
+Rows longer than ``max_length`` tokens, as swift's ``--truncation_strategy``: ``delete``
+(swift's default, and twinkle-sft's) skips them; ``right`` (this module's default, as a
+tokenizer truncates) keeps their first ``max_length`` tokens, ``left`` their last.
+
 Bad rows, as in ``swift sft --strict false`` (the default): a row that cannot
-become a training example (not JSON, no assistant turn, nothing left to train on
-after truncation to ``max_length``) is skipped, and one warning counts the
-skipped rows and names the first few lines. ``strict=True`` raises on the first
+become a training example (not JSON, no assistant turn, longer than ``max_length``
+under ``delete``, nothing left to train on after truncation) is skipped, and one
+warning counts the skipped rows and names the first few lines. ``strict=True`` raises on the first
 bad row instead, naming its file and line. A file with no usable row is an error
 either way.
 
@@ -40,6 +44,7 @@ STRICT_FIX = "fix the row, or set data.strict=false (--strict false) to skip bad
 
 
 Messages = list[dict[str, str]]
+TRUNCATION_STRATEGIES = ("delete", "right", "left")  # swift's, less 'split' (pre-training only)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,8 +161,9 @@ def _template_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]
     return list(ids)
 
 
-def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> dict[str, list[int]]:
-    """input_ids and labels; labels are -100 except on assistant turns."""
+def tokenize_conversation(tokenizer, messages: Messages, max_length: int | None) -> dict[str, list[int]]:
+    """input_ids and labels, the first ``max_length`` of them (None: all); labels are -100 except on assistant
+    turns."""
     input_ids: list[int] = []
     labels: list[int] = []
     for i, message in enumerate(messages):
@@ -170,6 +176,22 @@ def tokenize_conversation(tokenizer, messages: Messages, max_length: int) -> dic
         labels += [IGNORE_INDEX] * (len(prompt) - len(input_ids)) + full[len(prompt):]
         input_ids = full
     return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
+
+
+def fit_to_max_length(example: dict[str, list[int]], max_length: int,
+                      truncation_strategy: str) -> dict[str, list[int]] | None:
+    """``example`` within ``max_length`` tokens as swift's ``truncation_strategy`` does it; None: deleted."""
+    if len(example["input_ids"]) <= max_length:
+        return example
+    if truncation_strategy == "delete":
+        return None
+    cut = slice(-max_length, None) if truncation_strategy == "left" else slice(max_length)
+    return {key: ids[cut] for key, ids in example.items()}
+
+
+def too_long_reason(length: int, max_length: int) -> str:
+    return (f"{length} tokens, longer than max_length={max_length} (swift's default truncation_strategy delete drops "
+            "such rows; raise data.max_length, or set data.truncation_strategy=right to cut them)")
 
 
 def has_labels(example: dict[str, list[int]]) -> bool:
@@ -186,21 +208,24 @@ def sample_examples(examples: list, count: int, generator: torch.Generator) -> l
     return [examples[i] for i in picked]
 
 
-def load_examples(spec: DatasetSpec, tokenizer, max_length: int, strict: bool,
-                  generator: torch.Generator) -> tuple[list[dict[str, list[int]]], list[SkippedRow], int]:
+def load_examples(spec: DatasetSpec, tokenizer, max_length: int, strict: bool, generator: torch.Generator,
+                  truncation_strategy: str = "right") -> tuple[list[dict[str, list[int]]], list[SkippedRow], int]:
     """Tokenized examples of one dataset entry, the rows skipped, and the number of rows read."""
     rows, skipped = read_rows(spec.path, strict=strict)
     rows_read = len(rows) + len(skipped)
     examples = []
     for lineno, messages in rows:
-        example = tokenize_conversation(tokenizer, messages, max_length)
-        if has_labels(example):
+        whole = tokenize_conversation(tokenizer, messages, None)
+        example = fit_to_max_length(whole, max_length, truncation_strategy)
+        if example is not None and has_labels(example):
             examples.append(example)
             continue
-        bad = SkippedRow(spec.path, lineno, f"nothing to train on after truncation to max_length={max_length} "
-                                            "(the prompt fills it)")
+        too_long = example is None
+        reason = too_long_reason(len(whole["input_ids"]), max_length) if too_long else \
+            f"nothing to train on after truncation to max_length={max_length} (the prompt fills it)"
+        bad = SkippedRow(spec.path, lineno, reason)
         if strict:
-            raise DatasetError(f"{bad}; {STRICT_FIX}, or raise data.max_length")
+            raise DatasetError(f"{bad}; {STRICT_FIX}" + ("" if too_long else ", or raise data.max_length"))
         skipped.append(bad)
     if not examples:
         raise no_usable_row_error(spec.path, skipped)
@@ -225,18 +250,22 @@ class SFTDataset(torch.utils.data.Dataset):
 
     @classmethod
     def from_jsonl(cls, datasets: str | list[str], tokenizer, max_length: int = 512, packing: bool = False,
-                   strict: bool = False, seed: int = 42) -> SFTDataset:
+                   strict: bool = False, seed: int = 42, truncation_strategy: str = "right") -> SFTDataset:
         """One or more JSONL files (``path`` or swift's ``path#N``), concatenated in order.
 
-        Every rank builds the same dataset: sampling is seeded with ``seed``.
+        Every rank builds the same dataset: sampling is seeded with ``seed``. ``truncation_strategy``: what
+        becomes of a row longer than ``max_length`` (see the module docstring).
         """
+        if truncation_strategy not in TRUNCATION_STRATEGIES:
+            raise DatasetError(f"truncation_strategy={truncation_strategy!r}; use one of {TRUNCATION_STRATEGIES}")
         specs = [DatasetSpec.parse(d) for d in ([datasets] if isinstance(datasets, str) else datasets)]
         if not specs:
             raise DatasetError("no dataset given; pass one or more JSONL files")
         generator = torch.Generator().manual_seed(seed)
         examples, skipped, rows = [], [], 0
         for spec in specs:
-            spec_examples, spec_skipped, spec_rows = load_examples(spec, tokenizer, max_length, strict, generator)
+            spec_examples, spec_skipped, spec_rows = load_examples(spec, tokenizer, max_length, strict, generator,
+                                                                   truncation_strategy)
             examples += spec_examples
             skipped += spec_skipped
             rows += spec_rows

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import RunStoppedError
 from twinkle_strategy.train.rank_logs import (
     RUN_DIR_ENV,
@@ -157,29 +158,41 @@ def run_simulated_nodes(
     return AgentsResult(returncodes, timed_out, log_paths, time.monotonic() - start)
 
 
+WAITING_EVERY_ENV = "TWINKLE_WAITING_EVERY_S"  # seconds between the waiting line's repetitions (tests shorten it)
+
+
+def waiting_every_s() -> float:
+    """How often the waiting line repeats: every minute, or ``TWINKLE_WAITING_EVERY_S`` seconds."""
+    return float(os.environ.get(WAITING_EVERY_ENV, "60"))
+
+
 def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_ranks: list[int],
-               waiting: str | None = None, waiting_every_s: float = 60.0, waiting_after_s: float = 3.0) -> bool:
+               waiting: str | None = None, waiting_after_s: float = 3.0) -> bool:
     """Run torchrun agents (``commands``, one per node) whose workers log to ``run_dir/logs``.
 
     The workers (``twinkle-sft``) find ``run_dir`` in ``TWINKLE_RUN_DIR``. The first of
     ``ranks`` is shown live on stderr; a failed run ends with one summary on stderr
     (:mod:`twinkle_strategy.train.rank_logs`). Returns whether every agent succeeded.
-    ``waiting``: the line printed (after ``waiting_after_s``, then every ``waiting_every_s``) while no rank
-    of this node has started, i.e. while torchrun waits for the other nodes. SIGTERM or SIGINT stops every
-    process of the run (:class:`RunStopper`) and raises ``RunStoppedError`` unless every rank then exited 0.
+    ``waiting``: the line printed (after ``waiting_after_s``, then every :func:`waiting_every_s`) while no
+    rank of this node has started, i.e. while torchrun waits for the other nodes. SIGTERM or SIGINT stops
+    every process of the run (:class:`RunStopper`) and raises ``RunStoppedError``, whose one line says where
+    the last checkpoint is; the rank's output after the signal (its save) stays in its log.
     """
     os.makedirs(logs_dir(run_dir), exist_ok=True)
     env = {**os.environ, RUN_DIR_ENV: run_dir, "PYTHONUNBUFFERED": "1"}
     follower = LogFollower(run_dir, ranks[0], sys.stderr.buffer)
-    start, last_said = time.monotonic(), None
+    start, last_said, every_s = time.monotonic(), None, waiting_every_s()
 
     def while_waiting() -> None:
         nonlocal last_said
+        if stopper.signum is not None:  # stopping: the terminal gets one line at the end, not the rank's save
+            follower.stopped = True
+            return
         follower.poll()
-        if waiting is None or stopper.signum is not None:
+        if waiting is None:
             return
         now = time.monotonic()
-        if now - start < waiting_after_s or (last_said is not None and now - last_said < waiting_every_s):
+        if now - start < waiting_after_s or (last_said is not None and now - last_said < every_s):
             return
         if not any(os.path.exists(rank_log_path(run_dir, r)) for r in ranks):
             print(waiting, file=sys.stderr, flush=True)
@@ -188,12 +201,16 @@ def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_r
     stopper = RunStopper()
     returncodes, _ = run_agents(commands, env, [Path(agent_log_path(run_dir, n)) for n in node_ranks],
                                 while_waiting=while_waiting, stopper=stopper)
+    if stopper.signum is not None:
+        follower.stopped = True
+        follower.end_line()  # a progress bar left mid-line
+        checkpoint = latest_checkpoint(run_dir)
+        raise RunStoppedError(f"stopped by {signal.Signals(stopper.signum).name}; every process of the run has "
+                              f"ended; last checkpoint: {checkpoint or 'none saved'} (logs in {logs_dir(run_dir)})",
+                              stopper.signum)
     follower.finish()
     if all(rc == 0 for rc in returncodes):
         return True
-    if stopper.signum is not None:
-        raise RunStoppedError(f"stopped by {signal.Signals(stopper.signum).name}; every process of the run has "
-                              f"ended; logs in {logs_dir(run_dir)}", stopper.signum)
     print(failure_summary(run_dir, ranks, node_ranks), file=sys.stderr, flush=True)
     return False
 
@@ -285,10 +302,7 @@ class RunStopper:
         self.scan()
         workers = [pid for pid in list(self.known) if pid not in {a.pid for a in self.agents}]
         ranks = [pid for pid in workers if self._parent_is_agent(pid)]
-        if ranks:  # saving may take a while: say what happens (with no rank yet, the outcome is the one line)
-            print(f"twinkle-sft: {signal.Signals(signum).name}: stopping the run ({len(ranks)} rank(s) save a "
-                  f"checkpoint at the end of this step); everything left is killed in {self.grace_s:.0f} s, or at "
-                  "another Ctrl-C", file=sys.stderr, flush=True)
+        # Nothing printed here: the run ends in one line (run_logged), as a torchrun or swift user expects.
         targets = ranks or [a.pid for a in self.agents if a.poll() is None]
         for pid in targets:
             self._signal(pid, signal.SIGTERM)

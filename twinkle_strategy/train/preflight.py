@@ -24,6 +24,7 @@ from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path, ch
 from twinkle_strategy.train.data import (
     DatasetError,
     DatasetSpec,
+    fit_to_max_length,
     has_labels,
     no_usable_row_error,
     read_rows,
@@ -61,27 +62,30 @@ def check_datasets(datasets: list[str], strict: bool) -> None:
 
 
 def check_max_length(recipe: Recipe) -> None:
-    """Every checked row truncated to nothing at ``data.max_length``: the run would have no example."""
+    """No checked row survives ``data.max_length`` (each dropped as longer, or truncated to nothing to train on,
+    as ``data.truncation_strategy`` says): the run would have no example."""
     tokenizer = _tokenizer(recipe.model.path, recipe.data.dataset)
     if tokenizer is None:
         return
-    max_length, whole = recipe.data.max_length, []
+    max_length, strategy, whole = recipe.data.max_length, recipe.data.truncation_strategy, []
     for text in recipe.data.dataset:
         path = DatasetSpec.parse(text).path
         rows, _ = read_rows(path, strict=False, max_rows=ROWS_CHECKED)
         for _, messages in rows:
             try:
-                example = tokenize_conversation(tokenizer, messages, 1 << 30)
+                example = tokenize_conversation(tokenizer, messages, None)
             except DatasetError:
                 return  # the run reports a template that cannot mask labels
-            if has_labels({"labels": example["labels"][:max_length]}):
+            fitted = fit_to_max_length(example, max_length, strategy)
+            if fitted is not None and has_labels(fitted):
                 return
             whole.append(len(example["input_ids"]))
     if whole:
-        raise PreflightError("data.max_length", f"max_length={max_length} truncates every row to nothing to train "
-                                                f"on (checked the first {ROWS_CHECKED} rows of each dataset; they "
-                                                f"need up to {max(whole)} tokens); raise it, e.g. --max_length "
-                                                f"{max(whole)}")
+        what = ("drops every row as longer (truncation_strategy delete, swift's default)" if strategy == "delete"
+                else "truncates every row to nothing to train on")
+        raise PreflightError("data.max_length", f"max_length={max_length} {what}; the first {ROWS_CHECKED} rows of "
+                                                f"each dataset need up to {max(whole)} tokens: raise it, e.g. "
+                                                f"--max_length {max(whole)}")
 
 
 def _tokenizer(path: str, datasets: list[str]):

@@ -98,6 +98,7 @@ class LogFollower:
         self.pending = b""
         self.stopped = False
         self.header_seen = False
+        self.mid_line = False  # the last piece shown ended without '\n' (a progress bar's '\r')
 
     def poll(self) -> None:
         if self.stopped or not os.path.exists(self.path):
@@ -117,7 +118,15 @@ class LogFollower:
                 if piece.startswith(HEADER_START):
                     continue
             self.out.write(piece)
+            self.mid_line = not piece.endswith(b"\n")
         self.out.flush()
+
+    def end_line(self) -> None:
+        """End a line left open (a progress bar), so that what the launcher prints next has a line of its own."""
+        if self.mid_line:
+            self.out.write(b"\n")
+            self.out.flush()
+            self.mid_line = False
 
     def finish(self) -> None:
         self.poll()

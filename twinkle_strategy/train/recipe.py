@@ -23,6 +23,7 @@ from twinkle_strategy.loading import qualified_model_id
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.sequence import check_sequence_parallel
 from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.data import TRUNCATION_STRATEGIES
 from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS, qwen3_moe_config, sized_config
 
 # target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
@@ -52,6 +53,9 @@ class DataConfig:
     # A single path may be written as a plain string.
     dataset: list[str] = MISSING
     max_length: int = 2048
+    # A row longer than max_length, as swift's --truncation_strategy: delete (swift's default: skipped, with the
+    # bad rows' warning) | right (its first max_length tokens) | left (its last).
+    truncation_strategy: str = "delete"
     # Both train each example with its own attention, in one row per micro-batch without padding (packing.py):
     packing: bool = False  # group examples into packs of up to max_length tokens (one pack = one item)
     padding_free: bool = False  # concatenate each micro-batch's examples instead of padding them
@@ -176,6 +180,10 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
                 raise RecipeError(reason, key=key, reason=reason)
     if not recipe.data.dataset:
         raise RecipeError("data.dataset is empty; name one or more JSONL files")
+    if recipe.data.truncation_strategy not in TRUNCATION_STRATEGIES:
+        split = " ('split' is swift's for pre-training)" if recipe.data.truncation_strategy == "split" else ""
+        reason = f"{recipe.data.truncation_strategy!r}{split}; use delete (swift's default), right or left"
+        raise RecipeError(f"data.truncation_strategy: {reason}", key="data.truncation_strategy", reason=reason)
     if recipe.model.dtype not in ("float32", "bfloat16", "float16"):
         raise RecipeError(f"model.dtype={recipe.model.dtype!r}; use float32, bfloat16 or float16")
     if world_size is None:
@@ -234,14 +242,26 @@ def _check_world_size(recipe: Recipe, world_size: int, where: str, num_experts: 
     setting = "NPROC_PER_NODE" if "NPROC_PER_NODE" in os.environ else "launch.nproc_per_node"
     per_node = processes_per_node_for(nnodes=nnodes, ep_size=ep, sequence_parallel_size=sp,
                                       ep_fsdp_size=recipe.strategy.ep_fsdp_size)
-    if world_size % ep:
-        key, size, name = "strategy.ep_size", ep, "ep_size"
-        choices = [d for d in _divisors(world_size) if num_experts is None or num_experts % d == 0]
+    ep_choices = [d for d in _divisors(world_size) if num_experts is None or num_experts % d == 0]
+    sp_choices = [d for d in _divisors(world_size) if _model_takes_sequence_parallel(recipe, d)]
+    # (name, size, the other sizes' choices) of each size that does not divide the world, ep first.
+    misfits = [(name, size, choices) for name, size, choices in
+               (("ep_size", ep, ep_choices), ("sequence_parallel_size", sp, sp_choices)) if world_size % size]
+    other = [(name, size) for name, size in (("ep_size", ep), ("sequence_parallel_size", sp))
+             if size > 1 and name != misfits[0][0]]
+    if not other:
+        needs = f"{misfits[0][0]} {misfits[0][1]} needs a multiple of {misfits[0][1]} processes"
     else:
-        key, size, name = "strategy.sequence_parallel_size", sp, "sequence_parallel_size"
-        choices = [d for d in _divisors(world_size) if _model_takes_sequence_parallel(recipe, d)]
-    reason = (f"{name} {size} needs a multiple of {size} processes, this run has {world_size} ({where}); "
-              f"set {setting}={per_node}, or {name} among {choices}")
+        # Both are in use: say that each divides the world (not that the world holds ep x sp), naming the other
+        # one's key and flag too, since changing either size, or the world, is a fix.
+        (name, size), flag = other[0], {"ep_size": "--expert_parallel_size",
+                                        "sequence_parallel_size": "--sequence_parallel_size"}[other[0][0]]
+        needs = (f"{misfits[0][0]} {misfits[0][1]} and {name} {size} (strategy.{name}, {flag}) must each divide the "
+                 "number of processes (SP groups sit inside the data-parallel and EP ranks, so ep x sp may exceed "
+                 "it)")
+    alternatives = " and ".join(f"{name} among {choices}" for name, _, choices in misfits)
+    reason = f"{needs}, this run has {world_size} ({where}); set {setting}={per_node}, or {alternatives}"
+    key = f"strategy.{misfits[0][0]}"
     raise RecipeError(f"{key}: {reason}", key=key, reason=reason)
 
 

@@ -80,7 +80,7 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
             model = get_peft_model(model, lora_config(recipe))
     data = recipe.data
     dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing, strict=data.strict,
-                                    seed=recipe.train.seed)
+                                    seed=recipe.train.seed, truncation_strategy=data.truncation_strategy)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
                       data_collator=data_collator(recipe, tokenizer, dataset, log=strategy.is_main_process), processing_class=tokenizer,
                       run_dir=run_dir, print_summary=print_summary)
