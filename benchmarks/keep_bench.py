@@ -2,6 +2,7 @@
 
     python benchmarks/keep_bench.py                 # the reported run
     python benchmarks/keep_bench.py --quick         # smoke run
+    python benchmarks/keep_bench.py --at-scale      # only the figures at DeepSeek-V3 / V4-Flash sizes (~1 min)
 
 Two releases, built as they ship (twinkle_strategy.testing.releases): an FP8 Qwen3-MoE (float8_e4m3fn, float32
 scales per 128 x 128 block) and a DeepSeek-V4 layout (FP8 dense with ue8m0 scales, FP4 e2m1 experts with a ue8m0
@@ -13,8 +14,12 @@ experts, one process per method (``keep``, ``dequantize``):
   the init via /proc/self/clear_refs), the largest rank;
 * tokens/s over the timed steps (after one warm-up step), the global batch.
 
-At scale the accounting is the same: ``keep`` holds exactly the bytes the release stores (each rank its rows
-and the scale rows they need), so frozen bytes per rank ~= release bytes / ranks, against bf16 bytes / ranks.
+At scale (``--at-scale``, printed after the runs too): the same accounting at DeepSeek-V3/R1 and
+DeepSeek-V4-Flash sizes, without weights. The model is built on the meta device from transformers' config
+(its defaults are those releases' sizes), its checkpoint keys come from transformers' rules reversed (as a
+save writes them), each quantized weight is declared as its release stores it (data and scale, headers
+only) and read through :class:`~twinkle_strategy.quantized.formats.QuantizedIndex`, and each rank's rows are
+priced by ``Codec.nbytes`` (what ``WireForm.nbytes`` sums, and so ``InitReport.frozen_stored_bytes``).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -93,6 +99,90 @@ def worker_main(args) -> None:
     with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
         json.dump(result, f)
     os._exit(0 if "error" not in result else 1)
+
+
+# --------------------------------------------------------------------------- at scale, from the accounting
+# The releases: (transformers config class, ranks, FP8 scale dtype, whether routed experts are FP4 e2m1).
+AT_SCALE = {"DeepSeek-V3/R1 (671B) on 8 nodes x 8": ("DeepseekV3Config", 64, torch.float32, False),
+            "DeepSeek-V4-Flash (284B) on 1 node x 8": ("DeepseekV4Config", 8, torch.float8_e8m0fnu, True)}
+FORMULA = """per rank r, over the quantized weights (W: rows x cols; rank r's rows R_r: FSDP2 rows, or whole experts)
+  keep        = sum_W Codec(W, R_r).nbytes
+              = FP8 blocks:  |R_r| * cols * 1  +  (scale rows R_r needs) * ceil(cols / 128) * scale bytes
+                FP4 experts: |R_r| * cols / 2  +  |R_r| * cols / 32 * 1   (ue8m0 per 32)
+  dequantize  = sum_W |R_r| * cols * 2   (bf16)"""
+
+
+def release_headers(model, *, scale_dtype: torch.dtype, fp4_experts: bool) -> dict:
+    """The tensors a release of ``model`` stores, by key (shape, dtype): transformers' checkpoint keys for the
+    model, the weights the tiny releases quantize (twinkle_strategy.testing.releases' rule) as FP8 with a scale
+    per 128 x 128 block, or (``fp4_experts``) routed experts as FP4 with a ue8m0 scale per 32."""
+    from twinkle_strategy.checkpoint.layout import CheckpointLayout
+    from twinkle_strategy.dtypes import TensorSpec
+    from twinkle_strategy.quantized.formats import FP4_GROUP
+    from twinkle_strategy.testing.releases import _QUANTIZED_KEY
+
+    tensors = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
+    out = {}
+    for key, (shape, dtype) in CheckpointLayout.for_saving(model, tensors).saved_tensors().items():
+        if len(shape) != 2 or not _QUANTIZED_KEY.search(key):
+            out[key] = TensorSpec(shape, dtype)
+        elif fp4_experts and ".experts." in key:
+            out[key] = TensorSpec((shape[0], shape[1] // 2), torch.int8)
+            out[key + "_scale_inv"] = TensorSpec((shape[0], shape[1] // FP4_GROUP), torch.float8_e8m0fnu)
+        else:
+            out[key] = TensorSpec(shape, torch.float8_e4m3fn)
+            out[key + "_scale_inv"] = TensorSpec((-(-shape[0] // 128), -(-shape[1] // 128)), scale_dtype)
+    return out
+
+
+def rank_rows(key: str, rows: int, rank: int, ranks: int, experts: int) -> tuple[int, int] | None:
+    """Rank ``rank``'s rows of checkpoint tensor ``key`` (None: none of it): FSDP2's rows of a dense weight
+    (``ceil(rows / ranks)`` each), or a routed expert's whole tensors on the rank that holds the expert (EP x
+    FSDP2 over the experts: ``experts / ranks`` each)."""
+    found = re.search(r"\.experts\.(\d+)\.", key)
+    if found:
+        return (0, rows) if int(found[1]) // (experts // ranks) == rank else None
+    step = -(-rows // ranks)
+    a, b = min(rank * step, rows), min((rank + 1) * step, rows)
+    return (a, b) if b > a else None
+
+
+def at_scale() -> str:
+    """Per-rank frozen bytes of the quantized weights, keep against dequantize, at the releases' sizes."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_strategy.checkpoint.layout import DeclaredTensors
+    from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex, QuantMethod
+
+    lines = [FORMULA, "", "| release | quantized params | keep per rank (GB) | dequantize per rank (GB) | keep / "
+             "dequantize | largest layer decoded per rank (GB) |", "|---|---|---|---|---|---|"]
+    for release, (config_class, ranks, scale_dtype, fp4) in AT_SCALE.items():
+        config = getattr(transformers, config_class)()
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        headers = release_headers(model, scale_dtype=scale_dtype, fp4_experts=fp4)
+        index = QuantizedIndex(DeclaredTensors(headers), QuantFormat(QuantMethod.FP8, (128, 128)), model)
+        quantized = {key: t for key, t in index.tensors.items() if t.quantized}
+        keep, values = [0] * ranks, [0] * ranks
+        layer_values: dict[str, int] = {}
+        for key, tensor in quantized.items():
+            for rank in range(ranks):
+                rows = rank_rows(key, tensor.shape[0], rank, ranks, config.n_routed_experts)
+                if rows is None:
+                    continue
+                keep[rank] += index.codec(key, rows).nbytes
+                values[rank] += (rows[1] - rows[0]) * tensor.shape[1] * 2
+            layer = re.search(r"layers\.(\d+)\.", key)
+            if layer:
+                layer_values[layer[1]] = layer_values.get(layer[1], 0) + tensor.shape[0] * tensor.shape[1] * 2
+        params = sum(t.shape[0] * t.shape[1] for t in quantized.values())
+        worst = max(range(ranks), key=lambda r: keep[r])
+        lines.append(f"| {release} | {params / 1e9:.1f}B | {keep[worst] / 1e9:.2f} | {values[worst] / 1e9:.2f} | "
+                     f"{keep[worst] / values[worst]:.3f} | {max(layer_values.values()) / ranks / 1e9:.2f} |")
+    return "\n".join(lines) + ("\n\nThe rank holding the most (keep) is shown. Weights the release keeps in bf16 "
+                               "(embeddings, norms, routers, lm_head) are held as they are in both modes, and "
+                               "the MTP layer, which transformers does not build, is not counted.")
 
 
 # --------------------------------------------------------------------------- driver
@@ -173,12 +263,20 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=900)
     p.add_argument("--out", default=os.path.join(HERE, "results"))
+    p.add_argument("--at-scale", action="store_true", help="only the figures at DeepSeek-V3 and V4-Flash sizes")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.worker:
         return worker_main(args)
+    if args.at_scale:
+        text = f"Command: `python benchmarks/keep_bench.py --at-scale`\n\n{at_scale()}\n"
+        print(text)
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "keep_bench_at_scale.md"), "w") as f:
+            f.write(text)
+        return None
     work = tempfile.mkdtemp(prefix="keep_bench-")
     rows = []
     for release, path in build_releases(work, args.quick).items():
@@ -190,7 +288,8 @@ def main() -> None:
     command = "python benchmarks/keep_bench.py " + " ".join(sys.argv[1:])
     text = (f"Command: `{command.strip()}`\n\n2 simulated nodes x 2 ranks, ep=2, bf16, LoRA r=8 (attention and "
             f"experts), {PER_RANK} x {SEQ} tokens per rank, {args.steps} timed steps, gloo on CPU, "
-            f"{os.cpu_count()} CPU cores.\n\n{markdown(rows)}\n\n{ratios(rows)}\n")
+            f"{os.cpu_count()} CPU cores.\n\n{markdown(rows)}\n\n{ratios(rows)}\n\nAt scale (the same "
+            f"accounting; `--at-scale` prints only this):\n\n{at_scale()}\n")
     print(text)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "keep_bench.md"), "w") as f:

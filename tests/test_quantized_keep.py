@@ -7,6 +7,8 @@ arrival, and FSDP2 gathers those values into the same unsharded weights, so ever
 sees the same inputs: logits, losses and gradients are equal bit for bit (a difference is a bug, not rounding).
 """
 
+import re
+
 import pytest
 import torch
 from multinode import launch
@@ -69,13 +71,29 @@ def check_case(name: str, case: dict, rank: int) -> None:
     assert case["losses"][-1] < case["losses"][0], where  # the adapters learn
     for kind, stored in case["frozen_stored"].items():
         assert stored <= GOALS[kind] * case["frozen_values"][kind], (where, kind, case["log_line"])
+    # Every quantized region of the release is kept as stored (none decoded at the init), and held so.
+    assert case["frozen_decoded"] == [], (where, case["frozen_decoded"])
     assert case["held"] == sum(case["frozen_stored"].values()) < case["ref_held"], where
+    assert case["ref_held"] == sum(case["frozen_values"].values()), where
+    # The decoder runs where the stored bytes are: decoding every kept region on the meta device (no data, so
+    # no value can be read back to the host) gives the region's shape and dtype there.
+    assert case["meta_decode_failures"] == [], (where, case["meta_decode_failures"])
     # Decoded just in time: each step decodes every kept shard for the forward and again for the backward's input
     # gradient (where the backward gathers the unit again: in the tiny DeepSeek-V4, about 2% of the kept bytes
     # are gathered once a step), and at most one FSDP2 unit's decoded shards are alive at once.
     assert 3 * case["kept_shards"] < case["decoded"] <= 2 * 3 * case["kept_shards"], (where, case)
     assert case["ref_decoded"] == 0, where
     assert 0 < case["decoded_peak"] <= case["largest_unit"] < case["kept_shards"], (where, case)
+    # Nothing stays decoded after the steps: no decoded shard alive, every kept weight in its stored form.
+    assert case["alive_after"] == 0 and case["kept_after"] == case["kept"], where
+    assert case["alive_between"] == 0 and case["kept_between"] == case["kept"], where  # nor between fwd and bwd
+    # The step log's figures: the init report's bytes and the decode tracker's peak (reset by the log).
+    mib = 2**20
+    assert case["step_log"] == {"frozen_held(MiB)": round(case["held"] / mib, 3),
+                                "frozen_as_values(MiB)": round(sum(case["frozen_values"].values()) / mib, 3),
+                                "frozen_decoded_peak(MiB)": round(case["decoded_peak"] / mib, 3)}, (where, case)
+    assert case["step_log"]["frozen_decoded_peak(MiB)"] > 0 and case["peak_after_log"] == 0, (where, case)
+    assert case["ref_step_log"] == {}, where  # dequantize: no such fields
 
 
 def check_merged_export(name: str, export: dict) -> None:
@@ -105,7 +123,7 @@ def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
         ("deepseek_fp8", releases["deepseek_fp8"], "deepseek_v3+ckpt+save+export"),
         ("deepseek_v4", releases["deepseek_v4"], "deepseek_v4+export"),
         ("gpt_oss_mxfp4", releases["gpt_oss_mxfp4"], "gpt_oss+export"),
-        ("refuse", releases["deepseek_fp8"], "refuse")]]
+        ("refuse", releases["deepseek_fp8"], "refuse"), ("unserved", releases["deepseek_fp8"], "unserved")]]
     result = launch("quantized_keep.py", ["--cases", ",".join(cases), "--save-root", str(tmp_path / "saved")],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=500)
     assert result.ok(), result.describe()
@@ -115,22 +133,69 @@ def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
         for name in STORED_DTYPES:
             check_case(name, data["cases"][name], rank)
         fp8 = data["cases"]["deepseek_fp8"]
-        assert fp8["checkpointed_losses"] == fp8["losses"], (rank, fp8)
+        check_checkpointed(fp8, rank)
         # Checkpoints: the adapter saved from keep is the one saved from dequantize, bit for bit; a keep run
         # resumed from a checkpoint (adapter and optimizer) takes the next step as the run that went on.
         assert rank != 0 or (fp8["adapter"] is not None and fp8["adapter"] == fp8["ref_adapter"]), rank
-        assert fp8["resume"]["resumed"] == fp8["resume"]["continued"], (rank, fp8["resume"])
-        assert fp8["resume"]["base_unchanged"], rank
+        check_resume(fp8["resume"], rank)
         if rank == 0:
             for name in STORED_DTYPES:
                 check_merged_export(name, data["cases"][name]["export"])
         kinds = {name: set(data["cases"][name]["frozen_stored"]) for name in STORED_DTYPES}
         assert kinds == {"deepseek_fp8": {"fp8_block"}, "deepseek_v4": {"fp8_block", "fp4_block"},
                          "gpt_oss_mxfp4": {"mxfp4"}}, (rank, kinds)
-        refused = data["cases"]["refuse"]
-        assert refused["error_type"] == "DistributedInitError", (rank, refused)
-        assert "quantized_base=keep" in refused["error"] and "is trainable" in refused["error"], refused["error"]
-        assert "quantized_base=dequantize" in refused["error"], refused["error"]
+        check_refusals(data["cases"], rank)
+    # Each rank reads its own rows of the adapter and optimizer state: all together, the trainer state once.
+    resumes = [data["cases"]["deepseek_fp8"]["resume"] for data in ranks.values()]
+    assert sum(r["load_read"] for r in resumes) == resumes[0]["state_tensor_bytes"], resumes
+
+
+def check_checkpointed(fp8: dict, rank: int) -> None:
+    """Activation checkpointing with keep: the same losses, and nothing decoded is stored for the backward. The
+    forward frees each unit's decoded weights (FSDP2 reshards it: between the forward and the backward every
+    kept weight is in its stored form and no decoded shard is alive); the backward gathers each unit again,
+    decoding it anew, and the recomputation runs inside that gather (FSDP2's hooks sit outside the recomputed
+    layer), so it costs no decode of its own: the bytes decoded equal the run without checkpointing."""
+    checkpointed = fp8["checkpointed"]
+    assert checkpointed["losses"] == fp8["losses"], (rank, checkpointed, fp8["losses"])
+    assert checkpointed["alive_between"] == 0 and checkpointed["kept_between"] == fp8["kept"], (rank, checkpointed)
+    assert checkpointed["decoded"] == fp8["decoded"], (rank, checkpointed["decoded"], fp8["decoded"])
+    assert 0 < checkpointed["decoded_peak"] <= checkpointed["largest_unit"], (rank, checkpointed)
+    assert checkpointed["alive_after"] == 0 and checkpointed["kept_after"] == fp8["kept"], rank
+
+
+def check_resume(resume: dict, rank: int) -> None:
+    """Resuming a keep run reads the adapter and optimizer state from the checkpoint, which holds no base weight,
+    and the base only through the init, which reads what the first run's init read: each node's source its
+    node's share as stored, the others nothing."""
+    assert resume["resumed"] == resume["continued"], (rank, resume)
+    assert resume["base_unchanged"], rank
+    assert not any(f.startswith("model") and f.endswith(".safetensors") for f in resume["files"]), resume["files"]
+    first, again = resume["init_read"]
+    assert again == first and resume["init_stored"][0] == resume["init_stored"][1], (rank, resume)
+    assert (first > 0) == (rank % 2 == 0), (rank, first)  # 2 ranks a node: ranks 0 and 2 are the sources
+    assert resume["release_opened"] == [], (rank, resume["release_opened"])
+    assert resume["load_opened"] and all(f.startswith("trainer_state/") for f in resume["load_opened"]), resume
+    assert 0 < resume["load_read"] < resume["state_tensor_bytes"], (rank, resume)
+
+
+def check_refusals(cases: dict, rank: int) -> None:
+    """keep's refusals, on every rank, in one line naming the tensor or format and the fix, before any weight
+    file is opened for its bytes."""
+    refused = cases["refuse"]
+    assert refused["error_type"] == "DistributedInitError", (rank, refused)
+    error = refused["error"]
+    assert "\n" not in error and "quantized_base=keep" in error and "is trainable" in error, error
+    assert "quantized_base=dequantize" in error, error
+    named = re.search(r"quantized_base=keep: '([^']+)' is stored quantized", error)
+    assert named and named[1] in refused["quantized_keys"], (error, refused["quantized_keys"][:4])
+    assert refused["release_opened"] == [], (rank, refused["release_opened"])
+    unserved = cases["unserved"]  # found by each node's source from the config, raised on every rank
+    assert unserved["error_type"] == "DistributedInitError", (rank, unserved)
+    assert "\n" not in unserved["error"] and "failed on rank(s) [0, 2]" in unserved["error"], unserved["error"]
+    assert "CheckpointError: the checkpoint is quantized with quant_method 'awq'" in unserved["error"], unserved
+    assert "set quantized_base=dequantize with stream_checkpoint=False" in unserved["error"], unserved["error"]
+    assert unserved["weight_files_opened"] == [], (rank, unserved)
 
 
 def test_a_kept_weight_decodes_for_reads_and_refuses_writes():

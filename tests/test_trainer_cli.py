@@ -39,7 +39,8 @@ def demo_run(tmp_path_factory):
     work = tmp_path_factory.mktemp("demo")
     out = work / "out"
     proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
-                    f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1"], cwd=work)
+                    f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1", "--merge_lora", "true"],
+                   cwd=work)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
     return work, only_run_dir(out), proc
 
@@ -77,6 +78,30 @@ def test_demo_cli_trains_and_saves(demo_run):
     assert len(shown) == len(set(shown)), [line for line in shown if shown.count(line) > 1]
     assert f"last checkpoint: {run_dir.relative_to(work) / f'checkpoint-{STEPS}'}" in proc.stdout or \
         f"checkpoint-{STEPS}" in proc.stdout
+
+
+def test_merge_lora_writes_the_merged_model_beside_the_last_checkpoint(demo_run):
+    """--merge_lora true (swift export's flag): after the last step, checkpoint-{N}-merged is a plain checkpoint of
+    the base with the adapters merged. Oracle, in one process: the base with the saved adapter through PEFT
+    (unmerged, the adapter applied to activations) gives the merged model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    work, run_dir, proc = demo_run
+    merged_dir = run_dir / f"checkpoint-{STEPS}-merged"
+    assert f"merged model: {merged_dir}" in proc.stdout, proc.stdout[-2000:]
+    assert list(merged_dir.glob("model*.safetensors")) and not list(merged_dir.glob("adapter_*")), \
+        sorted(p.name for p in merged_dir.iterdir())
+    base_dir = work / "output" / "tiny" / "demo"
+    merged = AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    ids = torch.randint(0, merged.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        base_logits = base(input_ids=ids).logits
+        adapted = PeftModel.from_pretrained(base, str(run_dir / f"checkpoint-{STEPS}")).eval()
+        want, got = adapted(input_ids=ids).logits, merged(input_ids=ids).logits
+    assert (got - want).abs().max() <= 1e-4, (got - want).abs().max()
+    assert (got - base_logits).abs().max() > 1e-2  # the adapters are in
 
 
 def test_resume_gives_the_same_losses(demo_run):
@@ -179,6 +204,8 @@ def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run
     ("train.max_steps=ten", "train.max_steps"),
     ("strategy.ep_size=3", "strategy.ep_size (--expert_parallel_size): tiny://demo has 8 experts, not divisible "
                            "by ep_size 3; choose ep_size among [1, 2, 4]"),
+    ("tuner.type=full train.merge_lora=true", "train.merge_lora (--merge_lora): true needs tuner.type=lora (got "
+                                              "'full')"),
 ])
 def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
     import torch.distributed as dist
@@ -186,7 +213,8 @@ def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
     from twinkle_strategy.train.cli import main
 
     out = tmp_path / "out"
-    code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}", override])
+    code = main([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
+                 *override.split()])
     err = capsys.readouterr().err
     assert code == 2 and message in err, err
     assert not out.exists() and not dist.is_initialized()

@@ -4,13 +4,16 @@ Cases (``--cases name=path:family[+ckpt],...``): for each, three LoRA steps (att
 SGD) with ``dequantize`` and with ``keep`` on the same global batch; ``+ckpt`` adds a ``keep`` run with
 activation checkpointing. Records per rank: logits of the first step, losses, every LoRA gradient (this
 rank's shard), which parameters are kept and the dtypes of what they store, CRC32s of the stored bytes
-before and after the steps, and the init report's frozen bytes. A ``refuse`` case trains a quantized weight
-with ``keep`` and records the error.
+before and after the steps, the init report's frozen bytes, the step log's figures and each kept region
+decoded on the meta device. A ``refuse`` case trains a quantized weight with ``keep``, an ``unserved`` case
+keeps a release of a format the streamed init does not serve; each records the error on every rank, and the
+weight files opened after it.
 """
 
 import argparse
 import json
 import os
+import struct
 import sys
 import zlib
 
@@ -25,12 +28,37 @@ from twinkle_strategy.fsdp import find_decoder_layers  # noqa: E402
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing  # noqa: E402
 from twinkle_strategy.quantized.kept import (  # noqa: E402
     DECODE_STATS,
+    KeptRegion,
     KeptWeight,
     _padded_shard_bytes,
+    kept_weight_log,
     largest_unit_decode_bytes,
 )
 
 SEQ, PER_RANK, STEPS = 16, 2, 3
+
+# The files this process opens while recording (Python's audit hooks see every open() and os.open()).
+OPENED: list[str] = []
+RECORDING = [False]
+
+
+def _record_opens(event, args):
+    if RECORDING[0] and event == "open" and isinstance(args[0], (str, os.PathLike)):
+        OPENED.append(os.path.realpath(os.fspath(args[0])))
+
+
+sys.addaudithook(_record_opens)
+
+
+def opened_while(action) -> list[str]:
+    """The files opened while ``action()`` runs (or raises)."""
+    OPENED.clear()
+    RECORDING[0] = True
+    try:
+        action()
+    finally:
+        RECORDING[0] = False
+    return list(OPENED)
 LORA_SEED = 7
 ATTENTION = {"deepseek_v3": ["q_b_proj", "kv_a_proj_with_mqa", "o_proj"], "deepseek_v4": ["q_b_proj", "o_b_proj"],
              "gpt_oss": ["q_proj", "o_proj"]}
@@ -79,15 +107,35 @@ def build(path: str, family: str, mode: str, *, ep: int, checkpointing: bool = F
     return strategy, model, optimizer
 
 
-def step(strategy, model, optimizer, mine) -> tuple[float, dict, torch.Tensor]:
-    """One SGD step: the global mean loss, this rank's LoRA gradients and its logits."""
+def step(strategy, model, optimizer, mine, *, between: dict | None = None) -> tuple[float, dict, torch.Tensor]:
+    """One SGD step: the global mean loss, this rank's LoRA gradients and its logits. ``between`` gets what is
+    decoded between the forward and the backward: decoded shards alive, and the weights still kept as stored."""
     out = model(input_ids=mine, labels=mine)
+    if between is not None:
+        between.update(alive=DECODE_STATS.alive_bytes, kept=sorted(kept_weights(model)))
     out.loss.backward()
     grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).float().clone()
              for n, p in model.named_parameters() if p.grad is not None}
     optimizer.step()
     optimizer.zero_grad()
     return float(strategy.reduce_mean(out.loss)), grads, out.logits.detach().float()
+
+
+def decoded_on_meta(kept: dict[str, KeptWeight]) -> list[str]:
+    """The kept regions whose decode does not run on the device of their stored bytes: each region's bytes moved
+    to the meta device (no data) and decoded there. Reading a value back to the host (``.item()``, ``.cpu()``,
+    ``.tolist()``) or mixing in a host tensor fails on meta, so a decode that passes stays on the device."""
+    bad = []
+    for name, weight in kept.items():
+        region = weight.region
+        try:
+            out = KeptRegion(region.name, region.form, region.stored.to("meta"), region.rows_shape,
+                             region.config).dequantize()
+            if out.device.type != "meta" or tuple(out.shape) != region.rows_shape or out.dtype != weight.dtype:
+                bad.append(f"{name}: {out.device} {tuple(out.shape)} {out.dtype}")
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            bad.append(f"{name}: {type(exc).__name__}: {exc}")
+    return bad
 
 
 def run(path: str, family: str, mode: str, mine, *, ep: int, checkpointing: bool = False) -> dict:
@@ -97,19 +145,30 @@ def run(path: str, family: str, mode: str, mine, *, ep: int, checkpointing: bool
     losses, grads, logits = [], [], []
     DECODE_STATS.reset_peak()
     decoded_before = DECODE_STATS.decoded_bytes
+    alive_before = DECODE_STATS.alive_bytes
+    between = {}
     for _ in range(STEPS):
-        loss, grad, logit = step(strategy, model, optimizer, mine)
+        loss, grad, logit = step(strategy, model, optimizer, mine, between=between)
         losses.append(loss)
         grads.append(grad)
         logits.append(logit)
     report = strategy.init_report
+    peak = DECODE_STATS.peak_alive_bytes
+    step_log = kept_weight_log(report)  # what the trainer's step log adds (and resets the peak, as it does)
     return dict(losses=losses, grads=grads, logits=logits[0], kept=sorted(kept),
                 stored_dtypes={name: stored_dtypes(k) for name, k in kept.items()},
                 crc_before=before, crc_after=crc(kept), frozen_stored=report.frozen_stored_bytes,
-                frozen_values=report.frozen_values_bytes, held=report.frozen_held_bytes, log_line=report.log_line(),
-                model=model, strategy=strategy, decoded_peak=DECODE_STATS.peak_alive_bytes,
+                frozen_values=report.frozen_values_bytes, held=report.frozen_held_bytes,
+                frozen_decoded=report.frozen_decoded, log_line=report.log_line(),
+                model=model, strategy=strategy, decoded_peak=peak,
                 decoded=DECODE_STATS.decoded_bytes - decoded_before, largest_unit=largest_unit_decode_bytes(model),
-                kept_shards=sum(_padded_shard_bytes(p) for p in model.parameters()))
+                kept_shards=sum(_padded_shard_bytes(p) for p in model.parameters()),
+                # Nothing stays decoded after the steps: no decoded shard alive, every kept weight back in its
+                # stored form (FSDP2 resharded the units: no gathered, decoded weight left on a module).
+                alive_after=DECODE_STATS.alive_bytes - alive_before, kept_after=sorted(kept_weights(model)),
+                alive_between=between["alive"] - alive_before, kept_between=between["kept"],
+                step_log=step_log, peak_after_log=DECODE_STATS.peak_alive_bytes,
+                meta_decode_failures=decoded_on_meta(kept), bytes_read=report.bytes_read)
 
 
 def adapter_bytes(strategy, model, directory: str) -> str | None:
@@ -126,21 +185,46 @@ def adapter_bytes(strategy, model, directory: str) -> str | None:
 
 def resume_case(path: str, family: str, mine, *, ep: int, root: str) -> dict:
     """keep: two steps, a checkpoint, a third step; then a new run resumed from the checkpoint takes the third
-    step again. It reads back only the adapter and optimizer state (the frozen base comes from the init)."""
+    step again. It reads back only the adapter and optimizer state (the frozen base comes from the init, which
+    reads what the first run's init read: each node's share of the release, as stored). Records what each
+    init read from the release, what the checkpoint load read (bytes, files opened) and the checkpoint's
+    tensor bytes."""
+    from twinkle_strategy.checkpoint.sharded_io import IOStats
     from twinkle_strategy.checkpoint.training import load_checkpoint, save_checkpoint
 
     directory = os.path.join(root, "checkpoint-2")
     strategy, model, optimizer = build(path, family, "keep", ep=ep)
+    first_init = strategy.init_report
     for _ in range(2):
         step(strategy, model, optimizer, mine)
     save_checkpoint(directory, model, strategy, optimizer=optimizer, scheduler=None, trainer_state={"global_step": 2})
     crc_saved = crc(kept_weights(model))
     continued = step(strategy, model, optimizer, mine)[0]
     strategy, model, optimizer = build(path, family, "keep", ep=ep)
-    load_checkpoint(directory, model, strategy, optimizer=optimizer, scheduler=None, expect={})
+    stats = IOStats()
+    opened = opened_while(lambda: load_checkpoint(directory, model, strategy, optimizer=optimizer, scheduler=None,
+                                                  expect={}, stats=stats))
     resumed = step(strategy, model, optimizer, mine)[0]
+    checkpoint_files = [os.path.relpath(os.path.join(d, f), directory) for d, _, fs in os.walk(directory) for f in fs]
     return dict(continued=continued, resumed=resumed, base_unchanged=crc(kept_weights(model)) == crc_saved,
-                files=sorted(os.listdir(directory)))
+                files=sorted(checkpoint_files), init_read=[first_init.bytes_read, strategy.init_report.bytes_read],
+                init_stored=[first_init.frozen_stored_bytes, strategy.init_report.frozen_stored_bytes],
+                load_read=stats.bytes_read, state_tensor_bytes=tensor_bytes(os.path.join(directory, "trainer_state")),
+                load_opened=sorted({os.path.relpath(f, directory) if f.startswith(os.path.realpath(directory))
+                                    else f for f in opened if f.endswith(".safetensors")}),
+                release_opened=sorted(f for f in opened if f.startswith(os.path.realpath(path))))
+
+
+def tensor_bytes(directory: str) -> int:
+    """The tensor bytes of every safetensors file under ``directory``, from their headers."""
+    total = 0
+    for d, _, files in os.walk(directory):
+        for file in (f for f in files if f.endswith(".safetensors")):
+            with open(os.path.join(d, file), "rb") as f:
+                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
+            total += sum(end - begin for key, value in header.items() if key != "__metadata__"
+                         for begin, end in [value["data_offsets"]])
+    return total
 
 
 def checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:
@@ -246,7 +330,11 @@ def good_case(path: str, family: str, flags: list[str], ep: int, world: int, ran
                bytes_unchanged=keep["crc_before"] == keep["crc_after"], frozen_stored=keep["frozen_stored"],
                frozen_values=keep["frozen_values"], held=keep["held"], ref_held=ref["held"],
                log_line=keep["log_line"], decoded_peak=keep["decoded_peak"], decoded=keep["decoded"],
-               largest_unit=keep["largest_unit"], kept_shards=keep["kept_shards"], ref_decoded=ref["decoded"])
+               largest_unit=keep["largest_unit"], kept_shards=keep["kept_shards"], ref_decoded=ref["decoded"],
+               frozen_decoded=keep["frozen_decoded"], alive_after=keep["alive_after"],
+               kept_after=keep["kept_after"], step_log=keep["step_log"], ref_step_log=ref["step_log"],
+               alive_between=keep["alive_between"], kept_between=keep["kept_between"],
+               peak_after_log=keep["peak_after_log"], meta_decode_failures=keep["meta_decode_failures"])
     if "save" in flags:  # the adapters of both runs, as saved: the same bits
         out["adapter"] = adapter_bytes(keep["strategy"], keep["model"], os.path.join(root, "keep-adapter"))
         out["ref_adapter"] = adapter_bytes(ref["strategy"], ref["model"], os.path.join(root, "dequantize-adapter"))
@@ -254,19 +342,70 @@ def good_case(path: str, family: str, flags: list[str], ep: int, world: int, ran
     if "export" in flags:
         out["export"] = export_case(keep, ref, path, family, os.path.join(root, "export"))
     if "ckpt" in flags:
-        out["checkpointed_losses"] = run(path, family, "keep", mine, ep=ep, checkpointing=True)["losses"]
+        checkpointed = run(path, family, "keep", mine, ep=ep, checkpointing=True)
+        out["checkpointed"] = {key: checkpointed[key] for key in ("losses", "decoded", "decoded_peak", "alive_after",
+                                                                   "kept_after", "largest_unit", "alive_between",
+                                                                   "kept_between")}
     return out
 
 
 def refuse_case(path: str, ep: int) -> dict:
-    """Full-parameter training (every weight trainable) with keep: refused on every rank before weights move."""
+    """Full-parameter training (every weight trainable) with keep: refused on every rank before weights move.
+    Records the error and the files opened while wrap_model ran: the source opens a release file to read a
+    tensor's bytes (headers were read by from_pretrained), so none opened means no weight byte was read or sent."""
     strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", memory_efficient_init=True, timeout_s=120,
                                   quantized_base="keep")
-    try:
-        strategy.wrap_model(strategy.from_pretrained(path, dtype=torch.bfloat16))
-    except Exception as exc:  # noqa: BLE001 - the test reads it
-        return dict(error_type=type(exc).__name__, error=str(exc), bytes_received=None)
-    return dict(error_type=None, error=None)
+    model = strategy.from_pretrained(path, dtype=torch.bfloat16)
+    error = []
+
+    def wrap():
+        try:
+            strategy.wrap_model(model)
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            error.append(exc)
+
+    opened = opened_while(wrap)
+    exc = error[0] if error else None
+    return dict(error_type=type(exc).__name__ if exc else None, error=str(exc) if exc else None,
+                release_opened=sorted(f for f in opened if f.startswith(os.path.realpath(path))),
+                quantized_keys=quantized_keys(path))
+
+
+def quantized_keys(path: str) -> list[str]:
+    """The release's weights stored quantized: those with a scale beside them."""
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        keys = json.load(f)["weight_map"]
+    return sorted(key for key in keys if f"{key}_scale_inv" in keys)
+
+
+def unserved_case(path: str, ep: int, root: str) -> dict:
+    """keep of a release quantized in a format the streamed init does not serve (``awq``: the FP8 release's
+    files under a config that says awq): refused by name on every rank, before any weight file is opened."""
+    release = os.path.join(root, f"awq-rank{os.environ['RANK']}")
+    os.makedirs(release, exist_ok=True)
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    with open(os.path.join(release, "config.json"), "w") as f:
+        json.dump(config, f)
+    for file in os.listdir(path):
+        if file.endswith((".safetensors", ".json")) and file != "config.json" and \
+                not os.path.exists(os.path.join(release, file)):
+            os.symlink(os.path.join(path, file), os.path.join(release, file))
+    strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", memory_efficient_init=True, timeout_s=120,
+                                  quantized_base="keep")
+    error = []
+
+    def load():
+        try:
+            strategy.wrap_model(strategy.from_pretrained(release, dtype=torch.bfloat16))
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            error.append(exc)
+
+    opened = opened_while(load)
+    exc = error[0] if error else None
+    return dict(error_type=type(exc).__name__ if exc else None, error=str(exc) if exc else None,
+                weight_files_opened=sorted(f for f in opened if f.endswith(".safetensors")))
 
 
 def main():
@@ -281,9 +420,13 @@ def main():
         name, spec = case.split("=", 1)
         path, how = spec.rsplit(":", 1)
         family, *flags = how.split("+")
-        results[name] = (refuse_case(path, args.ep) if family == "refuse"
-                         else good_case(path, family, flags, args.ep, world, rank,
-                                        os.path.join(args.save_root, name)))
+        root = os.path.join(args.save_root, name)
+        if family == "refuse":
+            results[name] = refuse_case(path, args.ep)
+        elif family == "unserved":
+            results[name] = unserved_case(path, args.ep, root)
+        else:
+            results[name] = good_case(path, family, flags, args.ep, world, rank, root)
         worker_common.write_result({"cases": results})
     return {"cases": results}
 

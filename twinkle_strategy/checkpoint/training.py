@@ -207,11 +207,12 @@ def commit_checkpoint(path: str, trainer_state: dict) -> None:
 
 
 def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
-                    expect: dict) -> dict:
+                    expect: dict, stats: IOStats | None = None) -> dict:
     """Restore ``model``'s shards, the optimizer, scheduler and RNG from ``path``; return the trainer state.
 
     Works for any layout of nodes, ranks and ep_size: each rank reads the rows of its own shards.
     ``expect`` lists what must match (e.g. the global batch, so each step sees the same samples).
+    ``stats`` (if given) counts the tensor bytes this rank read.
     """
     raise_if_incomplete(path, ResumeError)
     state_path = os.path.join(path, STATE_FILE)
@@ -228,8 +229,8 @@ def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         if trainer_state.get(key) != value:
             raise ResumeError(f"checkpoint {path} was saved with {key}={trainer_state.get(key)}, this run has "
                               f"{key}={value}. {_EXPECT_HINTS.get(key, '')}".strip())
-    load_trained_weights(path, model, strategy.ep_plan)
-    load_trainer_state(path, model, strategy.ep_plan, optimizer=optimizer, scheduler=scheduler)
+    load_trained_weights(path, model, strategy.ep_plan, stats=stats)
+    load_trainer_state(path, model, strategy.ep_plan, optimizer=optimizer, scheduler=scheduler, stats=stats)
     return trainer_state
 
 
@@ -285,22 +286,24 @@ def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallel
     step_done(error, "trainer state")
 
 
-def load_trained_weights(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None) -> None:
+def load_trained_weights(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, *,
+                         stats: IOStats | None = None) -> None:
     """Each rank reads its own rows of the trained weights of ``path`` (an adapter run's trainable weights
     from ``trainer_state/``, else the saved model), whatever layout saved them."""
+    stats = stats if stats is not None else IOStats()
     if is_peft_model(model):
-        read_trainable_files(os.path.join(path, STATE_DIR), model, ep_plan, IOStats())
+        read_trainable_files(os.path.join(path, STATE_DIR), model, ep_plan, stats)
     else:
-        read_model_files(path, model, ep_plan, IOStats())
+        read_model_files(path, model, ep_plan, stats)
 
 
 def load_trainer_state(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, *, optimizer,
-                       scheduler) -> None:
+                       scheduler, stats: IOStats | None = None) -> None:
     """Optimizer (each rank its own rows), scheduler and, on the same world size, RNG state from
     ``path/trainer_state/``."""
     state_dir = os.path.join(path, STATE_DIR)
     if optimizer is not None:
-        read_optimizer_files(state_dir, model, optimizer, ep_plan, IOStats())
+        read_optimizer_files(state_dir, model, optimizer, ep_plan, stats if stats is not None else IOStats())
     if scheduler is not None and os.path.isfile(os.path.join(state_dir, "scheduler.pt")):
         scheduler.load_state_dict(torch.load(os.path.join(state_dir, "scheduler.pt"), weights_only=False))
     rng_file = os.path.join(state_dir, "rng", f"rank{global_rank()}.pt")

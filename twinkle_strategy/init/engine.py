@@ -67,12 +67,11 @@ class InitReport:
     quantized_base: str = "dequantize"
     frozen_stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
     frozen_values_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-
-    @property
-    def frozen_held_bytes(self) -> int:
-        """What this rank holds for those weights between steps."""
-        held = self.frozen_stored_bytes if self.quantized_base == QuantizedBase.KEEP else self.frozen_values_bytes
-        return sum(held.values())
+    # What this rank holds of those regions between steps, counted region by region as held: as stored where
+    # kept, in the model's dtype where decoded (every region under dequantize; under keep, the ones listed in
+    # frozen_decoded: regions that are not an FSDP2 shard, whose local tensor cannot be swapped).
+    frozen_held_bytes: int = 0
+    frozen_decoded: list[str] = dataclasses.field(default_factory=list)
 
     def log_line(self) -> str:
         mib = 1024 * 1024
@@ -93,8 +92,10 @@ class InitReport:
             return ""
         mib = 1024 * 1024
         stored, values = sum(self.frozen_stored_bytes.values()), sum(self.frozen_values_bytes.values())
+        decoded = (f", {len(self.frozen_decoded)} regions decoded: {shorten(self.frozen_decoded, 3)}"
+                   if self.frozen_decoded else "")
         return (f"; quantized weights ({', '.join(sorted(self.frozen_stored_bytes))}) held "
-                f"{'as stored' if self.quantized_base == QuantizedBase.KEEP else 'dequantized'}: "
+                f"{'as stored' if self.quantized_base == QuantizedBase.KEEP else 'dequantized'}{decoded}: "
                 f"{self.frozen_held_bytes / mib:.1f} MiB ({stored / mib:.1f} MiB stored, {values / mib:.1f} MiB "
                 "in the model dtype)")
 
@@ -192,7 +193,7 @@ def distribute(
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
         phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
-        **_frozen_bytes(mine, my_forms), quantized_base=QuantizedBase(quantized_base).value,
+        **_frozen_bytes(mine, my_forms, sinks, keep=keep), quantized_base=QuantizedBase(quantized_base).value,
     )
 
 
@@ -216,16 +217,24 @@ def _trainable_kept(model: nn.Module, mine, my_forms) -> str | None:
     return None
 
 
-def _frozen_bytes(mine, my_forms) -> dict:
-    """This rank's regions of quantized weights, by stored format: bytes as stored and in the model's dtype."""
+def _frozen_bytes(mine, my_forms, sinks, *, keep: bool) -> dict:
+    """This rank's regions of quantized weights, by stored format: bytes as stored and in the model's dtype; and
+    what it holds of them, from each region's sink: as stored where kept, else decoded (named, under keep)."""
     stored: dict[str, int] = {}
     values: dict[str, int] = {}
-    for (need, _), form in zip(mine, my_forms, strict=False):
-        if form is not None:
-            kind = stored_kind(form)
-            stored[kind] = stored.get(kind, 0) + form.nbytes
-            values[kind] = values.get(kind, 0) + need.nbytes
-    return dict(frozen_stored_bytes=stored, frozen_values_bytes=values)
+    held, decoded = 0, []
+    for (need, _), form, sink in zip(mine, my_forms, sinks, strict=True):
+        if form is None:
+            continue
+        kind = stored_kind(form)
+        stored[kind] = stored.get(kind, 0) + form.nbytes
+        values[kind] = values.get(kind, 0) + need.nbytes
+        kept = isinstance(sink, KeepingSink)
+        held += form.nbytes if kept else need.nbytes
+        if keep and not kept:
+            decoded.append(need.name)
+    return dict(frozen_stored_bytes=stored, frozen_values_bytes=values, frozen_held_bytes=held,
+                frozen_decoded=decoded)
 
 
 def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> DistributedInitError:

@@ -136,9 +136,19 @@ def is_quantized_release(model: nn.Module) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------- the math
+_E2M1_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _e2m1_table(device: torch.device) -> torch.Tensor:
+    """:data:`E2M1_VALUES` on ``device``, copied there once (a decode on a GPU then makes no host copy)."""
+    if device not in _E2M1_TABLES:
+        _E2M1_TABLES[device] = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=device)
+    return _E2M1_TABLES[device]
+
+
 def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     """Two e2m1 values per byte, low nibble first, as float32 twice as wide on the last dim."""
-    lut = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
+    lut = _e2m1_table(packed.device)
     u8 = packed.contiguous().view(torch.uint8).to(torch.int64)
     values = torch.stack([lut[u8 & 0xF], lut[u8 >> 4]], dim=-1)
     return values.reshape(*packed.shape[:-1], 2 * packed.shape[-1])

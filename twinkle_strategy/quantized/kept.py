@@ -86,7 +86,12 @@ class KeptRegion:
         return math.prod(self.rows_shape) * self.form.dtype.itemsize
 
     def dequantize(self) -> torch.Tensor:
-        """The region's values in the model's dtype, decoded chunk by chunk into a new tensor."""
+        """The region's values in the model's dtype, decoded chunk by chunk into a new tensor, on the device that
+        holds the stored bytes (elementwise ops only: nothing is copied to or read back from the host)."""
+        # No FP8/FP4 matmul kernel replaces this: torch's _scaled_mm / F.scaled_mm and transformers' finegrained-fp8
+        # (Triton, DeepGEMM) multiply FP8 (or FP4) by FP8, so they quantize the bf16 activations (per token, per 128
+        # columns), which dequantize-then-bf16-matmul does not: not exact. And FSDP2 gathers the unit's weights, and
+        # PEFT adds the expert adapters to them (target_parameters), before any matmul sees them.
         out = torch.empty(self.rows_shape, dtype=self.form.dtype, device=self.stored.device)
         at = 0
         for chunk in self.form.chunks:
@@ -265,12 +270,13 @@ def _padded_shard_bytes(param) -> int:
 
 
 def kept_weight_log(report) -> dict:
-    """The step log's figures of a ``keep`` run (MiB): what this rank holds of the quantized weights, as stored
-    and as values, and the most decoded shards alive at once since the previous log (then reset)."""
+    """The step log's figures of a ``keep`` run (MiB): what this rank holds of the quantized weights (as stored,
+    where kept) and what they are in the model's dtype, and the most decoded shards alive at once since the
+    previous log (then reset)."""
     if report is None or not report.frozen_values_bytes or report.quantized_base != "keep":
         return {}
     mib = 2**20
-    fields = {"frozen_stored(MiB)": round(sum(report.frozen_stored_bytes.values()) / mib, 3),
+    fields = {"frozen_held(MiB)": round(report.frozen_held_bytes / mib, 3),
               "frozen_as_values(MiB)": round(sum(report.frozen_values_bytes.values()) / mib, 3),
               "frozen_decoded_peak(MiB)": round(DECODE_STATS.peak_alive_bytes / mib, 3)}
     DECODE_STATS.reset_peak()

@@ -44,10 +44,18 @@ class TrainingArguments:
                                                "over the global batch; 0: off")
     load_balance_coeff: float = _option(0.0, "aux-loss-free balancing of routers with e_score_correction_bias "
                                              "(DeepSeek-V3): the bias step size; 0: off")
+    merge_lora: bool = _option(False, "after the last step, merge the LoRA adapters into the base and save it "
+                                      "beside the last checkpoint as checkpoint-{N}-merged (swift export's "
+                                      "--merge_lora)")
+    merged_format: str = _option("bf16", "bf16 | release: with merge_lora, a plain checkpoint in the model's "
+                                         "dtype, or a quantized release's own files for every weight no adapter "
+                                         "touched (the merged weights in the model's dtype)")
     peak_tflops: float = _option(0.0, "the device's peak TFLOPS for mfu; 0: known devices (H100, H200, Ascend "
                                       "910B) only")
 
     def __post_init__(self) -> None:
+        if self.merged_format not in ("bf16", "release"):
+            raise ValueError(f"merged_format={self.merged_format!r}; use 'bf16' or 'release'")
         if self.lr_scheduler_type not in ("cosine", "linear", "constant"):
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}; use 'cosine', 'linear' or 'constant'")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):

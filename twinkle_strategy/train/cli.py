@@ -444,7 +444,9 @@ def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], nod
     if not run_logged(commands, run_dir, ranks, node_ranks, waiting):
         return 1
     if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints; its trainer does not print them
-        print(f"run directory: {run_dir}\nlast checkpoint: {latest_checkpoint(run_dir)}", flush=True)
+        last = latest_checkpoint(run_dir)
+        merged = f"\nmerged model: {last}-merged" if last and os.path.isdir(f"{last}-merged") else ""
+        print(f"run directory: {run_dir}\nlast checkpoint: {last}{merged}", flush=True)
     return 0
 
 

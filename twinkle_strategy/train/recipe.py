@@ -178,6 +178,10 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
                 reason = (f"{option} cannot be used with {where} (LoRA on fused expert weights): {fix}, or "
                           f"{narrow} to train attention/linear layers only")
                 raise RecipeError(reason, key=key, reason=reason)
+    if recipe.train.merge_lora and tuner.type != TunerType.LORA:
+        reason = (f"true needs tuner.type=lora (got {tuner.type!r}): a full run's checkpoints are whole models "
+                  "already; set it to false")
+        raise RecipeError(f"train.merge_lora={reason}", key="train.merge_lora", reason=reason)
     if not recipe.data.dataset:
         raise RecipeError("data.dataset is empty; name one or more JSONL files")
     if recipe.data.truncation_strategy not in TRUNCATION_STRATEGIES:

@@ -83,7 +83,8 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
                                     seed=recipe.train.seed, truncation_strategy=data.truncation_strategy)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
                       data_collator=data_collator(recipe, tokenizer, dataset, log=strategy.is_main_process), processing_class=tokenizer,
-                      run_dir=run_dir, print_summary=print_summary)
+                      run_dir=run_dir, print_summary=print_summary,
+                      model_path=strategy.resolved_model_path(recipe.model.path))
     return trainer, strategy
 
 

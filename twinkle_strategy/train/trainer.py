@@ -103,7 +103,8 @@ class Trainer:
     """
 
     def __init__(self, model: nn.Module, strategy: NativeFSDPStrategy, args: TrainingArguments, train_dataset,
-                 data_collator, processing_class=None, run_dir: str | None = None, *, print_summary: bool = True):
+                 data_collator, processing_class=None, run_dir: str | None = None, *, print_summary: bool = True,
+                 model_path: str | None = None):
         self.model = model
         self.strategy = strategy
         self.args = args
@@ -112,6 +113,7 @@ class Trainer:
         self.processing_class = processing_class
         self.run_dir = run_dir
         self.print_summary = print_summary
+        self.model_path = model_path  # the local directory the base was loaded from (merge_lora's release)
         # Set by setup():
         self.state: TrainState | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -332,8 +334,14 @@ class Trainer:
             self._preemption.restore()
             if progress is not None:
                 progress.close()
+        merged = None
+        if args.merge_lora and final is not None and state.global_step == state.max_steps \
+                and not self._preemption.requested:
+            merged = self._guarded("merge_lora", self.save_merged, final)
         if strategy.is_main_process:
             self._plot()
+            if merged is not None:
+                print(f"merged model: {merged}", flush=True)
             if self._preemption.requested:
                 logger.info("stopped by SIGTERM after step %d of %d", state.global_step, state.max_steps)
             if self.print_summary:
@@ -412,6 +420,16 @@ class Trainer:
                          **self._parallel_shape()}
         self.save_report = self.checkpoints.save(global_step, trainer_state)
         return self.checkpoints.path(global_step)
+
+    def save_merged(self, checkpoint: str) -> str:
+        """merge_lora: the adapters merged into the base, saved as ``{checkpoint}-merged`` (as swift export names
+        it), in train.merged_format. Collective; consumes the model (called after the last step)."""
+        if not is_peft_model(self.model):
+            raise ValueError("train.merge_lora=true needs a LoRA model (tuner.type=lora)")
+        directory = f"{checkpoint}-merged"
+        self.strategy.save_merged(self.model, directory, merged_format=self.args.merged_format,
+                                  release=self.model_path, max_shard_size=self.args.max_shard_size)
+        return directory
 
     def _plot(self) -> None:
         state = self.state
