@@ -6,6 +6,8 @@ One launch on 2 simulated nodes x 2 ranks (ep_size=2, memory_efficient_init) tra
 (fp32), and the saved checkpoints must load with plain PEFT / transformers and give the logits
 the plain run's saved checkpoints give. A third, full-parameter run with the model's load-balancing loss
 on must count it over the global batch: the plain process takes the global batch in one micro-batch.
+Two more runs train on packed rows (DataCollatorWithFlattening), the plain process with the KV cache off: LoRA,
+and full-parameter with the aux loss and sequence_parallel_size=2 (each rank a chunk of its group's rows).
 A DeepSpeed ZeRO-3 config next to the strategy must end
 every rank with one line naming it, before any weight is read.
 """
@@ -53,7 +55,7 @@ def runs(tiny_model, tmp_path_factory) -> dict:
     return {"strategy": result.rank_results(), "plain": _plain(tiny_model, root / "plain")}
 
 
-@pytest.mark.parametrize("run", ["lora", "full", "aux"])
+@pytest.mark.parametrize("run", ["lora", "full", "aux", "packed", "sp"])
 def test_hf_trainer_matches_one_process_plain_trainer(runs, run):
     plain = runs["plain"][run]
     for rank, result in runs["strategy"].items():
