@@ -131,7 +131,7 @@ def lower_level_loop(args, strategy) -> dict:
     examples[0] = {"input_ids": examples[0]["input_ids"], "labels": [-100] * len(examples[0]["input_ids"])}
     ref = reference(args.ckpt, torch.float32, False, examples) if strategy.rank == 0 else None
     batch = DataCollatorForSFT(pad_token_id=0)([examples[strategy.rank]])
-    count = strategy.global_loss_tokens(batch["labels"])
+    count = strategy.global_loss_tokens(batch)
     model.train()
     share = model(**batch, num_items_in_batch=count).loss
     (share * strategy.world_size).backward()

@@ -3,7 +3,7 @@
 **Packed rows** (transformers' ``DataCollatorWithFlattening``, TRL's ``padding_free`` / ``packing``, swift's
 ``--packing`` / ``--padding_free``): each micro-batch is one row whose ``position_ids`` restart at every example,
 without an ``attention_mask``. transformers keeps each example's attention to itself from those positions, but only
-when the model makes no KV cache: :func:`~twinkle_strategy.train.packing.prepare_for_packed_batches` refuses a family
+when the model makes no KV cache: :func:`~twinkle_strategy.sequence.packed.prepare_for_packed_batches` refuses a family
 whose layers would mix the examples and turns the cache off, at construction when the data collator says it
 flattens, else before the first forward of such a batch (the same on every rank: the same collator, the same keys).
 
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.sequence import split_batch
-from twinkle_strategy.train.packing import DataCollatorForPacking, prepare_for_packed_batches
+from twinkle_strategy.sequence.packed import prepare_for_packed_batches
 
 # What split_batch cuts (and the shifted labels it adds).
 _SPLIT_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
@@ -46,7 +46,7 @@ def flattens(data_collator) -> bool:
     """Whether ``data_collator`` gives packed rows (one row per micro-batch, position ids restarting per example)."""
     from transformers import DataCollatorWithFlattening
 
-    if isinstance(data_collator, (DataCollatorWithFlattening, DataCollatorForPacking)):
+    if isinstance(data_collator, DataCollatorWithFlattening):
         return True
     owner = getattr(data_collator, "__self__", data_collator)  # swift's collator is its template's bound method
     return bool(getattr(owner, "padding_free", False))  # TRL's collator, swift's template (packing sets it too)
@@ -85,6 +85,14 @@ def refuse_unserved(trainer, sp: int) -> None:
         raise ParallelConfigError(
             f"{prefix}: evaluation is not split along the sequence yet; set eval_strategy='no', or use "
             "sequence_parallel_size=1")
+
+
+def serve_sequences(trainer, strategy) -> SequenceBatches:
+    """A trainer's :class:`SequenceBatches`, after refusing what sequence parallelism cannot serve (before wrapping)."""
+    strategy.setup()
+    if strategy.dims.sp_enabled:
+        refuse_unserved(trainer, strategy.dims.sp_size)
+    return SequenceBatches(strategy, packed=flattens(trainer.data_collator), model=trainer.model)
 
 
 class SequenceBatches:

@@ -55,7 +55,7 @@ from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
-from twinkle_strategy.integrations.transformers.sequence import SequenceBatches, flattens, refuse_unserved
+from twinkle_strategy.integrations.transformers.sequence import serve_sequences
 from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
 from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
@@ -77,15 +77,9 @@ class StrategyTrainerMixin:
         refuse_transformers_expert_parallel(kwargs.get("model", args[0] if args else None))
         self.strategy = strategy
         super().__init__(*args, **kwargs)
-        self._serve_sequences()
+        # Packed rows and sequence parallelism (.sequence): refusals before any rank receives its weights.
+        self.sequence_batches = serve_sequences(self, strategy)
         self._wrap_with_strategy()
-
-    def _serve_sequences(self) -> None:
-        """Packed rows and sequence parallelism (:mod:`.sequence`): refusals before any rank receives its weights."""
-        self.strategy.setup()
-        if self.strategy.dims.sp_enabled:
-            refuse_unserved(self, self.strategy.dims.sp_size)
-        self.sequence_batches = SequenceBatches(self.strategy, packed=flattens(self.data_collator), model=self.model)
 
     def _wrap_with_strategy(self) -> None:
         if not isinstance(self.model, FSDPModule):
