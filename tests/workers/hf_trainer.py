@@ -11,7 +11,8 @@ Two runs on packed rows (transformers' ``DataCollatorWithFlattening``: one row p
 restarting at every example, no attention mask), against the plain process on the same packed rows with the KV
 cache off (with a cache transformers does not look for packed sequences): a LoRA run, and a full-parameter run with
 sequence_parallel_size=2 and the aux loss (its ranks exchange their rows and each computes a chunk of every row).
-``--mode refuse``: a DeepSpeed ZeRO-3 config next to the strategy; every rank must raise at once.
+``--mode refuse``: first sequence_parallel_size=2 with a ``compute_loss_func`` (it would shift a chunk's shifted
+labels again), then a DeepSpeed ZeRO-3 config next to the strategy; every rank must raise at once, each time.
 """
 
 import argparse
@@ -133,8 +134,18 @@ def refuse(base: str, out: str):
     from transformers import Trainer
 
     from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.errors import ParallelConfigError
     from twinkle_strategy.integrations.transformers import with_strategy
 
+    sp = NativeFSDPStrategy(ep_size=2, sequence_parallel_size=2, memory_efficient_init=True, mixed_precision="no",
+                            device_type="cpu")
+    model = sp.from_pretrained(base, dtype=torch.float32)
+    try:
+        with_strategy(Trainer)(model=model, args=training_args(out, 2), train_dataset=[], strategy=sp,
+                               compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
+        worker_common.write_result({"sp_refusal": None})
+    except ParallelConfigError as exc:
+        worker_common.write_result({"sp_refusal": str(exc), "sp_init_report": sp.init_report is not None})
     strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
     model = strategy.from_pretrained(base, dtype=torch.float32)
     args = training_args(out, 2)

@@ -2,7 +2,8 @@
 
 ``--mode plain``: plain SFTTrainer on one process, the whole global batch per micro-batch.
 ``--mode strategy``: ``with_strategy(SFTTrainer)`` with NativeFSDPStrategy(ep_size=--ep, memory_efficient_init),
-each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved.
+each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved;
+``--sp N``: sequence_parallel_size N (each rank a chunk of every micro-batch of its group, the same global batch).
 Writes per rank the per-step losses and gradient norms (with their step numbers).
 """
 
@@ -32,6 +33,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--resume", default=None)
+    p.add_argument("--sp", type=int, default=1)
     a = p.parse_args()
     from datasets import Dataset
     from peft import LoraConfig
@@ -56,8 +58,8 @@ def main():
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     if a.mode == "strategy":
-        strategy = NativeFSDPStrategy(ep_size=a.ep, memory_efficient_init=True, mixed_precision="no",
-                                      device_type="cpu")
+        strategy = NativeFSDPStrategy(ep_size=a.ep, sequence_parallel_size=a.sp, memory_efficient_init=True,
+                                      mixed_precision="no", device_type="cpu")
         model = strategy.from_pretrained(a.model, dtype=torch.float32)
         trainer_class, extra = with_strategy(SFTTrainer), {"strategy": strategy}
     else:
