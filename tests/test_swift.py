@@ -259,18 +259,31 @@ def test_swift_sft_full_parameters_match_single_process(swift_bin, tiny_model, t
     assert (mem["logits"]["logits"] - ref["logits"]["logits"]).abs().max() <= 1e-4
 
 
+def long_answers(path: Path) -> Path:
+    """The demo's conversations with answers four times as long (four demo answers each): packed rows of them are
+    cut inside answers, where a chunk's first label is one to learn."""
+    rows = [json.loads(line) for line in DATASET.read_text().splitlines()]
+    chats = [r["messages"] for r in rows if "messages" in r]
+    with open(path, "w") as f:
+        for i in range(0, len(chats) - 3, 3):
+            answer = " ".join(chat[1]["content"] for chat in chats[i:i + 4])
+            f.write(json.dumps({"messages": [chats[i][0], {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
 def test_swift_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_without_it(swift_bin, tiny_model, tmp_path):
     """`--packing true --sequence_parallel_size 2` on the demo model (LoRA on attention and experts, EP=2, 2 ranks):
     swift packs the rows (sdpa, no flash attention), the strategy's Ulysses splits them (swift's own sequence
     parallelism is never built), and every step logs the loss and gradient norm of the same run without
-    --sequence_parallel_size (fp32)."""
+    --sequence_parallel_size (fp32). Long answers, so that rows are cut where the first label of a chunk counts."""
     common = [*LORA_ARGS, "--packing", "true", "--max_length", "96", "--max_steps", "3", "--save_steps", "3",
               "--gradient_accumulation_steps", "2"]
+    dataset = long_answers(tmp_path / "long_answers.jsonl")
     runs = {}
     for name, extra in (("sp", ["--sequence_parallel_size", "2"]), ("ref", [])):
         (tmp_path / name).mkdir()
         returncodes, log, logs = launch_swift_sft(swift_bin, tiny_model, tmp_path / name, [*common, *extra],
-                                                  {"TWINKLE_EP_SIZE": "2"}, probe=False)
+                                                  {"TWINKLE_EP_SIZE": "2"}, probe=False, dataset=dataset)
         assert returncodes == [0], "\n".join(_tail(path.read_text(errors="replace"), 6000) for path in logs)
         _, losses, grad_norms = logged_steps(tmp_path / name)
         runs[name] = {"log": log, "losses": losses, "grad_norms": grad_norms}
