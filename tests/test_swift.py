@@ -568,16 +568,40 @@ def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
     args.tuner_type = "adalora"
     with pytest.raises(SwiftPluginError, match="--tuner_type adalora"):
         check_arguments(args)
-    args.tuner_type, args.sequence_parallel_size = "lora", 2
-    with pytest.raises(SwiftPluginError, match="sequence_parallel_size"):
-        check_arguments(args)
-    args.sequence_parallel_size, args.packing = 1, True
-    with pytest.raises(SwiftPluginError, match=r"^--packing true is not served by the twinkle plugin yet; drop it, "
-                                               r"or train with `twinkle-sft \.\.\. --packing true`"):
-        check_arguments(args)
-    args.packing, args.padding_free = False, True
-    with pytest.raises(SwiftPluginError, match="^--padding_free true is not served"):
-        check_arguments(args)
+
+
+def test_plugin_takes_sequence_parallel_from_swift_and_refuses_what_a_chunk_cannot_serve():
+    """``SftArguments._init_fsdp``'s hook, before the model loads: --sequence_parallel_size becomes the strategy's and
+    swift's own goes back to 1 (logits_to_keep off); an option that computes a chunk's loss on its own terms is
+    refused with its flag; the plugin option is the same setting."""
+    from twinkle_strategy.integrations.swift.parts.sequence import take_sequence_parallel
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError
+
+    def args(**changes):
+        return types.SimpleNamespace(**{"sequence_parallel_size": 2, "loss_type": None, "label_smoothing_factor": 0.0,
+                                        "enable_dft_loss": False, "enable_channel_loss": False,
+                                        "router_aux_loss_coef": 0.0, "use_logits_to_keep": None, "acc_strategy": "token",
+                                        "padding_side": "right", "val_dataset": [], "split_dataset_ratio": 0.0,
+                                        "eval_strategy": "steps", **changes})
+
+    taken = args()
+    assert take_sequence_parallel(taken) == 2
+    assert (taken.sequence_parallel_size, taken.use_logits_to_keep) == (1, False)
+    assert take_sequence_parallel(args(sequence_parallel_size=1)) == 1
+    assert take_sequence_parallel(args(sequence_parallel_size=1), option=4) == 4  # TWINKLE_SEQUENCE_PARALLEL_SIZE
+    with pytest.raises(SwiftPluginError, match=r"^--sequence_parallel_size 2 and the plugin option "
+                                               r"sequence_parallel_size=4 disagree"):
+        take_sequence_parallel(args(), option=4)
+    for change, flag in (({"loss_type": "dft"}, "--loss_type dft"), ({"label_smoothing_factor": 0.1},
+                                                                      "--label_smoothing_factor"),
+                         ({"router_aux_loss_coef": 0.01}, "--router_aux_loss_coef 0.01"),
+                         ({"use_logits_to_keep": True}, "--use_logits_to_keep true"),
+                         ({"acc_strategy": "seq"}, "--acc_strategy seq"), ({"padding_side": "left"}, "--padding_side left"),
+                         ({"split_dataset_ratio": 0.1}, r"evaluation \(--val_dataset or --split_dataset_ratio\)"),
+                         ({"enable_dft_loss": True}, "--enable_dft_loss true")):
+        with pytest.raises(SwiftPluginError, match=f"^--sequence_parallel_size 2 with {flag}: .*, or "
+                                                   "--sequence_parallel_size 1$"):
+            take_sequence_parallel(args(**change))
 
 
 def test_plugin_module_imports_without_swift():
