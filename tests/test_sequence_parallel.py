@@ -125,6 +125,15 @@ def test_split_batch_keeps_global_positions_and_shifts_labels_on_the_whole_row()
     assert [loss_tokens(c) for c in chunks] == [3, 2] and loss_tokens(whole) == 5
 
 
+def test_left_padded_rows_are_found_for_the_trainers_refusal():
+    """The transformers layer refuses a step with a row padded on the left (real tokens would attend to it)."""
+    from twinkle_strategy.integrations.transformers.sequence import left_padded
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert not left_padded({"attention_mask": right}) and not left_padded({"position_ids": right})
+    assert left_padded({"attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])})
+
+
 def test_global_loss_tokens_takes_batches_not_tensors_of_unknown_shift():
     from twinkle_strategy import NativeFSDPStrategy
 

@@ -57,6 +57,14 @@ def is_flattened(batch: dict) -> bool:
     return "position_ids" in batch and "attention_mask" not in batch
 
 
+def left_padded(batch: dict) -> bool:
+    """Whether a row of ``batch`` has padding before a real token (its attention mask rises again after a 0)."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return False
+    return bool((mask[:, 1:] > mask[:, :-1]).any())
+
+
 def refuse_unserved(trainer, sp: int) -> None:
     """What a trainer under sequence parallelism cannot serve, in one line naming the setting and the fix."""
     args = trainer.args
@@ -121,6 +129,14 @@ class SequenceBatches:
 
     def step(self, batch_samples: list[dict], num_items) -> list[dict]:
         """Exchange and split a step's micro-batches (collective); every forward of the step, in order."""
+        # Rows padded on the left would let real tokens attend to the padding before them (the split keeps
+        # attention causal, with no padding mask): refused on every rank at once, whichever rank holds one.
+        left = torch.tensor(float(any(left_padded(batch) for batch in batch_samples)), device=self.device)
+        dist.all_reduce(left, op=dist.ReduceOp.MAX)
+        if left.item():
+            raise ParallelConfigError(f"sequence_parallel_size={self.sp} needs rows padded on the right; a batch of "
+                                      "this step is padded on the left: set the tokenizer's padding_side='right' "
+                                      "(or the data collator's), or use sequence_parallel_size=1")
         self._chunks = {id(batch): self._split(batch, num_items) for batch in batch_samples}
         return [chunk for forwards in self._chunks.values() for chunk, _ in forwards]
 
