@@ -53,8 +53,9 @@ def worker(args) -> None:
         start = torch.randint(0, vocab, (args.batch_size, 1), generator=generator)
         ids = (start + torch.arange(args.seq_len)) % vocab
         # The global mean per token over all ranks: each rank's loss is its share of it (README, "Lower level").
-        count = strategy.global_loss_tokens(ids)
-        share = model(input_ids=ids, labels=ids, num_items_in_batch=count).loss
+        batch = {"input_ids": ids, "labels": ids}
+        count = strategy.global_loss_tokens(batch)
+        share = model(**batch, num_items_in_batch=count).loss
         (share * strategy.world_size).backward()  # FSDP averages gradients over ranks
         norm = strategy.clip_grad_norm_(model, 1.0)
         optimizer.step()

@@ -134,6 +134,9 @@ def check_against_one_process(ranks: dict, *, loss_tol: float, example_tol: floa
             worst["loss"] = max(worst["loss"], abs(c["loss"] - ref["loss"]) / scale(ref["loss"]))
             worst["norm"] = max(worst["norm"], abs(c["grad_norm"] - ref["grad_norm"]) / scale(ref["grad_norm"]))
             assert abs(c["loss"] - ref["loss"]) <= loss_tol * scale(ref["loss"]), (c["name"], c["loss"], ref["loss"])
+            worst["aux"] = max(worst.get("aux", 0.0), abs(c["aux_loss"] - ref["aux_loss"]) / scale(ref["aux_loss"] or 1))
+            assert abs(c["aux_loss"] - ref["aux_loss"]) <= loss_tol * scale(ref["aux_loss"] or 1), \
+                (c["name"], c["aux_loss"], ref["aux_loss"])
             assert abs(c["grad_norm"] - ref["grad_norm"]) <= norm_tol * scale(ref["grad_norm"]), \
                 (c["name"], c["grad_norm"], ref["grad_norm"])
             assert not seen.keys() & c["example_losses"].keys(), f"{c['name']}: an example trained on two ranks"
@@ -149,10 +152,13 @@ def check_against_one_process(ranks: dict, *, loss_tol: float, example_tol: floa
 
 def test_packing_is_exact_on_two_nodes(checkpoints, tmp_path):
     """fp32, 2 nodes x 2, ep=2: packing with full fine-tuning and LoRA (attention and experts), padding-free with
-    LoRA; 2 accumulation micro-batches; activation checkpointing. Several examples of 3 to 44 tokens per pack."""
+    LoRA; 2 accumulation micro-batches; activation checkpointing; the global-batch aux loss (its value, and through
+    the objective the gradient norm, against the model's own aux loss on the unpacked batch with padding masked).
+    Several examples of 3 to 44 tokens per pack."""
     cases = "full-packing,lora-packing,lora-padding_free"
     result = launch("packing_parity.py", ["--ckpt", str(checkpoints / "qwen3_moe"), "--ep", "2", "--cases", cases,
-                                          "--out", str(tmp_path / "runs"), "--lower-level"], tmp_path, nnodes=2,
+                                          "--aux-coef", "0.5", "--out", str(tmp_path / "runs"), "--lower-level"],
+                    tmp_path, nnodes=2,
                     nproc_per_node=2)
     assert result.ok(), result.describe()
     ranks = result.rank_results()

@@ -10,7 +10,7 @@ from test_launch_errors import DATASET, DEMO, only_run_dir, run_cli
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import ParallelConfigError, StrategyConfigError
 from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.sequence import check_sequence_parallel, split_batch
+from twinkle_strategy.sequence import check_sequence_parallel, loss_tokens, split_batch
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint, tiny_config
 
 SP_FAMILIES = ("qwen3_moe", "deepseek_v3")  # GQA (2 KV heads for 4 query heads), MLA
@@ -19,13 +19,19 @@ SP_FAMILIES = ("qwen3_moe", "deepseek_v3")  # GQA (2 KV heads for 4 query heads)
 @pytest.fixture(scope="module")
 def sp_checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sp_ckpts")
-    save_tiny_checkpoint("qwen3_moe", str(root / "qwen3_moe"), seed=0)
+    # Hub layout: several safetensors files and an index, as released checkpoints are.
+    save_tiny_checkpoint("qwen3_moe", str(root / "qwen3_moe"), seed=0, max_shard_size="40KB")
     # MLA expands its latent into one key per query head; DeepSeek-V3's config says so (num_key_value_heads =
     # num_attention_heads = 128). The tiny default's 2 would make transformers' own sdpa repeat keys that are
     # already per head, failing on one process too.
-    save_tiny_checkpoint("deepseek_v3", str(root / "deepseek_v3"), seed=0, num_key_value_heads=4)
+    save_tiny_checkpoint("deepseek_v3", str(root / "deepseek_v3"), seed=0, num_key_value_heads=4,
+                         max_shard_size="40KB")
     save_tiny_checkpoint("gpt_oss", str(root / "gpt_oss"), seed=0)  # attention sinks: refused
+    save_tiny_checkpoint("qwen3_5_moe_vl", str(root / "qwen3_5_moe"), seed=0)  # Gated DeltaNet: refused
     return root
+
+
+REFUSED = {"gpt_oss": "gpt_oss has attention sinks", "qwen3_5_moe": "qwen3_5_moe has Gated DeltaNet linear attention"}
 
 
 # ------------------------------------------------------------------ exact against one process
@@ -33,10 +39,12 @@ def sp_checkpoints(tmp_path_factory):
 def test_ulysses_matches_one_process(sp_checkpoints, tmp_path, nnodes, nproc, sp, ep):
     """Logits of every real token, the global loss and the gradient norm equal one process on the whole
     sequences (fp32), for right-padded rows and for packed rows, with activation checkpointing on.
-    sp=4 with 2 KV heads replicates each KV head on two ranks. Then gpt-oss is refused by name on every rank,
-    before its weights load, and every rank exits."""
+    sp=4 with 2 KV heads replicates each KV head on two ranks; the loss divides by strategy.global_loss_tokens of
+    the chunks. Then gpt-oss (sinks) and Qwen3.5-MoE (Gated DeltaNet) are refused by name on every rank, before
+    their weights load, and every rank exits."""
+    refused = ",".join(str(sp_checkpoints / name) for name in REFUSED)
     result = launch("ulysses_parity.py", ["--ckpt-root", str(sp_checkpoints), "--ep", str(ep), "--sp", str(sp),
-                                          "--refused", str(sp_checkpoints / "gpt_oss")],
+                                          "--refused", refused],
                     tmp_path, nnodes=nnodes, nproc_per_node=nproc, timeout=600)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -49,10 +57,15 @@ def test_ulysses_matches_one_process(sp_checkpoints, tmp_path, nnodes, nproc, sp
             assert c["chunk_tokens"] == -(-{"padded": 22, "packed": 21}[c["batch"]] // sp), case  # only its chunk
             assert c["logit_diff"] <= 1e-5, f"{case}: logits differ by {c['logit_diff']}"
             assert abs(c["loss"] - c["ref_loss"]) <= 1e-5, f"{case}: loss {c['loss']} vs {c['ref_loss']}"
-            assert abs(c["norm"] - c["ref_norm"]) <= 1e-5 * c["ref_norm"], \
-                f"{case}: grad norm {c['norm']} vs {c['ref_norm']}"
-        assert "gpt_oss has attention sinks" in data["refusal"] and "sequence_parallel_size=1" in data["refusal"], \
-            data["refusal"]
+            assert abs(c["norm"] - c["ref_norm"]) <= 1e-5, f"{case}: grad norm {c['norm']} vs {c['ref_norm']}"
+        for name, expected in REFUSED.items():
+            # Every rank raised the refusal itself, from the config (no rank read a weight, none waits).
+            refusal = data["refusals"][name]
+            assert "failed on rank(s) [0, 1, 2, 3]" in refusal and "\n" not in refusal, (rank, refusal)
+            for r in range(4):
+                assert f"rank {r}: ParallelConfigError: sequence_parallel_size={sp}: {expected}, which Ulysses " \
+                       "sequence parallelism cannot split along the sequence; use sequence_parallel_size=1" in refusal, \
+                    (rank, refusal)
 
 
 # ------------------------------------------------------------------ sizes and families, before any process
@@ -74,9 +87,13 @@ def test_sizes_are_checked_with_the_constraint_named():
 
 @pytest.mark.parametrize("family,reason", [("gpt_oss", "attention sinks"), ("deepseek_v4", "attention sinks"),
                                            ("qwen3_next", "Gated DeltaNet"), ("nemotron_h", "Mamba-2"),
-                                           ("jamba", "Mamba")])
+                                           ("jamba", "Mamba"),
+                                           # its text config is qwen3_5_moe_text: still named by the family
+                                           ("qwen3_5_moe_vl", "Gated DeltaNet"),
+                                           ("llama4", r"layers of type \['chunked_attention'\]")])
 def test_families_that_cannot_be_split_are_refused_by_name(family, reason):
-    with pytest.raises(ParallelConfigError, match=f"sequence_parallel_size=2: {family} has {reason}.*use "
+    name = family.removesuffix("_vl")
+    with pytest.raises(ParallelConfigError, match=f"sequence_parallel_size=2: {name} has {reason}.*use "
                                                   "sequence_parallel_size=1"):
         check_sequence_parallel(tiny_config(family), 2)
 
@@ -102,6 +119,27 @@ def test_split_batch_keeps_global_positions_and_shifts_labels_on_the_whole_row()
     assert chunks[1]["shift_labels"].tolist() == [[15, 16, -100, -100]]
     assert chunks[0]["position_ids"].tolist() == [[0, 1, 2, 0]] and chunks[1]["position_ids"].tolist() == [[1, 2, 3, 4]]
     assert chunks[1]["attention_mask"].tolist() == [[1, 1, 1, 0]]
+    # The loss's tokens: a chunk counts its shift_labels (rank 1's first column is a real label), the whole row
+    # its labels after the first position; the chunks add up to the row.
+    whole = {"input_ids": ids, "labels": labels}
+    assert [loss_tokens(c) for c in chunks] == [3, 2] and loss_tokens(whole) == 5
+
+
+def test_left_padded_rows_are_found_for_the_trainers_refusal():
+    """The transformers layer refuses a step with a row padded on the left (real tokens would attend to it)."""
+    from twinkle_strategy.integrations.transformers.sequence import left_padded
+
+    right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    assert not left_padded({"attention_mask": right}) and not left_padded({"position_ids": right})
+    assert left_padded({"attention_mask": torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]])})
+
+
+def test_global_loss_tokens_takes_batches_not_tensors_of_unknown_shift():
+    from twinkle_strategy import NativeFSDPStrategy
+
+    with pytest.raises(TypeError, match=r"takes the batches .* not a Tensor: whether a tensor of labels is already "
+                                        r"shifted cannot be told; pass strategy.global_loss_tokens\(\*micro_batches\)"):
+        NativeFSDPStrategy(device_type="cpu").global_loss_tokens(torch.zeros(1, 4, dtype=torch.long))
 
 
 # ------------------------------------------------------------------ twinkle-sft

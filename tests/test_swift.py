@@ -71,12 +71,14 @@ def tiny_model(tmp_path_factory) -> Path:
 
 def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
                      nnodes: int = 1, timeout: float = 420, reference: bool = False, *, dataset: Path = DATASET,
-                     template: str = "qwen3_nothinking") -> tuple[list, str, list[Path]]:
+                     template: str = "qwen3_nothinking", probe: bool = True) -> tuple[list, str, list[Path]]:
     """Start `swift sft` with 2 processes per node (``nnodes`` simulated nodes on this machine, each its own
     `swift sft` as on a cluster) and wait; returns the exit codes (None: killed after ``timeout``), the
-    combined log and the log files. ``reference``: plain `swift sft` in one process, no twinkle plugin."""
+    combined log and the log files. ``reference``: plain `swift sft` in one process, no twinkle plugin.
+    ``probe=False``: the twinkle plugin without the probe callback."""
     plugins = ["--external_plugins", str(REFERENCE), "--callbacks", "twinkle_reference"] if reference else \
-        ["--external_plugins", str(PLUGIN), str(PROBE), "--callbacks", "twinkle_probe"]
+        ["--external_plugins", str(PLUGIN), str(PROBE), "--callbacks", "twinkle_probe"] if probe else \
+        ["--external_plugins", str(PLUGIN)]
     cmd = [str(swift_bin / "swift"), "sft", *plugins, "--model", str(model), "--template", template,
            "--dataset", str(dataset), "--torch_dtype", "float32", "--max_steps", str(MAX_STEPS),
            "--learning_rate", "5e-3", "--logging_steps", "1", "--save_steps", "5",
@@ -117,14 +119,7 @@ def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env
     returncodes, log, logs = launch_swift_sft(swift_bin, model, out, extra, env, nnodes, timeout, reference, **data)
     assert returncodes == [0] * nnodes, f"swift sft exited with {returncodes} (None: killed after {timeout}s):\n" \
         + "\n".join(_tail(path.read_text(errors="replace"), 6000) for path in logs)
-    (run_dir,) = glob.glob(str(out / "output" / "v0-*"))
-    losses, grad_norms = {}, {}
-    with open(os.path.join(run_dir, "logging.jsonl")) as f:
-        for line in f:
-            entry = json.loads(line)
-            if "loss" in entry and "global_step/max_steps" in entry:
-                step = int(entry["global_step/max_steps"].split("/")[0])
-                losses[step], grad_norms[step] = entry["loss"], entry["grad_norm"]
+    run_dir, losses, grad_norms = logged_steps(out)
     probe = out / "probe"
     return {
         "log": log,
@@ -135,6 +130,19 @@ def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env
         "ranks": {} if reference else {r: json.loads((probe / f"rank{r}.json").read_text()) for r in range(2 * nnodes)},
         "logits": torch.load(probe / "logits.pt"),
     }
+
+
+def logged_steps(out: Path) -> tuple[str, dict, dict]:
+    """The run directory under ``out`` and its per-step losses and gradient norms (swift's logging.jsonl)."""
+    (run_dir,) = glob.glob(str(out / "output" / "v0-*"))
+    losses, grad_norms = {}, {}
+    with open(os.path.join(run_dir, "logging.jsonl")) as f:
+        for line in f:
+            entry = json.loads(line)
+            if "loss" in entry and "global_step/max_steps" in entry:
+                step = int(entry["global_step/max_steps"].split("/")[0])
+                losses[step], grad_norms[step] = entry["loss"], entry["grad_norm"]
+    return run_dir, losses, grad_norms
 
 
 def assert_same_steps(run: dict, ref: dict, atol: float = 1e-5) -> None:
@@ -249,6 +257,44 @@ def test_swift_sft_full_parameters_match_single_process(swift_bin, tiny_model, t
     assert max((expected[n] - original[n]).abs().max() for n in set(expected) & set(original)) > 1e-4, \
         "nothing was trained"
     assert (mem["logits"]["logits"] - ref["logits"]["logits"]).abs().max() <= 1e-4
+
+
+def long_answers(path: Path) -> Path:
+    """The demo's conversations with answers four times as long (four demo answers each): packed rows of them are
+    cut inside answers, where a chunk's first label is one to learn."""
+    rows = [json.loads(line) for line in DATASET.read_text().splitlines()]
+    chats = [r["messages"] for r in rows if "messages" in r]
+    with open(path, "w") as f:
+        for i in range(0, len(chats) - 3, 3):
+            answer = " ".join(chat[1]["content"] for chat in chats[i:i + 4])
+            f.write(json.dumps({"messages": [chats[i][0], {"role": "assistant", "content": answer}]}) + "\n")
+    return path
+
+
+def test_swift_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_without_it(swift_bin, tiny_model, tmp_path):
+    """`--packing true --sequence_parallel_size 2` on the demo model (LoRA on attention and experts, EP=2, 2 ranks):
+    swift packs the rows (sdpa, no flash attention), the strategy's Ulysses splits them (swift's own sequence
+    parallelism is never built), and every step logs the loss and gradient norm of the same run without
+    --sequence_parallel_size (fp32). Long answers, so that rows are cut where the first label of a chunk counts."""
+    common = [*LORA_ARGS, "--packing", "true", "--max_length", "96", "--max_steps", "3", "--save_steps", "3",
+              "--gradient_accumulation_steps", "2"]
+    dataset = long_answers(tmp_path / "long_answers.jsonl")
+    runs = {}
+    for name, extra in (("sp", ["--sequence_parallel_size", "2"]), ("ref", [])):
+        (tmp_path / name).mkdir()
+        returncodes, log, logs = launch_swift_sft(swift_bin, tiny_model, tmp_path / name, [*common, *extra],
+                                                  {"TWINKLE_EP_SIZE": "2"}, probe=False, dataset=dataset)
+        assert returncodes == [0], "\n".join(_tail(path.read_text(errors="replace"), 6000) for path in logs)
+        _, losses, grad_norms = logged_steps(tmp_path / name)
+        runs[name] = {"log": log, "losses": losses, "grad_norms": grad_norms}
+    (options,) = set(re.findall(r"twinkle swift plugin: NativeFSDPStrategy\((.*?)\)", runs["sp"]["log"]))
+    assert "sequence_parallel_size=2" in options.split(", "), options
+    # swift's own sequence parallelism stays off (args.json records swift's arguments): no second set of groups.
+    (run_dir,) = glob.glob(str(tmp_path / "sp" / "output" / "v0-*"))
+    swift_args = json.loads((Path(run_dir) / "args.json").read_text())
+    assert (swift_args["sequence_parallel_size"], swift_args["packing"]) == (1, True), swift_args
+    assert sorted(runs["sp"]["losses"]) == sorted(runs["ref"]["losses"]) == [1, 2, 3]
+    assert_same_steps(runs["sp"], runs["ref"])
 
 
 def test_swift_sft_resume_continues_exactly(lora_runs):
@@ -559,16 +605,40 @@ def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
     args.tuner_type = "adalora"
     with pytest.raises(SwiftPluginError, match="--tuner_type adalora"):
         check_arguments(args)
-    args.tuner_type, args.sequence_parallel_size = "lora", 2
-    with pytest.raises(SwiftPluginError, match="sequence_parallel_size"):
-        check_arguments(args)
-    args.sequence_parallel_size, args.packing = 1, True
-    with pytest.raises(SwiftPluginError, match=r"^--packing true is not served by the twinkle plugin yet; drop it, "
-                                               r"or train with `twinkle-sft \.\.\. --packing true`"):
-        check_arguments(args)
-    args.packing, args.padding_free = False, True
-    with pytest.raises(SwiftPluginError, match="^--padding_free true is not served"):
-        check_arguments(args)
+
+
+def test_plugin_takes_sequence_parallel_from_swift_and_refuses_what_a_chunk_cannot_serve():
+    """``SftArguments._init_fsdp``'s hook, before the model loads: --sequence_parallel_size becomes the strategy's and
+    swift's own goes back to 1 (logits_to_keep off); an option that computes a chunk's loss on its own terms is
+    refused with its flag; the plugin option is the same setting."""
+    from twinkle_strategy.integrations.swift.parts.sequence import take_sequence_parallel
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError
+
+    def args(**changes):
+        return types.SimpleNamespace(**{"sequence_parallel_size": 2, "loss_type": None, "label_smoothing_factor": 0.0,
+                                        "enable_dft_loss": False, "enable_channel_loss": False,
+                                        "router_aux_loss_coef": 0.0, "use_logits_to_keep": None, "acc_strategy": "token",
+                                        "padding_side": "right", "val_dataset": [], "split_dataset_ratio": 0.0,
+                                        "eval_strategy": "steps", **changes})
+
+    taken = args()
+    assert take_sequence_parallel(taken) == 2
+    assert (taken.sequence_parallel_size, taken.use_logits_to_keep) == (1, False)
+    assert take_sequence_parallel(args(sequence_parallel_size=1)) == 1
+    assert take_sequence_parallel(args(sequence_parallel_size=1), option=4) == 4  # TWINKLE_SEQUENCE_PARALLEL_SIZE
+    with pytest.raises(SwiftPluginError, match=r"^--sequence_parallel_size 2 and the plugin option "
+                                               r"sequence_parallel_size=4 disagree"):
+        take_sequence_parallel(args(), option=4)
+    for change, flag in (({"loss_type": "dft"}, "--loss_type dft"), ({"label_smoothing_factor": 0.1},
+                                                                      "--label_smoothing_factor"),
+                         ({"router_aux_loss_coef": 0.01}, "--router_aux_loss_coef 0.01"),
+                         ({"use_logits_to_keep": True}, "--use_logits_to_keep true"),
+                         ({"acc_strategy": "seq"}, "--acc_strategy seq"), ({"padding_side": "left"}, "--padding_side left"),
+                         ({"split_dataset_ratio": 0.1}, r"evaluation \(--val_dataset or --split_dataset_ratio\)"),
+                         ({"enable_dft_loss": True}, "--enable_dft_loss true")):
+        with pytest.raises(SwiftPluginError, match=f"^--sequence_parallel_size 2 with {flag}: .*, or "
+                                                   "--sequence_parallel_size 1$"):
+            take_sequence_parallel(args(**change))
 
 
 def test_plugin_module_imports_without_swift():

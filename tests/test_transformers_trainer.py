@@ -6,6 +6,8 @@ One launch on 2 simulated nodes x 2 ranks (ep_size=2, memory_efficient_init) tra
 (fp32), and the saved checkpoints must load with plain PEFT / transformers and give the logits
 the plain run's saved checkpoints give. A third, full-parameter run with the model's load-balancing loss
 on must count it over the global batch: the plain process takes the global batch in one micro-batch.
+Two more runs train on packed rows (DataCollatorWithFlattening), the plain process with the KV cache off: LoRA,
+and full-parameter with the aux loss and sequence_parallel_size=2 (each rank a chunk of its group's rows).
 A DeepSpeed ZeRO-3 setting next to the strategy must end every rank with one line naming it, within seconds:
 accelerate's (its launcher's environment) in from_pretrained before the process group and any file is read,
 TrainingArguments' when the trainer is built, before any weight moves.
@@ -56,7 +58,7 @@ def runs(tiny_model, tmp_path_factory) -> dict:
     return {"strategy": result.rank_results(), "plain": _plain(tiny_model, root / "plain")}
 
 
-@pytest.mark.parametrize("run", ["lora", "full", "aux"])
+@pytest.mark.parametrize("run", ["lora", "full", "aux", "packed", "sp"])
 def test_hf_trainer_matches_one_process_plain_trainer(runs, run):
     plain = runs["plain"][run]
     for rank, result in runs["strategy"].items():
@@ -75,7 +77,7 @@ def test_hf_trainer_saves_what_plain_peft_and_transformers_load(runs, run):
                                torch.tensor(runs["plain"][run]["saved_logits"]), atol=ATOL, rtol=0)
 
 
-def test_deepspeed_zero3_next_to_the_strategy_stops_every_rank_before_weights_load(tiny_model, tmp_path):
+def test_unservable_settings_stop_every_rank_before_weights_load(tiny_model, tmp_path):
     result = launch("hf_trainer.py", ["--mode", "refuse", "--model", tiny_model, "--out", str(tmp_path)],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=120)
     ended = time.time()  # every rank and both torchrun agents are gone
@@ -92,6 +94,11 @@ def test_deepspeed_zero3_next_to_the_strategy_stops_every_rank_before_weights_lo
         assert "TrainingArguments.deepspeed" in data["error"] and "ZeRO-3" in data["error"], data["error"]
         assert "\n" not in data["error"]
         assert data["init_report_before"] is False  # no rank had received a weight
+        # Before that, sequence_parallel_size=2 with a compute_loss_func: refused on every rank before wrapping.
+        assert data["sp_refusal"] == ("sequence_parallel_size=2 with StrategyTrainer: compute_loss_func would receive "
+                                      "a chunk's labels, already shifted on the whole row, and shift them again; drop "
+                                      "compute_loss_func, or use sequence_parallel_size=1"), data["sp_refusal"]
+        assert data["sp_init_report"] is False
     # Every rank refused on its own and the whole launch ended seconds later (no rank waits for another).
     refused = [data["refused_at"] for data in ranks.values()]
     assert max(refused) - min(refused) < REFUSAL_SPREAD_S and ended - min(refused) < REFUSAL_SPREAD_S, \
@@ -133,3 +140,42 @@ def test_a_model_transformers_sharded_at_load_is_refused(tiny_model):
     model._is_distributed_loading_by_transformers = True  # (behind the public is_distributed_loading_by_transformers)
     with pytest.raises(ConflictingShardingError, match=r"distributed_config=.*NativeFSDPStrategy.from_pretrained"):
         refuse_transformers_expert_parallel(model)
+
+
+def test_sequence_parallel_refuses_each_setting_it_cannot_serve_by_name(tiny_model, tmp_path):
+    """What the mixin checks before wrapping under sequence_parallel_size > 1, on real trainers (one process):
+    each refusal names the setting and the fix; the default Trainer passes."""
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainingArguments
+    from trl import SFTConfig, SFTTrainer
+
+    from twinkle_strategy.errors import ParallelConfigError
+    from twinkle_strategy.integrations.transformers.sequence import refuse_unserved
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model)
+    common = dict(output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[])
+
+    def trainer(**args):
+        return Trainer(model=model, args=TrainingArguments(**common, **args), train_dataset=[], eval_dataset=[])
+
+    refuse_unserved(trainer(), 2)
+    with pytest.raises(ParallelConfigError, match=r"^sequence_parallel_size=2 with Trainer: label_smoothing_factor=0.1 "
+                                                  r"shifts a chunk's labels again; set it to 0"):
+        refuse_unserved(trainer(label_smoothing_factor=0.1), 2)
+    with pytest.raises(ParallelConfigError, match=r"evaluation is not split along the sequence yet; set "
+                                                  r"eval_strategy='no'"):
+        refuse_unserved(trainer(eval_strategy="steps", eval_steps=1), 2)
+    plain = trainer()
+    plain.model_accepts_loss_kwargs = False  # what HF finds for a forward without **kwargs
+    with pytest.raises(ParallelConfigError, match=r"takes no num_items_in_batch, so each chunk's loss would be a mean"):
+        refuse_unserved(plain, 2)
+    # TRL adds the model's aux loss once per forward, on by default for an MoE config with router_aux_loss_coef.
+    demo = prepare_demo_model(str(tmp_path / "demo"), str(REPO / "examples" / "data" / "demo_sft.jsonl"))
+    sft = SFTTrainer(model=AutoModelForCausalLM.from_pretrained(demo), processing_class=AutoTokenizer.from_pretrained(demo),
+                     args=SFTConfig(**common, max_length=32, dataset_num_proc=None),
+                     train_dataset=Dataset.from_list([{"text": "a b c d"}] * 2))
+    assert sft.aux_loss_enabled
+    with pytest.raises(ParallelConfigError, match=r"with SFTTrainer: TRL adds the router aux loss once per forward, so "
+                                                  r"sp times per micro-batch here; pass router_aux_loss_coef=0"):
+        refuse_unserved(sft, 2)

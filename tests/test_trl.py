@@ -3,7 +3,8 @@
 
 2 simulated nodes x 2 ranks (ep_size=2, memory_efficient_init) must give the per-step losses and
 gradient norms of plain SFTTrainer on one process (fp32), and its step-2 checkpoint must resume
-on 1 node x 4 ranks with ep_size=4 and continue with the same losses. The same launch then trains with
+on 1 node x 4 ranks with ep_size=4 and sequence_parallel_size=2 (TRL's padded rows split along the
+sequence, its gradient checkpointing on) and continue with the same losses. The same launch then trains with
 TRL's MoE aux loss on (router_aux_loss_coef=0.5): counted over the global batch, it must equal plain
 SFTTrainer's on one process taking the whole global batch in one micro-batch.
 """
@@ -42,7 +43,7 @@ def runs(tmp_path_factory) -> dict:
     two_nodes = launch("trl_sft.py", ["--mode", "strategy", "--ep", "2", *_args(model, root / "2x2" / "run")],
                        root / "2x2", nnodes=2, nproc_per_node=2, timeout=400)
     assert two_nodes.ok(), two_nodes.describe()
-    resumed = launch("trl_sft.py", ["--mode", "strategy", "--ep", "4", *_args(model, root / "1x4" / "run"),
+    resumed = launch("trl_sft.py", ["--mode", "strategy", "--ep", "4", "--sp", "2", *_args(model, root / "1x4" / "run"),
                                     "--resume", str(root / "2x2" / "run" / "lora" / "checkpoint-2")],
                      root / "1x4", nnodes=1, nproc_per_node=4, timeout=400)
     assert resumed.ok(), resumed.describe()
@@ -71,9 +72,10 @@ def test_trl_sft_trainer_matches_one_process_plain_sft_trainer(runs, run):
 
 
 def test_trl_checkpoint_resumes_on_another_layout_with_the_same_losses(runs):
-    # Saved at step 2 by 2 nodes x 2 ranks with ep_size=2; resumed by 1 node x 4 ranks with ep_size=4.
+    # Saved at step 2 by 2 nodes x 2 ranks with ep_size=2; resumed by 1 node x 4 ranks with ep_size=4 and
+    # sequence_parallel_size=2: the same global batches, each row computed in two chunks.
     for rank, result in runs["1x4"].items():
-        _assert_steps(result, runs["2x2"][0]["lora"], [3, 4], f"resumed 1x4 ep=4 rank {rank}")
+        _assert_steps(result, runs["2x2"][0]["lora"], [3, 4], f"resumed 1x4 ep=4 sp=2 rank {rank}")
 
 
 def test_trl_log_lines_add_throughput_and_expert_load(runs):

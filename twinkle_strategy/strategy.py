@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -65,7 +66,7 @@ from twinkle_strategy.loading import (
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
-from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, split_batch
+from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, loss_tokens, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
 
 logger = logging.getLogger(__name__)
@@ -312,17 +313,24 @@ class NativeFSDPStrategy:
         """EP-aware gradient clipping; returns the global gradient norm before clipping."""
         return clip_grad_norm_(model, max_norm, norm_type)
 
-    def global_loss_tokens(self, *labels: torch.Tensor) -> torch.Tensor:
-        """The tokens a causal LM's loss is taken over (``labels != -100`` after the one-token shift), in all of
-        ``labels`` (e.g. every accumulation micro-batch of a step) and summed over every rank. Collective.
+    def global_loss_tokens(self, *batches: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The tokens a causal LM's loss is taken over in ``batches`` (e.g. every accumulation micro-batch of a step,
+        each a dict as the model takes it), summed over every rank. Collective.
 
-        Pass it as ``num_items_in_batch``: each rank's ``model(...).loss`` is then its share of the global
-        per-token mean (a rank without such a token contributes 0, not NaN), :meth:`reduce_sum` of the shares
-        is the step's loss, and ``(loss * strategy.world_size).backward()`` gives the gradient of that mean
-        (FSDP averages gradients over ranks).
+        A batch's tokens are its ``labels`` that are not -100 after the first position (the model shifts them), or,
+        in a chunk of :meth:`split_sequence`, its ``shift_labels`` that are not -100 (shifted on the whole row
+        already). Pass the result as ``num_items_in_batch``: each rank's ``model(**batch, ...).loss`` is then its
+        share of the global per-token mean (a rank without such a token contributes 0, not NaN), :meth:`reduce_sum`
+        of the shares is the step's loss, and ``(loss * strategy.world_size).backward()`` gives the gradient of that
+        mean (FSDP averages gradients over ranks).
         """
+        for batch in batches:
+            if not isinstance(batch, Mapping):
+                raise TypeError(f"global_loss_tokens takes the batches (dicts with labels, or split_sequence's chunks "
+                                f"with shift_labels), not a {type(batch).__name__}: whether a tensor of labels is "
+                                "already shifted cannot be told; pass strategy.global_loss_tokens(*micro_batches)")
         self.setup()
-        count = sum(int((batch[..., 1:] != -100).sum()) for batch in labels)
+        count = sum(loss_tokens(batch) for batch in batches)
         return self._all_reduce_sum(torch.tensor(count, dtype=torch.long))  # int64: exact past 2**24 tokens
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:

@@ -7,8 +7,13 @@ plain PEFT on this process, (full) the saved checkpoint loaded with plain ``from
 A third run, full-parameter with the model's own load-balancing loss on (``output_router_logits``,
 ``router_aux_loss_coef``), takes one micro-batch of the whole global batch in the plain process, so
 that its aux loss is the global batch's: the strategy's two micro-batches per rank must give the same.
-``--mode refuse``: accelerate's ZeRO-3 in the environment, then a DeepSpeed ZeRO-3 config in TrainingArguments,
-next to the strategy; every rank must raise at once.
+Two runs on packed rows (transformers' ``DataCollatorWithFlattening``: one row per micro-batch, position ids
+restarting at every example, no attention mask), against the plain process on the same packed rows with the KV
+cache off (with a cache transformers does not look for packed sequences): a LoRA run, and a full-parameter run with
+sequence_parallel_size=2 and the aux loss (its ranks exchange their rows and each computes a chunk of every row).
+``--mode refuse``: first sequence_parallel_size=2 with a ``compute_loss_func`` (it would shift a chunk's shifted
+labels again), then accelerate's ZeRO-3 in the environment, then a DeepSpeed ZeRO-3 config in TrainingArguments,
+next to the strategy; every rank must raise at once, each time.
 """
 
 import argparse
@@ -39,6 +44,17 @@ def dataset(global_batch: int, vocab: int):
         labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
         labels[: n // 3] = -100  # a prompt part, not trained on
         rows.append({"input_ids": ids * mask, "attention_mask": mask, "labels": labels})
+    return rows
+
+
+def packed_dataset(global_batch: int, vocab: int):
+    """Examples of 3 to 16 tokens, flattened per micro-batch by the collator (which masks each one's first label)."""
+    g = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(STEPS * global_batch):
+        n = int(torch.randint(3, SEQ + 1, (1,), generator=g))
+        ids = torch.randint(1, vocab, (n,), generator=g).tolist()
+        rows.append({"input_ids": ids, "labels": [-100] * (n // 3) + ids[n // 3:]})
     return rows
 
 
@@ -76,38 +92,42 @@ def saved_logits(base: str, checkpoint: str, rows, lora: bool) -> list:
     return probe_logits(model, rows)
 
 
-def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = False):
+def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = False, packed: bool = False, sp: int = 1):
     from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM, Trainer
+    from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer
 
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.integrations.transformers import with_strategy
 
-    name = "aux" if aux else "lora" if lora else "full"
+    name = "sp" if sp > 1 else "packed" if packed else "aux" if aux else "lora" if lora else "full"
     micro = 2  # per rank and micro-batch; one process takes the whole global batch
     if aux and mode == "plain":  # one micro-batch of the global batch: the model's own aux loss is the global one
         args = training_args(os.path.join(out, name), micro * world * 2, accumulation=1)
     else:
         args = training_args(os.path.join(out, name), micro if mode == "strategy" else micro * world)
     if mode == "strategy":
-        strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
+        strategy = NativeFSDPStrategy(ep_size=2, sequence_parallel_size=sp, memory_efficient_init=True,
+                                      mixed_precision="no", device_type="cpu")
         model = strategy.from_pretrained(base, dtype=torch.float32)
     else:
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        # The oracle without the strategy: packed rows need the cache off (the mixin turns it off itself).
+        model.config.use_cache = not packed
     if aux:  # what a user sets to train with the model's load-balancing loss
         model.config.output_router_logits = True
         model.config.router_aux_loss_coef = model.router_aux_loss_coef = AUX_COEF
     if lora:
         torch.manual_seed(0)  # the same fresh adapter in both runs
         model = get_peft_model(model, LoraConfig(**LORA))
-    rows = dataset(micro * world * 2, model.config.vocab_size)
+    rows = (packed_dataset if packed else dataset)(micro * world * 2, model.config.vocab_size)
+    collator = {"data_collator": DataCollatorWithFlattening()} if packed else {}
     if mode == "strategy":
-        trainer = with_strategy(Trainer)(model=model, args=args, train_dataset=rows, strategy=strategy)
+        trainer = with_strategy(Trainer)(model=model, args=args, train_dataset=rows, strategy=strategy, **collator)
     else:
-        trainer = Trainer(model=model, args=args, train_dataset=rows)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, **collator)
     trainer.train()
     result = history(trainer)
-    if int(os.environ.get("RANK", "0")) == 0 and not aux:
+    if int(os.environ.get("RANK", "0")) == 0 and not (aux or packed):
         result["saved_logits"] = saved_logits(base, os.path.join(out, name, f"checkpoint-{SAVE_STEP}"), rows, lora)
     return {name: result}
 
@@ -119,9 +139,18 @@ def refuse(base: str, out: str):
     from transformers import Trainer
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.errors import ConflictingShardingError
+    from twinkle_strategy.errors import ConflictingShardingError, ParallelConfigError
     from twinkle_strategy.integrations.transformers import with_strategy
 
+    sp = NativeFSDPStrategy(ep_size=2, sequence_parallel_size=2, memory_efficient_init=True, mixed_precision="no",
+                            device_type="cpu")
+    model = sp.from_pretrained(base, dtype=torch.float32)
+    try:
+        with_strategy(Trainer)(model=model, args=training_args(out, 2), train_dataset=[], strategy=sp,
+                               compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
+        worker_common.write_result({"sp_refusal": None})
+    except ParallelConfigError as exc:
+        worker_common.write_result({"sp_refusal": str(exc), "sp_init_report": sp.init_report is not None})
     strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
     # What `accelerate launch --use_deepspeed --zero_stage 3` exports to every process.
     os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
@@ -157,7 +186,9 @@ def main():
         return refuse(a.model, a.out)
     return {**run(a.mode, a.model, a.out, lora=True, world=a.world),
             **run(a.mode, a.model, a.out, lora=False, world=a.world),
-            **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True)}
+            **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True),
+            **run(a.mode, a.model, a.out, lora=True, world=a.world, packed=True),
+            **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True, packed=True, sp=2)}
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 Each rank runs the Trainer's own step (``compute_gradients``: data.packing's packs or padding-free
 micro-batches, flattened into one row each, gradient accumulation over ``--accumulation`` micro-batches, activation
 checkpointing) with EP + FSDP2, then records: the step's loss, its gradient norm, and the loss of every
-example it trained (a no-grad forward of its micro-batches, cut at the position_ids restarts). Rank 0
+example it trained (a no-grad forward of its micro-batches, cut at the position_ids restarts), and with
+``--aux-coef`` the global-batch aux loss (in the objective, hence the gradient norm). Rank 0
 first computes the same figures in one process, unpacked. ``--lower-level`` adds the README's loop on the
 Python API, with a rank that has no token to learn. ``--refuse FAMILY`` instead builds a packing
 Trainer for a family whose layers would mix packed examples: each rank records the error it raised.
@@ -61,19 +62,22 @@ def token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().transpose(1, 2), shifted, ignore_index=-100, reduction="none")
 
 
-def reference(path: str, dtype, lora: bool, examples: list[dict]) -> dict:
-    """One process, one example per padded row (attention_mask), the whole step's examples in one batch."""
+def reference(path: str, dtype, lora: bool, examples: list[dict], aux_coef: float = 0.0) -> dict:
+    """One process, one example per padded row (attention_mask), the whole step's examples in one batch; with
+    ``aux_coef`` the model's own load-balancing loss over that batch (padding masked) joins the objective."""
     model = with_adapter(AutoModelForCausalLM.from_pretrained(path, dtype=dtype), lora)
     model.train()
     batch = DataCollatorForSFT(pad_token_id=0)(examples)
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
-    losses = token_losses(logits, batch["labels"])
+    out = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], output_router_logits=aux_coef > 0)
+    losses = token_losses(out.logits, batch["labels"])
     counted = (F.pad(batch["labels"], (0, 1), value=-100)[..., 1:] != -100)
     loss = losses.sum() / counted.sum()
-    loss.backward()
+    aux = out.aux_loss if aux_coef > 0 else torch.zeros(())
+    (loss + aux_coef * aux).backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     per_example = (losses.sum(1) / counted.sum(1)).tolist()
-    return {"loss": float(loss), "grad_norm": float(torch.nn.utils.get_total_norm(grads)), "examples": per_example}
+    return {"loss": float(loss), "aux_loss": float(aux), "grad_norm": float(torch.nn.utils.get_total_norm(grads)),
+            "examples": per_example}
 
 
 def example_losses(trainer: Trainer, examples: list[dict]) -> dict[int, float]:
@@ -106,15 +110,15 @@ def run_case(args, strategy, *, lora: bool, packing: bool, out: str) -> dict:
     trainer = Trainer(model=model, strategy=strategy, train_dataset=dataset, data_collator=DataCollatorForPacking(),
                       args=TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=per_device,
                                              gradient_accumulation_steps=args.accumulation, gradient_checkpointing=True,
-                                             seed=3))
+                                             seed=3, router_aux_loss_coef=args.aux_coef))
     trainer.setup()
     trained = step_examples(trainer)
-    ref = reference(args.ckpt, dtype, lora, trained) if strategy.rank == 0 else None
+    ref = reference(args.ckpt, dtype, lora, trained, args.aux_coef) if strategy.rank == 0 else None
     result = trainer.compute_gradients(0)
     grad_norm = float(strategy.clip_grad_norm_(trainer.model, float("inf")))
     order = [examples.index(e) for e in trained]
     mine = example_losses(trainer, examples)
-    case = {"lora": lora, "packing": packing, "loss": result["loss"], "grad_norm": grad_norm,
+    case = {"lora": lora, "packing": packing, "loss": result["loss"], "aux_loss": result["aux_loss"], "grad_norm": grad_norm,
             "tokens": result["tokens"], "step_tokens": sum(len(e["input_ids"]) for e in trained),
             "example_losses": mine, "rows": [len(b["input_ids"]) for b in trainer._micro_batches(0)],
             "batch_shapes": [list(b["input_ids"].shape) for b in trainer._micro_batches(0)]}
@@ -131,7 +135,7 @@ def lower_level_loop(args, strategy) -> dict:
     examples[0] = {"input_ids": examples[0]["input_ids"], "labels": [-100] * len(examples[0]["input_ids"])}
     ref = reference(args.ckpt, torch.float32, False, examples) if strategy.rank == 0 else None
     batch = DataCollatorForSFT(pad_token_id=0)([examples[strategy.rank]])
-    count = strategy.global_loss_tokens(batch["labels"])
+    count = strategy.global_loss_tokens(batch)
     model.train()
     share = model(**batch, num_items_in_batch=count).loss
     (share * strategy.world_size).backward()
@@ -158,6 +162,7 @@ def main():
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--dtype", default="float32")
     p.add_argument("--accumulation", type=int, default=2)
+    p.add_argument("--aux-coef", type=float, default=0.0, help="router_aux_loss_coef: the global-batch aux loss")
     p.add_argument("--cases", default="full-packing,lora-packing,lora-padding_free")
     p.add_argument("--out", required=True)
     p.add_argument("--refuse", action="store_true")

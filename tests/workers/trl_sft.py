@@ -2,7 +2,8 @@
 
 ``--mode plain``: plain SFTTrainer on one process, the whole global batch per optimizer step.
 ``--mode strategy``: ``with_strategy(SFTTrainer)`` with NativeFSDPStrategy(ep_size=--ep, memory_efficient_init),
-each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved.
+each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved;
+``--sp N``: sequence_parallel_size N (each rank a chunk of every micro-batch of its group, the same global batch).
 Two runs (one with --resume): ``lora`` with TRL's MoE aux loss off (router_aux_loss_coef=0), saving a checkpoint;
 ``aux`` with it on (a coefficient large enough that a per-rank aux loss would show), where the plain process
 takes the whole global batch in one micro-batch, so that TRL's own aux loss there is the global batch's: the
@@ -59,8 +60,8 @@ def train(a, *, aux: bool) -> dict:
     lora = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     if a.mode == "strategy":
-        strategy = NativeFSDPStrategy(ep_size=a.ep, memory_efficient_init=True, mixed_precision="no",
-                                      device_type="cpu")
+        strategy = NativeFSDPStrategy(ep_size=a.ep, sequence_parallel_size=a.sp, memory_efficient_init=True,
+                                      mixed_precision="no", device_type="cpu")
         model = strategy.from_pretrained(a.model, dtype=torch.float32)
         trainer_class, extra = with_strategy(SFTTrainer), {"strategy": strategy}
     else:
@@ -85,6 +86,7 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--resume", default=None)
+    p.add_argument("--sp", type=int, default=1)
     a = p.parse_args()
     assert int(os.environ.get("WORLD_SIZE", "1")) in (1, 4)  # the global batch is the same on 1 and 4 processes
     if a.resume:

@@ -66,9 +66,8 @@ def sharded(strategy: NativeFSDPStrategy, path: str, batch: dict):
     first = strategy.data_parallel_rank * per_group
     rows = {k: v[first:first + per_group] for k, v in batch.items()}
     chunk = strategy.split_sequence(rows)
-    tokens = (chunk["shift_labels"] != -100).sum().float()
-    dist.all_reduce(tokens)
-    out = model(**chunk, num_items_in_batch=tokens)
+    # The README's call: the chunk's shift_labels, summed over every rank.
+    out = model(**chunk, num_items_in_batch=strategy.global_loss_tokens(chunk))
     # FSDP averages gradients over ranks; the loss is this rank's share of the global per-token mean.
     (out.loss * strategy.world_size).backward()
     norm = strategy.clip_grad_norm_(model, 1e9)
@@ -83,7 +82,8 @@ def main():
     p.add_argument("--families", default="qwen3_moe,deepseek_v3")
     p.add_argument("--ep", type=int, required=True)
     p.add_argument("--sp", type=int, required=True)
-    p.add_argument("--refused", help="a checkpoint sequence parallelism must refuse, by name, on every rank")
+    p.add_argument("--refused", help="checkpoints (comma-separated) sequence parallelism must refuse, by name, on every "
+                                     "rank")
     args = p.parse_args()
     strategy = NativeFSDPStrategy(ep_size=args.ep, sequence_parallel_size=args.sp, mixed_precision="no",
                                   device_type="cpu")
@@ -104,13 +104,14 @@ def main():
             logit_diff = (logits[:, :stop - begin] - mine).abs().amax(-1)[real].max().item()
             cases.append(dict(family=family, batch=kind, logit_diff=logit_diff, loss=loss, ref_loss=ref_loss,
                               norm=norm, ref_norm=ref_norm, chunk_tokens=int(chunk["input_ids"].shape[1])))
-    refusal = None
-    if args.refused:
+    refusals = {}
+    for path in filter(None, (args.refused or "").split(",")):
         try:
-            strategy.from_pretrained(args.refused)
+            strategy.from_pretrained(path)
+            refusals[os.path.basename(path)] = None
         except Exception as exc:  # noqa: BLE001 - the test reads which error, and its text
-            refusal = f"{type(exc).__name__}: {exc}"
-    return {"cases": cases, "sp": args.sp, "ep": args.ep, "refusal": refusal}
+            refusals[os.path.basename(path)] = f"{type(exc).__name__}: {exc}"
+    return {"cases": cases, "sp": args.sp, "ep": args.ep, "refusals": refusals}
 
 
 if __name__ == "__main__":

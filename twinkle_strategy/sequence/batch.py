@@ -21,6 +21,15 @@ from twinkle_strategy.errors import ParallelConfigError
 IGNORE_INDEX = -100
 
 
+def loss_tokens(batch: dict[str, torch.Tensor]) -> int:
+    """Tokens of ``batch`` a causal LM's loss is taken over: its ``shift_labels`` that are not -100 (a chunk of
+    :func:`split_batch`, shifted on the whole row), else its ``labels`` after the first position (the model shifts
+    them: the first label of a row is never predicted)."""
+    if "shift_labels" in batch:
+        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
+    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+
+
 def split_batch(batch: dict[str, torch.Tensor], *, rank: int, size: int) -> dict[str, torch.Tensor]:
     """This rank's chunk of ``batch`` (``input_ids``, ``labels``, optional ``attention_mask``/``position_ids``).
 

@@ -12,13 +12,24 @@ from __future__ import annotations
 
 from twinkle_strategy.errors import ParallelConfigError
 
-# Layer kinds of ``config.layer_types`` that attention by heads covers; any other kind carries state.
-_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention"}
-# Families whose layers carry state along the sequence without saying so in layer_types, and families with sinks.
+# Layer kinds of ``config.layer_types`` that attention by heads covers, or that do not mix tokens (Nemotron-H
+# names its MoE and MLP layers there); any other kind carries state along the sequence.
+_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention", "moe", "mlp"}
+# Families whose layers carry state along the sequence without saying so in layer_types, and families with sinks,
+# by the checkpoint's model_type or its text model's (a vision-language checkpoint's text config is ``<family>_text``).
 _STATEFUL_FAMILIES = {"nemotron_h": "Mamba-2 layers", "jamba": "Mamba layers", "falcon_h1": "Mamba-2 layers",
                       "granitemoehybrid": "Mamba-2 layers", "qwen3_next": "Gated DeltaNet linear attention",
                       "qwen3_5_moe": "Gated DeltaNet linear attention", "lfm2_moe": "short convolutions"}
 _SINK_FAMILIES = {"gpt_oss": "attention sinks", "deepseek_v4": "attention sinks"}
+
+
+def _family_reason(model_types: list[str]) -> str | None:
+    for model_type in model_types:
+        base = model_type.removesuffix("_text")
+        reason = _STATEFUL_FAMILIES.get(base) or _SINK_FAMILIES.get(base)
+        if reason is not None:
+            return reason
+    return None
 
 
 def check_sequence_parallel(config, sequence_parallel_size: int) -> None:
@@ -27,8 +38,9 @@ def check_sequence_parallel(config, sequence_parallel_size: int) -> None:
     if sp == 1:
         return
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    family = getattr(text, "model_type", None) or getattr(config, "model_type", "?")
-    reason = _STATEFUL_FAMILIES.get(family) or _SINK_FAMILIES.get(family)
+    model_types = [t for t in (getattr(config, "model_type", None), getattr(text, "model_type", None)) if t]
+    family = model_types[0].removesuffix("_text") if model_types else "?"  # the checkpoint's own family
+    reason = _family_reason(model_types)
     other_layers = sorted(set(getattr(text, "layer_types", None) or []) - _ATTENTION_LAYERS)
     if reason is None and other_layers:
         reason = f"layers of type {other_layers}"

@@ -19,7 +19,8 @@ example's first token (that label is never predicted without packing either).
 Every token of such a batch is real: load-balancing counts and ``tokens_per_second`` need no mask.
 
 Layers that carry state along the sequence (linear attention, Mamba, short convolutions) ignore
-``position_ids`` and would let one example leak into the next; :func:`check_packable` refuses them.
+``position_ids`` and would let one example leak into the next; :func:`check_packable` refuses them
+(:mod:`twinkle_strategy.sequence.packed`, shared with the transformers layer).
 
 A later sequence-parallel split composes with this layout: it cuts the one row into contiguous
 chunks and keeps the whole row's ``position_ids``.
@@ -27,23 +28,18 @@ chunks and keeps the whole row's ``position_ids``.
 
 from __future__ import annotations
 
-import ast
 import bisect
 import dataclasses
 import enum
-import functools
-import inspect
-import textwrap
 
 import torch
-from torch import nn
 
-from twinkle_strategy.errors import PackingError
-
-# Decoder layer kinds (config.layer_types / layers_block_type) whose sequence mixing transformers masks
-# from position_ids, or that do not mix tokens at all.
-PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention",
-                                  "moe", "mlp"})
+# The model side (which families keep packed examples apart) is library code, shared with the transformers layer.
+from twinkle_strategy.sequence.packed import (  # noqa: F401
+    PACKABLE_LAYER_TYPES,
+    check_packable,
+    prepare_for_packed_batches,
+)
 
 
 class BatchLayout(str, enum.Enum):
@@ -143,67 +139,3 @@ def attention_length(batch: dict[str, torch.Tensor]) -> float:
     starts = (positions.reshape(-1) == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
     lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
     return sum(n * n for n in lengths) / max(sum(lengths), 1)
-
-
-def prepare_for_packed_batches(model: nn.Module) -> None:
-    """Refuse a model whose layers mix packed examples (:func:`check_packable`), and turn its KV cache off.
-
-    transformers builds per-example masks from ``position_ids`` only without a cache, and its causal LMs
-    make a ``DynamicCache`` whenever ``config.use_cache`` is true (in training too): packed examples would
-    then silently attend to each other. Training never reads the cache.
-    """
-    check_packable(model)
-    for config in {id(c): c for c in (model.config, _text_config(model))}.values():
-        config.use_cache = False
-
-
-def _text_config(model: nn.Module):
-    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-
-
-def check_packable(model: nn.Module) -> None:
-    """Raise :class:`PackingError` naming the family and the reason if ``model`` cannot keep packed examples apart.
-
-    Attention is masked per example by transformers from ``position_ids``, in the models whose forward hands
-    ``position_ids`` to its mask functions (gpt-oss's does not, in transformers 5.24). Linear attention (Gated
-    DeltaNet: Qwen3-Next, Qwen3.5-MoE), Mamba (Nemotron-H, Jamba) and short convolutions carry state from
-    one token to the next regardless: transformers passes them per-example boundaries only through optional
-    fused kernels, not by default. The check reads the config and the code, so it gives the same answer on
-    every rank before training: every rank raises it and none waits for the others.
-    """
-    config = _text_config(model)
-    family = getattr(config, "model_type", type(model).__name__)
-    kinds = set(getattr(config, "layer_types", None) or []) | set(getattr(config, "layers_block_type", None) or [])
-    stateful = sorted(kinds - PACKABLE_LAYER_TYPES)
-    convolution = next((name for name, m in model.named_modules() if isinstance(m, nn.Conv1d)), None)
-    blind = next((cls for cls in {type(m) for m in model.modules()} if _builds_masks_without_positions(cls)), None)
-    if stateful:
-        why = f"its layers of type {stateful} mix tokens along the sequence outside the attention mask"
-    elif convolution is not None:
-        why = f"its convolution along the sequence ({convolution}) carries state from one token to the next"
-    elif blind is not None:
-        why = (f"{blind.__name__}.forward builds its attention masks without position_ids, so transformers cannot "
-               "tell the packed examples apart")
-    else:
-        return
-    raise PackingError(
-        f"data.packing / data.padding_free cannot train {family}: {why}, and each packed example would see the ones "
-        "before it; set data.packing=false and data.padding_free=false (--packing false --padding_free false)")
-
-
-@functools.cache
-def _builds_masks_without_positions(cls: type) -> bool:
-    """Whether ``cls.forward`` calls transformers' mask functions (``create_causal_mask(config=...,
-    inputs_embeds=...)`` and kin) without ``position_ids``, the argument packed-sequence detection reads."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError):  # no Python source (builtins, compiled): nothing to read
-        return False
-    mask_arguments = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Call):
-            mask_arguments.append({k.arg for k in node.keywords})
-        elif isinstance(node, ast.Dict):
-            mask_arguments.append({k.value for k in node.keys if isinstance(k, ast.Constant)})
-    mask_arguments = [names for names in mask_arguments if {"config", "inputs_embeds"} <= names]
-    return bool(mask_arguments) and not any("position_ids" in names for names in mask_arguments)

@@ -38,6 +38,7 @@ from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
+from twinkle_strategy.sequence import loss_tokens
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import StepSampler
@@ -72,14 +73,6 @@ def _expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None
     except ModelStructureError as exc:
         logger.warning("no expert-load statistics: %s", exc)
         return None
-
-
-def _label_tokens(batch: dict[str, torch.Tensor]) -> float:
-    """Tokens of ``batch`` that have a label: its ``shift_labels`` (a sequence-parallel chunk, shifted on the whole
-    row) or its ``labels`` after the first position (transformers' loss shifts them)."""
-    if "shift_labels" in batch:
-        return float((batch["shift_labels"] != -100).sum())
-    return float((batch["labels"][:, 1:] != -100).sum())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -272,7 +265,7 @@ class Trainer:
         device = self.strategy.device
         step_batches = self._step_batches(step)
         batches = step_batches.tensors
-        sizes = torch.tensor([sum(_label_tokens(b) for b in batches),
+        sizes = torch.tensor([sum(loss_tokens(b) for b in batches),
                               sum(real_token_count(b) for b in batches)], device=device)
         global_tokens, input_tokens = _all_reduce_sum(sizes)
         self.model.train()

@@ -15,7 +15,9 @@ ms-swift 4.x (:mod:`twinkle_strategy.integrations.swift.parts`, one module each)
    first, then reads the strategy options (``TWINKLE_*`` environment variables, or a ``"twinkle"``
    object in the ``--fsdp`` JSON) and checks them, the LoRA options and accelerate's launch
    settings before any model is loaded. ``--fsdp`` is then cleared: transformers and
-   accelerate must not shard, wrap or save the model themselves.
+   accelerate must not shard, wrap or save the model themselves. ``--sequence_parallel_size`` becomes the
+   strategy's, swift's own set back to 1; ``--packing``/``--padding_free`` keep swift's packed rows, on any
+   attention implementation (:mod:`~twinkle_strategy.integrations.swift.parts.sequence`).
 2. **Model loading** (``ModelLoader.load``): with ``memory_efficient_init`` every rank builds the
    model from its config without weights; each node's local rank 0 checks the checkpoint's headers
    and, in ``wrap_model``, reads only the rows its node keeps (``stream_checkpoint``, the default;

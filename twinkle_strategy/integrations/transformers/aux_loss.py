@@ -67,16 +67,19 @@ def first_forward_routing(model: nn.Module, aux_loss: GlobalBatchAuxLoss) -> Ite
             handle.remove()
 
 
-def router_prepass(trainer, batch_samples: list[dict]) -> RouterStats:
+def router_prepass(trainer, batch_samples: list[dict], *, prepared: bool = False) -> RouterStats:
     """The router statistics of a step's micro-batches over every rank (one gradient-free forward each), so that
-    the first micro-batch's backward already sees the global batch's expert fractions."""
+    the first micro-batch's backward already sees the global batch's expert fractions. ``prepared``: the batches
+    are already on the device as the forward takes them (sequence parallelism's chunks), else the trainer
+    prepares each as its training step will."""
     expert_load = trainer.step_metrics.expert_load
     if expert_load is not None:
         expert_load.active = False  # the training forwards count the load
     trainer.model.train()
     try:
         return trainer.global_aux_loss.prepass(trainer.model, (
-            {k: v for k, v in trainer_prepare_inputs(trainer, batch).items() if k not in ("labels", "shift_labels")}
+            {k: v for k, v in (batch if prepared else trainer_prepare_inputs(trainer, batch)).items()
+             if k not in ("labels", "shift_labels")}
             for batch in batch_samples))
     finally:
         if expert_load is not None:

@@ -46,7 +46,14 @@ class StepMetrics:
             self.sequences += mask.shape[0]
         elif ids is not None:
             self.tokens += ids.numel()
-            self.sequences += ids.shape[0]
+            positions = inputs.get("position_ids")
+            # A packed row holds one sequence per restart of its positions (the attention FLOPs' length).
+            self.sequences += int((positions == 0).sum()) if positions is not None else ids.shape[0]
+
+    def mask_tokens(self, mask) -> None:
+        """Before a forward of another shape than the observed batch (a sequence-parallel chunk): its padding mask."""
+        if self.expert_load is not None:
+            self.expert_load.token_mask = mask
 
     def take(self) -> dict[str, float]:
         """The fields since the last call, over every rank (collective); resets."""

@@ -25,6 +25,9 @@ What changes, and why:
   ``router_aux_loss_coef > 0``), or TRL's trainers add it (on by default, with the model's
   coefficient), its token fractions are counted over the global batch (every rank, every
   micro-batch of the step), as twinkle's own Trainer does (:mod:`.aux_loss`).
+* Packed rows (``DataCollatorWithFlattening``, TRL's ``padding_free``) keep each example's attention to itself,
+  and ``strategy.sequence_parallel_size`` splits every sequence over a group of ranks, as twinkle's own Trainer
+  does; what cannot be served so is refused in one line (:mod:`.sequence`).
 * Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
   (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
@@ -48,7 +51,7 @@ from twinkle_strategy.checkpoint.training import (
 )
 from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, mark_accelerate_prepared
 from twinkle_strategy.distributed.fail_together import step_reporter
-from twinkle_strategy.errors import CheckpointSaveError, ResumeError
+from twinkle_strategy.errors import CheckpointSaveError, ParallelConfigError, ResumeError
 from twinkle_strategy.integrations.transformers.aux_loss import (
     first_forward_routing,
     router_prepass,
@@ -59,6 +62,7 @@ from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
+from twinkle_strategy.integrations.transformers.sequence import serve_sequences
 from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
 from twinkle_strategy.moe.balance import RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
@@ -80,6 +84,8 @@ class StrategyTrainerMixin:
         refuse_transformers_expert_parallel(kwargs.get("model", args[0] if args else None))
         self.strategy = strategy
         super().__init__(*args, **kwargs)
+        # Packed rows and sequence parallelism (.sequence): refusals before any rank receives its weights.
+        self.sequence_batches = serve_sequences(self, strategy)
         self._wrap_with_strategy()
 
     def _wrap_with_strategy(self) -> None:
@@ -93,10 +99,16 @@ class StrategyTrainerMixin:
     # -- the model's load-balancing loss over the global batch
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
+        for batch in batch_samples:
+            self.sequence_batches.prepare(self.model, batch)
         self._step_router_stats = None
-        if self.global_aux_loss is not None and len(batch_samples) > 1:
-            # Several micro-batches: the global counts must be known before the first one's backward.
-            self._step_router_stats = router_prepass(self, batch_samples)
+        # Under sequence parallelism every micro-batch of the group is exchanged once here, for the whole step.
+        forwards = (self.sequence_batches.step(batch_samples, num_items_in_batch) if self.sequence_batches.enabled
+                    else None)
+        if self.global_aux_loss is not None and len(forwards or batch_samples) > 1:
+            # Several forwards: the global counts must be known before the first one's backward.
+            self._step_router_stats = router_prepass(self, batch_samples if forwards is None else forwards,
+                                                     prepared=forwards is not None)
         return batch_samples, num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -113,9 +125,24 @@ class StrategyTrainerMixin:
         return (loss, outputs) if return_outputs else loss
 
     # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
-    def training_step(self, model, inputs, *args, **kwargs):
+    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         self.step_metrics.observe(inputs)
-        return super().training_step(model, inputs, *args, **kwargs)
+        self.sequence_batches.prepare(self.model, inputs)
+        if not self.sequence_batches.enabled:
+            return super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+        # This rank's chunk of every group member's micro-batch, one forward and backward each (see .sequence).
+        loss = None
+        for chunk, count in self.sequence_batches.forwards(inputs, num_items_in_batch):
+            self.step_metrics.mask_tokens(chunk.get("attention_mask"))
+            part = super().training_step(model, chunk, count, *args, **kwargs)
+            loss = part if loss is None else loss + part
+        return loss
+
+    def prediction_step(self, *args, **kwargs):
+        if self.sequence_batches.enabled:
+            raise ParallelConfigError(f"sequence_parallel_size={self.strategy.dims.sp_size}: evaluation is not split "
+                                      "along the sequence yet; evaluate with sequence_parallel_size=1")
+        return super().prediction_step(*args, **kwargs)
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log line, written on every rank: the counts are summed over ranks

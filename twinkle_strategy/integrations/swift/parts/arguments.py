@@ -10,6 +10,7 @@ from twinkle_strategy import config
 from twinkle_strategy.distributed.runtime import apply_backend_env_defaults, backend_for, detect_device_type
 from twinkle_strategy.errors import SwiftPluginError
 from twinkle_strategy.integrations.swift.parts.options import resolve_options
+from twinkle_strategy.integrations.swift.parts.sequence import take_sequence_parallel
 from twinkle_strategy.integrations.swift.parts.state import STATE
 from twinkle_strategy.integrations.transformers.refusals import refuse_conflicting_sharding
 
@@ -20,17 +21,6 @@ def check_arguments(args) -> None:
     """Refuse swift arguments the plugin cannot serve (one line naming the flag and the fix)."""
     if getattr(args, "rlhf_type", None) is not None:
         raise SwiftPluginError("the twinkle plugin supports `swift sft` and `swift pt`, not `swift rlhf`")
-    if getattr(args, "sequence_parallel_size", 1) > 1:
-        raise SwiftPluginError("--sequence_parallel_size > 1 is not supported with the twinkle plugin yet (swift's "
-                               "data path would need to give a sequence-parallel group one batch); set it to 1, "
-                               "or train with twinkle-sft --sequence_parallel_size")
-    packed = [f"--{name} true" for name in ("packing", "padding_free") if getattr(args, name, False)]
-    if packed:
-        # swift hands packed rows to flash-attention only, and the plugin does not check the model keeps
-        # packed examples apart (twinkle_strategy.train.packing does, on every attention backend).
-        raise SwiftPluginError(f"{' '.join(packed)} is not served by the twinkle plugin yet; drop it, or train with "
-                               "`twinkle-sft ... --packing true` (or --padding_free true), which keeps each packed "
-                               "example's attention to itself")
     refuse_deepspeed(args)
     if getattr(args, "tuner_type", "lora") not in ("lora", "full"):
         raise SwiftPluginError(f"--tuner_type {args.tuner_type} is not supported with the twinkle plugin; "
@@ -103,8 +93,10 @@ def init_fsdp(_orig, self) -> None:
     self.fsdp = []
     self.fsdp_config = None
     STATE.args = self
-    resolve_options(STATE.fsdp_options)  # option errors now, before any model is loaded
+    options = resolve_options(STATE.fsdp_options)  # option errors now, before any model is loaded
     check_arguments(self)
+    # --packing / --padding_free stay swift's data path; --sequence_parallel_size becomes the strategy's (.sequence).
+    STATE.sequence_parallel_size = take_sequence_parallel(self, option=options.get("sequence_parallel_size"))
     refuse_conflicting_sharding()  # `accelerate launch --use_deepspeed/--use_fsdp`: before any weight is read
     # Precision is FSDP2's MixedPrecisionPolicy (compute in bf16, reduce gradients in fp32), not accelerate's
     # autocast + GradScaler: a scaler's unscale step would not see our EP-aware clipping.

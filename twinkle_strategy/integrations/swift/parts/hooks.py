@@ -2,6 +2,7 @@
 
 1. ``SftArguments._init_deepspeed`` -> :func:`~.arguments.init_deepspeed` (``--deepspeed`` refused first)
    ``SftArguments._init_fsdp``    -> :func:`~.arguments.init_fsdp`
+   (and ``SftArguments._check_padding_free`` -> :func:`~.sequence.check_padding_free`)
 2. ``ModelLoader.load``           -> :func:`~.loading.load`
 3. ``TunerMixin.prepare_model``   -> :func:`prepare_model` (swift's tuner, then EP + FSDP2)
 4. ``TrainerFactory.get_trainer_cls`` -> :func:`~.trainer.get_trainer_cls`
@@ -16,9 +17,11 @@ from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.integrations.swift.parts.arguments import init_deepspeed, init_fsdp
 from twinkle_strategy.integrations.swift.parts.loading import install_experts_patch_hooks, load
+from twinkle_strategy.integrations.swift.parts.sequence import check_padding_free
 from twinkle_strategy.integrations.swift.parts.state import get_strategy
 from twinkle_strategy.integrations.swift.parts.trainer import get_trainer_cls
 from twinkle_strategy.integrations.transformers.trainer import prepare_for_trainer
+from twinkle_strategy.sequence.packed import prepare_for_packed_batches
 
 
 def prepare_model(orig, cls, args, model, *pargs, **kwargs):
@@ -30,6 +33,8 @@ def prepare_model(orig, cls, args, model, *pargs, **kwargs):
     # adapter is the one every rank receives, so only its RNG matters; without it all ranks agree.
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
+    if args.packing or args.padding_free:  # before any weight is read: refuse a family that mixes packed examples
+        prepare_for_packed_batches(model)
     # EP + FSDP2, checkpointing that replays the EP dispatch, accelerate kept off: as for any transformers.Trainer
     return prepare_for_trainer(strategy, model)  # (the strategy has logged its init report already)
 
@@ -62,6 +67,7 @@ def install() -> None:
     from swift.trainers import TrainerFactory
 
     _patch(SftArguments, "_init_deepspeed", init_deepspeed)
+    _patch(SftArguments, "_check_padding_free", check_padding_free)
     _patch(SftArguments, "_init_fsdp", init_fsdp)
     _patch(ModelLoader, "load", load)
     _patch(TunerMixin, "prepare_model", prepare_model, kind="classmethod")

@@ -10,8 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twinkle_strategy.config import StrategyConfig
-from twinkle_strategy.errors import SwiftPluginError
-from twinkle_strategy.integrations.swift.parts.options import env_var, resolve_options
+from twinkle_strategy.integrations.swift.parts.options import resolve_options
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
@@ -26,6 +25,7 @@ class PluginState:
     swift_precision: str = "no"  # "bf16" when swift was given --bf16 (the strategy's mixed_precision then)
     strategy: NativeFSDPStrategy | None = None
     loaded_checkpoint: bool | None = None  # whether this rank opened the checkpoint (None: not loaded yet)
+    sequence_parallel_size: int = 1  # swift's --sequence_parallel_size, served by the strategy (swift's own is 1)
 
 
 STATE = PluginState()
@@ -44,10 +44,7 @@ def get_strategy() -> NativeFSDPStrategy:
     """The process's NativeFSDPStrategy, built on first use from the options and swift's arguments."""
     if STATE.strategy is None:
         options = resolve_options(STATE.fsdp_options)
-        if options.get("sequence_parallel_size", 1) > 1:  # the same refusal as swift's own flag, before the model loads
-            raise SwiftPluginError(f"{env_var('sequence_parallel_size')}={options['sequence_parallel_size']}: "
-                                   "sequence parallelism is not supported with the twinkle plugin yet; set it to 1, "
-                                   "or train with twinkle-sft --sequence_parallel_size")
+        options["sequence_parallel_size"] = STATE.sequence_parallel_size  # swift's flag, taken in .arguments
         options.setdefault("mixed_precision", STATE.swift_precision)
         strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(STATE.args, "ddp_backend", None), **options))
         strategy.setup()

@@ -1,7 +1,8 @@
 """swift's trainer on the shared transformers layer (:mod:`twinkle_strategy.integrations.transformers`).
 
 What is swift's own: its save layout (``_save``, ``args.json``, ``--max_shard_size``), its tuner's adapter
-loading on resume, and reading an older version's per-rank ``twinkle_state/`` once.
+loading on resume, reading an older version's per-rank ``twinkle_state/`` once, and its loss and token accuracy
+on a sequence-parallel chunk (:mod:`.sequence`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from twinkle_strategy.checkpoint import ResumeError
 from twinkle_strategy.compat.transformers_internals import scheduler_file_name, trainer_save
 from twinkle_strategy.distributed.dtensor import local_tensor
+from twinkle_strategy.integrations.swift.parts.sequence import chunk_accuracy_inputs, serve_chunks
 from twinkle_strategy.integrations.swift.parts.state import get_strategy
 from twinkle_strategy.integrations.transformers import StrategyTrainerMixin, with_strategy
 
@@ -77,6 +79,13 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, strategy=get_strategy(), **kwargs)
         self._legacy_state_of: tuple[str, dict | None] | None = None  # (checkpoint, its older per-rank state)
+        if self.sequence_batches.enabled:  # swift's loss on the strategy's chunks (.sequence)
+            serve_chunks(self)
+
+    def _compute_acc(self, outputs, labels, cu_seqlens=None) -> None:
+        if self.sequence_batches.enabled:  # a chunk's labels are shifted already
+            outputs, labels = chunk_accuracy_inputs(outputs, labels)
+        return super()._compute_acc(outputs, labels, cu_seqlens=cu_seqlens)
 
     @property
     def twinkle_strategy(self):
