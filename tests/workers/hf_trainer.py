@@ -11,9 +11,9 @@ Two runs on packed rows (transformers' ``DataCollatorWithFlattening``: one row p
 restarting at every example, no attention mask), against the plain process on the same packed rows with the KV
 cache off (with a cache transformers does not look for packed sequences): a LoRA run, and a full-parameter run with
 sequence_parallel_size=2 and the aux loss (its ranks exchange their rows and each computes a chunk of every row).
-``--mode refuse``: first sequence_parallel_size=2 with a ``compute_loss_func`` (it would shift a chunk's shifted
-labels again), then accelerate's ZeRO-3 in the environment, then a DeepSpeed ZeRO-3 config in TrainingArguments,
-next to the strategy; every rank must raise at once, each time.
+``--mode refuse``: first accelerate's ZeRO-3 in the environment, then sequence_parallel_size=2 with a
+``compute_loss_func`` (it would shift a chunk's shifted labels again), then a DeepSpeed ZeRO-3 config in
+TrainingArguments, next to the strategy; every rank must raise at once, each time.
 """
 
 import argparse
@@ -133,8 +133,9 @@ def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = Fals
 
 
 def refuse(base: str, out: str):
-    """Two refusals on every rank: accelerate's ZeRO-3 in the environment, by from_pretrained before the process
-    group exists; then a ZeRO-3 config in TrainingArguments, by the trainer before any weight moves."""
+    """Three refusals on every rank: accelerate's ZeRO-3 in the environment, by from_pretrained before the process
+    group exists; sequence_parallel_size=2 with a compute_loss_func, by the trainer before wrapping; then a ZeRO-3
+    config in TrainingArguments, by the trainer before any weight moves."""
     import torch.distributed as dist
     from transformers import Trainer
 
@@ -142,15 +143,6 @@ def refuse(base: str, out: str):
     from twinkle_strategy.errors import ConflictingShardingError, ParallelConfigError
     from twinkle_strategy.integrations.transformers import with_strategy
 
-    sp = NativeFSDPStrategy(ep_size=2, sequence_parallel_size=2, memory_efficient_init=True, mixed_precision="no",
-                            device_type="cpu")
-    model = sp.from_pretrained(base, dtype=torch.float32)
-    try:
-        with_strategy(Trainer)(model=model, args=training_args(out, 2), train_dataset=[], strategy=sp,
-                               compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
-        worker_common.write_result({"sp_refusal": None})
-    except ParallelConfigError as exc:
-        worker_common.write_result({"sp_refusal": str(exc), "sp_init_report": sp.init_report is not None})
     strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
     # What `accelerate launch --use_deepspeed --zero_stage 3` exports to every process.
     os.environ.update(ACCELERATE_USE_DEEPSPEED="true", ACCELERATE_DEEPSPEED_ZERO_STAGE="3")
@@ -162,6 +154,15 @@ def refuse(base: str, out: str):
     finally:
         del os.environ["ACCELERATE_USE_DEEPSPEED"], os.environ["ACCELERATE_DEEPSPEED_ZERO_STAGE"]
     worker_common.write_result({"env_error": env_error, "env_refused_before_process_group": not dist.is_initialized()})
+    sp = NativeFSDPStrategy(ep_size=2, sequence_parallel_size=2, memory_efficient_init=True, mixed_precision="no",
+                            device_type="cpu")
+    model = sp.from_pretrained(base, dtype=torch.float32)
+    try:
+        with_strategy(Trainer)(model=model, args=training_args(out, 2), train_dataset=[], strategy=sp,
+                               compute_loss_func=lambda outputs, labels, num_items_in_batch=None: outputs.loss)
+        worker_common.write_result({"sp_refusal": None})
+    except ParallelConfigError as exc:
+        worker_common.write_result({"sp_refusal": str(exc), "sp_init_report": sp.init_report is not None})
     model = strategy.from_pretrained(base, dtype=torch.float32)
     args = training_args(out, 2)
     # What TrainingArguments(deepspeed=...) keeps where DeepSpeed is installed (this machine has no deepspeed
