@@ -62,15 +62,17 @@ class OptimizerFiles:
     def _state(self, name: str, key: str) -> torch.Tensor:
         return self.optimizer.state[self.params[name]][key]
 
-    def create(self, directory: str) -> None:
-        """Headers, sizes, index and the JSON of scalars and hyper-parameters (one rank)."""
-        ParallelFileWriter(directory, self.plan).create_files()
-        write_index(directory, self.plan, prefix=OPTIMIZER_PREFIX)
+    def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
+        """Headers, sizes, index and the JSON of scalars and hyper-parameters as of now (one rank; an asynchronous
+        save's ``open_writer`` stages them for its background writer)."""
+        writer = open_writer(directory, self.plan)
+        writer.create_files()
+        write_index(writer, prefix=OPTIMIZER_PREFIX)
         names = {id(p): n for n, p in self.model.named_parameters()}
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
                   for group in self.optimizer.param_groups]
-        with open(os.path.join(directory, SCALARS_FILE), "w") as f:
-            json.dump({"param_groups": groups, "scalars": self.scalars}, f, indent=1, default=str)
+        writer.write_text(SCALARS_FILE, json.dumps({"param_groups": groups, "scalars": self.scalars}, indent=1,
+                                                   default=str))
 
     def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
               open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:
@@ -149,9 +151,10 @@ class TrainableFiles:
         self.plan = plan_files({r.name: TensorSpec(r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
                                prefix=TRAINABLE_PREFIX)
 
-    def create(self, directory: str) -> None:
-        ParallelFileWriter(directory, self.plan).create_files()
-        write_index(directory, self.plan, prefix=TRAINABLE_PREFIX)
+    def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
+        writer = open_writer(directory, self.plan)
+        writer.create_files()
+        write_index(writer, prefix=TRAINABLE_PREFIX)
 
     def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
               open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:

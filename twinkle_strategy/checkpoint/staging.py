@@ -7,6 +7,12 @@ a host buffer and notes where it goes (:class:`StagingFileWriter`). The bytes
 are therefore those a synchronous save writes; a background thread
 (:mod:`twinkle_strategy.checkpoint.background`) writes them later.
 
+Nothing is created on disk while training waits: the files' headers are staged
+like their rows (by the rank that would create them), and the background writers
+create each file and its directories as they first write into it
+(:class:`StagingFileWriter`), so an asynchronous save does no file I/O at the
+save step beyond one ``mkdir``.
+
 The buffers are reused from one save to the next: the i-th piece of every save
 of the same model has the same size, so it goes into the same buffer. Host
 memory for staging is one snapshot of this rank's own share, allocated at the
@@ -24,6 +30,7 @@ each save would allocate a new snapshot.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from collections.abc import Callable
 
@@ -57,15 +64,24 @@ class HostStaging:
         self._pool: list[torch.Tensor] = []
         self.pieces: list[StagedPiece] = []
         self.deferred: list[DeferredWrite] = []
+        self.at_commit: list[DeferredWrite] = []
+        self.sizes: dict[str, int] = {}  # file -> its final size, for the files whose header this rank staged
 
     def begin(self) -> None:
         """Start a new save (the previous one's pieces must have been written: their buffers are reused)."""
-        self.pieces, self.deferred = [], []
+        self.pieces, self.deferred, self.at_commit, self.sizes = [], [], [], {}
 
     def defer(self, what: str, action: Callable[[], None]) -> None:
-        """Leave ``action`` (a whole file written from host data this save already owns, e.g. the adapter
-        gathered on rank 0) to the background writer; ``what`` names it in an error."""
+        """Leave ``action`` (a whole file written from host data this save already owns: a config, the scheduler's
+        state taken now) to the background writer, which runs it before writing the staged pieces; ``what``
+        names it in an error. It must create the directories it writes into (no order between ranks' writers)."""
         self.deferred.append(DeferredWrite(what, action))
+
+    def defer_to_commit(self, what: str, action: Callable[[], None]) -> None:
+        """Leave ``action`` to the commit (rank 0, once every rank's writer has written its share, before the
+        directory is sealed and renamed): what needs other ranks' files, e.g. the adapter read back whole from
+        the trainable weights every rank wrote its rows of."""
+        self.at_commit.append(DeferredWrite(what, action))
 
     def stage(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Copy ``data`` (uint8, any device) into the next buffer, to be written at ``offset`` of ``path``."""
@@ -109,8 +125,26 @@ class StagingFileWriter(ParallelFileWriter):
         super().__init__(directory, plan)
         self.staging = staging
 
+    def create_files(self) -> None:
+        """Stage every header, and note every file's final size: the background writer creates the files."""
+        for name, header in self.plan.headers.items():
+            path = os.path.join(self.directory, name)
+            self.staging.stage(path, 0, torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            self.staging.sizes[path] = self.plan.sizes[name]
+
+    def write_text(self, name: str, text: str) -> None:
+        """Deferred to the background writer (the text is taken now)."""
+        self.staging.defer(os.path.join(self.directory, name), functools.partial(write_text, self.directory, name, text))
+
     def _put(self, name: str, offset: int, data: torch.Tensor) -> None:
         self.staging.stage(os.path.join(self.directory, name), offset, data)
 
     def finish(self) -> OSError | None:
         return None  # nothing was opened: the background writer opens, writes and fsyncs the files
+
+
+def write_text(directory: str, name: str, text: str) -> None:
+    """``directory/name`` with ``text``, creating ``directory`` (a background writer: no rank created it yet)."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, name), "w") as f:
+        f.write(text)

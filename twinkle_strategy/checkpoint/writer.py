@@ -119,6 +119,11 @@ class ParallelFileWriter:
                 f.write(header)
                 f.truncate(self.plan.sizes[name])
 
+    def write_text(self, name: str, text: str) -> None:
+        """A small file next to the planned ones (an index, a JSON of scalars), from text taken now."""
+        with open(os.path.join(self.directory, name), "w") as f:
+            f.write(text)
+
     def write(self, key: str, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Write ``tensor`` as rows ``[a, b)`` of dim 0 of tensor ``key`` (the whole tensor if None)."""
         placed = self.plan.tensors[key]
@@ -169,10 +174,11 @@ def write_at(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def write_index(directory: str, plan: FilePlan, prefix: str = "model") -> None:
-    """``model.safetensors.index.json`` next to several files (none for a single ``model.safetensors``)."""
+def write_index(writer: ParallelFileWriter, prefix: str = "model") -> None:
+    """``model.safetensors.index.json`` next to several files (none for a single ``model.safetensors``), through
+    ``writer`` (written now, or by an asynchronous save's background writer)."""
+    plan = writer.plan
     if list(plan.headers) == [f"{prefix}.safetensors"]:
         return
     name = INDEX_FILE if prefix == "model" else f"{prefix}.safetensors.index.json"
-    with open(os.path.join(directory, name), "w") as f:
-        json.dump(plan.index(), f, indent=2)
+    writer.write_text(name, json.dumps(plan.index(), indent=2))

@@ -95,3 +95,25 @@ def step_reporter(subject: str, *, error_class: type[RanksFailedError] = RanksFa
             raise
 
     return step_done
+
+
+class FoldedSteps:
+    """A :data:`StepDone` that only notes each step's error; :meth:`finish` is the one fail-together check of all.
+
+    For a sequence of steps that never needs a peer's result before the next (an asynchronous save's staging:
+    copies into host memory, collectives every rank runs whatever its own errors): one collective instead of
+    one per step. The first error is the one reported, prefixed by its step.
+    """
+
+    def __init__(self, step_done: StepDone, what: str) -> None:
+        """``step_done``: a :func:`step_reporter`'s; ``what``: the name of the folded steps, the same on every rank."""
+        self._step_done, self._what = step_done, what
+        self._error: str | None = None
+
+    def __call__(self, error: BaseException | None, what: str) -> None:
+        if error is not None and self._error is None:
+            self._error = f"{what}: {type(error).__name__}: {error}"
+
+    def finish(self) -> None:
+        """Collective: raise on every rank (through the wrapped ``step_done``) if any step failed on any rank."""
+        self._step_done(self._error, self._what)
