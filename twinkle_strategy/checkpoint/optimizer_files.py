@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
+from twinkle_strategy.checkpoint.sharded_io import IOStats, Region, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, OpenWriter, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.dtypes import TensorSpec
@@ -40,11 +40,16 @@ SCALARS_FILE = "optimizer.json"
 class OptimizerFiles:
     """What a save of ``optimizer``'s state writes, planned the same way on every rank."""
 
-    def __init__(self, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
+    def __init__(self, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None, max_file_bytes: int,
+                 regions: list[Region] | None = None):
+        """``regions``: this rank's regions of (at least) the parameters the optimizer holds state for, if the caller
+        has them already (:func:`~twinkle_strategy.checkpoint.sharded_io.regions_of` walks the whole model)."""
         self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
         params = self.params = dict(model.named_parameters())
         name_of = {id(p): n for n, p in params.items()}
-        self.regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
+        if regions is None:
+            regions = regions_of(model, ep_plan, names={name_of[id(p)] for p in optimizer.state})
+        self.regions = {r.name: r for r in regions}
         # Every rank steps the same parameters, so every rank has the same state keys.
         self.tensor_keys: dict[str, list[str]] = {}  # parameter -> its state tensors (laid out like it)
         self.scalars: dict[str, dict[str, float]] = {}
@@ -83,16 +88,19 @@ class OptimizerFiles:
         """
         writer = open_writer(directory, self.plan)
         error = None
+        by_key: dict[str, list[str]] = {}  # state key -> the parameters that have it (AdamW: all, twice)
         for name, keys in sorted(self.tensor_keys.items()):
             for key in keys:
-                state = self._state(name, key)
-                # Called on every rank even after this rank failed: some regions are gathered (expert
-                # LoRA's lora_B), and a rank that skipped a gather would leave its peers waiting in it.
-                result = write_regions(
-                    [self.regions[name]], SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
-                    stats=stats, key_of=lambda n, key=key: f"{n}:{key}",
-                    local_of=lambda r, state=state: local_tensor(state))
-                error = error or result
+                by_key.setdefault(key, []).append(name)
+        for key, names in sorted(by_key.items()):
+            # One call per state key: the tensors gathered whole (expert LoRA's lora_B) share one exchange of
+            # who keeps what. Called on every rank even after this rank failed: a rank that skipped a gather
+            # would leave its peers waiting in it.
+            result = write_regions(
+                [self.regions[name] for name in names], SameKeys(), writer, ep_plan=self.ep_plan,
+                chunk_bytes=chunk_bytes, stats=stats, key_of=lambda n, key=key: f"{n}:{key}",
+                local_of=lambda r, key=key: local_tensor(self._state(r.name, key)))
+            error = error or result
         finished = writer.finish()  # always: it closes the files
         return error or finished
 
@@ -144,9 +152,13 @@ def _files(directory: str) -> list[str]:
 class TrainableFiles:
     """The trainable weights of an adapter run (LoRA), by full tensor: what resume reads back on any layout."""
 
-    def __init__(self, model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
+    def __init__(self, model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int,
+                 regions: list[Region] | None = None):
+        """``regions``: this rank's regions of the trainable parameters, if the caller has them already."""
         names = {n for n, p in model.named_parameters() if p.requires_grad}
-        self.regions = regions_of(model, ep_plan, names=names)
+        if regions is None:
+            regions = regions_of(model, ep_plan, names=names)
+        self.regions = [r for r in regions if r.name in names]
         self.ep_plan = ep_plan
         self.plan = plan_files({r.name: TensorSpec(r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
                                prefix=TRAINABLE_PREFIX)

@@ -61,7 +61,7 @@ from twinkle_strategy.checkpoint.optimizer_files import (
     read_optimizer_files,
     read_trainable_files,
 )
-from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
 from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import FoldedSteps, on_rank0, step_reporter
@@ -330,9 +330,13 @@ def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallel
     stats = stats if stats is not None else IOStats()
     state_dir = os.path.join(directory, STATE_DIR)
     open_writer = staging.open_writer if staging is not None else ParallelFileWriter
-    parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if is_peft_model(model) else []
+    # Walked once for both parts: an adapter run's optimizer holds state for its trainable weights only.
+    trainable = trainable_names(model)
+    with_state = {n for n, p in model.named_parameters() if optimizer is not None and p in optimizer.state}
+    regions = regions_of(model, ep_plan, names=trainable | with_state)
+    parts = [TrainableFiles(model, ep_plan, max_file_bytes, regions=regions)] if is_peft_model(model) else []
     if optimizer is not None:
-        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes))
+        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes, regions=regions))
     # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
     scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
     rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
