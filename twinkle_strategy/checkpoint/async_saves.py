@@ -11,10 +11,13 @@ before it ends.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import time
 from collections.abc import Callable
+
+import torch.distributed as dist
 
 from twinkle_strategy.checkpoint.background import BackgroundWrite, InFlightSave
 from twinkle_strategy.checkpoint.staging import HostStaging
@@ -35,9 +38,11 @@ class Wait:
 class AsyncSaves:
     """A run's asynchronous saves (every rank holds one; its collective methods are called on every rank)."""
 
-    def __init__(self, *, pin_memory: bool) -> None:
-        """``pin_memory``: stage in pinned host memory (GPUs and NPUs)."""
+    def __init__(self, *, pin_memory: bool, timeout_s: float | None = None) -> None:
+        """``pin_memory``: stage in pinned host memory (GPUs and NPUs). ``timeout_s``: of the background writers'
+        exchanges (a peer that died mid-exchange), default torch's."""
         self.staging = HostStaging(pin_memory=pin_memory)
+        self.timeout_s = timeout_s
         self.in_flight: InFlightSave | None = None
         # This run's finished saves, oldest first (their buffers are back in the staging pool): file names and
         # times of each rank's writer, and, on rank 0, how long its commit took.
@@ -59,6 +64,11 @@ class AsyncSaves:
             if global_rank() == 0:
                 logger.info("waited %.2fs for %s to finish writing before saving %s", waited, previous,
                             os.path.basename(path))
+        if self.staging.group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # Collective, once: the background writers' own group, on the host, never used by training (as torch
+            # DCP's async_save keeps its own gloo group): their exchanges cannot interleave with training's.
+            timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+            self.staging.group = dist.new_group(backend="gloo", timeout=timeout)
         self.staging.begin()
         return self.staging
 

@@ -2,11 +2,12 @@
 
 Once every rank has staged its share (:mod:`twinkle_strategy.checkpoint.staging`)
 for the checkpoint's staging directory (created empty, nothing else yet), each rank
-starts a :class:`BackgroundWrite`: a thread that writes its deferred small files,
-then its pieces (headers included) into the files, creating them, and fsyncs each. No collective runs in that
-thread (they would interleave with training's); instead, at every step
-boundary the training loop calls :meth:`InFlightSave.poll`, one small
-``all_reduce`` of three counters:
+starts a :class:`BackgroundWrite`: a thread that first exchanges the tensors written whole by their owner
+(expert LoRA's ``lora_B`` and its optimizer state: from host copies, on a gloo group of the save's own, as torch
+DCP's ``async_save`` coordinates on one, so that nothing interleaves with training's collectives), then writes its
+deferred small files, then its pieces (headers included) into the files, creating them, and fsyncs each. The
+writers never wait for one another otherwise; instead, at every step boundary the training loop calls
+:meth:`InFlightSave.poll`, one small ``all_reduce`` of three counters:
 
 * a rank whose thread failed (disk full, permissions) makes every rank stop its
   thread and raise the same :class:`~twinkle_strategy.errors.CheckpointSaveError`,
@@ -76,9 +77,10 @@ class BackgroundWrite:
     """
 
     def __init__(self, name: str, pieces: list[StagedPiece], deferred: list[DeferredWrite] = (),
-                 sizes: dict[str, int] | None = None) -> None:
+                 sizes: dict[str, int] | None = None, exchanges: list[DeferredWrite] = ()) -> None:
         self.name = name
         self.pieces, self.deferred, self.sizes = pieces, list(deferred), dict(sizes or {})
+        self.exchanges = list(exchanges)
         self.error: str | None = None  # "<file>: <error>", as every rank will read it
         self.file_times: dict[str, FileTimes] = {}
         self.started_at: float | None = None  # time.time() when the thread began, and when it had written all
@@ -97,8 +99,9 @@ class BackgroundWrite:
 
     def _run(self) -> None:
         self.started_at = time.time()
-        path = None
+        path = "the tensors written whole by their owner"
         try:
+            self._run_exchanges()
             for deferred in self.deferred:
                 path = deferred.what
                 deferred.action()
@@ -112,9 +115,22 @@ class BackgroundWrite:
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
             self.error = f"writing {path}: {type(exc).__name__}: {exc}"
         finally:
-            self.pieces, self.deferred = [], []  # the buffers belong to the staging pool: the next save reuses them
+            # The buffers belong to the staging pool: the next save reuses them.
+            self.pieces, self.deferred, self.exchanges = [], [], []
             self.finished_at = time.time()
             self.finished.set()
+
+    def _run_exchanges(self) -> None:
+        """Every exchange, in order: collectives on the save's own group, which every rank's writer runs whatever
+        failed (a peer would wait forever in one this rank skipped); the first failure is raised after."""
+        failure = None
+        for exchange in self.exchanges:
+            try:
+                exchange.action()
+            except Exception as exc:  # noqa: BLE001 - raised once every exchange has run
+                failure = failure or exc
+        if failure is not None:
+            raise failure
 
     def _write_file(self, path: str, pieces: list[StagedPiece]) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -154,7 +170,7 @@ class InFlightSave:
         """``started``: ``time.time()`` when the save began (training's blocked part included); default now."""
         self.path = path
         self.name = os.path.basename(path)
-        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred, staging.sizes)
+        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred, staging.sizes, staging.exchanges)
         self.started = started if started is not None else time.time()
         self.commit_seconds: float | None = None  # rank 0: the commit's duration (its actions, fsync, rename)
         self.durable_at: float | None = None  # rank 0: time.time() once the checkpoint has its final name

@@ -111,7 +111,8 @@ class CheckpointManager:
         self.tokenizer = tokenizer
         self.interval, self.keep_latest, self.save_optimizer = interval, keep_latest, save_optimizer
         self.max_file_bytes, self.chunk_bytes = max_file_bytes, chunk_bytes
-        self.async_saves = AsyncSaves(pin_memory=pin_memory) if async_save else None
+        self.async_saves = (AsyncSaves(pin_memory=pin_memory, timeout_s=getattr(strategy, "timeout_s", None))
+                            if async_save else None)
 
     @property
     def in_flight(self) -> InFlightSave | None:

@@ -59,17 +59,35 @@ class DeferredWrite:
 class HostStaging:
     """This rank's staged pieces of one save, in buffers kept for the next save."""
 
-    def __init__(self, *, pin_memory: bool) -> None:
-        self.pin_memory = pin_memory
+    def __init__(self, *, pin_memory: bool, group=None) -> None:
+        """``group``: a process group of every rank (gloo, on the host) the background writers exchange on; without
+        one, tensors written whole are gathered at the save step."""
+        self.pin_memory, self.group = pin_memory, group
         self._pool: list[torch.Tensor] = []
+        self._used = 0  # buffers of the pool this save holds
         self.pieces: list[StagedPiece] = []
+        self.exchanges: list[DeferredWrite] = []
         self.deferred: list[DeferredWrite] = []
         self.at_commit: list[DeferredWrite] = []
         self.sizes: dict[str, int] = {}  # file -> its final size, for the files whose header this rank staged
 
     def begin(self) -> None:
         """Start a new save (the previous one's pieces must have been written: their buffers are reused)."""
-        self.pieces, self.deferred, self.at_commit, self.sizes = [], [], [], {}
+        self.pieces, self.exchanges, self.deferred, self.at_commit, self.sizes = [], [], [], [], {}
+        self._used = 0
+
+    def exchange(self, what: str, action: Callable[[], None]) -> None:
+        """Leave ``action``, a collective on :attr:`group` (tensors written whole by their owner, from host copies
+        taken with :meth:`copy`), to the background writer. Every rank's writer runs every exchange, in the order
+        they were staged (the same on every rank), before anything else and whatever fails."""
+        self.exchanges.append(DeferredWrite(what, action))
+
+    def copy(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` in this save's buffers, for an exchange."""
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer = self._take(data.numel())
+        buffer.copy_(data, non_blocking=self.pin_memory and data.device.type != "cpu")
+        return buffer.view(tensor.dtype).reshape(tensor.shape)
 
     def defer(self, what: str, action: Callable[[], None]) -> None:
         """Leave ``action`` (a whole file written from host data this save already owns: a config, the scheduler's
@@ -85,12 +103,7 @@ class HostStaging:
 
     def stage(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Copy ``data`` (uint8, any device) into the next buffer, to be written at ``offset`` of ``path``."""
-        i, size = len(self.pieces), data.numel()
-        if i == len(self._pool):
-            self._pool.append(self._new_buffer(size))
-        elif self._pool[i].numel() != size:  # another model or plan: this position's buffer is replaced
-            self._pool[i] = self._new_buffer(size)
-        buffer = self._pool[i]
+        buffer = self._take(data.numel())
         buffer.copy_(data, non_blocking=self.pin_memory and data.device.type != "cpu")
         self.pieces.append(StagedPiece(path, offset, buffer))
 
@@ -98,12 +111,23 @@ class HostStaging:
         """Wait for the device-to-host copies; the pieces of this save, in the order they were staged."""
         if self.pin_memory and torch.accelerator.is_available():
             torch.accelerator.synchronize()
-        del self._pool[len(self.pieces):]  # no more than this save's snapshot stays allocated
+        del self._pool[self._used:]  # no more than this save's snapshot stays allocated
         return self.pieces
+
+    def _take(self, size: int) -> torch.Tensor:
+        """The next buffer of the pool, of ``size`` bytes: the i-th of every save of the same model has one size."""
+        i = self._used
+        if i == len(self._pool):
+            self._pool.append(self._new_buffer(size))
+        elif self._pool[i].numel() != size:  # another model or plan: this position's buffer is replaced
+            self._pool[i] = self._new_buffer(size)
+        self._used += 1
+        return self._pool[i]
 
     @property
     def staged_bytes(self) -> int:
-        return sum(piece.data.numel() for piece in self.pieces)
+        """Host bytes this save's pieces and exchange copies hold."""
+        return sum(buffer.numel() for buffer in self._pool[:self._used])
 
     @property
     def allocated_bytes(self) -> int:

@@ -107,8 +107,11 @@ def plan_files(tensors: dict[str, TensorSpec], max_file_bytes: int,
 class ParallelFileWriter:
     """Writes pieces of the planned tensors into the files of ``directory``; counts what it wrote."""
 
-    def __init__(self, directory: str, plan: FilePlan):
-        self.directory, self.plan = directory, plan
+    def __init__(self, directory: str, plan: FilePlan, *, create: bool = False):
+        """``create``: open each file creating it (and its directory) if it does not exist yet, never truncating
+        it, instead of expecting :meth:`create_files` to have made it (an asynchronous save's background writers:
+        no order between ranks)."""
+        self.directory, self.plan, self.create = directory, plan, create
         self._fds: dict[str, int] = {}
         self.bytes_written = 0
 
@@ -143,7 +146,11 @@ class ParallelFileWriter:
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
-            self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
+            if self.create:
+                os.makedirs(self.directory, exist_ok=True)
+                self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY | os.O_CREAT, 0o644)
+            else:
+                self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
         return self._fds[name]
 
     def finish(self) -> OSError | None:

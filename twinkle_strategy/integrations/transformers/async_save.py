@@ -49,7 +49,7 @@ class AsyncCheckpoints(TrainerCallback):
 
     def __init__(self, trainer, *, pin_memory: bool) -> None:
         self.trainer = trainer
-        self.saves = AsyncSaves(pin_memory=pin_memory)
+        self.saves = AsyncSaves(pin_memory=pin_memory, timeout_s=trainer.strategy.timeout_s)
         self.blocked_seconds: list[float] = []  # per save: how long training waited (the previous save included)
 
     # -- the callback: collective, every rank at the same point of the training loop
