@@ -52,20 +52,27 @@ class OptimizerFiles:
         self.regions = {r.name: r for r in regions}
         # Every rank steps the same parameters, so every rank has the same state keys.
         self.tensor_keys: dict[str, list[str]] = {}  # parameter -> its state tensors (laid out like it)
-        self.scalars: dict[str, dict[str, float]] = {}
         for param, state in optimizer.state.items():
-            name = name_of[id(param)]
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
-                    self.tensor_keys.setdefault(name, []).append(key)
-                else:
-                    self.scalars.setdefault(name, {})[key] = float(value)
+                if _laid_out_like(value, param):
+                    self.tensor_keys.setdefault(name_of[id(param)], []).append(key)
         tensors = {f"{name}:{key}": TensorSpec(self.regions[name].full_shape, self._state(name, key).dtype)
                    for name, keys in self.tensor_keys.items() for key in keys}
         self.plan: FilePlan = plan_files(tensors, max_file_bytes, prefix=OPTIMIZER_PREFIX)
 
     def _state(self, name: str, key: str) -> torch.Tensor:
         return self.optimizer.state[self.params[name]][key]
+
+    def scalars(self) -> dict[str, dict[str, float]]:
+        """Parameter -> its state's scalars (AdamW's ``step``), as of now: the plan above stays valid from one save
+        to the next, these change every step."""
+        name_of = {id(p): n for n, p in self.params.items()}
+        scalars: dict[str, dict[str, float]] = {}
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if not _laid_out_like(value, param):
+                    scalars.setdefault(name_of[id(param)], {})[key] = float(value)
+        return scalars
 
     def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
         """Headers, sizes, index and the JSON of scalars and hyper-parameters as of now (one rank; an asynchronous
@@ -76,7 +83,7 @@ class OptimizerFiles:
         names = {id(p): n for n, p in self.model.named_parameters()}
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
                   for group in self.optimizer.param_groups]
-        writer.write_text(SCALARS_FILE, json.dumps({"param_groups": groups, "scalars": self.scalars}, indent=1,
+        writer.write_text(SCALARS_FILE, json.dumps({"param_groups": groups, "scalars": self.scalars()}, indent=1,
                                                    default=str))
 
     def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
@@ -103,6 +110,11 @@ class OptimizerFiles:
             error = error or result
         finished = writer.finish()  # always: it closes the files
         return error or finished
+
+
+def _laid_out_like(value, param) -> bool:
+    """Whether an optimizer state value is a tensor laid out like its parameter (saved by rows), not a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
 def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None,

@@ -70,6 +70,9 @@ class HostStaging:
         self.deferred: list[DeferredWrite] = []
         self.at_commit: list[DeferredWrite] = []
         self.sizes: dict[str, int] = {}  # file -> its final size, for the files whose header this rank staged
+        # What a save planned that the next save of the same model can reuse (file plans, this rank's regions):
+        # they follow from names, shapes and dtypes only. Kept across saves, keyed by what they depend on.
+        self.plans: dict = {}
 
     def begin(self) -> None:
         """Start a new save (the previous one's pieces must have been written: their buffers are reused)."""

@@ -330,13 +330,8 @@ def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallel
     stats = stats if stats is not None else IOStats()
     state_dir = os.path.join(directory, STATE_DIR)
     open_writer = staging.open_writer if staging is not None else ParallelFileWriter
-    # Walked once for both parts: an adapter run's optimizer holds state for its trainable weights only.
-    trainable = trainable_names(model)
-    with_state = {n for n, p in model.named_parameters() if optimizer is not None and p in optimizer.state}
-    regions = regions_of(model, ep_plan, names=trainable | with_state)
-    parts = [TrainableFiles(model, ep_plan, max_file_bytes, regions=regions)] if is_peft_model(model) else []
-    if optimizer is not None:
-        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes, regions=regions))
+    parts = _trainer_state_parts(model, ep_plan, optimizer, max_file_bytes,
+                                 cache=staging.plans if staging is not None else None)
     # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
     scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
     rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
@@ -374,6 +369,28 @@ def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallel
         except Exception as exc:  # noqa: BLE001 - reported on every rank
             error = error or exc
     step_done(error, "trainer state")
+
+
+def _trainer_state_parts(model: nn.Module, ep_plan: ExpertParallelPlan | None, optimizer, max_file_bytes: int, *,
+                         cache: dict | None) -> list:
+    """The files of ``trainer_state/`` (an adapter run's trainable weights, the optimizer state), planned; from
+    ``cache`` when an earlier save of the same parameters, optimizer state keys and file size planned them."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or (optimizer is not None and
+                                                                                  p in optimizer.state)]
+    key = ("trainer_state", id(model), id(optimizer), id(ep_plan), max_file_bytes,
+           tuple((n, id(p), tuple(optimizer.state[p]) if optimizer is not None and p in optimizer.state else ())
+                 for n, p in params))
+    if cache is not None and key in cache:
+        return cache[key]
+    # Walked once for both parts: an adapter run's optimizer holds state for its trainable weights only.
+    regions = regions_of(model, ep_plan, names={n for n, _ in params})
+    parts = [TrainableFiles(model, ep_plan, max_file_bytes, regions=regions)] if is_peft_model(model) else []
+    if optimizer is not None:
+        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes, regions=regions))
+    if cache is not None:
+        cache.clear()  # one model's plans at a time
+        cache[key] = parts
+    return parts
 
 
 def load_trained_weights(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None) -> None:
