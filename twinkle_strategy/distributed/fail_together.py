@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
-from twinkle_strategy.distributed.messages import all_gather_objects
+from twinkle_strategy.distributed.messages import all_gather_objects, collective_device
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import DistributedInitError, RanksFailedError, shorten
 
@@ -115,5 +116,13 @@ class FoldedSteps:
             self._error = f"{what}: {type(error).__name__}: {error}"
 
     def finish(self) -> None:
-        """Collective: raise on every rank (through the wrapped ``step_done``) if any step failed on any rank."""
+        """Collective: raise on every rank (through the wrapped ``step_done``) if any step failed on any rank.
+
+        One ``all_reduce`` of a flag when all went well (what an asynchronous save costs training); the messages
+        are gathered only when some rank failed."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            failed = torch.tensor([self._error is not None], dtype=torch.int64, device=collective_device())
+            dist.all_reduce(failed)
+            if not int(failed.item()):
+                return
         self._step_done(self._error, self._what)
