@@ -220,11 +220,11 @@ def begin_staged_directory(path: str, staging: HostStaging) -> FoldedSteps:
 
 def stage_weights(directory: str, model: nn.Module, strategy: CheckpointedStrategy, *, staging: HostStaging,
                   step_done, stats: IOStats, max_file_bytes: int, chunk_bytes: int,
-                  write_adapter: Callable[[dict[str, torch.Tensor]], None],
+                  write_adapter: Callable[[dict[str, torch.Tensor]], None] | None,
                   adapter_from_trainable_files: bool = True) -> None:
     """An asynchronous save of the model's weights into ``directory`` (collective), as a synchronous save writes
     them: a full model's rows staged and its config deferred (rank 0); a PEFT model's adapter, whole, given to
-    ``write_adapter`` on rank 0 (e.g. PEFT's ``save_pretrained(directory, state_dict=...)``).
+    ``write_adapter`` on rank 0 (e.g. PEFT's ``save_pretrained(directory, state_dict=...)``; unused for a full model).
 
     ``adapter_from_trainable_files``: the save also writes ``trainer_state/trainable*.safetensors`` (every rank its
     rows, :func:`save_trainer_state`), so rank 0 reads the adapter back from those at the commit, once every rank
