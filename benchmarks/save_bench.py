@@ -16,9 +16,9 @@ the hub layout (per-expert keys) and sharded with EP + FSDP2:
                 consolidate_safetensors_files_on_every_rank (each rank assembles some of the final files)
 
 With ``--training`` it measures checkpoints during training instead (``train.async_save``), synchronous
-against asynchronous saves of the same run, full-parameter and LoRA (see :func:`training_main`):
+against asynchronous saves of the same run, full-parameter and LoRA, all in one launch (see :func:`training_main`):
 
-    python benchmarks/save_bench.py --training --hidden 512 --layers 4    # the reported run
+    python benchmarks/save_bench.py --training --hidden 1024 --layers 4    # the reported run
 
 Every method is then checked: rank 0 loads the written checkpoint with plain from_pretrained
 (missing or unexpected keys make it WRONG) and compares every tensor with the model gathered in
@@ -206,13 +206,12 @@ DATASET = os.path.join(ROOT, "examples", "data", "demo_sft.jsonl")
 
 
 def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> dict:
-    """One run of the demo recipe's trainer; per save, the seconds training was blocked, the background
-    write's span, and per step, its seconds and whether a background write was in flight."""
+    """One run of the demo recipe's trainer; per save, the seconds training was blocked and (async) the seconds its
+    writer and rank 0's commit took; per step, its seconds and whether a background write was in flight."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoTokenizer
 
     from twinkle_strategy import NativeFSDPStrategy
-    from twinkle_strategy.distributed.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
     from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
     from twinkle_strategy.train.trainer import Trainer, TrainingArguments
 
@@ -233,7 +232,7 @@ def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> 
                       train_dataset=SFTDataset.from_jsonl(DATASET, tokenizer, max_length=64),
                       data_collator=DataCollatorForSFT(tokenizer.pad_token_id))
     trainer.setup()
-    steps, blocked = [], []
+    steps, saves = [], []
     original_step, original_save = trainer.training_step, trainer.save
 
     def timed_step(step):
@@ -244,19 +243,24 @@ def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> 
 
     def timed_save(global_step):
         path = original_save(global_step)
-        blocked.append(trainer.save_report.seconds)
+        report = trainer.save_report
+        saves.append({"blocked": report.seconds, "rss_growth": report.peak_rss_bytes - report.rss_before_bytes})
         return path
 
     trainer.training_step, trainer.save = timed_step, timed_save
-    rss_before = rss_bytes()
-    reset_peak_rss()
     trainer.train()
-    # Each background write's span: its first byte to its last fsync.
-    writes = [max(t.durable for t in w.file_times.values()) - min(t.first_write for t in w.file_times.values())
-              for w in trainer.checkpoints.finished_writes if w.file_times]
-    return {"steps": steps[1:], "blocked": blocked, "writes": writes,
-            "rss_growth": peak_rss_since_reset() - rss_before,
-            "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())}
+    result = {"steps": steps[1:], "saves": saves,
+              "shard_bytes": sum(p.to_local().numel() * p.element_size() for p in trainer.model.parameters())}
+    background = trainer.checkpoints.async_saves
+    if background is not None:
+        # Per save: this rank's writer, from its start (deferred files first) to its last fsync; rank 0's commit
+        # (the adapter read back and written, trainer_state.json, fsync of the tree, the rename, rotation), and
+        # when the checkpoint had its final name, counted from the start of the save.
+        for entry, done in zip(saves, background.finished, strict=True):
+            entry.update(writer=done.write.finished_at - done.write.started_at, commit=done.commit_seconds,
+                         durable_after=None if done.durable_at is None else done.durable_at - done.started)
+        result["staging_bytes"] = background.staging.allocated_bytes
+    return result
 
 
 def training_worker(args) -> None:
@@ -281,34 +285,45 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _per_save(runs: list[dict], key: str, combine=max) -> list[float]:
+    """``key`` of each save, combined over the ranks that have it (the slowest rank by default)."""
+    return [combine(v for s in saves if (v := s.get(key)) is not None)
+            for saves in zip(*(r["saves"] for r in runs), strict=True)]
+
+
 def training_table(ranks: list[dict]) -> tuple[str, list[dict]]:
-    """Per tuner: blocked and total seconds per save (slowest rank), peak RSS growth, step times."""
+    """Per tuner: blocked and total seconds per save (slowest rank), host memory a save holds, step times."""
     rows = []
     for tuner in ("full", "lora"):
-        runs = {mode: [r[f"{tuner}-{mode}"] for r in ranks] for mode in ("sync", "async")}
-        blocked = {mode: _mean(max(values) for values in zip(*(r["blocked"] for r in rs), strict=True))
-                   for mode, rs in runs.items()}
-        # Async: the save costs training its blocked time; the files are durable after the background write.
-        total = {"sync": blocked["sync"],
-                 "async": blocked["async"] + _mean(max(v) for v in zip(*(r["writes"] for r in runs["async"]),
-                                                                         strict=False))}
-        rss = {mode: max(r["rss_growth"] for r in rs) / 2**20 for mode, rs in runs.items()}
-        steps = {mode: [s for r in rs for s in r["steps"]] for mode, rs in runs.items()}
+        sync, background = ([r[f"{tuner}-{mode}"] for r in ranks] for mode in ("sync", "async"))
+        blocked = {"sync": _mean(_per_save(sync, "blocked")), "async": _mean(_per_save(background, "blocked"))}
+        # A synchronous save is done when it returns (rank 0 renamed the directory). An asynchronous one is done once
+        # its slowest writer has written and rank 0 has committed: the sum of its three parts, each on its slowest
+        # rank (not counting the wait for the step boundary whose poll starts the commit, see durable_after).
+        total_async = _mean(b + w + c for b, w, c in zip(_per_save(background, "blocked"), _per_save(background, "writer"),
+                                                         _per_save(background, "commit"), strict=True))
+        steps = {"sync": [s for r in sync for s in r["steps"]], "async": [s for r in background for s in r["steps"]]}
         rows.append({"tuner": tuner, "blocked_sync_s": blocked["sync"], "blocked_async_s": blocked["async"],
-                     "blocked_ratio": blocked["async"] / blocked["sync"], "total_sync_s": total["sync"],
-                     "total_async_s": total["async"], "rss_growth_sync_mb": rss["sync"],
-                     "rss_growth_async_mb": rss["async"],
+                     "blocked_ratio": blocked["async"] / blocked["sync"], "total_sync_s": blocked["sync"],
+                     "total_async_s": total_async,
+                     "writer_async_s": _mean(_per_save(background, "writer")),
+                     "commit_async_s": _mean(_per_save(background, "commit")),
+                     "durable_after_async_s": _mean(_per_save(background, "durable_after")),
+                     "save_rss_growth_sync_mb": max(_per_save(sync, "rss_growth")) / 2**20,
+                     "staging_async_mb": max(r["staging_bytes"] for r in background) / 2**20,
                      "step_s_sync": _mean(s["seconds"] for s in steps["sync"]),
                      "step_s_async_overlapping": _mean(s["seconds"] for s in steps["async"] if s["overlapping"]),
                      "step_s_async_other": _mean(s["seconds"] for s in steps["async"] if not s["overlapping"]),
-                     "shard_mb": ranks[0][f"{tuner}-sync"]["shard_bytes"] / 2**20})
+                     "shard_mb": sync[0]["shard_bytes"] / 2**20})
     lines = ["| tuner | blocked per save: sync s | async s | async / sync | total save: sync s | async s "
-             "| peak RSS growth: sync MiB | async MiB | step s: sync run | async, overlapping a write | async, other |",
-             "|" + "---|" * 11]
+             "| async: writers s | commit s | durable after s | host memory per save: sync MiB | async MiB "
+             "| step s: sync run | async, overlapping a write | async, other |",
+             "|" + "---|" * 14]
     for r in rows:
         lines.append(f"| {r['tuner']} | {r['blocked_sync_s']:.3f} | {r['blocked_async_s']:.3f} | "
                      f"{r['blocked_ratio']:.2f} | {r['total_sync_s']:.3f} | {r['total_async_s']:.3f} | "
-                     f"{r['rss_growth_sync_mb']:.0f} | {r['rss_growth_async_mb']:.0f} | {r['step_s_sync']:.3f} | "
+                     f"{r['writer_async_s']:.3f} | {r['commit_async_s']:.3f} | {r['durable_after_async_s']:.3f} | "
+                     f"{r['save_rss_growth_sync_mb']:.0f} | {r['staging_async_mb']:.0f} | {r['step_s_sync']:.3f} | "
                      f"{r['step_s_async_overlapping']:.3f} | {r['step_s_async_other']:.3f} |")
     return "\n".join(lines), rows
 

@@ -43,10 +43,28 @@ def test_training_goes_on_while_the_files_are_written_and_they_equal_a_synchrono
         assert comparison["different"] == [] and comparison["files"] == comparison["files_in_async"] > 5, (name, files)
 
 
-def test_a_bf16_lora_run_saves_the_same_bytes_asynchronously(compared):
-    bf16 = compared[0]["bf16"]
-    assert bf16["losses_True"] == bf16["losses_False"]
-    assert bf16["files"]["different"] == [] and bf16["files"]["files"] == bf16["files"]["files_in_async"] > 5, bf16
+def test_a_bf16_lora_run_saves_the_same_bytes_asynchronously_while_it_trains(compared):
+    for rank, data in compared.items():
+        run = data["bf16"]["True"]
+        assert run["losses"] == data["bf16"]["losses_False"], rank
+        # checkpoint-2's writer was paused mid-file while steps 3 and 4 trained (the writers' timestamps).
+        written = run["writes"]["checkpoint-2"]
+        assert written and run["step_starts"]["4"] < min(t["durable"] for t in written.values()), (rank, run)
+        assert list(run["writes"]) == ["checkpoint-2", "checkpoint-4"], rank
+    files = compared[0]["bf16"]["files"]
+    for name, comparison in files.items():
+        assert comparison["different"] == [] and comparison["files"] == comparison["files_in_async"] > 5, (name, files)
+
+
+def test_a_save_that_comes_while_the_previous_is_writing_waits_for_it_and_logs_how_long(compared):
+    # checkpoint-2's writer was released 0.5 s after the save of step 4 began.
+    for rank, data in compared.items():
+        (wait,) = data["bf16"]["True"]["waits"]
+        assert (wait["previous"], wait["saving"]) == ("checkpoint-2", "checkpoint-4") and wait["seconds"] >= 0.5, (rank, wait)
+    (line,) = compared[0]["bf16"]["True"]["logged"]
+    seconds = float(line.split()[1].rstrip("s"))
+    assert line == f"waited {seconds:.2f}s for checkpoint-2 to finish writing before saving checkpoint-4", line
+    assert seconds >= 0.5, line
 
 
 def test_sigterm_waits_for_the_save_in_flight_then_saves_its_step(compared):

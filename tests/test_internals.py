@@ -16,6 +16,7 @@ import ast
 import functools
 import importlib.metadata
 import inspect
+import os
 import warnings
 from pathlib import Path
 
@@ -483,6 +484,40 @@ def _trainer_hooks(tiny):
         ours = inspect.signature(vars(StrategyTrainerMixin)[name]).parameters
         theirs = inspect.signature(getattr(Trainer, name)).parameters
         assert list(ours) == list(theirs), (name, list(theirs))
+    # A synchronous save goes on to the next class's _save_checkpoint (swift's, then the HF Trainer's).
+    calls = []
+
+    class Next(Trainer):
+        def __init__(self):  # nothing built: only _save_checkpoint is called
+            pass
+
+        def _save_checkpoint(self, model, trial):
+            calls.append((model, trial))
+
+    class Mixin:
+        pass
+
+    hf.parent_save_checkpoint(type("Trained", (Mixin, Next), {})(), Mixin, "model", None)
+    assert calls == [("model", None)]
+
+
+@checks("Trainer._save_rng_state")
+def _trainer_save_rng_state(tiny):
+    """It writes this process's RNG state (rng_state.pth on one process) into a directory it creates, so an
+    asynchronous save can take the file at the save step."""
+    import tempfile
+    import types
+
+    from transformers import Trainer
+    from transformers.training_args import ParallelMode
+
+    trainer = Trainer.__new__(Trainer)  # no model, no arguments: only _save_rng_state is called
+    trainer.args = types.SimpleNamespace(world_size=1, process_index=0, parallel_mode=ParallelMode.NOT_PARALLEL)
+    with tempfile.TemporaryDirectory() as root:
+        hf.save_rng_state(trainer, os.path.join(root, "new"))
+        assert os.listdir(os.path.join(root, "new")) == ["rng_state.pth"]
+        saved = torch.load(os.path.join(root, "new", "rng_state.pth"), weights_only=False)
+    assert torch.equal(saved["cpu"], torch.get_rng_state()) and {"python", "numpy"} <= set(saved)
 
 
 @checks("Trainer._save")

@@ -326,6 +326,81 @@ def test_swift_sft_reads_an_older_twinkle_state_once(lora_runs, swift_bin, tiny_
     assert (final / "trainer_state").is_dir() and not (final / "twinkle_state").exists()
 
 
+def _normalized_json(path: Path, run_dir: Path) -> object:
+    """A JSON file of a checkpoint with its run's own directory (and the test's) replaced by placeholders."""
+    return json.loads(path.read_text().replace(str(run_dir), "<run>").replace(str(run_dir.parent.parent), "<out>"))
+
+
+WALL_CLOCK = ("elapsed_time", "remaining_time", "train_speed(s/it)", "memory(GiB)", "tokens_per_second",
+              "tflops_per_device", "mfu", "train_runtime", "train_samples_per_second", "train_steps_per_second")
+
+
+def swift_checkpoint_differences(swift_bin: Path, sync: Path, background: Path) -> tuple[list[str], int]:
+    """Files of swift checkpoint ``background`` that differ from ``sync``'s (or exist in one only), and how many
+    were compared. Byte for byte, except where a run writes its own directory or the wall clock: args.json and
+    training_args.bin with the run directories replaced, trainer_state.json without its wall-clock log fields;
+    and adapter_config.json with its lists sorted (PEFT writes sets such as target_modules as lists in the
+    process's string-hash order, which differs between any two runs)."""
+    names = {str(p.relative_to(d)) for d in (sync, background) for p in d.rglob("*") if p.is_file()}
+    different = []
+    for name in sorted(names):
+        a, b = sync / name, background / name
+        if not (a.is_file() and b.is_file()):
+            different.append(name)
+        elif name == "args.json":
+            if _normalized_json(a, sync.parent) != _normalized_json(b, background.parent):
+                different.append(name)
+        elif name == "training_args.bin":  # swift's own arguments class: unpickled by swift's Python
+            code = ("import json, sys, torch; a = torch.load(sys.argv[1], weights_only=False); "
+                    "print(json.dumps(a.to_dict(), default=str).replace(sys.argv[2], '<run>')"
+                    ".replace(sys.argv[3], '<out>'))")
+            loaded = [subprocess.run([str(swift_bin / "python"), "-c", code, str(p), str(p.parent.parent),
+                                      str(p.parent.parent.parent.parent)], check=True, capture_output=True, text=True,
+                                     timeout=120, env={**os.environ, **SWIFT_ENV}).stdout for p in (a, b)]
+            if json.loads(loaded[0]) != json.loads(loaded[1]):
+                different.append(name)
+        elif name == "adapter_config.json":
+            configs = [{k: sorted(v, key=str) if isinstance(v, list) else v for k, v in json.loads(p.read_text()).items()}
+                       for p in (a, b)]
+            if configs[0] != configs[1]:
+                different.append(name)
+        elif name == "trainer_state.json":
+            states = [json.loads(p.read_text()) for p in (a, b)]
+            for state in states:
+                state["log_history"] = [{k: v for k, v in e.items() if k not in WALL_CLOCK} for e in state["log_history"]]
+            if states[0] != states[1]:
+                different.append(name)
+        elif a.read_bytes() != b.read_bytes():
+            different.append(name)
+    return different, len(names)
+
+
+def test_swift_sft_async_save_overlaps_training_and_writes_the_synchronous_files(lora_runs, swift_bin, tiny_model,
+                                                                                  tmp_path_factory):
+    """TWINKLE_ASYNC_SAVE=1: the writers pause mid-file in checkpoint-5 until step 6 has begun, so step 6 starts
+    before any of its files is durable (the writers' own timestamps); both checkpoints equal the synchronous run's
+    (lora_runs' "mem", the same arguments), and swift's last-checkpoint link points at the last one."""
+    from twinkle_strategy.checkpoint.background import PAUSE_ENV
+
+    out = tmp_path_factory.mktemp("swift_asyn")  # (as long a path as the synchronous run's: see args.json)
+    (out / "pause").mkdir()
+    run = run_swift_sft(swift_bin, tiny_model, out, [*BATCH_2, *LORA_ARGS],
+                        {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1", "TWINKLE_ASYNC_SAVE": "1",
+                         PAUSE_ENV: f"checkpoint-5:{out / 'pause'}"})
+    sync = lora_runs["mem"]
+    assert run["losses"] == sync["losses"] and run["grad_norms"] == sync["grad_norms"]
+    for rank, data in run["ranks"].items():
+        written = data["writes"]["checkpoint-5"]
+        assert written and data["step_starts"]["6"] < min(t["durable"] for t in written.values()), (rank, data)
+        assert list(data["writes"]) == ["checkpoint-5", "checkpoint-10"], rank  # the final save awaited in train()
+    for step in (5, 10):
+        different, compared = swift_checkpoint_differences(swift_bin, sync["run_dir"] / f"checkpoint-{step}",
+                                                           run["run_dir"] / f"checkpoint-{step}")
+        assert different == [] and compared > 10, (step, different)
+    assert os.readlink(run["run_dir"] / "last-checkpoint") == "checkpoint-10"
+    assert not list(run["run_dir"].glob("*.tmp"))
+
+
 def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):
     """The saved adapter is the full [r*E] one: plain PEFT on one process gives the distributed model's logits,
     with this repo's peft/transformers and with the older ones swift runs on."""
@@ -580,17 +655,18 @@ def test_plugin_options_from_environment_and_fsdp_json():
         resolve_options({"memory_efficient_init": "maybe"}, {})
 
 
-def test_plugin_refuses_async_save_before_any_weight_loads():
+def test_plugin_reads_async_save_as_a_trainer_option_before_any_weight_loads():
     # resolve_options runs in swift's argument parsing, before any model is loaded (parts/arguments.py).
+    from twinkle_strategy.integrations.swift.parts.options import trainer_options
     from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, resolve_options
 
-    for env, fsdp in (({"TWINKLE_ASYNC_SAVE": "1"}, None), ({}, {"async_save": True}),
-                      ({"TWINKLE_ASYNC_SAVE": "soon"}, None)):
-        with pytest.raises(SwiftPluginError, match=r"(?i)async_save.*=.*: asynchronous saves are not served by the "
-                                                   r"swift plugin yet .*`twinkle-sft --async_save true`$"):
-            resolve_options(fsdp, env)
-    # off, as the default is: accepted, and not a strategy option
-    assert resolve_options({"async_save": False}, {"TWINKLE_ASYNC_SAVE": "0"}) == {"memory_efficient_init": True}
+    assert trainer_options(None, {"TWINKLE_ASYNC_SAVE": "1"}) == {"async_save": True}
+    assert trainer_options({"async_save": False}, {"TWINKLE_ASYNC_SAVE": "1"}) == {"async_save": False}  # JSON wins
+    assert trainer_options(None, {}) == {"async_save": False}
+    # not a strategy option: the strategy is built without it
+    assert resolve_options({"async_save": True}, {"TWINKLE_ASYNC_SAVE": "1"}) == {"memory_efficient_init": True}
+    with pytest.raises(SwiftPluginError, match=r"^environment variable TWINKLE_ASYNC_SAVE='soon': expected true/false"):
+        resolve_options(None, {"TWINKLE_ASYNC_SAVE": "soon"})
 
 
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():

@@ -8,6 +8,8 @@ the plain run's saved checkpoints give. A third, full-parameter run with the mod
 on must count it over the global batch: the plain process takes the global batch in one micro-batch.
 Two more runs train on packed rows (DataCollatorWithFlattening), the plain process with the KV cache off: LoRA,
 and full-parameter with the aux loss and sequence_parallel_size=2 (each rank a chunk of its group's rows).
+The same launch then runs the LoRA run again with ``async_save=True``: training goes on while its
+checkpoint is written, and the files equal the synchronous run's.
 A DeepSpeed ZeRO-3 setting next to the strategy must end every rank with one line naming it, within seconds:
 accelerate's (its launcher's environment) in from_pretrained before the process group and any file is read,
 TrainingArguments' when the trainer is built, before any weight moves.
@@ -75,6 +77,21 @@ def test_hf_trainer_saves_what_plain_peft_and_transformers_load(runs, run):
     # plain from_pretrained, gives the logits of the one-process run's checkpoint.
     torch.testing.assert_close(torch.tensor(runs["strategy"][0][run]["saved_logits"]),
                                torch.tensor(runs["plain"][run]["saved_logits"]), atol=ATOL, rtol=0)
+
+
+def test_hf_trainer_async_save_overlaps_training_and_writes_the_synchronous_files(runs):
+    for rank, result in runs["strategy"].items():
+        run, sync = result["lora_async"], result["lora"]
+        assert run["losses"] == sync["losses"] and run["grad_norms"] == sync["grad_norms"], rank
+        # The writer paused mid-file in checkpoint-2 until step 3 began: step 3 started before any of
+        # checkpoint-2's files was durable, by the writers' own timestamps.
+        written = run["writes"]["checkpoint-2"]
+        assert written and run["step_starts"]["3"] < min(t["durable"] for t in written.values()), (rank, run)
+        assert list(run["writes"]) == ["checkpoint-2", "checkpoint-3"], rank  # the final save, awaited in train()
+        # save_total_limit=1: checkpoint-2 went once checkpoint-3 was durable; no staging directory is left.
+        assert run["left"] == ["checkpoint-3"], (rank, run["left"])
+    run = runs["strategy"][0]["lora_async"]
+    assert run["different"] == [] and run["compared"] > 10, run  # adapter, trainer_state/, RNG, arguments
 
 
 def test_unservable_settings_stop_every_rank_before_weights_load(tiny_model, tmp_path):

@@ -3,9 +3,10 @@
 Scenarios:
 
 * ``compare``: the same runs saved synchronously and asynchronously (full fp32; LoRA on a bf16 model),
-  each checkpoint compared byte for byte; the asynchronous run's writer pauses in checkpoint-2 (the
-  package's test seam) until step 3 has begun, and reports when it wrote each file; then a run whose
-  background write fails with ENOSPC on rank 1.
+  each checkpoint compared byte for byte; the asynchronous full run's writer pauses in checkpoint-2 (the
+  package's test seam) until step 3 has begun, and reports when it wrote each file; the bf16 LoRA run's
+  until 0.5 s after the save of step 4 began, which must wait for it; then a run whose background write fails
+  with ENOSPC on rank 1.
 * ``killed``: an asynchronous run whose writers all pause mid-file in checkpoint-4 (its final save), where
   every rank SIGKILLs itself.
 * ``resume``: the killed run resumed from its output directory.
@@ -15,6 +16,7 @@ import argparse
 import errno
 import filecmp
 import json
+import logging
 import os
 import signal
 import sys
@@ -110,6 +112,62 @@ def timed_async_run(args, out, pause_dir):
             "blocked_s": trainer.save_report.seconds, "background": trainer.save_report.background}
 
 
+class Records(logging.Handler):
+    """The messages logged while it is installed (rank 0 logs the waits)."""
+
+    def __init__(self, logger_name: str):
+        super().__init__(logging.INFO)
+        self.logger = logging.getLogger(logger_name)
+        self.messages: list[str] = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+    def __enter__(self):
+        self.level = self.logger.level
+        self.logger.setLevel(logging.INFO)
+        self.logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc):
+        self.logger.removeHandler(self)
+        self.logger.setLevel(self.level)
+
+
+def waiting_bf16_run(args, out, pause_dir):
+    """The asynchronous bf16 LoRA run: checkpoint-2's writer pauses mid-file while steps 3 and 4 train, and is
+    released 0.5 s after the save of step 4 began, which must wait for it."""
+    from twinkle_strategy.checkpoint import async_saves
+    from twinkle_strategy.train.trainer import Trainer
+
+    os.makedirs(pause_dir, exist_ok=True)
+    os.environ[background.PAUSE_ENV] = f"checkpoint-2:{pause_dir}"
+    original_step, original_save = Trainer.training_step, Trainer.save
+    step_starts = {}
+
+    def timed_step(self, step):
+        step_starts[step + 1] = time.time()
+        return original_step(self, step)
+
+    def late_release(self, global_step):
+        if global_step == 4 and RANK == 0:
+            threading.Timer(0.5, lambda: open(os.path.join(pause_dir, "release"), "w").close()).start()
+        return original_save(self, global_step)
+
+    Trainer.training_step, Trainer.save = timed_step, late_release
+    try:
+        with Records(async_saves.__name__) as records:
+            trainer = make_trainer(args, out, async_save=True, lora=True, dtype=torch.bfloat16)
+            history = trainer.train()
+    finally:
+        Trainer.training_step, Trainer.save = original_step, original_save
+        del os.environ[background.PAUSE_ENV]
+    saves = trainer.checkpoints.async_saves
+    return {"losses": losses(history), "step_starts": step_starts,
+            "writes": {w.name: {n: vars(t) for n, t in w.file_times.items()} for w in saves.finished_writes},
+            "waits": [vars(w) for w in saves.waits], "logged": [m for m in records.messages if "waited" in m]}
+
+
 def failing_run(args, out):
     """Rank 1's background writer finds the disk full in checkpoint-2."""
     original = background.write_piece
@@ -168,15 +226,14 @@ def compare(args):
         result["full"]["files"] = {f"checkpoint-{s}": same_files(f"{out}/sync/checkpoint-{s}",
                                                                  f"{out}/async/checkpoint-{s}")
                                    for s in range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS)}
-    bf16 = {}
-    for mode in (False, True):
-        history = make_trainer(args, f"{out}/bf16-{mode}", async_save=mode, lora=True, dtype=torch.bfloat16,
-                               max_steps=SAVE_STEPS).train()
-        bf16[f"losses_{mode}"] = losses(history)
+    bf16 = {"losses_False": losses(make_trainer(args, f"{out}/bf16-False", async_save=False, lora=True,
+                                                dtype=torch.bfloat16).train())}
+    bf16["True"] = waiting_bf16_run(args, f"{out}/bf16-True", f"{out}/bf16-pause")
     dist.barrier()
     if RANK == 0:
-        bf16["files"] = same_files(f"{out}/bf16-False/checkpoint-{SAVE_STEPS}",
-                                   f"{out}/bf16-True/checkpoint-{SAVE_STEPS}")
+        bf16["files"] = {f"checkpoint-{s}": same_files(f"{out}/bf16-False/checkpoint-{s}",
+                                                       f"{out}/bf16-True/checkpoint-{s}")
+                         for s in range(SAVE_STEPS, MAX_STEPS + 1, SAVE_STEPS)}
     result["bf16"] = bf16
     result["preempted"] = preempted_run(args, f"{out}/preempted")
     dist.barrier()

@@ -11,6 +11,10 @@ Two runs on packed rows (transformers' ``DataCollatorWithFlattening``: one row p
 restarting at every example, no attention mask), against the plain process on the same packed rows with the KV
 cache off (with a cache transformers does not look for packed sequences): a LoRA run, and a full-parameter run with
 sequence_parallel_size=2 and the aux loss (its ranks exchange their rows and each computes a chunk of every row).
+A sixth run (strategy only), the LoRA run again with ``async_save=True`` and ``save_total_limit=1``: its
+writer pauses mid-file in checkpoint-2 (the package's test seam) until step 3 has begun; it reports when each
+step began, when its writers wrote each file, what is left in its output directory, and (rank 0) which files of
+its checkpoint-3 differ from the synchronous LoRA run's.
 ``--mode refuse``: first accelerate's ZeRO-3 in the environment, then sequence_parallel_size=2 with a
 ``compute_loss_func`` (it would shift a chunk's shifted labels again), then a DeepSpeed ZeRO-3 config in
 TrainingArguments, next to the strategy; every rank must raise at once, each time.
@@ -92,17 +96,20 @@ def saved_logits(base: str, checkpoint: str, rows, lora: bool) -> list:
     return probe_logits(model, rows)
 
 
-def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = False, packed: bool = False, sp: int = 1):
+def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = False, packed: bool = False, sp: int = 1,
+        async_save: bool = False):
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, DataCollatorWithFlattening, Trainer
 
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.integrations.transformers import with_strategy
 
-    name = "sp" if sp > 1 else "packed" if packed else "aux" if aux else "lora" if lora else "full"
+    name = "sp" if sp > 1 else "packed" if packed else "aux" if aux else "lora_async" if async_save else "lora" if lora else "full"
     micro = 2  # per rank and micro-batch; one process takes the whole global batch
     if aux and mode == "plain":  # one micro-batch of the global batch: the model's own aux loss is the global one
         args = training_args(os.path.join(out, name), micro * world * 2, accumulation=1)
+    elif async_save:  # checkpoint-2 goes once checkpoint-3 is durable
+        args = training_args(os.path.join(out, name), micro, save_total_limit=1)
     else:
         args = training_args(os.path.join(out, name), micro if mode == "strategy" else micro * world)
     if mode == "strategy":
@@ -122,14 +129,101 @@ def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = Fals
     rows = (packed_dataset if packed else dataset)(micro * world * 2, model.config.vocab_size)
     collator = {"data_collator": DataCollatorWithFlattening()} if packed else {}
     if mode == "strategy":
-        trainer = with_strategy(Trainer)(model=model, args=args, train_dataset=rows, strategy=strategy, **collator)
+        trainer = with_strategy(Trainer)(model=model, args=args, train_dataset=rows, strategy=strategy,
+                                         async_save=async_save, **collator)
     else:
         trainer = Trainer(model=model, args=args, train_dataset=rows, **collator)
+    if async_save:
+        return {name: async_run(trainer, out)}
     trainer.train()
     result = history(trainer)
     if int(os.environ.get("RANK", "0")) == 0 and not (aux or packed):
         result["saved_logits"] = saved_logits(base, os.path.join(out, name, f"checkpoint-{SAVE_STEP}"), rows, lora)
     return {name: result}
+
+
+def async_run(trainer, out: str) -> dict:
+    """Train with the writer paused in checkpoint-2 until step 3 begins; what the test checks."""
+    import time
+
+    import torch.distributed as dist
+    from transformers import TrainerCallback
+
+    from twinkle_strategy.checkpoint.background import PAUSE_ENV
+
+    pause = os.path.join(out, "pause")
+    os.makedirs(pause, exist_ok=True)
+    starts = {}
+
+    class StepStarts(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            starts[state.global_step + 1] = time.time()
+            if state.global_step + 1 == 3 and int(os.environ["RANK"]) == 0:
+                open(os.path.join(pause, "release"), "w").close()
+
+    trainer.add_callback(StepStarts())
+    os.environ[PAUSE_ENV] = f"checkpoint-{SAVE_STEP}:{pause}"
+    try:
+        trainer.train()
+    finally:
+        del os.environ[PAUSE_ENV]
+    saves = trainer.async_checkpoints.saves
+    result = {**history(trainer), "step_starts": starts,
+              "writes": {save.name: {name: vars(t) for name, t in save.write.file_times.items()}
+                         for save in saves.finished}}
+    dist.barrier()
+    run_dir = os.path.join(out, "lora_async")
+    result["left"] = sorted(n for n in os.listdir(run_dir) if n.startswith("checkpoint"))
+    if int(os.environ["RANK"]) == 0:
+        result["different"], result["compared"] = different_files(os.path.join(out, "lora", f"checkpoint-{STEPS}"),
+                                                                  os.path.join(run_dir, f"checkpoint-{STEPS}"))
+    return result
+
+
+WALL_CLOCK = ("tokens_per_second", "tflops_per_device", "mfu", "train_runtime", "train_samples_per_second",
+              "train_steps_per_second")
+
+
+def different_files(sync: str, background: str) -> tuple[list[str], int]:
+    """Files of checkpoint ``background`` that differ from ``sync``'s or exist in one only, and how many were
+    compared. Byte for byte, except: trainer_state.json without its wall-clock log fields, training_args.bin
+    without the fields the two runs set apart (output directory, save_total_limit)."""
+    import filecmp
+    import json
+
+    names = {os.path.relpath(os.path.join(root, n), d) for d in (sync, background)
+             for root, _, files in os.walk(d) for n in files}
+    different = []
+    for name in sorted(names):
+        a, b = os.path.join(sync, name), os.path.join(background, name)
+        if not (os.path.isfile(a) and os.path.isfile(b)):
+            different.append(name)
+        elif name == "trainer_state.json":
+            with open(a) as f, open(b) as g:
+                left, right = json.load(f), json.load(g)
+            for state in (left, right):
+                state["log_history"] = [{k: v for k, v in e.items() if k not in WALL_CLOCK} for e in state["log_history"]]
+            if left != right:
+                different.append(f"{name}: {json_differences(left, right)[:5]}")
+        elif name == "training_args.bin":
+            left, right = (torch.load(p, weights_only=False).to_dict() for p in (a, b))
+            for args in (left, right):
+                for key in ("output_dir", "logging_dir", "save_total_limit"):
+                    args.pop(key, None)
+            if left != right:
+                different.append(f"{name}: {json_differences(left, right)[:5]}")
+        elif not filecmp.cmp(a, b, shallow=False):
+            different.append(name)
+    return different, len(names)
+
+
+def json_differences(a, b, where: str = "") -> list[str]:
+    """Where two JSON values differ (for the failure message)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(set(a) | set(b), key=str) for d in json_differences(a.get(k), b.get(k), f"{where}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        return [d for i, (x, y) in enumerate(zip(a, b, strict=True)) for d in json_differences(x, y, f"{where}[{i}]")]
+    return [] if a == b else [f"{where}: {a!r} != {b!r}"]
 
 
 def refuse(base: str, out: str):
@@ -185,11 +279,14 @@ def main():
     a = p.parse_args()
     if a.mode == "refuse":
         return refuse(a.model, a.out)
-    return {**run(a.mode, a.model, a.out, lora=True, world=a.world),
-            **run(a.mode, a.model, a.out, lora=False, world=a.world),
-            **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True),
-            **run(a.mode, a.model, a.out, lora=True, world=a.world, packed=True),
-            **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True, packed=True, sp=2)}
+    result = {**run(a.mode, a.model, a.out, lora=True, world=a.world),
+              **run(a.mode, a.model, a.out, lora=False, world=a.world),
+              **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True),
+              **run(a.mode, a.model, a.out, lora=True, world=a.world, packed=True),
+              **run(a.mode, a.model, a.out, lora=False, world=a.world, aux=True, packed=True, sp=2)}
+    if a.mode == "strategy":
+        result.update(run(a.mode, a.model, a.out, lora=True, world=a.world, async_save=True))
+    return result
 
 
 if __name__ == "__main__":

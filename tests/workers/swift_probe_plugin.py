@@ -11,6 +11,9 @@ With ``TWINKLE_PROBE_LEGACY_STATE=1``, every save also writes what the plugin be
 d5f1785, ``_save_optimizer_and_scheduler``) wrote next to the weights: per-rank ``twinkle_state/rank<R>.pt``
 (the local shards of the trainable weights and of the optimizer state) and ``scheduler.pt``, under
 ``$TWINKLE_PROBE_OUT/legacy/checkpoint-<step>/`` (not into the checkpoint: other tests resume from it).
+With ``TWINKLE_ASYNC_SAVE=1``, ``rank<R>.json`` also holds when each step began and when the background writers
+wrote each file; with the package's writer pause (``TWINKLE_TEST_PAUSE_SAVE_WRITER=checkpoint-<N>:<dir>``),
+process zero releases the paused writers as step N+1 begins.
 """
 
 import dataclasses
@@ -82,6 +85,17 @@ def write_legacy_state(directory: str, model, optimizer, scheduler) -> None:
 
 
 class TwinkleProbe(TrainerCallback):
+    step_starts: dict = {}
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        import time
+
+        from twinkle_strategy.checkpoint.background import PAUSE_ENV
+
+        self.step_starts[state.global_step + 1] = time.time()
+        checkpoint, _, pause = os.environ.get(PAUSE_ENV, "").partition(":")
+        if checkpoint == f"checkpoint-{state.global_step}" and args.process_index == 0:
+            open(os.path.join(pause, "release"), "w").close()  # the writers of the last save go on from here
 
     def on_save(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         if os.environ.get("TWINKLE_PROBE_LEGACY_STATE") == "1":
@@ -102,6 +116,11 @@ class TwinkleProbe(TrainerCallback):
                 "is_source": strategy.topology.is_source, "ep_size": strategy.ep_size,
                 "init_report": dataclasses.asdict(report) if report is not None else None,
                 "model_class": type(model).__name__}
+        saves = getattr(self.trainer, "async_checkpoints", None)
+        if saves is not None:
+            info["step_starts"] = self.step_starts
+            info["writes"] = {save.name: {name: dataclasses.asdict(t) for name, t in save.write.file_times.items()}
+                              for save in saves.saves.finished}
         with open(os.path.join(out, f"rank{strategy.rank}.json"), "w") as f:
             json.dump(info, f, indent=1)
         if strategy.rank == 0:

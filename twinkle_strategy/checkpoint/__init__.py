@@ -13,6 +13,7 @@ optimizer_files.py  optimizer state and adapter weights by full tensor, for resu
 durable.py          directories that exist under their final name only when complete (staged, fsynced, renamed)
 staging.py          asynchronous saves: what a save writes, copied into host buffers reused from save to save
 background.py       asynchronous saves: a thread writes the staged bytes; failures and the commit at step boundaries
+async_saves.py      asynchronous saves of a run: one in flight, the next waits for it, buffers and plans reused
 """
 
 from twinkle_strategy.checkpoint.manager import (  # noqa: F401

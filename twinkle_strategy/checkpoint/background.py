@@ -1,19 +1,21 @@
 """An asynchronous save in flight: a thread writes the staged bytes while training goes on.
 
 Once every rank has staged its share (:mod:`twinkle_strategy.checkpoint.staging`)
-into the checkpoint's staging directory, whose files, headers and small files
-already exist, each rank starts a :class:`BackgroundWrite`: a thread that
-writes its pieces into those files and fsyncs each. No collective runs in that
-thread (they would interleave with training's); instead, at every step
-boundary the training loop calls :meth:`InFlightSave.poll`, one small
-``all_reduce`` of three counters:
+for the checkpoint's staging directory (created empty, nothing else yet), each rank
+starts a :class:`BackgroundWrite`: a thread that first exchanges the tensors written whole by their owner
+(expert LoRA's ``lora_B`` and its optimizer state: from host copies, on a gloo group of the save's own, as torch
+DCP's ``async_save`` coordinates on one, so that nothing interleaves with training's collectives), then writes its
+deferred small files, then its pieces (headers included) into the files, creating them, and fsyncs each. The
+writers never wait for one another otherwise; instead, at every step boundary the training loop calls
+:meth:`InFlightSave.poll`, one small ``all_reduce`` of three counters:
 
 * a rank whose thread failed (disk full, permissions) makes every rank stop its
   thread and raise the same :class:`~twinkle_strategy.errors.CheckpointSaveError`,
   naming that rank and file; the staging directory is removed;
 * once every rank has written its share, rank 0 commits in a thread of its own:
-  ``trainer_state.json``, fsync of the whole directory, the rename to its final
-  name (:mod:`twinkle_strategy.checkpoint.durable`), then rotation;
+  what needs every rank's files (an adapter read back from the trainable weights
+  all ranks wrote), ``trainer_state.json``, fsync of the whole directory, the
+  rename to its final name (:mod:`twinkle_strategy.checkpoint.durable`), then rotation;
 * once rank 0 has committed, the save is over.
 
 A process killed at any point leaves at most the staging directory, which
@@ -67,13 +69,22 @@ class FileTimes:
 
 
 class BackgroundWrite:
-    """One rank's share of one checkpoint, written from host memory by a thread of its own."""
+    """One rank's share of one checkpoint, written from host memory by a thread of its own.
 
-    def __init__(self, name: str, pieces: list[StagedPiece], deferred: list[DeferredWrite] = ()) -> None:
+    First the deferred whole files, then the staged pieces, file by file: each file (and its directory) is
+    created by whichever rank's writer gets there first, never truncated, and the rank that staged its
+    header gives it its final size; each writer fsyncs what it wrote.
+    """
+
+    def __init__(self, name: str, pieces: list[StagedPiece], deferred: list[DeferredWrite] = (),
+                 sizes: dict[str, int] | None = None, exchanges: list[DeferredWrite] = ()) -> None:
         self.name = name
-        self.pieces, self.deferred = pieces, list(deferred)
+        self.pieces, self.deferred, self.sizes = pieces, list(deferred), dict(sizes or {})
+        self.exchanges = list(exchanges)
         self.error: str | None = None  # "<file>: <error>", as every rank will read it
         self.file_times: dict[str, FileTimes] = {}
+        self.started_at: float | None = None  # time.time() when the thread began, and when it had written all
+        self.finished_at: float | None = None
         self.finished = threading.Event()
         self._cancelled = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"twinkle-save-{name}", daemon=True)
@@ -87,8 +98,10 @@ class BackgroundWrite:
         self._thread.join()
 
     def _run(self) -> None:
-        path = None
+        self.started_at = time.time()
+        path = "the tensors written whole by their owner"
         try:
+            self._run_exchanges()
             for deferred in self.deferred:
                 path = deferred.what
                 deferred.action()
@@ -102,11 +115,27 @@ class BackgroundWrite:
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
             self.error = f"writing {path}: {type(exc).__name__}: {exc}"
         finally:
-            self.pieces, self.deferred = [], []  # the buffers belong to the staging pool: the next save reuses them
+            # The buffers belong to the staging pool: the next save reuses them.
+            self.pieces, self.deferred, self.exchanges = [], [], []
+            self.finished_at = time.time()
             self.finished.set()
 
+    def _run_exchanges(self) -> None:
+        """Every exchange, in order: collectives on the save's own group, which every rank's writer runs whatever
+        failed (a peer would wait forever in one this rank skipped); the first failure is raised after."""
+        failure = None
+        for exchange in self.exchanges:
+            try:
+                exchange.action()
+            except Exception as exc:  # noqa: BLE001 - raised once every exchange has run
+                failure = failure or exc
+        if failure is not None:
+            raise failure
+
     def _write_file(self, path: str, pieces: list[StagedPiece]) -> None:
-        fd = os.open(path, os.O_WRONLY)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Not truncated: another rank's writer may have written its rows into it already.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             first = time.time()
             for i, piece in enumerate(pieces):
@@ -115,6 +144,9 @@ class BackgroundWrite:
                     _pause_if_asked(self.name)
                 if self._cancelled.is_set():
                     return
+            size = self.sizes.get(path)
+            if size is not None and os.fstat(fd).st_size < size:
+                os.ftruncate(fd, size)  # only grows it: every byte any rank writes lies below the planned size
             os.fsync(fd)  # by its writer: on a shared filesystem another node's fsync may not cover it
             self.file_times[os.path.basename(path)] = FileTimes(first, time.time())
         finally:
@@ -133,11 +165,16 @@ class InFlightSave:
     share, then rotates; rank 0 alone runs it, in a thread of its own.
     """
 
-    def __init__(self, path: str, staging: HostStaging, *, commit: Callable[[], None]) -> None:
+    def __init__(self, path: str, staging: HostStaging, *, commit: Callable[[], None],
+                 started: float | None = None) -> None:
+        """``started``: ``time.time()`` when the save began (training's blocked part included); default now."""
         self.path = path
         self.name = os.path.basename(path)
-        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred)
-        self.started = time.time()
+        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred, staging.sizes, staging.exchanges)
+        self.started = started if started is not None else time.time()
+        self.commit_seconds: float | None = None  # rank 0: the commit's duration (its actions, fsync, rename)
+        self.durable_at: float | None = None  # rank 0: time.time() once the checkpoint has its final name
+        self._at_commit = list(staging.at_commit)
         self._commit = commit
         self._commit_thread: threading.Thread | None = None
         self._commit_error: str | None = None
@@ -172,11 +209,18 @@ class InFlightSave:
         return time.perf_counter() - start
 
     def _run_commit(self) -> None:
+        start, what = time.time(), ""
         try:
+            for action in self._at_commit:
+                what = f", writing {action.what}"
+                action.action()
+            what = ""
             self._commit()
+            self.durable_at = time.time()
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
-            self._commit_error = f"committing {self.path}: {type(exc).__name__}: {exc}"
+            self._commit_error = f"committing {self.path}{what}: {type(exc).__name__}: {exc}"
         finally:
+            self.commit_seconds = time.time() - start
             self._committed.set()
 
     def _fail(self) -> None:

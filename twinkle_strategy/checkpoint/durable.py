@@ -43,6 +43,22 @@ def start_staging(final: str) -> str:
     return staging
 
 
+def prepare_staging(final: str) -> str:
+    """An empty staging directory for ``final`` (one process), without the marker or any fsync: an asynchronous
+    save's writers write the marker (:func:`mark_incomplete`) and everything else in the background. A staging
+    directory is never taken for a checkpoint, marker or not: its name ends in :data:`STAGING_SUFFIX`."""
+    staging = staging_path(final)
+    if os.path.lexists(staging):
+        shutil.rmtree(staging, ignore_errors=True)  # left by a save that was killed
+    os.makedirs(staging)
+    return staging
+
+
+def mark_incomplete(directory: str) -> None:
+    """Write and fsync the :data:`INCOMPLETE_MARKER` of ``directory`` (which must exist)."""
+    _write_marker(directory)
+
+
 def abandon_staging(final: str) -> None:
     """Remove the staging directory of a failed save (renamed first: its removal is not atomic)."""
     staging, trash = staging_path(final), staging_path(final) + ".abandoned"

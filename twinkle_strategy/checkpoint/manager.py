@@ -21,10 +21,10 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
+from twinkle_strategy.checkpoint.async_saves import AsyncSaves
 from twinkle_strategy.checkpoint.background import BackgroundWrite, InFlightSave
 from twinkle_strategy.checkpoint.durable import is_incomplete
 from twinkle_strategy.checkpoint.model_files import DEFAULT_MAX_FILE_BYTES
-from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.training import (
     CHUNK_BYTES,
     STATE_FILE,
@@ -33,6 +33,7 @@ from twinkle_strategy.checkpoint.training import (
     commit_checkpoint,
     load_checkpoint,
     save_checkpoint,
+    stage_checkpoint,
 )
 from twinkle_strategy.distributed.messages import broadcast_object
 
@@ -63,11 +64,20 @@ def latest_checkpoint(folder: str) -> str | None:
     return found[-1][1] if found else None
 
 
-def rotate_checkpoints(folder: str, keep: int | None) -> None:
-    """Delete all but the newest ``keep`` complete checkpoints; call it after a save returned (it is durable)."""
-    if not keep:
+def rotate_checkpoints(folder: str, keep: int | None, *, best: str | None = None) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints; call it once the newest is durable.
+
+    ``best`` (the HF Trainer's ``best_model_checkpoint``) stays too, as the HF Trainer keeps it: second to last,
+    so a limit of 1 keeps both it and the newest. Incomplete directories are neither counted nor removed.
+    """
+    if not keep or keep <= 0:
         return
-    for _, path in complete_checkpoints(folder)[:-keep]:
+    paths = [path for _, path in complete_checkpoints(folder)]
+    if best is not None and best in paths and best != paths[-1]:
+        paths.remove(best)
+        paths.insert(len(paths) - 1, best)
+        keep = max(keep, 2)
+    for path in paths[:-keep]:
         # Renamed first: a kill during the removal must not leave a half-deleted checkpoint-N behind.
         # Only rank 0 rotates, so a failure here must not raise (the others would wait for it): it is logged.
         try:
@@ -101,11 +111,17 @@ class CheckpointManager:
         self.tokenizer = tokenizer
         self.interval, self.keep_latest, self.save_optimizer = interval, keep_latest, save_optimizer
         self.max_file_bytes, self.chunk_bytes = max_file_bytes, chunk_bytes
-        self.staging = HostStaging(pin_memory=pin_memory) if async_save else None
-        self.in_flight: InFlightSave | None = None
-        # The background writes of this run's finished asynchronous saves, oldest first (file names and times
-        # only: their buffers are back in the staging pool).
-        self.finished_writes: list[BackgroundWrite] = []
+        self.async_saves = (AsyncSaves(pin_memory=pin_memory, timeout_s=getattr(strategy, "timeout_s", None))
+                            if async_save else None)
+
+    @property
+    def in_flight(self) -> InFlightSave | None:
+        return self.async_saves.in_flight if self.async_saves is not None else None
+
+    @property
+    def finished_writes(self) -> list[BackgroundWrite]:
+        """The background writes of this run's finished asynchronous saves, oldest first (file names and times)."""
+        return self.async_saves.finished_writes if self.async_saves is not None else []
 
     def path(self, step: int) -> str:
         return checkpoint_path(self.folder, step)
@@ -123,53 +139,36 @@ class CheckpointManager:
         Asynchronous: wait for the save in flight, stage this one and start writing it in the background;
         the report's ``seconds`` is the time training was blocked (the wait included).
         """
-        start = time.perf_counter()
-        if self.staging is not None:
-            self._wait_for_previous(step)
-        report = save_checkpoint(self.path(step), self.model, self.strategy, optimizer=self.optimizer,
-                                 scheduler=self.scheduler, trainer_state=trainer_state, tokenizer=self.tokenizer,
-                                 save_optimizer=self.save_optimizer, max_file_bytes=self.max_file_bytes,
-                                 chunk_bytes=self.chunk_bytes, staging=self.staging)
-        if self.staging is None:
+        path = self.path(step)
+        options = dict(optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
+                       save_optimizer=self.save_optimizer, max_file_bytes=self.max_file_bytes,
+                       chunk_bytes=self.chunk_bytes)
+        if self.async_saves is None:
+            report = save_checkpoint(path, self.model, self.strategy, trainer_state=trainer_state, **options)
             if self.strategy.is_main_process:
                 rotate_checkpoints(self.folder, self.keep_latest)
             return report
-        path = self.path(step)
+        start = time.perf_counter()
+        staging = self.async_saves.begin(path)
+        report = stage_checkpoint(path, self.model, self.strategy, staging=staging, **options)
         trainer_state = copy.deepcopy(trainer_state)  # as of this step: training goes on appending to its log
 
         def commit() -> None:  # rank 0, once every rank has written its share
             commit_checkpoint(path, trainer_state)
             rotate_checkpoints(self.folder, self.keep_latest)  # only now that the new one is durable
 
-        self.in_flight = InFlightSave(path, self.staging, commit=commit)
+        self.async_saves.start(path, commit=commit)
         report.seconds = time.perf_counter() - start
         return report
 
     def poll(self) -> None:
         """Collective, at a step boundary: note a finished background save; raise a failed one on every rank."""
-        if self.in_flight is not None and self.in_flight.poll():
-            self._finished()
+        if self.async_saves is not None:
+            self.async_saves.poll()
 
     def wait(self) -> float:
         """Collective: wait until the save in flight (if any) is durable; the seconds waited."""
-        if self.in_flight is None:
-            return 0.0
-        waited = self.in_flight.wait()
-        self._finished()
-        return waited
-
-    def _wait_for_previous(self, step: int) -> None:
-        previous = self.in_flight.name if self.in_flight is not None else None
-        waited = self.wait()
-        if previous is not None and self.strategy.is_main_process:
-            logger.info("waited %.2fs for %s to finish writing before saving %s", waited, previous,
-                        os.path.basename(self.path(step)))
-
-    def _finished(self) -> None:
-        done, self.in_flight = self.in_flight, None
-        self.finished_writes.append(done.write)
-        if self.strategy.is_main_process:
-            logger.info("%s is complete: written in the background in %.2fs", done.path, time.time() - done.started)
+        return self.async_saves.wait() if self.async_saves is not None else 0.0
 
     def resume_path(self, requested: str | None, *, restarted: bool) -> str | None:
         """The checkpoint this run starts from, the same on every rank (rank 0 looks).

@@ -35,10 +35,12 @@ def plan_model_files(model: nn.Module, ep_plan: ExpertParallelPlan | None, max_f
     return layout, plan_files(layout.saved_tensors(), max_file_bytes), regions
 
 
-def create_model_files(directory: str, plan: FilePlan) -> None:
-    """Headers and final sizes of every file (one rank, before any rank writes)."""
-    ParallelFileWriter(directory, plan).create_files()
-    write_index(directory, plan)
+def create_model_files(directory: str, plan: FilePlan, open_writer: OpenWriter = ParallelFileWriter) -> None:
+    """Headers and final sizes of every file, and the index (one rank, before any rank writes; an asynchronous
+    save's ``open_writer`` stages them for its background writer instead)."""
+    writer = open_writer(directory, plan)
+    writer.create_files()
+    write_index(writer)
 
 
 def write_model_files(directory: str, layout: CheckpointLayout, plan: FilePlan, *, regions,
@@ -65,7 +67,7 @@ def save_model_files(directory: str, model: nn.Module, *, ep_plan: ExpertParalle
     error = None
     if rank == 0:
         try:
-            create_model_files(directory, plan)
+            create_model_files(directory, plan, open_writer)
         except Exception as exc:  # noqa: BLE001 - reported on every rank by step_done
             error = exc
     step_done(error, "model weights")

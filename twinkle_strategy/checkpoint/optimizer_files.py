@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.sharded_io import IOStats, SameKeys, read_regions, regions_of, write_regions
+from twinkle_strategy.checkpoint.sharded_io import IOStats, Region, SameKeys, read_regions, regions_of, write_regions
 from twinkle_strategy.checkpoint.writer import FilePlan, OpenWriter, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.dtypes import TensorSpec
@@ -40,21 +40,22 @@ SCALARS_FILE = "optimizer.json"
 class OptimizerFiles:
     """What a save of ``optimizer``'s state writes, planned the same way on every rank."""
 
-    def __init__(self, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
+    def __init__(self, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None, max_file_bytes: int,
+                 regions: list[Region] | None = None):
+        """``regions``: this rank's regions of (at least) the parameters the optimizer holds state for, if the caller
+        has them already (:func:`~twinkle_strategy.checkpoint.sharded_io.regions_of` walks the whole model)."""
         self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
         params = self.params = dict(model.named_parameters())
         name_of = {id(p): n for n, p in params.items()}
-        self.regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
+        if regions is None:
+            regions = regions_of(model, ep_plan, names={name_of[id(p)] for p in optimizer.state})
+        self.regions = {r.name: r for r in regions}
         # Every rank steps the same parameters, so every rank has the same state keys.
         self.tensor_keys: dict[str, list[str]] = {}  # parameter -> its state tensors (laid out like it)
-        self.scalars: dict[str, dict[str, float]] = {}
         for param, state in optimizer.state.items():
-            name = name_of[id(param)]
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape:
-                    self.tensor_keys.setdefault(name, []).append(key)
-                else:
-                    self.scalars.setdefault(name, {})[key] = float(value)
+                if _laid_out_like(value, param):
+                    self.tensor_keys.setdefault(name_of[id(param)], []).append(key)
         tensors = {f"{name}:{key}": TensorSpec(self.regions[name].full_shape, self._state(name, key).dtype)
                    for name, keys in self.tensor_keys.items() for key in keys}
         self.plan: FilePlan = plan_files(tensors, max_file_bytes, prefix=OPTIMIZER_PREFIX)
@@ -62,15 +63,28 @@ class OptimizerFiles:
     def _state(self, name: str, key: str) -> torch.Tensor:
         return self.optimizer.state[self.params[name]][key]
 
-    def create(self, directory: str) -> None:
-        """Headers, sizes, index and the JSON of scalars and hyper-parameters (one rank)."""
-        ParallelFileWriter(directory, self.plan).create_files()
-        write_index(directory, self.plan, prefix=OPTIMIZER_PREFIX)
+    def scalars(self) -> dict[str, dict[str, float]]:
+        """Parameter -> its state's scalars (AdamW's ``step``), as of now: the plan above stays valid from one save
+        to the next, these change every step."""
+        name_of = {id(p): n for n, p in self.params.items()}
+        scalars: dict[str, dict[str, float]] = {}
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if not _laid_out_like(value, param):
+                    scalars.setdefault(name_of[id(param)], {})[key] = float(value)
+        return scalars
+
+    def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
+        """Headers, sizes, index and the JSON of scalars and hyper-parameters as of now (one rank; an asynchronous
+        save's ``open_writer`` stages them for its background writer)."""
+        writer = open_writer(directory, self.plan)
+        writer.create_files()
+        write_index(writer, prefix=OPTIMIZER_PREFIX)
         names = {id(p): n for n, p in self.model.named_parameters()}
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
                   for group in self.optimizer.param_groups]
-        with open(os.path.join(directory, SCALARS_FILE), "w") as f:
-            json.dump({"param_groups": groups, "scalars": self.scalars}, f, indent=1, default=str)
+        writer.write_text(SCALARS_FILE, json.dumps({"param_groups": groups, "scalars": self.scalars()}, indent=1,
+                                                   default=str))
 
     def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
               open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:
@@ -81,18 +95,26 @@ class OptimizerFiles:
         """
         writer = open_writer(directory, self.plan)
         error = None
+        by_key: dict[str, list[str]] = {}  # state key -> the parameters that have it (AdamW: all, twice)
         for name, keys in sorted(self.tensor_keys.items()):
             for key in keys:
-                state = self._state(name, key)
-                # Called on every rank even after this rank failed: some regions are gathered (expert
-                # LoRA's lora_B), and a rank that skipped a gather would leave its peers waiting in it.
-                result = write_regions(
-                    [self.regions[name]], SameKeys(), writer, ep_plan=self.ep_plan, chunk_bytes=chunk_bytes,
-                    stats=stats, key_of=lambda n, key=key: f"{n}:{key}",
-                    local_of=lambda r, state=state: local_tensor(state))
-                error = error or result
+                by_key.setdefault(key, []).append(name)
+        for key, names in sorted(by_key.items()):
+            # One call per state key: the tensors gathered whole (expert LoRA's lora_B) share one exchange of
+            # who keeps what. Called on every rank even after this rank failed: a rank that skipped a gather
+            # would leave its peers waiting in it.
+            result = write_regions(
+                [self.regions[name] for name in names], SameKeys(), writer, ep_plan=self.ep_plan,
+                chunk_bytes=chunk_bytes, stats=stats, key_of=lambda n, key=key: f"{n}:{key}",
+                local_of=lambda r, key=key: local_tensor(self._state(r.name, key)))
+            error = error or result
         finished = writer.finish()  # always: it closes the files
         return error or finished
+
+
+def _laid_out_like(value, param) -> bool:
+    """Whether an optimizer state value is a tensor laid out like its parameter (saved by rows), not a scalar."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape == param.shape
 
 
 def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None,
@@ -142,16 +164,21 @@ def _files(directory: str) -> list[str]:
 class TrainableFiles:
     """The trainable weights of an adapter run (LoRA), by full tensor: what resume reads back on any layout."""
 
-    def __init__(self, model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int):
+    def __init__(self, model: nn.Module, ep_plan: ExpertParallelPlan | None, max_file_bytes: int,
+                 regions: list[Region] | None = None):
+        """``regions``: this rank's regions of the trainable parameters, if the caller has them already."""
         names = {n for n, p in model.named_parameters() if p.requires_grad}
-        self.regions = regions_of(model, ep_plan, names=names)
+        if regions is None:
+            regions = regions_of(model, ep_plan, names=names)
+        self.regions = [r for r in regions if r.name in names]
         self.ep_plan = ep_plan
         self.plan = plan_files({r.name: TensorSpec(r.full_shape, r.need.dtype) for r in self.regions}, max_file_bytes,
                                prefix=TRAINABLE_PREFIX)
 
-    def create(self, directory: str) -> None:
-        ParallelFileWriter(directory, self.plan).create_files()
-        write_index(directory, self.plan, prefix=TRAINABLE_PREFIX)
+    def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
+        writer = open_writer(directory, self.plan)
+        writer.create_files()
+        write_index(writer, prefix=TRAINABLE_PREFIX)
 
     def write(self, directory: str, *, chunk_bytes: int, stats: IOStats,
               open_writer: OpenWriter = ParallelFileWriter) -> BaseException | None:

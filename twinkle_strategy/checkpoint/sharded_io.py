@@ -20,6 +20,7 @@ whole, and the report names it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator
 
@@ -131,18 +132,59 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, 
             offset += b - a
     if whole:
         # Every rank sends its region to the tensor's owner, which writes it whole.
-        table = WholeTensors([r.need for r in whole], ep_plan)
-        for i, region in enumerate(whole):
-            local = local_of(region) if local_of is not None else region.local
-            full = table.gather(i, local)
-            if full is not None:
-                if not region.need.is_buffer:
-                    stats.bytes_received += full.numel() * full.element_size() - local.numel() * local.element_size()
-                    stats.gathered.append(key_of(region.name))
-                write(key_of(region.name), full, None)
+        locals_ = [local_of(r) if local_of is not None else r.local for r in whole]
+        staging = getattr(writer, "staging", None)
+        if staging is not None and staging.group is not None:
+            # An asynchronous save: host copies now; the exchange (on the save's own group) and the owner's
+            # writes by the background writers.
+            copies = [staging.copy(local) for local in locals_]
+            direct = ParallelFileWriter(writer.directory, writer.plan, create=True)
+            stats.gathered.extend(key_of(r.name) for r in whole if not r.need.is_buffer)
+            staging.exchange(f"the tensors written whole into {writer.directory}", functools.partial(
+                _exchange_and_write, whole, copies, direct, layout, ep_plan=ep_plan, group=staging.group,
+                key_of=key_of))
+        else:
+            gather_and_write(whole, locals_, ep_plan=ep_plan, stats=stats, key_of=key_of, write=write)
     stats.bytes_written += writer.bytes_written - written
     stats.seconds += time.perf_counter() - start
     return error
+
+
+def gather_and_write(regions: list[Region], locals_: list[torch.Tensor], *, ep_plan: ExpertParallelPlan | None,
+                     stats: IOStats, key_of: Callable[[str], str], write, group=None) -> None:
+    """Each region's tensor gathered whole on its owner rank (collective on ``group``), which calls
+    ``write(key, full, None)``; ``locals_[i]`` is this rank's part of ``regions[i]``."""
+    table = WholeTensors([r.need for r in regions], ep_plan, group=group)
+    for i, (region, local) in enumerate(zip(regions, locals_, strict=True)):
+        full = table.gather(i, local)
+        if full is not None:
+            if not region.need.is_buffer:
+                stats.bytes_received += full.numel() * full.element_size() - local.numel() * local.element_size()
+                stats.gathered.append(key_of(region.name))
+            write(key_of(region.name), full, None)
+
+
+def _exchange_and_write(regions: list[Region], copies: list[torch.Tensor], writer: ParallelFileWriter, layout, *,
+                        ep_plan: ExpertParallelPlan | None, group, key_of: Callable[[str], str]) -> None:
+    """An asynchronous save's background part of :func:`write_regions` for tensors written whole: the exchange
+    runs whatever happens to this rank's writes (its peers wait in it), the first write error is raised after."""
+    error: BaseException | None = None
+
+    def write(name: str, tensor: torch.Tensor, rows) -> None:
+        nonlocal error
+        if error is None:
+            try:
+                for key, piece, piece_rows in layout.checkpoint_pieces(name, tensor, rows):
+                    writer.write(key, piece, piece_rows)
+            except Exception as exc:  # noqa: BLE001 - raised below, once every exchange is done
+                error = exc
+
+    try:
+        gather_and_write(regions, copies, ep_plan=ep_plan, stats=IOStats(), key_of=key_of, write=write, group=group)
+    finally:
+        finished = writer.finish()
+    if error is not None or finished is not None:
+        raise error or finished
 
 
 def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], *,

@@ -30,6 +30,7 @@ import logging
 import os
 import random
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -39,11 +40,14 @@ from torch import nn
 from twinkle_strategy.checkpoint.durable import (
     abandon_staging,
     fsync_path,
+    mark_incomplete,
+    prepare_staging,
     publish,
     raise_if_incomplete,
     staging_path,
     start_staging,
 )
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.model_files import (
     DEFAULT_MAX_FILE_BYTES,
     read_model_files,
@@ -51,15 +55,16 @@ from twinkle_strategy.checkpoint.model_files import (
     save_model_files,
 )
 from twinkle_strategy.checkpoint.optimizer_files import (
+    TRAINABLE_PREFIX,
     OptimizerFiles,
     TrainableFiles,
     read_optimizer_files,
     read_trainable_files,
 )
-from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
 from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
-from twinkle_strategy.distributed.fail_together import on_rank0, step_reporter
+from twinkle_strategy.distributed.fail_together import FoldedSteps, on_rank0, step_reporter
 from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import CheckpointSaveError, ResumeError
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
@@ -131,23 +136,17 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     error and the half-written ``.tmp`` directory is removed. A process killed
     mid-save leaves only ``.tmp``, which resume ignores.
 
-    With ``staging`` (an asynchronous save) every file is created and every small file written as above,
-    but the rows of the safetensors files are copied into ``staging`` instead of written, and nothing is
-    committed: the caller writes the staged pieces, then calls :func:`commit_checkpoint` on rank 0
-    (:mod:`twinkle_strategy.checkpoint.background`).
+    With ``staging`` (an asynchronous save) nothing is written but an empty directory: see
+    :func:`stage_checkpoint`; the caller writes the staged pieces, then calls :func:`commit_checkpoint` on rank 0
+    (:mod:`twinkle_strategy.checkpoint.async_saves`).
     """
-    tmp = staging_path(path)
-    step = os.path.basename(path)
-    rank = global_rank()
-    reset_peak_rss()
-    rss_before, start = rss_bytes(), time.perf_counter()
-    stats = IOStats()
-    ep_plan = strategy.ep_plan
-    open_writer = staging.open_writer if staging is not None else ParallelFileWriter
     if staging is not None:
-        staging.begin()
-
-    step_done = step_reporter(f"saving {step}", error_class=CheckpointSaveError,
+        return stage_checkpoint(path, model, strategy, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
+                                save_optimizer=save_optimizer, max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes,
+                                staging=staging)
+    tmp = staging_path(path)
+    measure = _SaveMeasure()
+    step_done = step_reporter(f"saving {os.path.basename(path)}", error_class=CheckpointSaveError,
                               advice="previous checkpoints are untouched",
                               cleanup=lambda: abandon_staging(path))
 
@@ -156,17 +155,12 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     if peft:
         # The adapter is small: gathered on rank 0 and saved by PEFT, as plain PEFT loads it (all experts).
         state = strategy.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
-        stats.bytes_received += sum(t.numel() * t.element_size() for t in state.values())
-        if staging is not None:  # the gathered adapter is already a host copy of rank 0's own: PEFT writes it later
-            if rank == 0:
-                staging.defer(f"the adapter (PEFT save_pretrained into {tmp})",
-                              lambda state=state: model.save_pretrained(tmp, state_dict=state))
-        else:
-            step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
+        measure.stats.bytes_received += sum(t.numel() * t.element_size() for t in state.values())
+        step_done(on_rank0(lambda: model.save_pretrained(tmp, state_dict=state)), "model weights")
         del state
     else:
-        save_model_files(tmp, model, ep_plan=ep_plan, stats=stats, step_done=step_done, max_file_bytes=max_file_bytes,
-                         chunk_bytes=chunk_bytes, open_writer=open_writer)
+        save_model_files(tmp, model, ep_plan=strategy.ep_plan, stats=measure.stats, step_done=step_done,
+                         max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes)
 
     def small_files():
         if not peft:
@@ -174,27 +168,117 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
 
-    if staging is not None:
-        if rank == 0:
-            staging.defer(f"config and tokenizer into {tmp}", small_files)
-    else:
-        step_done(on_rank0(small_files), "model config")
-    save_trainer_state(tmp, model, ep_plan, optimizer=optimizer if save_optimizer else None, scheduler=scheduler,
-                       step_done=step_done, stats=stats, max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes,
-                       staging=staging)
-    if staging is None:
-        step_done(on_rank0(lambda: commit_checkpoint(path, trainer_state)), "finalising")
-    else:
-        staging.end()
-    shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else p.numel() * p.element_size()
-                for p in model.parameters())
-    report = SaveReport(path=path, rank=rank, seconds=time.perf_counter() - start, bytes_written=stats.bytes_written,
-                        bytes_received=stats.bytes_received, shard_bytes=shard, rss_before_bytes=rss_before,
-                        peak_rss_bytes=peak_rss_since_reset(), gathered=stats.gathered,
-                        background=staging is not None)
-    if rank == 0:
-        logger.info(report.log_line())
-    return report
+    step_done(on_rank0(small_files), "model config")
+    save_trainer_state(tmp, model, strategy.ep_plan, optimizer=optimizer if save_optimizer else None,
+                       scheduler=scheduler, step_done=step_done, stats=measure.stats, max_file_bytes=max_file_bytes,
+                       chunk_bytes=chunk_bytes)
+    step_done(on_rank0(lambda: commit_checkpoint(path, trainer_state)), "finalising")
+    return measure.report(path, model, background=False)
+
+
+def stage_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
+                     staging: HostStaging, tokenizer=None, save_optimizer: bool = True,
+                     max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
+    """An asynchronous save's part at the save step (collective): ``path``'s files as :func:`save_checkpoint`
+    writes them, staged in host memory or deferred to the background writers; the report's ``seconds`` is the
+    time this took.
+
+    Rank 0 creates the empty staging directory; nothing else touches the disk. The steps' errors are checked
+    once, together, at the end (:class:`FoldedSteps`): the steps write nothing a later step reads. An adapter is
+    written by rank 0 at the commit, read back whole from the trainable weights every rank wrote its rows of
+    (:func:`stage_weights`): no gather while training waits.
+    """
+    tmp = staging_path(path)
+    measure = _SaveMeasure()
+    steps = begin_staged_directory(path, staging)
+    stage_weights(tmp, model, strategy, staging=staging, step_done=steps, stats=measure.stats,
+                  max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes,
+                  write_adapter=lambda state: model.save_pretrained(tmp, state_dict=state))
+    if tokenizer is not None and global_rank() == 0:
+        staging.defer(f"the tokenizer into {tmp}", lambda: tokenizer.save_pretrained(tmp))
+    save_trainer_state(tmp, model, strategy.ep_plan, optimizer=optimizer if save_optimizer else None,
+                       scheduler=scheduler, step_done=steps, stats=measure.stats, max_file_bytes=max_file_bytes,
+                       chunk_bytes=chunk_bytes, staging=staging)
+    steps.finish()
+    return measure.report(path, model, background=True)
+
+
+def begin_staged_directory(path: str, staging: HostStaging) -> FoldedSteps:
+    """An asynchronous save's start (collective): rank 0 makes the empty staging directory of ``path`` and leaves
+    its incomplete marker to its writer (its first write); returns the steps' folded fail-together check, whose
+    :meth:`~FoldedSteps.finish` every rank calls once everything is staged."""
+    steps = FoldedSteps(step_reporter(f"saving {os.path.basename(path)}", error_class=CheckpointSaveError,
+                                      advice="previous checkpoints are untouched",
+                                      cleanup=lambda: abandon_staging(path)),
+                        "staging the files")
+    steps(on_rank0(lambda: prepare_staging(path)), "creating the directory")
+    if global_rank() == 0:
+        tmp = staging_path(path)
+        staging.defer(f"the incomplete marker of {tmp}", lambda: mark_incomplete(tmp))
+    return steps
+
+
+def stage_weights(directory: str, model: nn.Module, strategy: CheckpointedStrategy, *, staging: HostStaging,
+                  step_done, stats: IOStats, max_file_bytes: int, chunk_bytes: int,
+                  write_adapter: Callable[[dict[str, torch.Tensor]], None] | None,
+                  adapter_from_trainable_files: bool = True) -> None:
+    """An asynchronous save of the model's weights into ``directory`` (collective), as a synchronous save writes
+    them: a full model's rows staged and its config deferred (rank 0); a PEFT model's adapter, whole, given to
+    ``write_adapter`` on rank 0 (e.g. PEFT's ``save_pretrained(directory, state_dict=...)``; unused for a full model).
+
+    ``adapter_from_trainable_files``: the save also writes ``trainer_state/trainable*.safetensors`` (every rank its
+    rows, :func:`save_trainer_state`), so rank 0 reads the adapter back from those at the commit, once every rank
+    has written them; otherwise it is gathered on rank 0 now and written by its background writer.
+    """
+    if not is_peft_model(model):
+        save_model_files(directory, model, ep_plan=strategy.ep_plan, stats=stats, step_done=step_done,
+                         max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes, open_writer=staging.open_writer)
+        if global_rank() == 0:
+            staging.defer(f"the model config into {directory}", lambda: save_model_config(directory, model))
+        return
+    names = [n for n, p in model.named_parameters() if p.requires_grad]  # in the order a gathered state dict has
+    if adapter_from_trainable_files:
+        if global_rank() == 0:
+            state_dir = os.path.join(directory, STATE_DIR)
+            staging.defer_to_commit(f"the adapter into {directory}",
+                                    lambda: write_adapter(read_trainable_state(state_dir, names)))
+        return
+    state = strategy.full_state_dict(model, rank0_only=True, keys=set(names))
+    stats.bytes_received += sum(t.numel() * t.element_size() for t in state.values())
+    if global_rank() == 0:
+        staging.defer(f"the adapter into {directory}", lambda: write_adapter(state))
+
+
+def read_trainable_state(state_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The trainable weights saved in ``state_dir`` (``trainer_state/``), whole, in the order of ``names``."""
+    files = sorted(os.path.join(state_dir, f) for f in os.listdir(state_dir)
+                   if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
+    index = SafetensorsIndex(files)
+    try:
+        return {name: index.read(name, None) for name in names}
+    finally:
+        index.close()
+
+
+class _SaveMeasure:
+    """What a save's :class:`SaveReport` says: its seconds, bytes and peak host memory, from its start."""
+
+    def __init__(self) -> None:
+        reset_peak_rss()
+        self.rss_before, self.start = rss_bytes(), time.perf_counter()
+        self.stats = IOStats()
+
+    def report(self, path: str, model: nn.Module, *, background: bool) -> SaveReport:
+        shard = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local") else
+                    p.numel() * p.element_size() for p in model.parameters())
+        report = SaveReport(path=path, rank=global_rank(), seconds=time.perf_counter() - self.start,
+                            bytes_written=self.stats.bytes_written, bytes_received=self.stats.bytes_received,
+                            shard_bytes=shard, rss_before_bytes=self.rss_before,
+                            peak_rss_bytes=peak_rss_since_reset(), gathered=self.stats.gathered,
+                            background=background)
+        if report.rank == 0:
+            logger.info(report.log_line())
+        return report
 
 
 def commit_checkpoint(path: str, trainer_state: dict) -> None:
@@ -247,24 +331,26 @@ def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallel
     stats = stats if stats is not None else IOStats()
     state_dir = os.path.join(directory, STATE_DIR)
     open_writer = staging.open_writer if staging is not None else ParallelFileWriter
-    parts = [TrainableFiles(model, ep_plan, max_file_bytes)] if is_peft_model(model) else []
-    if optimizer is not None:
-        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes))
+    parts = _trainer_state_parts(model, ep_plan, optimizer, max_file_bytes,
+                                 cache=staging.plans if staging is not None else None)
     # Taken now, written now or (asynchronous) by the background writer: training changes them from the next step.
     scheduler_state = copy.deepcopy(scheduler.state_dict()) if scheduler is not None else None
     rng_state = {"torch": torch.get_rng_state(), "python": random.getstate(),
                  "world_size": dist.get_world_size() if dist.is_initialized() else 1}
     rng_file = os.path.join(state_dir, "rng", f"rank{global_rank()}.pt")
 
-    def create():
-        os.makedirs(os.path.join(state_dir, "rng"), exist_ok=True)
+    def create():  # asynchronous: the headers and small files are staged, the directories made by the writers
+        if staging is None:
+            os.makedirs(os.path.join(state_dir, "rng"), exist_ok=True)
         for part in parts:
-            part.create(state_dir)
+            part.create(state_dir, open_writer)
 
     def write_scheduler():
+        os.makedirs(state_dir, exist_ok=True)
         torch.save(scheduler_state, os.path.join(state_dir, "scheduler.pt"))
 
     def write_rng():
+        os.makedirs(os.path.dirname(rng_file), exist_ok=True)
         torch.save(rng_state, rng_file)
         fsync_path(rng_file)  # by its writer: on a shared filesystem another node's fsync may not cover it
 
@@ -284,6 +370,28 @@ def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallel
         except Exception as exc:  # noqa: BLE001 - reported on every rank
             error = error or exc
     step_done(error, "trainer state")
+
+
+def _trainer_state_parts(model: nn.Module, ep_plan: ExpertParallelPlan | None, optimizer, max_file_bytes: int, *,
+                         cache: dict | None) -> list:
+    """The files of ``trainer_state/`` (an adapter run's trainable weights, the optimizer state), planned; from
+    ``cache`` when an earlier save of the same parameters, optimizer state keys and file size planned them."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad or (optimizer is not None and
+                                                                                  p in optimizer.state)]
+    key = ("trainer_state", id(model), id(optimizer), id(ep_plan), max_file_bytes,
+           tuple((n, id(p), tuple(optimizer.state[p]) if optimizer is not None and p in optimizer.state else ())
+                 for n, p in params))
+    if cache is not None and key in cache:
+        return cache[key]
+    # Walked once for both parts: an adapter run's optimizer holds state for its trainable weights only.
+    regions = regions_of(model, ep_plan, names={n for n, _ in params})
+    parts = [TrainableFiles(model, ep_plan, max_file_bytes, regions=regions)] if is_peft_model(model) else []
+    if optimizer is not None:
+        parts.append(OptimizerFiles(model, optimizer, ep_plan, max_file_bytes, regions=regions))
+    if cache is not None:
+        cache.clear()  # one model's plans at a time
+        cache[key] = parts
+    return parts
 
 
 def load_trained_weights(path: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, *,

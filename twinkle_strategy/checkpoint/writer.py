@@ -107,8 +107,11 @@ def plan_files(tensors: dict[str, TensorSpec], max_file_bytes: int,
 class ParallelFileWriter:
     """Writes pieces of the planned tensors into the files of ``directory``; counts what it wrote."""
 
-    def __init__(self, directory: str, plan: FilePlan):
-        self.directory, self.plan = directory, plan
+    def __init__(self, directory: str, plan: FilePlan, *, create: bool = False):
+        """``create``: open each file creating it (and its directory) if it does not exist yet, never truncating
+        it, instead of expecting :meth:`create_files` to have made it (an asynchronous save's background writers:
+        no order between ranks)."""
+        self.directory, self.plan, self.create = directory, plan, create
         self._fds: dict[str, int] = {}
         self.bytes_written = 0
 
@@ -118,6 +121,11 @@ class ParallelFileWriter:
             with open(os.path.join(self.directory, name), "wb") as f:
                 f.write(header)
                 f.truncate(self.plan.sizes[name])
+
+    def write_text(self, name: str, text: str) -> None:
+        """A small file next to the planned ones (an index, a JSON of scalars), from text taken now."""
+        with open(os.path.join(self.directory, name), "w") as f:
+            f.write(text)
 
     def write(self, key: str, tensor: torch.Tensor, rows: tuple[int, int] | None = None) -> None:
         """Write ``tensor`` as rows ``[a, b)`` of dim 0 of tensor ``key`` (the whole tensor if None)."""
@@ -138,7 +146,11 @@ class ParallelFileWriter:
 
     def _fd(self, name: str) -> int:
         if name not in self._fds:
-            self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
+            if self.create:
+                os.makedirs(self.directory, exist_ok=True)
+                self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY | os.O_CREAT, 0o644)
+            else:
+                self._fds[name] = os.open(os.path.join(self.directory, name), os.O_WRONLY)
         return self._fds[name]
 
     def finish(self) -> OSError | None:
@@ -169,10 +181,11 @@ def write_at(fd: int, data, offset: int) -> None:
         done += os.pwrite(fd, view[done:], offset + done)
 
 
-def write_index(directory: str, plan: FilePlan, prefix: str = "model") -> None:
-    """``model.safetensors.index.json`` next to several files (none for a single ``model.safetensors``)."""
+def write_index(writer: ParallelFileWriter, prefix: str = "model") -> None:
+    """``model.safetensors.index.json`` next to several files (none for a single ``model.safetensors``), through
+    ``writer`` (written now, or by an asynchronous save's background writer)."""
+    plan = writer.plan
     if list(plan.headers) == [f"{prefix}.safetensors"]:
         return
     name = INDEX_FILE if prefix == "model" else f"{prefix}.safetensors.index.json"
-    with open(os.path.join(directory, name), "w") as f:
-        json.dump(plan.index(), f, indent=2)
+    writer.write_text(name, json.dumps(plan.index(), indent=2))

@@ -401,6 +401,9 @@ TRAINER_HOOKS = {internal.name.split(".", 1)[1]: internal for internal in (
     _trainer_hook("_save_optimizer_and_scheduler", "save each rank's own optimizer shards"),
     _trainer_hook("_load_from_checkpoint", "resume each rank's own trainable shards"),
     _trainer_hook("_load_optimizer_and_scheduler", "resume each rank's own optimizer shards"),
+    _trainer_hook("_save_checkpoint", "save a checkpoint asynchronously (staged in host memory, written by a "
+                                      "background thread into checkpoint-N.tmp, renamed once complete), and call "
+                                      "the trainer class's own otherwise"),
 )}
 
 
@@ -415,6 +418,25 @@ def check_trainer_overrides(mixin: type) -> None:
 
 for _internal in TRAINER_HOOKS.values():
     _internal.wrapper(check_trainer_overrides)
+
+
+@TRAINER_HOOKS["_save_checkpoint"].wrapper
+def parent_save_checkpoint(trainer, mixin: type, model, trial) -> None:
+    """The ``_save_checkpoint`` of the class after ``mixin`` in ``trainer``'s MRO (swift's, then the HF Trainer's)."""
+    TRAINER_HOOKS["_save_checkpoint"].attribute(super(mixin, trainer), "_save_checkpoint")(model, trial)
+
+
+SAVE_RNG_STATE = Internal(
+    "Trainer._save_rng_state", "transformers",
+    used_for="take a checkpoint's RNG state files (rng_state_<process>.pth) exactly as the HF Trainer writes them, "
+             "at the save step, for an asynchronous save to write later",
+    checked=_ALL, replacement="none: the HF Trainer has no public way to save or read its RNG state")
+
+
+@SAVE_RNG_STATE.wrapper
+def save_rng_state(trainer, directory: str) -> None:
+    """``trainer._save_rng_state(directory)``: this process's RNG state file(s), as the HF Trainer saves them."""
+    SAVE_RNG_STATE.attribute(trainer, "_save_rng_state")(directory)
 
 
 TRAINER_SAVE = Internal(

@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
 import torch.distributed as dist
 
-from twinkle_strategy.distributed.messages import all_gather_objects
+from twinkle_strategy.distributed.messages import all_gather_objects, collective_device
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import DistributedInitError, RanksFailedError, shorten
 
@@ -95,3 +96,33 @@ def step_reporter(subject: str, *, error_class: type[RanksFailedError] = RanksFa
             raise
 
     return step_done
+
+
+class FoldedSteps:
+    """A :data:`StepDone` that only notes each step's error; :meth:`finish` is the one fail-together check of all.
+
+    For a sequence of steps that never needs a peer's result before the next (an asynchronous save's staging:
+    copies into host memory, collectives every rank runs whatever its own errors): one collective instead of
+    one per step. The first error is the one reported, prefixed by its step.
+    """
+
+    def __init__(self, step_done: StepDone, what: str) -> None:
+        """``step_done``: a :func:`step_reporter`'s; ``what``: the name of the folded steps, the same on every rank."""
+        self._step_done, self._what = step_done, what
+        self._error: str | None = None
+
+    def __call__(self, error: BaseException | None, what: str) -> None:
+        if error is not None and self._error is None:
+            self._error = f"{what}: {type(error).__name__}: {error}"
+
+    def finish(self) -> None:
+        """Collective: raise on every rank (through the wrapped ``step_done``) if any step failed on any rank.
+
+        One ``all_reduce`` of a flag when all went well (what an asynchronous save costs training); the messages
+        are gathered only when some rank failed."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            failed = torch.tensor([self._error is not None], dtype=torch.int64, device=collective_device())
+            dist.all_reduce(failed)
+            if not int(failed.item()):
+                return
+        self._step_done(self._error, self._what)

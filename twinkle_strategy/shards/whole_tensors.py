@@ -48,16 +48,19 @@ class WholeTensors:
     """
 
     def __init__(self, needs: list[Need], ep_plan: ExpertParallelPlan | None,
-                 owner: Callable[[str], int] | None = None):
-        """``owner(name)``: the rank that holds tensor ``name`` whole (default: spread by name, see owner_of)."""
+                 owner: Callable[[str], int] | None = None, group=None):
+        """``owner(name)``: the rank that holds tensor ``name`` whole (default: spread by name, see owner_of).
+        ``group``: a group of every rank, in global rank order, to exchange on (default: the default group); an
+        asynchronous save's background writers use one of their own, on the host."""
         self.needs, self.ep_plan = needs, ep_plan
         self._owner = owner
+        self.group = group
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        device = collective_device()
+        device = collective_device(group)
         mine = torch.tensor([[n.ep_rank, *(n.rows if n.rows is not None else (_WHOLE, _WHOLE))] for n in needs],
                             dtype=torch.int64, device=device).reshape(len(needs), 3)
         table = [torch.empty_like(mine) for _ in range(self.world)]
-        dist.all_gather(table, mine)
+        dist.all_gather(table, mine, group=group)
         # keys[i][r]: what rank r keeps of tensor i
         by_rank = [t.cpu().tolist() for t in table]
         self.keys = [[tuple(by_rank[r][i]) for r in range(self.world)] for i in range(len(needs))]
@@ -91,14 +94,14 @@ class WholeTensors:
         senders = self._senders(i)
         if self.rank != owner:
             if senders.get(mine) == self.rank and mine != self.keys[i][owner]:
-                wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, local.contiguous(), owner)]))
+                wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, local.contiguous(), owner, self.group)]))
             return None
         received = {mine: local}
         ops = []
         for key, sender in senders.items():
             if key not in received:
                 received[key] = torch.empty(self._need(i, key).region_shape, dtype=local.dtype, device=local.device)
-                ops.append(dist.P2POp(dist.irecv, received[key], sender))
+                ops.append(dist.P2POp(dist.irecv, received[key], sender, self.group))
         if ops:
             wait_all(dist.batch_isend_irecv(ops))
         return self._join(i, received, local)

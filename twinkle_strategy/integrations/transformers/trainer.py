@@ -32,7 +32,8 @@ What changes, and why:
   (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
   adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
-  number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`).
+  number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`). With
+  ``async_save=True`` they are written in the background while training goes on (:mod:`.async_save`).
 """
 
 from __future__ import annotations
@@ -44,14 +45,28 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.training import (
     load_trained_weights,
     load_trainer_state,
     save_trainer_state,
+    stage_weights,
 )
-from twinkle_strategy.compat.transformers_internals import check_trainer_overrides, mark_accelerate_prepared
+from twinkle_strategy.compat.transformers_internals import (
+    check_trainer_overrides,
+    file_size_bytes,
+    mark_accelerate_prepared,
+    parent_save_checkpoint,
+)
 from twinkle_strategy.distributed.fail_together import step_reporter
+from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import CheckpointSaveError, ParallelConfigError, ResumeError
+from twinkle_strategy.integrations.transformers.async_save import (
+    AsyncCheckpoints,
+    refuse_incomplete,
+    refuse_unserved,
+)
 from twinkle_strategy.integrations.transformers.aux_loss import (
     first_forward_routing,
     router_prepass,
@@ -70,6 +85,8 @@ from twinkle_strategy.strategy import NativeFSDPStrategy
 
 logger = logging.getLogger(__name__)
 
+SAVE_PRETRAINED_SHARD_SIZE = "5GB"  # what save_model writes with (NativeFSDPStrategy.save_pretrained's default)
+
 
 class StrategyTrainerMixin:
     """Placed before a ``transformers.Trainer`` subclass: trains the model through ``strategy``."""
@@ -78,15 +95,23 @@ class StrategyTrainerMixin:
     # set the model's coefficient and add the loss themselves (swift's).
     replaces_model_aux_loss = True
 
-    def __init__(self, *args, strategy: NativeFSDPStrategy, **kwargs) -> None:
+    def __init__(self, *args, strategy: NativeFSDPStrategy, async_save: bool = False, **kwargs) -> None:
+        """``async_save``: save checkpoints in the background, training waiting only while each rank copies its
+        share to host memory (:mod:`.async_save`; off by default until it has run a release on a cluster)."""
         training_args = kwargs.get("args", args[1] if len(args) > 1 else None)
         refuse_conflicting_sharding(training_args)  # before the trainer class does anything with the model
         refuse_transformers_expert_parallel(kwargs.get("model", args[0] if args else None))
+        if async_save:
+            refuse_unserved(training_args)
         self.strategy = strategy
         super().__init__(*args, **kwargs)
         # Packed rows and sequence parallelism (.sequence): refusals before any rank receives its weights.
         self.sequence_batches = serve_sequences(self, strategy)
         self._wrap_with_strategy()
+        self.async_checkpoints = None
+        if async_save:
+            self.async_checkpoints = AsyncCheckpoints(self, pin_memory=self.strategy.device.type != "cpu")
+            self.add_callback(self.async_checkpoints)
 
     def _wrap_with_strategy(self) -> None:
         prepare_for_trainer(self.strategy, self.model)  # in place: the trainer's references stay valid
@@ -169,11 +194,38 @@ class StrategyTrainerMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        self.strategy.save_pretrained(self.model, output_dir, tokenizer=tokenizer)
+        self.strategy.save_pretrained(self.model, output_dir, max_shard_size=SAVE_PRETRAINED_SHARD_SIZE,
+                                      tokenizer=tokenizer)
         if self.args.should_save:
             torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        if self.async_checkpoints is None or trial is not None:  # (hyper-parameter search trials: synchronous)
+            return parent_save_checkpoint(self, StrategyTrainerMixin, model, trial)
+        self.async_checkpoints.save_checkpoint()
+
+    def stage_model_files(self, directory: str, *, staging: HostStaging, step_done,
+                          adapter_from_trainable_files: bool) -> None:
+        """Asynchronous saves: what :meth:`save_model` writes into checkpoint ``directory``, staged in host memory or
+        taken now and left to the background writers (collective; see
+        :func:`~twinkle_strategy.checkpoint.training.stage_weights`)."""
+        stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done, stats=IOStats(),
+                      max_file_bytes=file_size_bytes(SAVE_PRETRAINED_SHARD_SIZE),
+                      chunk_bytes=self.strategy.init_bucket_bytes,
+                      write_adapter=lambda state: self.model.save_pretrained(directory, state_dict=state),
+                      adapter_from_trainable_files=adapter_from_trainable_files)
+        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
+        if tokenizer is not None and global_rank() == 0:
+            staging.defer(f"the tokenizer into {directory}", lambda: tokenizer.save_pretrained(directory))
+        if self.args.should_save:
+            args_file = os.path.join(directory, "training_args.bin")
+            staging.defer(args_file, lambda: torch.save(self.args, args_file))
+
+    def checkpoint_committed(self, path: str) -> None:
+        """Asynchronous saves: called on process zero once ``path`` is durable under its final name (and rotation
+        is done), from the commit's thread; nothing here (swift's trainer points its ``last-checkpoint`` link)."""
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         step_done = step_reporter(f"saving the trainer state into {output_dir}", error_class=CheckpointSaveError)
@@ -182,6 +234,7 @@ class StrategyTrainerMixin:
 
     # -- resuming: each rank reads its rows, whatever layout saved them
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        refuse_incomplete(resume_from_checkpoint)
         if not os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
             raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was not saved through "
                               "NativeFSDPStrategy (or with save_only_model); start a new run from its weights instead")

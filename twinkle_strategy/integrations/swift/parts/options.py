@@ -1,6 +1,7 @@
 """The plugin's options: every StrategyConfig field, as ``TWINKLE_<NAME>`` or the ``--fsdp`` JSON's ``"twinkle"`` object.
 
 Built from :mod:`twinkle_strategy.config` generically: an option added to StrategyConfig is an option here.
+Plus the trainer's own options (:data:`TRAINER_OPTIONS`: ``TWINKLE_ASYNC_SAVE``), read the same two ways.
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ DEFAULTS = {"memory_efficient_init": True}
 SWIFT_OWNED = {"backend": "--ddp_backend"}  # options swift already has a flag for
 # twinkle-sft's training options the plugin does not serve yet, with why and what to do instead: set to a true
 # value (a variable or a --fsdp key) they are refused in one line, before any weight loads, not silently ignored.
-NOT_SERVED = {
-    "async_save": "asynchronous saves are not served by the swift plugin yet (swift's Trainer writes each "
-                  "checkpoint-N in place, so a background write could leave an incomplete directory under its "
-                  "final name); unset it to save synchronously, or train with `twinkle-sft --async_save true`",
-}
+NOT_SERVED: dict[str, str] = {}
+# Options of the trainer, not of the strategy (twinkle-sft's train.* of the same name): name -> default.
+TRAINER_OPTIONS = {"async_save": False}
 
 
 def option_names() -> list[str]:
@@ -37,7 +36,9 @@ def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str,
     """Strategy options from ``TWINKLE_*`` variables, overridden by the ``--fsdp`` JSON's ``"twinkle"`` object."""
     environ = os.environ if environ is None else environ
     _refuse_not_served(fsdp_options or {}, environ)
-    fsdp_options = {k: v for k, v in (fsdp_options or {}).items() if k not in NOT_SERVED}  # left: set off
+    trainer_options(fsdp_options, environ)  # their errors now too, before any model is loaded
+    fsdp_options = {k: v for k, v in (fsdp_options or {}).items()
+                    if k not in NOT_SERVED and k not in TRAINER_OPTIONS}  # (not served: set off)
     names = option_names()
     options: dict[str, Any] = dict(DEFAULTS)
     sources = [(f"environment variable {env_var(k)}", k, environ[env_var(k)]) for k in names if env_var(k) in environ]
@@ -50,6 +51,23 @@ def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str,
             options[key] = config.parse_option(key, raw)
         except (TypeError, ValueError) as exc:
             raise SwiftPluginError(f"{where}={raw!r}: {exc}") from exc
+    return options
+
+
+def trainer_options(fsdp_options: dict | None = None, environ=None) -> dict[str, Any]:
+    """The trainer's options (:data:`TRAINER_OPTIONS`) from ``TWINKLE_*`` variables and the ``--fsdp`` JSON's
+    ``"twinkle"`` object (which wins)."""
+    environ = os.environ if environ is None else environ
+    options = dict(TRAINER_OPTIONS)
+    for name in TRAINER_OPTIONS:
+        for where, raw in ((f"environment variable {env_var(name)}", environ.get(env_var(name))),
+                           (f'--fsdp "twinkle": {{"{name}": ...}}', (fsdp_options or {}).get(name))):
+            if raw is None:
+                continue
+            try:
+                options[name] = config.parse_bool(raw)
+            except ValueError as exc:
+                raise SwiftPluginError(f"{where}={raw!r}: {exc}") from exc
     return options
 
 

@@ -1,8 +1,9 @@
 """swift's trainer on the shared transformers layer (:mod:`twinkle_strategy.integrations.transformers`).
 
-What is swift's own: its save layout (``_save``, ``args.json``, ``--max_shard_size``), its tuner's adapter
-loading on resume, reading an older version's per-rank ``twinkle_state/`` once, and its loss and token accuracy
-on a sequence-parallel chunk (:mod:`.sequence`).
+What is swift's own: its save layout (``_save``, ``args.json``, ``--max_shard_size``), its ``last-checkpoint``
+link, its tuner's adapter loading on resume, reading an older version's per-rank ``twinkle_state/`` once, and
+its loss and token accuracy on a sequence-parallel chunk (:mod:`.sequence`).
+``TWINKLE_ASYNC_SAVE=1`` saves in the background (the shared layer's ``async_save``), swift's files included.
 """
 
 from __future__ import annotations
@@ -13,11 +14,19 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint import ResumeError
-from twinkle_strategy.compat.transformers_internals import scheduler_file_name, trainer_save
+from twinkle_strategy.checkpoint.sharded_io import IOStats
+from twinkle_strategy.checkpoint.training import stage_weights
+from twinkle_strategy.compat.transformers_internals import (
+    file_size_bytes,
+    scheduler_file_name,
+    trainer_save,
+)
 from twinkle_strategy.distributed.dtensor import local_tensor
+from twinkle_strategy.integrations.swift.parts.options import trainer_options
 from twinkle_strategy.integrations.swift.parts.sequence import chunk_accuracy_inputs, serve_chunks
-from twinkle_strategy.integrations.swift.parts.state import get_strategy
+from twinkle_strategy.integrations.swift.parts.state import STATE, get_strategy
 from twinkle_strategy.integrations.transformers import StrategyTrainerMixin, with_strategy
+from twinkle_strategy.integrations.transformers.async_save import refuse_incomplete
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
 
@@ -77,7 +86,8 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
     replaces_model_aux_loss = False
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, strategy=get_strategy(), **kwargs)
+        async_save = trainer_options(STATE.fsdp_options)["async_save"]
+        super().__init__(*args, strategy=get_strategy(), async_save=async_save, **kwargs)
         self._legacy_state_of: tuple[str, dict | None] | None = None  # (checkpoint, its older per-rank state)
         if self.sequence_batches.enabled:  # swift's loss on the strategy's chunks (.sequence)
             serve_chunks(self)
@@ -110,11 +120,43 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
+    def stage_model_files(self, directory: str, *, staging, step_done, adapter_from_trainable_files: bool) -> None:
+        """Asynchronous saves: what :meth:`save_model` writes, staged; swift's own files (``_save``: its arguments,
+        tokenizer, the adapter through PEFT) written by process zero's background writer, or, for an adapter,
+        at the commit once every rank has written the trainable weights it is read back from."""
+        # What swift's own _save_checkpoint notes first (its bookkeeping after train() reads it).
+        self.state.last_model_checkpoint = os.path.join(self.args.output_dir,
+                                                        f"checkpoint-{self.state.global_step}")
+        logger.info("twinkle swift plugin: saving model checkpoint to %s in the background",
+                    self.state.last_model_checkpoint)
+        should_save = self.args.should_save
+        if self.args.tuner_type == "full":
+            stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done,
+                          stats=IOStats(), max_file_bytes=file_size_bytes(self.args.max_shard_size),
+                          chunk_bytes=self.strategy.init_bucket_bytes, write_adapter=None)
+            if should_save:
+                staging.defer(f"swift's files into {directory}", lambda: trainer_save(self, directory, state_dict=None))
+            return
+        stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done, stats=IOStats(),
+                      max_file_bytes=file_size_bytes(self.args.max_shard_size),
+                      chunk_bytes=self.strategy.init_bucket_bytes,
+                      write_adapter=lambda state: trainer_save(self, directory, state_dict=state) if should_save else None,
+                      adapter_from_trainable_files=adapter_from_trainable_files)
+
+    def checkpoint_committed(self, path: str) -> None:
+        # swift >= 4.6 points <output_dir>/last-checkpoint at a checkpoint once it is fully written.
+        try:
+            from swift.utils import update_last_checkpoint_symlink
+        except ImportError:
+            return
+        update_last_checkpoint_symlink(path)
+
     def _save_model(self, output_dir: str | None = None, state_dict=None):
         return  # written by every rank in save_model, config included
 
     # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        refuse_incomplete(resume_from_checkpoint)
         legacy = _legacy_state(self, resume_from_checkpoint)
         if legacy is not None:
             params = dict((model or self.model).named_parameters())

@@ -1,0 +1,160 @@
+"""Asynchronous checkpoints in ``transformers.Trainer`` and its subclasses (TRL's, ms-swift's): ``async_save=True``.
+
+    trainer = with_strategy(Trainer)(model=model, args=args, strategy=strategy, async_save=True, ...)
+
+A keyword of the trainer, next to ``strategy=``, not a ``TrainingArguments`` field: transformers' arguments
+cannot take fields it does not know, and TRL's and swift's argument classes are theirs.
+
+At a save step (:meth:`AsyncCheckpoints.save_checkpoint`, the mixin's ``_save_checkpoint``) every rank stages
+what a synchronous save of the mixin writes into ``checkpoint-N.tmp``: the model's rows (or, for an adapter,
+rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
+Trainer's own files taken now and written later (``training_args.bin``, ``rng_state_<i>.pth``, the trainer
+class's small files; ``trainer_state.json`` at the commit). Then training goes on while a thread per rank
+writes them (:mod:`twinkle_strategy.checkpoint.async_saves`). This module is also a ``TrainerCallback``:
+
+* ``on_step_end``: the collective poll, on every rank at every optimizer step: a failed background write
+  raises :class:`~twinkle_strategy.errors.CheckpointSaveError` there on every rank; once every rank has
+  written, rank 0 commits (fsync, rename to ``checkpoint-N``, only then ``save_total_limit``'s rotation, which
+  keeps the best checkpoint as the HF Trainer does).
+* the save that ends training is awaited before ``train()`` goes on (best-model loading, swift's
+  ``last``/``best`` bookkeeping), as is any save still in flight at the last epoch's end and at ``on_train_end``.
+
+A save that comes while the previous one is still being written waits for it and logs how long.
+``checkpoint-N.tmp`` never matches the HF Trainer's ``get_last_checkpoint`` (``^checkpoint-\\d+$``), and the
+mixin refuses to resume from it: a run killed mid-write resumes from the previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+import time
+
+from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
+
+from twinkle_strategy.checkpoint.async_saves import AsyncSaves
+from twinkle_strategy.checkpoint.durable import STAGING_SUFFIX, is_incomplete, publish, staging_path
+from twinkle_strategy.checkpoint.manager import rotate_checkpoints
+from twinkle_strategy.checkpoint.staging import HostStaging
+from twinkle_strategy.checkpoint.training import STATE_FILE, begin_staged_directory, save_trainer_state
+from twinkle_strategy.compat.transformers_internals import save_rng_state
+from twinkle_strategy.errors import CheckpointError, ResumeError
+
+
+class AsyncCheckpoints(TrainerCallback):
+    """The asynchronous saves of one trainer (every rank holds one), and the callback that polls them."""
+
+    def __init__(self, trainer, *, pin_memory: bool) -> None:
+        self.trainer = trainer
+        self.saves = AsyncSaves(pin_memory=pin_memory, timeout_s=trainer.strategy.timeout_s)
+        self.blocked_seconds: list[float] = []  # per save: how long training waited (the previous save included)
+
+    # -- the callback: collective, every rank at the same point of the training loop
+    def on_step_end(self, args, state, control, **kwargs):
+        self.saves.poll()
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if control.should_training_stop:  # before best-model loading and whatever follows train()
+            self.saves.wait()
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.saves.wait()
+
+    # -- the save
+    def save_checkpoint(self) -> None:
+        """The trainer's ``checkpoint-{global_step}``, staged; written in the background (collective)."""
+        trainer, start = self.trainer, time.perf_counter()
+        args, state = trainer.args, trainer.state
+        trainer.store_flos()
+        path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        staging = self.saves.begin(path)
+        tmp = staging_path(path)
+        steps = begin_staged_directory(path, staging)
+        with_trainer_state = not args.save_only_model
+        trainer.stage_model_files(tmp, staging=staging, step_done=steps,
+                                  adapter_from_trainable_files=with_trainer_state)
+        self._note_best_checkpoint(path)
+        if with_trainer_state:
+            save_trainer_state(tmp, trainer.model, trainer.strategy.ep_plan, optimizer=trainer.optimizer,
+                               scheduler=trainer.lr_scheduler, step_done=steps, staging=staging)
+            defer_files(staging, tmp, files_written_by(functools.partial(save_rng_state, trainer)))
+        trainer_state = self._trainer_state_json() if args.should_save else None
+        steps.finish()
+        best = state.best_model_checkpoint
+
+        def commit() -> None:  # rank 0, once every rank has written its share
+            if trainer_state is not None:
+                write_file(tmp, STATE_FILE, trainer_state)
+            publish(tmp, path)  # fsync of every file and directory, then the rename: durable from here
+            if args.should_save:
+                rotate_checkpoints(args.output_dir, args.save_total_limit, best=best)  # only now: it is durable
+                trainer.checkpoint_committed(path)
+
+        self.saves.start(path, commit=commit)
+        self.blocked_seconds.append(time.perf_counter() - start)
+        if trainer.control.should_training_stop:  # the last save of the run: durable before train() goes on
+            self.saves.wait()
+
+    def _note_best_checkpoint(self, path: str) -> None:
+        """What the HF Trainer's save notes of the best checkpoint (the one being saved counts: it will exist)."""
+        args, state = self.trainer.args, self.trainer.state
+        if args.save_strategy in (SaveStrategy.STEPS, SaveStrategy.EPOCH, SaveStrategy.BEST) and state.best_global_step:
+            best = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.best_global_step}")
+            if best == path or os.path.exists(best):
+                state.best_model_checkpoint = best
+
+    def _trainer_state_json(self) -> bytes:
+        """``trainer_state.json`` as the HF Trainer's save writes it, as of now (its callbacks' states included)."""
+        trainer = self.trainer
+        state = trainer.state
+        for callback in trainer.callback_handler.callbacks + [trainer.control]:
+            if isinstance(callback, ExportableState):
+                name = type(callback).__name__
+                if isinstance(state.stateful_callbacks[name], list):
+                    state.stateful_callbacks[name].append(callback.state())
+                else:
+                    state.stateful_callbacks[name] = callback.state()
+        (data,) = files_written_by(lambda directory: state.save_to_json(os.path.join(directory, STATE_FILE))).values()
+        return data
+
+
+def files_written_by(write) -> dict[str, bytes]:
+    """The files ``write(directory)`` writes into an empty local directory, by name: what a save must take at the
+    save step and write later (the HF Trainer's RNG state), exactly as its own code writes it."""
+    with tempfile.TemporaryDirectory(prefix="twinkle-async-save-") as directory:
+        write(directory)
+        files = {}
+        for name in sorted(os.listdir(directory)):
+            with open(os.path.join(directory, name), "rb") as f:
+                files[name] = f.read()
+        return files
+
+
+def write_file(directory: str, name: str, data: bytes) -> None:
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, name), "wb") as f:
+        f.write(data)
+
+
+def defer_files(staging: HostStaging, directory: str, files: dict[str, bytes]) -> None:
+    """Leave ``files`` (taken now) to this rank's background writer."""
+    for name, data in files.items():
+        staging.defer(os.path.join(directory, name), functools.partial(write_file, directory, name, data))
+
+
+def refuse_incomplete(checkpoint: str) -> None:
+    """A ``checkpoint-N.tmp`` directory, or one holding the incomplete marker, is a save that never finished."""
+    name = os.path.basename(os.path.normpath(checkpoint))
+    if name.endswith(STAGING_SUFFIX) or is_incomplete(checkpoint):
+        raise ResumeError(f"{checkpoint} is an incomplete save (killed, or still being written, before it was "
+                          f"renamed to its final name): resume from a complete checkpoint-N next to it instead")
+
+
+def refuse_unserved(training_args) -> None:
+    """What asynchronous saves do not serve yet, refused in one line before training starts."""
+    if getattr(training_args, "push_to_hub", False):
+        raise CheckpointError("async_save=True does not push checkpoints to the Hub yet (TrainingArguments."
+                              "push_to_hub=True): drop one of them, or push the final checkpoint after training")
