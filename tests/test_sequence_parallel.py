@@ -75,7 +75,7 @@ def test_sizes_are_checked_with_the_constraint_named():
     with pytest.raises(ParallelConfigError, match="sequence_parallel_size 4 needs 4 processes .* this job has 2"):
         ParallelDims(world_size=2, sp_size=4)
     with pytest.raises(ParallelConfigError, match=r"world size 6 is not divisible by sequence_parallel_size 4; "
-                                                  r"choose it among \[1, 2, 3, 6\]"):
+                                                  r"choose sequence_parallel_size among \[1, 2, 3, 6\]"):
         ParallelDims(world_size=6, sp_size=4)
     # SP and EP are carved independently: one SP group of 4 spans two EP groups of 2.
     dims = ParallelDims(world_size=4, ep_size=2, sp_size=4)

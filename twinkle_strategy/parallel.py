@@ -62,19 +62,8 @@ class ParallelDims:
         w, ep = self.world_size, self.ep_size
         if w < 1:
             raise ParallelConfigError(f"world_size must be >= 1, got {w}")
-        if ep < 1:
-            raise ParallelConfigError(f"ep_size must be >= 1, got {ep}")
-        if w < ep:
-            raise ParallelConfigError(
-                f"ep_size {ep} needs {ep} processes (or a multiple), this job has {w}: launch them, e.g. "
-                f"torchrun --nproc_per_node {ep} your_script.py ({_TWINKLE_SFT_FIX.format(size=ep)})"
-            )
-        if w % ep != 0:
-            divisors = [d for d in range(1, w + 1) if w % d == 0]
-            raise ParallelConfigError(
-                f"world size {w} is not divisible by ep_size {ep}; choose ep_size among {divisors}"
-            )
-        self._validate_sp()
+        self._validate_divides_world("ep_size", ep)
+        self._validate_divides_world("sequence_parallel_size", self.sp_size)
         expected_ep_fsdp = w // ep
         if self.ep_fsdp_size is None:
             self.ep_fsdp_size = expected_ep_fsdp
@@ -84,20 +73,19 @@ class ParallelDims:
                 f"use ep_fsdp_size={expected_ep_fsdp} (or leave it unset)"
             )
 
-    def _validate_sp(self) -> None:
-        w, sp = self.world_size, self.sp_size
-        if sp < 1:
-            raise ParallelConfigError(f"sequence_parallel_size must be >= 1, got {sp}")
-        if w < sp:
+    def _validate_divides_world(self, name: str, size: int) -> None:
+        """``size`` (ep_size, sequence_parallel_size) must divide the world: one line naming it and the fix."""
+        w = self.world_size
+        if size < 1:
+            raise ParallelConfigError(f"{name} must be >= 1, got {size}")
+        if w < size:
             raise ParallelConfigError(
-                f"sequence_parallel_size {sp} needs {sp} processes (or a multiple), this job has {w}: launch them, "
-                f"e.g. torchrun --nproc_per_node {sp} your_script.py ({_TWINKLE_SFT_FIX.format(size=sp)})"
+                f"{name} {size} needs {size} processes (or a multiple), this job has {w}: launch them, e.g. "
+                f"torchrun --nproc_per_node {size} your_script.py ({_TWINKLE_SFT_FIX.format(size=size)})"
             )
-        if w % sp != 0:
+        if w % size != 0:
             divisors = [d for d in range(1, w + 1) if w % d == 0]
-            raise ParallelConfigError(
-                f"world size {w} is not divisible by sequence_parallel_size {sp}; choose it among {divisors}"
-            )
+            raise ParallelConfigError(f"world size {w} is not divisible by {name} {size}; choose {name} among {divisors}")
 
     @property
     def sp_enabled(self) -> bool:
