@@ -84,8 +84,16 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
                       data_collator=data_collator(recipe, tokenizer, dataset, log=strategy.is_main_process), processing_class=tokenizer,
                       run_dir=run_dir, print_summary=print_summary,
-                      model_path=strategy.resolved_model_path(recipe.model.path))
+                      model_path=_merge_release_path(recipe, strategy))
     return trainer, strategy
+
+
+def _merge_release_path(recipe: Recipe, strategy: NativeFSDPStrategy) -> str | None:
+    """The release's local directory, which only merge_lora in the release's format reads. Resolved only then: a
+    rank that did not load the model (memory_efficient_init's receivers) must not open the hub caches otherwise."""
+    if recipe.train.merge_lora and recipe.train.merged_format == "release":
+        return strategy.resolved_model_path(recipe.model.path)
+    return None
 
 
 def run_recipe(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True) -> list[dict]:
