@@ -137,10 +137,15 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
             if should_save:
                 staging.defer(f"swift's files into {directory}", lambda: trainer_save(self, directory, state_dict=None))
             return
+
+        def write_adapter(state: dict) -> None:  # as save_model: PEFT's adapter files, then swift's own (_save)
+            self.model.save_pretrained(directory, state_dict=state)
+            if should_save:
+                trainer_save(self, directory, state_dict=None)
+
         stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done, stats=IOStats(),
                       max_file_bytes=file_size_bytes(self.args.max_shard_size),
-                      chunk_bytes=self.strategy.init_bucket_bytes,
-                      write_adapter=lambda state: trainer_save(self, directory, state_dict=state) if should_save else None,
+                      chunk_bytes=self.strategy.init_bucket_bytes, write_adapter=write_adapter,
                       adapter_from_trainable_files=adapter_from_trainable_files)
 
     def checkpoint_committed(self, path: str) -> None:
