@@ -139,11 +139,12 @@ def rank_rows(key: str, rows: int, rank: int, ranks: int, experts: int) -> tuple
     """Rank ``rank``'s rows of checkpoint tensor ``key`` (None: none of it): FSDP2's rows of a dense weight
     (``ceil(rows / ranks)`` each), or a routed expert's whole tensors on the rank that holds the expert (EP x
     FSDP2 over the experts: ``experts / ranks`` each)."""
+    from twinkle_strategy.shards.plan import fsdp_rows
+
     found = re.search(r"\.experts\.(\d+)\.", key)
     if found:
         return (0, rows) if int(found[1]) // (experts // ranks) == rank else None
-    step = -(-rows // ranks)
-    a, b = min(rank * step, rows), min((rank + 1) * step, rows)
+    a, b = fsdp_rows(rows, ranks, rank)
     return (a, b) if b > a else None
 
 

@@ -285,9 +285,9 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
-def _per_save(runs: list[dict], key: str, combine=max) -> list[float]:
-    """``key`` of each save, combined over the ranks that have it (the slowest rank by default)."""
-    return [combine(v for s in saves if (v := s.get(key)) is not None)
+def _per_save(runs: list[dict], key: str) -> list[float]:
+    """``key`` of each save, on the slowest of the ranks that have it."""
+    return [max(v for s in saves if (v := s.get(key)) is not None)
             for saves in zip(*(r["saves"] for r in runs), strict=True)]
 
 

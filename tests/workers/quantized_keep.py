@@ -13,7 +13,6 @@ weight files opened after it.
 import argparse
 import json
 import os
-import struct
 import sys
 import zlib
 
@@ -168,7 +167,7 @@ def run(path: str, family: str, mode: str, mine, *, ep: int, checkpointing: bool
                 alive_after=DECODE_STATS.alive_bytes - alive_before, kept_after=sorted(kept_weights(model)),
                 alive_between=between["alive"] - alive_before, kept_between=between["kept"],
                 step_log=step_log, peak_after_log=DECODE_STATS.peak_alive_bytes,
-                meta_decode_failures=decoded_on_meta(kept), bytes_read=report.bytes_read)
+                meta_decode_failures=decoded_on_meta(kept))
 
 
 def adapter_bytes(strategy, model, directory: str) -> str | None:
@@ -217,14 +216,10 @@ def resume_case(path: str, family: str, mine, *, ep: int, root: str) -> dict:
 
 def tensor_bytes(directory: str) -> int:
     """The tensor bytes of every safetensors file under ``directory``, from their headers."""
-    total = 0
-    for d, _, files in os.walk(directory):
-        for file in (f for f in files if f.endswith(".safetensors")):
-            with open(os.path.join(d, file), "rb") as f:
-                header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-            total += sum(end - begin for key, value in header.items() if key != "__metadata__"
-                         for begin, end in [value["data_offsets"]])
-    return total
+    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+
+    files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names if f.endswith(".safetensors")]
+    return sum(t.nbytes for t in SafetensorsIndex(files).tensors.values()) if files else 0
 
 
 def checkpoint_tensors(directory: str) -> dict[str, torch.Tensor]:

@@ -46,7 +46,7 @@ class OptimizerFiles:
         has them already (:func:`~twinkle_strategy.checkpoint.sharded_io.regions_of` walks the whole model)."""
         self.model, self.optimizer, self.ep_plan = model, optimizer, ep_plan
         params = self.params = dict(model.named_parameters())
-        name_of = {id(p): n for n, p in params.items()}
+        name_of = self.name_of = {id(p): n for n, p in params.items()}  # (reused by every later save of the plan)
         if regions is None:
             regions = regions_of(model, ep_plan, names={name_of[id(p)] for p in optimizer.state})
         self.regions = {r.name: r for r in regions}
@@ -66,12 +66,11 @@ class OptimizerFiles:
     def scalars(self) -> dict[str, dict[str, float]]:
         """Parameter -> its state's scalars (AdamW's ``step``), as of now: the plan above stays valid from one save
         to the next, these change every step."""
-        name_of = {id(p): n for n, p in self.params.items()}
         scalars: dict[str, dict[str, float]] = {}
         for param, state in self.optimizer.state.items():
             for key, value in state.items():
                 if not _laid_out_like(value, param):
-                    scalars.setdefault(name_of[id(param)], {})[key] = float(value)
+                    scalars.setdefault(self.name_of[id(param)], {})[key] = float(value)
         return scalars
 
     def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
@@ -80,8 +79,8 @@ class OptimizerFiles:
         writer = open_writer(directory, self.plan)
         writer.create_files()
         write_index(writer, prefix=OPTIMIZER_PREFIX)
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        groups = [{**{k: v for k, v in group.items() if k != "params"},
+                   "params": [self.name_of[id(p)] for p in group["params"]]}
                   for group in self.optimizer.param_groups]
         writer.write_text(SCALARS_FILE, json.dumps({"param_groups": groups, "scalars": self.scalars()}, indent=1,
                                                    default=str))

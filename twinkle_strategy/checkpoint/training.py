@@ -127,8 +127,7 @@ class SaveReport:
 
 def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
                     trainer_state: dict, tokenizer=None, save_optimizer: bool = True,
-                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES,
-                    staging: HostStaging | None = None) -> SaveReport:
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
     """Write ``path`` atomically (collective: every rank calls it); returns this rank's :class:`SaveReport`.
 
     Each step ends with a fail-together check instead of a plain barrier: if
@@ -136,14 +135,9 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     error and the half-written ``.tmp`` directory is removed. A process killed
     mid-save leaves only ``.tmp``, which resume ignores.
 
-    With ``staging`` (an asynchronous save) nothing is written but an empty directory: see
-    :func:`stage_checkpoint`; the caller writes the staged pieces, then calls :func:`commit_checkpoint` on rank 0
+    An asynchronous save stages instead: :func:`stage_checkpoint`, then :func:`commit_checkpoint` on rank 0
     (:mod:`twinkle_strategy.checkpoint.async_saves`).
     """
-    if staging is not None:
-        return stage_checkpoint(path, model, strategy, optimizer=optimizer, scheduler=scheduler, tokenizer=tokenizer,
-                                save_optimizer=save_optimizer, max_file_bytes=max_file_bytes, chunk_bytes=chunk_bytes,
-                                staging=staging)
     tmp = staging_path(path)
     measure = _SaveMeasure()
     step_done = step_reporter(f"saving {os.path.basename(path)}", error_class=CheckpointSaveError,

@@ -151,16 +151,24 @@ class GlobalBatchAuxLoss:
         return self.balancing.loss_part(local, router), router
 
     @torch.no_grad()
-    def prepass(self, model: nn.Module, batches: Iterable[dict]) -> RouterStats:
-        """Router statistics of every micro-batch of a step (inputs without labels, on the device), summed over
+    def prepass(self, model: nn.Module, batches: Iterable[dict], *, expert_load=None) -> RouterStats:
+        """Router statistics of every micro-batch of a step (on the device; labels are left out), summed over
         ranks: one forward without gradients each, so that the first micro-batch's backward already sees the
-        whole global batch."""
-        total = None
-        for inputs in batches:
-            out = model(**inputs, output_router_logits=True)
-            stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"))
-            total = stats if total is None else total + stats
-        return total.reduced()
+        whole global batch. ``expert_load``: a load counter (``.active``) paused meanwhile, since the training
+        forwards count the load."""
+        if expert_load is not None:
+            expert_load.active = False
+        try:
+            total = None
+            for batch in batches:
+                inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
+                out = model(**inputs, output_router_logits=True)
+                stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"))
+                total = stats if total is None else total + stats
+            return total.reduced()
+        finally:
+            if expert_load is not None:
+                expert_load.active = True
 
 
 def correction_biases(model: nn.Module) -> list[torch.Tensor]:

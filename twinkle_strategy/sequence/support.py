@@ -11,10 +11,11 @@
 from __future__ import annotations
 
 from twinkle_strategy.errors import ParallelConfigError
+from twinkle_strategy.sequence.packed import PACKABLE_LAYER_TYPES
 
-# Layer kinds of ``config.layer_types`` that attention by heads covers, or that do not mix tokens (Nemotron-H
-# names its MoE and MLP layers there); any other kind carries state along the sequence.
-_ATTENTION_LAYERS = {"full_attention", "sliding_attention", "attention", "moe", "mlp"}
+# Layer kinds of ``config.layer_types`` that attention by heads covers, or that do not mix tokens: those packed
+# rows serve, except chunked attention (Llama 4), which the Ulysses attention function does not mask (refused).
+_ATTENTION_LAYERS = PACKABLE_LAYER_TYPES - {"chunked_attention"}
 # Families whose layers carry state along the sequence without saying so in layer_types, and families with sinks,
 # by the checkpoint's model_type or its text model's (a vision-language checkpoint's text config is ``<family>_text``).
 _STATEFUL_FAMILIES = {"nemotron_h": "Mamba-2 layers", "jamba": "Mamba layers", "falcon_h1": "Mamba-2 layers",

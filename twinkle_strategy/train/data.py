@@ -161,9 +161,9 @@ def _template_ids(tokenizer, messages, add_generation_prompt: bool) -> list[int]
     return list(ids)
 
 
-def tokenize_conversation(tokenizer, messages: Messages, max_length: int | None) -> dict[str, list[int]]:
-    """input_ids and labels, the first ``max_length`` of them (None: all); labels are -100 except on assistant
-    turns."""
+def tokenize_conversation(tokenizer, messages: Messages) -> dict[str, list[int]]:
+    """input_ids and labels of the whole conversation (:func:`fit_to_max_length` cuts or drops it); labels are
+    -100 except on assistant turns."""
     input_ids: list[int] = []
     labels: list[int] = []
     for i, message in enumerate(messages):
@@ -175,7 +175,7 @@ def tokenize_conversation(tokenizer, messages: Messages, max_length: int | None)
             raise DatasetError("the tokenizer's chat template does not extend earlier turns; cannot mask labels")
         labels += [IGNORE_INDEX] * (len(prompt) - len(input_ids)) + full[len(prompt):]
         input_ids = full
-    return {"input_ids": input_ids[:max_length], "labels": labels[:max_length]}
+    return {"input_ids": input_ids, "labels": labels}
 
 
 def fit_to_max_length(example: dict[str, list[int]], max_length: int,
@@ -215,7 +215,7 @@ def load_examples(spec: DatasetSpec, tokenizer, max_length: int, strict: bool, g
     rows_read = len(rows) + len(skipped)
     examples = []
     for lineno, messages in rows:
-        whole = tokenize_conversation(tokenizer, messages, None)
+        whole = tokenize_conversation(tokenizer, messages)
         example = fit_to_max_length(whole, max_length, truncation_strategy)
         if example is not None and has_labels(example):
             examples.append(example)

@@ -73,7 +73,7 @@ def check_max_length(recipe: Recipe) -> None:
         rows, _ = read_rows(path, strict=False, max_rows=ROWS_CHECKED)
         for _, messages in rows:
             try:
-                example = tokenize_conversation(tokenizer, messages, None)
+                example = tokenize_conversation(tokenizer, messages)
             except DatasetError:
                 return  # the run reports a template that cannot mask labels
             fitted = fit_to_max_length(example, max_length, strategy)

@@ -297,15 +297,9 @@ class Trainer:
 
     def _router_prepass(self, batches: list[dict]):
         """Global router statistics of the step's micro-batches (:meth:`GlobalBatchAuxLoss.prepass`)."""
-        if self.expert_load is not None:
-            self.expert_load.active = False  # the training forwards count the load
-        try:
-            return self.balancing.prepass(self.model, (
-                {k: v.to(self.strategy.device) for k, v in batch.items() if k not in ("labels", "shift_labels")}
-                for batch in batches))
-        finally:
-            if self.expert_load is not None:
-                self.expert_load.active = True
+        device = self.strategy.device
+        return self.balancing.prepass(self.model, ({k: v.to(device) for k, v in batch.items()} for batch in batches),
+                                      expert_load=self.expert_load)
 
     def train(self) -> list[dict]:
         state = self.setup()
@@ -417,9 +411,7 @@ class Trainer:
     def save_merged(self, checkpoint: str) -> str:
         """merge_lora: the adapters merged into the base, saved as ``{checkpoint}-merged`` (as swift export names
         it), in train.merged_format. Collective; consumes the model (called after the last step)."""
-        if not is_peft_model(self.model):
-            raise ValueError("train.merge_lora=true needs a LoRA model (tuner.type=lora)")
-        directory = f"{checkpoint}-merged"
+        directory = f"{checkpoint}-merged"  # (recipe checks refuse merge_lora without LoRA before training)
         self.strategy.save_merged(self.model, directory, merged_format=self.args.merged_format,
                                   release=self.model_path, max_shard_size=self.args.max_shard_size)
         return directory

@@ -29,14 +29,13 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
-import time
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from twinkle_strategy.checkpoint.async_saves import AsyncSaves
-from twinkle_strategy.checkpoint.durable import STAGING_SUFFIX, is_incomplete, publish, staging_path
+from twinkle_strategy.checkpoint.durable import STAGING_SUFFIX, publish, raise_if_incomplete, staging_path
 from twinkle_strategy.checkpoint.manager import rotate_checkpoints
 from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.training import STATE_FILE, begin_staged_directory, save_trainer_state
@@ -50,7 +49,6 @@ class AsyncCheckpoints(TrainerCallback):
     def __init__(self, trainer, *, pin_memory: bool) -> None:
         self.trainer = trainer
         self.saves = AsyncSaves(pin_memory=pin_memory, timeout_s=trainer.strategy.timeout_s)
-        self.blocked_seconds: list[float] = []  # per save: how long training waited (the previous save included)
 
     # -- the callback: collective, every rank at the same point of the training loop
     def on_step_end(self, args, state, control, **kwargs):
@@ -66,7 +64,7 @@ class AsyncCheckpoints(TrainerCallback):
     # -- the save
     def save_checkpoint(self) -> None:
         """The trainer's ``checkpoint-{global_step}``, staged; written in the background (collective)."""
-        trainer, start = self.trainer, time.perf_counter()
+        trainer = self.trainer
         args, state = trainer.args, trainer.state
         trainer.store_flos()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
@@ -94,7 +92,6 @@ class AsyncCheckpoints(TrainerCallback):
                 trainer.checkpoint_committed(path)
 
         self.saves.start(path, commit=commit)
-        self.blocked_seconds.append(time.perf_counter() - start)
         if trainer.control.should_training_stop:  # the last save of the run: durable before train() goes on
             self.saves.wait()
 
@@ -146,11 +143,12 @@ def defer_files(staging: HostStaging, directory: str, files: dict[str, bytes]) -
 
 
 def refuse_incomplete(checkpoint: str) -> None:
-    """A ``checkpoint-N.tmp`` directory, or one holding the incomplete marker, is a save that never finished."""
-    name = os.path.basename(os.path.normpath(checkpoint))
-    if name.endswith(STAGING_SUFFIX) or is_incomplete(checkpoint):
+    """A ``checkpoint-N.tmp`` directory, or one holding the incomplete marker, is a save that never finished. (A
+    staging directory holds the marker only once its writer has begun: its name alone says it is not complete.)"""
+    if os.path.basename(os.path.normpath(checkpoint)).endswith(STAGING_SUFFIX):
         raise ResumeError(f"{checkpoint} is an incomplete save (killed, or still being written, before it was "
                           f"renamed to its final name): resume from a complete checkpoint-N next to it instead")
+    raise_if_incomplete(checkpoint, ResumeError)
 
 
 def refuse_unserved(training_args) -> None:

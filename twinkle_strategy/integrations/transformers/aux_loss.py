@@ -72,18 +72,10 @@ def router_prepass(trainer, batch_samples: list[dict], *, prepared: bool = False
     the first micro-batch's backward already sees the global batch's expert fractions. ``prepared``: the batches
     are already on the device as the forward takes them (sequence parallelism's chunks), else the trainer
     prepares each as its training step will."""
-    expert_load = trainer.step_metrics.expert_load
-    if expert_load is not None:
-        expert_load.active = False  # the training forwards count the load
     trainer.model.train()
-    try:
-        return trainer.global_aux_loss.prepass(trainer.model, (
-            {k: v for k, v in (batch if prepared else trainer_prepare_inputs(trainer, batch)).items()
-             if k not in ("labels", "shift_labels")}
-            for batch in batch_samples))
-    finally:
-        if expert_load is not None:
-            expert_load.active = True
+    return trainer.global_aux_loss.prepass(
+        trainer.model, (batch if prepared else trainer_prepare_inputs(trainer, batch) for batch in batch_samples),
+        expert_load=trainer.step_metrics.expert_load)
 
 
 def share_scale(trainer, num_items_in_batch) -> int:

@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from twinkle_strategy.errors import ParallelConfigError
-from twinkle_strategy.sequence import split_batch
 from twinkle_strategy.sequence.packed import prepare_for_packed_batches
 
 # What split_batch cuts (and the shifted labels it adds).
@@ -107,10 +106,8 @@ class SequenceBatches:
     """A trainer's packed and sequence-parallel batches: ``prepare`` each batch, run ``forwards`` of each."""
 
     def __init__(self, strategy, *, packed: bool, model) -> None:
-        strategy.setup()
+        self.strategy = strategy  # set up (serve_sequences)
         self.sp = strategy.dims.sp_size
-        self.group = strategy.meshes.sp_group if self.sp > 1 else None
-        self.sp_rank = strategy.dims.sp_rank(strategy.rank)
         self.device = strategy.device
         self._packed = False
         self._chunks: dict[int, list[tuple[dict, torch.Tensor | None]]] = {}  # id(micro-batch) -> its forwards
@@ -155,8 +152,9 @@ class SequenceBatches:
                 "sequence_parallel_size=1")
         batch = {k: torch.as_tensor(v).to(self.device) for k, v in batch.items()}
         count = None if num_items is None else torch.as_tensor(num_items, device=self.device)
-        members = gather_batches({**batch, **({} if count is None else {"num_items": count.reshape(1)})}, self.group)
-        return [(split_batch({k: v for k, v in member.items() if k != "num_items"}, rank=self.sp_rank, size=self.sp),
+        members = gather_batches({**batch, **({} if count is None else {"num_items": count.reshape(1)})},
+                                 self.strategy.meshes.sp_group)
+        return [(self.strategy.split_sequence({k: v for k, v in member.items() if k != "num_items"}),
                  None if count is None else member["num_items"].reshape(()).to(count.dtype))
                 for member in members]
 

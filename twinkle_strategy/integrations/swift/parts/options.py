@@ -17,9 +17,6 @@ ENV_PREFIX = "TWINKLE_"
 # The plugin's own defaults where they differ from the strategy's (mixed_precision follows swift's --bf16).
 DEFAULTS = {"memory_efficient_init": True}
 SWIFT_OWNED = {"backend": "--ddp_backend"}  # options swift already has a flag for
-# twinkle-sft's training options the plugin does not serve yet, with why and what to do instead: set to a true
-# value (a variable or a --fsdp key) they are refused in one line, before any weight loads, not silently ignored.
-NOT_SERVED: dict[str, str] = {}
 # Options of the trainer, not of the strategy (twinkle-sft's train.* of the same name): name -> default.
 TRAINER_OPTIONS = {"async_save": False}
 
@@ -35,10 +32,8 @@ def env_var(name: str) -> str:
 def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str, Any]:
     """Strategy options from ``TWINKLE_*`` variables, overridden by the ``--fsdp`` JSON's ``"twinkle"`` object."""
     environ = os.environ if environ is None else environ
-    _refuse_not_served(fsdp_options or {}, environ)
     trainer_options(fsdp_options, environ)  # their errors now too, before any model is loaded
-    fsdp_options = {k: v for k, v in (fsdp_options or {}).items()
-                    if k not in NOT_SERVED and k not in TRAINER_OPTIONS}  # (not served: set off)
+    fsdp_options = {k: v for k, v in (fsdp_options or {}).items() if k not in TRAINER_OPTIONS}
     names = option_names()
     options: dict[str, Any] = dict(DEFAULTS)
     sources = [(f"environment variable {env_var(k)}", k, environ[env_var(k)]) for k in names if env_var(k) in environ]
@@ -70,16 +65,3 @@ def trainer_options(fsdp_options: dict | None = None, environ=None) -> dict[str,
                 raise SwiftPluginError(f"{where}={raw!r}: {exc}") from exc
     return options
 
-
-def _refuse_not_served(fsdp_options: dict, environ) -> None:
-    for name, why in NOT_SERVED.items():
-        for where, raw in ((env_var(name), environ.get(env_var(name))),
-                           (f'--fsdp "twinkle": {{"{name}": ...}}', fsdp_options.get(name))):
-            if raw is None:
-                continue
-            try:
-                on = config.parse_bool(raw)
-            except ValueError:
-                on = True  # not a clear "off": refused rather than guessed
-            if on:
-                raise SwiftPluginError(f"{where}={raw!r}: {why}")
