@@ -17,6 +17,7 @@ import resource
 import torch
 import torch.distributed as dist
 
+from twinkle_strategy.distributed import fatal_errors
 from twinkle_strategy.errors import TopologyError
 
 # Backend that goes with each device type. Ascend's HCCL only exists when
@@ -141,6 +142,8 @@ def init_distributed(
             # this process, so that device meshes and FSDP2 work as in a launched job.
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend=backend, **kwargs)
+    # After the group exists (whoever made it): torch wraps sys.excepthook then, and ours must see errors first.
+    fatal_errors.install(fatal_errors.RankPlace(rank=env.rank, world_size=env.world_size, node_rank=env.node_rank))
     return device_type, env
 
 

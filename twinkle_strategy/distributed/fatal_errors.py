@@ -1,0 +1,211 @@
+"""What a rank prints when one of this package's errors ends it: one line, the root cause first.
+
+Left to Python (and to torch.distributed's excepthook, which prefixes each line with ``[rank<R>]: ``), an error
+on one rank of a ``torchrun`` job prints a traceback on every rank: the rank that failed, and each peer whose
+next collective then lost it ("Connection closed by peer"). That is 70-190 lines for one message, with the
+cause somewhere among them. :func:`install` (called by ``init_distributed``, so every front-end that launches
+under a plain ``torchrun`` gets it: HF Trainer, TRL, a user's script) replaces that for this package's errors:
+
+* the rank whose error it is writes its traceback to a file, records the error in the job's key-value store
+  and prints one line: its rank, the error, the file;
+* a rank that fails after a peer recorded an error (its collective lost the peer, or fail-together raised the
+  peer's error here too) prints the peer's error, not its own connection error;
+* each distinct line is printed once per node (the first rank of the node to claim it in the store says it):
+  a node's terminal shows its own ranks' output, and every node's terminal names the cause.
+
+Every rank's traceback is in ``<temp dir>/twinkle-errors-<job>/rank<R>.txt``. Any other exception, when no peer
+recorded one of ours, keeps the hook that was there (Python's, or torch's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+from twinkle_strategy.errors import RanksFailedError, TrainingAbortedError, TwinkleError
+
+PEER_GRACE_S = 2.0  # how long a rank whose collective failed waits for the failing peer's record
+# What gloo and NCCL say when a peer's process ended under a collective.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
+_HOOK_MARK = "_twinkle_fatal_errors"
+
+
+@dataclasses.dataclass(frozen=True)
+class RankPlace:
+    """Where this process is in the job: what the line names and which node's terminal it goes to."""
+
+    rank: int
+    world_size: int
+    node_rank: int
+
+
+def failing_ranks(exc: RanksFailedError) -> list[int]:
+    return [rank for rank, _ in exc.failures]
+
+
+def stopped_by_peer(exc: BaseException, rank: int) -> bool:
+    """Whether ``exc`` on ``rank`` is the consequence of another rank's failure, not a cause of its own: an
+    aborted training step, a fail-together error this rank did not contribute to, or a collective whose peer
+    process ended."""
+    if isinstance(exc, TrainingAbortedError):
+        return True
+    if isinstance(exc, RanksFailedError):
+        return rank not in failing_ranks(exc)
+    if isinstance(exc, TwinkleError):
+        return False
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in PEER_GONE)
+
+
+def one_line(exc: BaseException) -> str:
+    """``Type: message`` on one line."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+
+
+def install(place: RankPlace) -> None:
+    """Make this package's errors end this rank in one line (see the module). Idempotent; a no-op on one process.
+
+    Call once the default process group exists: torch installs its own hook then, and this one must come first.
+    """
+    if place.world_size <= 1 or getattr(sys.excepthook, _HOOK_MARK, False):
+        return
+    previous = sys.excepthook
+
+    def excepthook(exc_type, exc, tb):
+        try:
+            handled = report(exc, place)
+        except Exception:  # noqa: BLE001 - a report that fails must not hide the error it reports
+            handled = False
+        if not handled:
+            previous(exc_type, exc, tb)
+
+    setattr(excepthook, _HOOK_MARK, True)
+    sys.excepthook = excepthook
+
+
+def report(exc: BaseException, place: RankPlace, *, out=None, board: ErrorBoard | None = None) -> bool:
+    """Write ``exc``'s traceback to its file and print its line (at most one) on ``out`` (stderr); False where
+    ``exc`` is not for this module (not ours, and no peer recorded one of ours): the caller's hook prints it."""
+    if not isinstance(exc, Exception):  # Ctrl-C, sys.exit: as Python shows them
+        return False
+    out = sys.stderr if out is None else out
+    board = ErrorBoard.of_job() if board is None else board
+    ours = isinstance(exc, TwinkleError)
+    if ours and not stopped_by_peer(exc, place.rank):
+        record = own_record(exc, place, board)
+        board.publish(record)  # before this process ends: the peers it strands look it up
+    else:
+        # Only a rank a peer stranded waits for that peer's record; any other error is looked up once.
+        grace_s = PEER_GRACE_S if stopped_by_peer(exc, place.rank) else 0.0
+        record = board.first_failure(not_rank=place.rank, grace_s=grace_s)
+        if record is None and not ours:
+            return False
+        record = record or own_record(exc, place, board)
+    board.write_traceback(place, exc)
+    line = record.line if record.rank == place.rank or record.collective else (
+        f"twinkle_strategy: rank {place.rank} stopped because rank {record.rank} failed: {record.error} "
+        f"(tracebacks: {board.traceback_path('<R>')})")
+    if board.claim(place.node_rank, record.key, place.rank):
+        print(line, file=out, flush=True)
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class FailureRecord:
+    """One rank's error as the store keeps it: ``key`` is the same for the same error on every rank
+    (a fail-together error names all of them), so that each node prints it once."""
+
+    rank: int
+    error: str
+    line: str
+    key: str
+    collective: bool
+    time: float
+
+
+def own_record(exc: TwinkleError, place: RankPlace, board: ErrorBoard) -> FailureRecord:
+    error = one_line(exc)
+    if isinstance(exc, RanksFailedError):  # raised on every rank with the same message: one line says it for all
+        line = f"twinkle_strategy: every rank stopped: {error} (tracebacks: {board.traceback_path('<R>')})"
+        return FailureRecord(place.rank, error, line, error, True, time.time())
+    line = f"twinkle_strategy: rank {place.rank}: {error} (traceback: {board.traceback_path(place.rank)})"
+    return FailureRecord(place.rank, error, line, f"rank {place.rank}: {error}", False, time.time())
+
+
+class ErrorBoard:
+    """The records of failed ranks in the job's key-value store (torchrun's, which outlives the workers), and
+    where tracebacks go. Without a store (it is gone, or there is none) it records nothing and claims every line."""
+
+    def __init__(self, store, prefix: str, job: str):
+        self.store, self.prefix = store, prefix
+        self.directory = os.path.join(tempfile.gettempdir(), f"twinkle-errors-{job}")
+
+    @classmethod
+    def of_job(cls) -> ErrorBoard:
+        from twinkle_strategy.compat.torch_internals import default_store
+
+        # A restarted round (torchrun --max-restarts) keeps the store: its records must not be the last round's.
+        prefix = f"twinkle/errors/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        mine = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        try:
+            store = default_store()
+            job = store.compare_set(f"{prefix}/job", "", mine).decode()  # the first rank's name, for every rank
+        except Exception:  # noqa: BLE001 - the store went with a dead agent: this rank reports on its own
+            store, job = None, mine
+        return cls(store, prefix, job)
+
+    def traceback_path(self, rank: int | str) -> str:
+        return os.path.join(self.directory, f"rank{rank}.txt")
+
+    def write_traceback(self, place: RankPlace, exc: BaseException) -> str:
+        path = self.traceback_path(place.rank)
+        os.makedirs(self.directory, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(f"rank {place.rank} of {place.world_size} (node {place.node_rank}), pid {os.getpid()}: "
+                    f"{' '.join(sys.argv)}\n")
+            f.write("".join(traceback.format_exception(exc)))
+        return path
+
+    def _try(self, action, default):
+        if self.store is None:
+            return default
+        try:
+            return action()
+        except Exception:  # noqa: BLE001 - the store may be gone with a dead node
+            return default
+
+    def publish(self, record: FailureRecord) -> None:
+        def add() -> None:
+            index = self.store.add(f"{self.prefix}/count", 1)
+            self.store.set(f"{self.prefix}/failure/{index}", json.dumps(dataclasses.asdict(record)))
+
+        self._try(add, None)
+
+    def failures(self) -> list[FailureRecord]:
+        def read() -> list[FailureRecord]:
+            count = self.store.add(f"{self.prefix}/count", 0)
+            keys = [f"{self.prefix}/failure/{i}" for i in range(1, count + 1)]
+            keys = [key for key in keys if self.store.check([key])]  # one counted but not yet written: next poll
+            return [FailureRecord(**json.loads(value)) for value in self.store.multi_get(keys)] if keys else []
+
+        return self._try(read, [])
+
+    def first_failure(self, *, not_rank: int, grace_s: float) -> FailureRecord | None:
+        """The earliest error another rank recorded, waiting up to ``grace_s`` for one (None if none came)."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            found = [record for record in self.failures() if record.rank != not_rank]
+            if found or self.store is None or time.monotonic() > deadline:
+                return min(found, key=lambda record: record.time) if found else None
+            time.sleep(0.1)
+
+    def claim(self, node_rank: int, key: str, rank: int) -> bool:
+        """Whether this rank is the first of its node to say the line of ``key`` (True without a store)."""
+        digest = hashlib.sha1(key.encode()).hexdigest()
+        said = f"{self.prefix}/said/{node_rank}/{digest}"
+        return self._try(lambda: self.store.compare_set(said, "", str(rank)).decode() == str(rank), True)
