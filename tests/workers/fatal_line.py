@@ -18,6 +18,7 @@ MESSAGE = "router_aux_loss_coef: injected on one rank by the test"
 
 def main():
     from transformers import Trainer, TrainerCallback, TrainingArguments
+    from transformers.utils import logging as hf_logging
 
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.errors import ModelStructureError
@@ -29,6 +30,7 @@ def main():
     p.add_argument("--failing-rank", type=int, default=1)
     a = p.parse_args()
     torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()  # a quiet script: what each rank prints is the failure's
     failing = int(os.environ["RANK"]) == a.failing_rank
 
     class FailAtStep2(TrainerCallback):
@@ -36,7 +38,8 @@ def main():
             if state.global_step == 1 and failing:
                 raise ModelStructureError(MESSAGE)
 
-    strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
+    # No EP across the simulated nodes, no init report: nothing printed before the failure either.
+    strategy = NativeFSDPStrategy(mixed_precision="no", device_type="cpu")
     model = strategy.from_pretrained(a.model, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
     rows = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, model.config.vocab_size, (16, 8), generator=g)]

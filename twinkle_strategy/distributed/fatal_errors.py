@@ -28,6 +28,7 @@ import tempfile
 import time
 import traceback
 
+from twinkle_strategy.compat.torch_internals import default_store
 from twinkle_strategy.errors import RanksFailedError, TrainingAbortedError, TwinkleError
 
 PEER_GRACE_S = 2.0  # how long a rank whose collective failed waits for the failing peer's record
@@ -147,8 +148,6 @@ class ErrorBoard:
 
     @classmethod
     def of_job(cls) -> ErrorBoard:
-        from twinkle_strategy.compat.torch_internals import default_store
-
         # A restarted round (torchrun --max-restarts) keeps the store: its records must not be the last round's.
         prefix = f"twinkle/errors/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         mine = f"{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"

@@ -29,6 +29,9 @@ from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import InternalChangedError
 
 NOT_STARTED = "0"
+# How a failure record starts when the rank failed only because a peer did (its collective lost the peer):
+# who_stopped names the peers' own failures, the causes, before (or instead of) these.
+AFTER_PEER = "after a peer: "
 
 
 def _store():
@@ -88,8 +91,10 @@ class StatusBoard:
         self.finished_phases += 1
         self._try(lambda: self.store.set(self._key(self.rank), str(self.finished_phases)))
 
-    def failed(self, reason: str) -> None:
-        self._try(lambda: self.store.set(self._key(self.rank), f"{self.finished_phases} failed: {reason[:500]}"))
+    def failed(self, reason: str, *, after_peer: bool = False) -> None:
+        """Record this rank's failure; ``after_peer``: it failed because a peer did (a collective lost the peer)."""
+        reason = f"{AFTER_PEER if after_peer else ''}{reason[:500]}"
+        self._try(lambda: self.store.set(self._key(self.rank), f"{self.finished_phases} failed: {reason}"))
 
     def failures(self) -> list[tuple[int, str]]:
         """(rank, reason) of every rank that recorded a failure on this board (empty if the store is gone)."""
@@ -114,13 +119,19 @@ class StatusBoard:
 
     def who_stopped(self, phase: str, grace_s: float = 3.0) -> tuple[str, list[tuple[int, str]]]:
         """What this rank can tell when a collective of ``phase`` failed under it: the other ranks that failed
-        (and why) or fell silent, as a phrase for its error message and as ``(rank, reason)`` pairs."""
+        (and why) or fell silent, as a phrase for its error message and as ``(rank, reason)`` pairs. The ranks
+        that failed on their own come first; those that failed only after a peer are named when nobody else is."""
         failed = [(r, why) for r, why in self.failures() if r != self.rank]
+        causes = [(r, why) for r, why in failed if not why.startswith(AFTER_PEER)]
+        after_peer = [(r, why) for r, why in failed if why.startswith(AFTER_PEER)]
         silent = self.silent_ranks(phase, grace_s) or []
-        parts = [f"rank {r} failed: {why}" for r, why in failed[:8]]
+        parts = [f"rank {r} failed: {why}" for r, why in causes[:8]]
+        if not causes:
+            parts += [f"rank {r} failed after a peer ({why.removeprefix(AFTER_PEER)})" for r, why in after_peer[:8]]
         if silent:
             parts.append(f"rank(s) {silent} did not report back (one of them died or hung; see their logs)")
-        return "; ".join(parts) or "a peer stopped responding", failed + [(r, "did not report back") for r in silent]
+        named = causes + after_peer + [(r, "did not report back") for r in silent]
+        return "; ".join(parts) or "a peer stopped responding", named
 
     def _records(self) -> list[str | None]:
         """Every rank's record (None: none yet), without waiting for a key."""

@@ -20,6 +20,7 @@ from torch import nn
 from twinkle_strategy import log
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport, QuantizedBase
 from twinkle_strategy.distributed.fail_together import raise_init_together
+from twinkle_strategy.distributed.fatal_errors import stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard
 from twinkle_strategy.distributed.node import NodeLink, gather_to_source, scatter_from_source
 from twinkle_strategy.distributed.runtime import peak_rss_bytes
@@ -181,7 +182,7 @@ def distribute(
         board.failed(str(exc))
         raise
     except Exception as exc:  # noqa: BLE001 - a peer died or hung, or anything else: named from the board
-        board.failed(f"{type(exc).__name__} during {phase}: {exc}")
+        board.failed(f"{type(exc).__name__} during {phase}: {exc}", after_peer=stopped_by_peer(exc, topology.rank))
         raise _named_failure(board, phase, topology.rank, exc) from exc
     my_needs = [need for need, _ in mine]
     read = dict(bytes_read=capture.bytes_read, read_seconds=capture.read_seconds,

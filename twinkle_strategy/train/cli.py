@@ -48,6 +48,7 @@ import enum
 import os
 import re
 import sys
+import traceback
 import typing
 
 from twinkle_strategy import config
@@ -460,9 +461,15 @@ def _worker_main(argv: list[str]) -> int:
         recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
         run_recipe(recipe, run_dir, print_summary=not run_dir)  # a launcher that named run_dir prints it at the end
     except BaseException as exc:
-        if run_dir:
-            record_error(run_dir, rank, exc)
-        raise
+        if not run_dir:
+            raise
+        record_error(run_dir, rank, exc)
+        if not isinstance(exc, Exception):  # Ctrl-C, SystemExit: as Python ends on them
+            raise
+        # The whole traceback in the rank's log, where the launcher's summary points (the one-line report of
+        # distributed.fatal_errors is for a plain torchrun, whose terminal shows every rank's output).
+        traceback.print_exc()
+        return 1
     return 0
 
 

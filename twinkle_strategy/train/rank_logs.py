@@ -9,7 +9,8 @@ torchrun's own error blocks, and the one line that matters is lost among them. I
 * the terminal shows one rank's log live (as torchrun's ``--tee`` with
   ``--local-ranks-filter``) up to its fatal traceback;
 * a failed run ends with :func:`failure_summary`: each distinct error once with the ranks
-  that raised it, the traceback of the rank that failed first, and where the logs are.
+  that raised it, the causes first (the ranks that stopped only because a peer failed, in one
+  line after them), the traceback of the first cause, and where the logs are.
 
 Worker side: :func:`capture_rank_output` and :func:`record_error`. Launcher side:
 :class:`LogFollower` and :func:`failure_summary`.
@@ -25,6 +26,8 @@ import sys
 import time
 import traceback
 from typing import BinaryIO
+
+from twinkle_strategy.distributed.fatal_errors import stopped_by_peer
 
 RUN_DIR_ENV = "TWINKLE_RUN_DIR"  # the run directory a launcher chose for its workers
 # A traceback's first line; torch.distributed's excepthook prefixes each line with "[rank<R>]: ".
@@ -73,7 +76,8 @@ def capture_rank_output(run_dir: str, rank: int) -> None:
 def record_error(run_dir: str, rank: int, exc: BaseException) -> None:
     """Write what the failure summary needs about ``exc``; call before the traceback is printed."""
     record = {"rank": rank, "type": type(exc).__name__, "message": str(exc),
-              "traceback": "".join(traceback.format_exception(exc)), "time": time.time()}
+              "traceback": "".join(traceback.format_exception(exc)), "time": time.time(),
+              "after_peer": stopped_by_peer(exc, rank)}
     path = _error_record_path(run_dir, rank)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -142,6 +146,7 @@ class ErrorRecord:
     message: str
     traceback: str
     time: float
+    after_peer: bool = False  # the rank failed because another did (its collective lost the peer, or an abort)
 
 
 def read_error_records(run_dir: str, ranks: list[int]) -> dict[int, ErrorRecord]:
@@ -194,18 +199,18 @@ def failure_summary(run_dir: str, ranks: list[int], node_ranks: list[int]) -> st
     lines = []
     if records:
         lines.append(f"twinkle-sft: the run failed; {len(records)} of {len(ranks)} ranks raised an error:")
-        by_error: dict[tuple[str, str], list[int]] = {}
-        for rank in sorted(records):
-            by_error.setdefault((records[rank].type, records[rank].message), []).append(rank)
-        for (kind, message), raised_by in by_error.items():
-            lines.append(f"  {kind}: {message}")
-            lines.append(f"    raised on rank(s) {raised_by}")
+        causes = [r for r in records.values() if not r.after_peer]
+        lines.extend(_grouped(causes or list(records.values())))
+        after_peer = sorted(r.rank for r in records.values() if r.after_peer)
+        if causes and after_peer:  # their messages name the cause above, after their own connection errors
+            kinds = sorted({records[rank].type for rank in after_peer})
+            lines.append(f"  rank(s) {after_peer} stopped because of the error(s) above ({', '.join(kinds)}; see their logs)")
         silent = [rank for rank in ranks if rank not in records]
         if silent:
             why = ("killed by SIGKILL (out of memory?), or stopped by torchrun after another rank failed" if killed
                    else "stopped by torchrun after another rank failed")
             lines.append(f"  rank(s) {silent} raised nothing: {why}; see their logs")
-        first = min(records.values(), key=lambda r: r.time)
+        first = min(causes or records.values(), key=lambda r: r.time)
         lines.append(f"Traceback of rank {first.rank}, the first to fail:")
         lines.append(first.traceback.rstrip())
     else:
@@ -219,6 +224,18 @@ def failure_summary(run_dir: str, ranks: list[int], node_ranks: list[int]) -> st
     lines.append(f"Every rank's full output: {os.path.join(logs, 'rank<R>.log')} "
                  f"(ranks {ranks[0]}-{ranks[-1]}); torchrun's own: {os.path.join(logs, 'torchrun-node<N>.log')}")
     return "\n".join(lines)
+
+
+def _grouped(records: list[ErrorRecord]) -> list[str]:
+    """Each distinct error once, with the ranks that raised it, the earliest first."""
+    by_error: dict[tuple[str, str], list[ErrorRecord]] = {}
+    for record in sorted(records, key=lambda r: r.time):
+        by_error.setdefault((record.type, record.message), []).append(record)
+    lines = []
+    for (kind, message), raised in by_error.items():
+        lines.append(f"  {kind}: {message}")
+        lines.append(f"    raised on rank(s) {sorted(r.rank for r in raised)}")
+    return lines
 
 
 def _tail(path: str, count: int) -> list[str]:

@@ -28,6 +28,7 @@ from torch.distributed.fsdp import FSDPModule
 from twinkle_strategy.checkpoint import CheckpointManager, is_peft_model
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
+from twinkle_strategy.distributed.fatal_errors import one_line, stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard
 from twinkle_strategy.distributed.runtime import peak_rss_bytes
 from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
@@ -358,11 +359,15 @@ class Trainer:
         return None  # nothing left to train: resumed at max_steps
 
     def _guarded(self, phase: str, fn, *args):
-        """Run a collective phase; if a peer dies or hangs, raise an error naming the silent ranks."""
+        """Run a collective phase; if a peer dies or hangs, raise an error naming the silent ranks. A rank's own
+        error is recorded on the board before it leaves: the peers it strands name it as the cause."""
         try:
             result = fn(*args)
-        except RuntimeError as exc:
-            self._board.failed(f"{type(exc).__name__} in {phase}")
+        except Exception as exc:
+            after_peer = stopped_by_peer(exc, self.strategy.rank)
+            self._board.failed(f"{type(exc).__name__} in {phase}" if after_peer else one_line(exc), after_peer=after_peer)
+            if not isinstance(exc, RuntimeError):
+                raise
             who, _ = self._board.who_stopped(phase)
             raise TrainingAbortedError(f"{phase} failed on rank {self.strategy.rank}: {who}. "
                                        f"Underlying error: {exc}") from exc

@@ -1,0 +1,162 @@
+"""One message, not a wall: a package error ends a plain-torchrun job in one line per distinct error, root cause first.
+
+One launch (2 simulated nodes x 1 rank, a user's HF Trainer script under plain torchrun, no try/except): rank 1
+raises a ModelStructureError at step 2, which leaves rank 0 in that step's FSDP all-gather until it loses the
+peer. Each node's terminal then shows its rank's one line (torchrun's own failure block after it is not
+counted), and each rank's traceback is in the file the line names. The rest runs in this process: which rank says
+what (ranks sharing a real TCPStore as torchrun's workers share the agent's), and twinkle-sft's summary order.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import re
+import tempfile
+import time
+
+import pytest
+import torch.distributed as dist
+from multinode import launch
+
+from twinkle_strategy.distributed.fatal_errors import ErrorBoard, RankPlace, report
+from twinkle_strategy.errors import (
+    CheckpointError,
+    DistributedInitError,
+    ModelStructureError,
+    TrainingAbortedError,
+)
+from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
+
+INJECTED = "ModelStructureError: router_aux_loss_coef: injected on one rank by the test"  # tests/workers/fatal_line.py
+PEER_GONE = RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:11190. This is "
+                         "typically caused by a remote worker crashing.")
+
+
+def raised(exc: Exception) -> Exception:
+    """``exc`` with a traceback, as the hook receives it."""
+    try:
+        raise exc
+    except Exception as caught:  # noqa: BLE001
+        return caught
+
+
+def rank_output(node_log: str) -> list[str]:
+    """What the node's only rank printed: the node's output up to torchrun's own failure report."""
+    lines = node_log.splitlines()
+    end = next((i for i, line in enumerate(lines) if "torch/distributed/elastic" in line), len(lines))
+    return lines[:end]
+
+
+def test_a_package_error_on_one_rank_is_one_line_on_each_terminal_naming_it(tmp_path):
+    model = save_tiny_checkpoint("qwen3_moe", str(tmp_path / "model"))
+    tmp = tmp_path / "tmp"  # where tempfile puts the tracebacks in the ranks
+    tmp.mkdir()
+    result = launch("fatal_line.py", ["--model", model, "--out", str(tmp_path / "out")], tmp_path / "launch",
+                    nnodes=2, nproc_per_node=1, timeout=240, env={"TMPDIR": str(tmp)})
+    assert not result.timed_out and result.returncodes == [1, 1], result.describe()
+    outputs = [rank_output(log) for log in result.logs]  # node i runs rank i
+    for rank, lines in enumerate(outputs):
+        assert 1 <= len(lines) <= 3, (rank, result.describe())
+        assert "ModelStructureError" in lines[0], (rank, lines)
+        assert "Traceback" not in "\n".join(lines) and "[rank" not in "\n".join(lines), (rank, lines)
+    (directory,) = list(tmp.glob("twinkle-errors-*"))
+    assert outputs[1][0] == f"twinkle_strategy: rank 1: {INJECTED} (traceback: {directory}/rank1.txt)"
+    # Rank 0's own error is the lost connection; its line names the cause instead.
+    assert outputs[0][0] == (f"twinkle_strategy: rank 0 stopped because rank 1 failed: {INJECTED} "
+                             f"(tracebacks: {directory}/rank<R>.txt)")
+    failing = (directory / "rank1.txt").read_text()
+    assert failing.startswith("rank 1 of 2 (node 1), pid ") and "Traceback (most recent call last)" in failing
+    assert "in on_step_begin" in failing and failing.rstrip().endswith(INJECTED)
+    stranded = (directory / "rank0.txt").read_text()
+    assert "all_gather" in stranded and "Connection closed by peer" in stranded, stranded[-2000:]
+
+
+# --------------------------------------------------------------------- which rank says what, in one process
+@pytest.fixture
+def board(tmp_path, monkeypatch):
+    """The job's error board on a real TCPStore; tracebacks under tmp_path."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(seconds=7))
+    return ErrorBoard(store, "twinkle/errors/0", "job")
+
+
+def said(board: ErrorBoard, exc: Exception, rank: int, node: int) -> str:
+    """What rank ``rank`` of 4 (2 nodes x 2) prints when ``exc`` ends it."""
+    out = io.StringIO()
+    assert report(raised(exc), RankPlace(rank=rank, world_size=4, node_rank=node), out=out, board=board)
+    return out.getvalue()
+
+
+def test_the_cause_is_said_once_per_node_and_stranded_ranks_name_it(board):
+    cause = ModelStructureError("router_aux_loss_coef: the model's loss is another form")
+    tracebacks = board.traceback_path("<R>")
+    assert said(board, cause, rank=1, node=0) == (f"twinkle_strategy: rank 1: ModelStructureError: {cause} "
+                                                  f"(traceback: {board.traceback_path(1)})\n")
+    assert said(board, PEER_GONE, rank=0, node=0) == ""  # node 0's terminal has the cause already
+    assert said(board, PEER_GONE, rank=2, node=1) == (f"twinkle_strategy: rank 2 stopped because rank 1 failed: "
+                                                      f"ModelStructureError: {cause} (tracebacks: {tracebacks})\n")
+    abort = TrainingAbortedError("step2 failed on rank 3: rank 1 failed: ModelStructureError: ...")
+    assert said(board, abort, rank=3, node=1) == ""
+    for rank in range(4):
+        assert "Traceback (most recent call last)" in open(board.traceback_path(rank)).read()
+    assert "Connection closed by peer" in open(board.traceback_path(0)).read()
+
+
+def test_a_fail_together_error_is_one_line_per_node(board):
+    error = DistributedInitError("memory_efficient_init failed on rank(s) [1]: rank 1: CheckpointError: "
+                                 "model.layers.1.mlp.gate.weight is [3, 3] in the checkpoint", [(1, "...")])
+    lines = [said(board, error, rank=rank, node=rank // 2) for rank in (1, 0, 3, 2)]
+    expected = f"twinkle_strategy: every rank stopped: DistributedInitError: {error} (tracebacks: " \
+               f"{board.traceback_path('<R>')})\n"
+    assert lines == [expected, "", expected, ""]
+
+
+def test_other_errors_keep_their_traceback_without_waiting(board, tmp_path):
+    """No package error recorded: a user's own error, and even a lost connection, go to the previous hook."""
+    place = RankPlace(rank=0, world_size=4, node_rank=0)
+    start = time.monotonic()
+    assert not report(raised(KeyError("a user's bug")), place, out=io.StringIO(), board=board)
+    assert time.monotonic() - start < 1  # only a stranded rank waits for its peer's record
+    assert not report(raised(PEER_GONE), place, out=io.StringIO(), board=board)
+    assert not report(KeyboardInterrupt(), place, out=io.StringIO(), board=board)
+    assert not os.path.exists(board.traceback_path(0))
+    # A package error that names no peer's record is said by its own rank.
+    out = io.StringIO()
+    assert report(raised(CheckpointError("model.safetensors: truncated")), place, out=out, board=board)
+    assert out.getvalue().startswith("twinkle_strategy: rank 0: CheckpointError: model.safetensors: truncated")
+
+
+def test_without_a_store_each_rank_says_its_own_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    board = ErrorBoard(None, "twinkle/errors/0", "nostore")
+    assert said(board, ModelStructureError("x"), rank=1, node=0).startswith("twinkle_strategy: rank 1: ")
+    start = time.monotonic()
+    assert said(board, TrainingAbortedError("step1 failed on rank 0: y"), rank=0, node=0).startswith(
+        "twinkle_strategy: rank 0: TrainingAbortedError: step1 failed on rank 0: y")
+    assert time.monotonic() - start < 1
+
+
+# ------------------------------------------------------------------------------- twinkle-sft's summary
+def test_twinkle_sft_summary_puts_the_cause_first(tmp_path):
+    """The order of the issue's run: the ranks the cause stranded failed (and recorded) before the cause's own
+    record was the earliest; the summary still leads with the cause and shows its traceback."""
+    from twinkle_strategy.train.rank_logs import failure_summary, record_error
+
+    os.makedirs(tmp_path / "logs")
+    cause = "router_aux_loss_coef: Qwen3MoeForCausalLM's load-balancing loss (2.39) is not the Switch-Transformer form"
+    record_error(str(tmp_path), 0, raised(TrainingAbortedError(f"step1 failed on rank 0: rank 1 failed: "
+                                                               f"ModelStructureError: {cause}. Underlying error: ...")))
+    record_error(str(tmp_path), 2, raised(PEER_GONE))
+    record_error(str(tmp_path), 1, raised(ModelStructureError(cause)))
+    record_error(str(tmp_path), 3, raised(ModelStructureError(cause.replace("2.39", "2.22"))))
+    summary = failure_summary(str(tmp_path), [0, 1, 2, 3], [0, 1])
+    lines = summary.splitlines()
+    assert lines[0] == "twinkle-sft: the run failed; 4 of 4 ranks raised an error:"
+    assert lines[1:6] == [f"  ModelStructureError: {cause}", "    raised on rank(s) [1]",
+                          f"  ModelStructureError: {cause.replace('2.39', '2.22')}", "    raised on rank(s) [3]",
+                          "  rank(s) [0, 2] stopped because of the error(s) above (RuntimeError, TrainingAbortedError; see their logs)"]
+    assert lines[6] == "Traceback of rank 1, the first to fail:"
+    assert summary.count("Traceback (most recent call last)") == 1 and "Connection closed" not in summary
+    assert re.search(r"Every rank's full output: .*rank<R>\.log \(ranks 0-3\)", summary)
