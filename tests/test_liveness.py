@@ -92,3 +92,22 @@ def test_the_init_and_the_trainer_name_who_stopped_in_the_same_words(store):
         board.finished("step1")
     quiet[0].failed("RuntimeError in step1")
     assert quiet[0].who_stopped("step1", grace_s=0) == ("a peer stopped responding", [])
+
+
+def test_who_stopped_names_the_cause_not_the_ranks_it_stranded(store):
+    """The issue's run: ranks 1 and 3 raised on their own, rank 2 lost its connection to one of them first."""
+    ranks = boards(store, "cause")
+    ranks[2].failed("RuntimeError in step1", after_peer=True)
+    ranks[1].failed("ModelStructureError: router_aux_loss_coef: ...")
+    ranks[3].failed("ModelStructureError: router_aux_loss_coef: ...")
+    ranks[0].failed("RuntimeError in step1", after_peer=True)
+    who, failures = ranks[0].who_stopped("step1", grace_s=0)
+    assert who == ("rank 1 failed: ModelStructureError: router_aux_loss_coef: ...; "
+                   "rank 3 failed: ModelStructureError: router_aux_loss_coef: ...")
+    assert [rank for rank, _ in failures] == [1, 3, 2]
+    alone = boards(store, "alone")  # nobody failed on their own: the stranded ones are named
+    for board in alone[1:3]:
+        board.finished("step1")
+    alone[3].failed("RuntimeError in step1", after_peer=True)
+    alone[0].failed("RuntimeError in step1", after_peer=True)
+    assert alone[0].who_stopped("step1", grace_s=0)[0] == "rank 3 failed after a peer (RuntimeError in step1)"
