@@ -23,6 +23,7 @@ from multinode import launch
 from twinkle_strategy.distributed.fatal_errors import ErrorBoard, RankPlace, report
 from twinkle_strategy.errors import (
     CheckpointError,
+    ConflictingShardingError,
     DistributedInitError,
     ModelStructureError,
     TrainingAbortedError,
@@ -111,6 +112,13 @@ def test_a_fail_together_error_is_one_line_per_node(board):
     expected = f"twinkle_strategy: every rank stopped: DistributedInitError: {error} (tracebacks: " \
                f"{board.traceback_path('<R>')})\n"
     assert lines == [expected, "", expected, ""]
+
+
+def test_a_refusal_every_rank_makes_is_one_line_per_node(board):
+    refusal = ConflictingShardingError("TrainingArguments.deepspeed: the strategy shards the model; drop it")
+    lines = [said(board, refusal, rank=rank, node=rank // 2) for rank in range(4)]
+    assert lines[1] == lines[3] == "" and lines[0].startswith("twinkle_strategy: rank 0: ConflictingShardingError: ")
+    assert lines[2].startswith("twinkle_strategy: rank 2: ConflictingShardingError: ")
 
 
 def test_other_errors_keep_their_traceback_without_waiting(board, tmp_path):

@@ -10,8 +10,9 @@ under a plain ``torchrun`` gets it: HF Trainer, TRL, a user's script) replaces t
   and prints one line: its rank, the error, the file;
 * a rank that fails after a peer recorded an error (its collective lost the peer, or fail-together raised the
   peer's error here too) prints the peer's error, not its own connection error;
-* each distinct line is printed once per node (the first rank of the node to claim it in the store says it):
-  a node's terminal shows its own ranks' output, and every node's terminal names the cause.
+* each distinct error is printed once per node (the first rank of the node to claim it in the store says it):
+  a node's terminal shows its own ranks' output, and every node's terminal names the cause; a refusal that
+  every rank makes on its own is one line, not one per rank.
 
 Every rank's traceback is in ``<temp dir>/twinkle-errors-<job>/rank<R>.txt``. Any other exception, when no peer
 recorded one of ours, keeps the hook that was there (Python's, or torch's).
@@ -111,20 +112,19 @@ def report(exc: BaseException, place: RankPlace, *, out=None, board: ErrorBoard 
     line = record.line if record.rank == place.rank or record.collective else (
         f"twinkle_strategy: rank {place.rank} stopped because rank {record.rank} failed: {record.error} "
         f"(tracebacks: {board.traceback_path('<R>')})")
-    if board.claim(place.node_rank, record.key, place.rank):
+    if board.claim(place.node_rank, record.error, place.rank):
         print(line, file=out, flush=True)
     return True
 
 
 @dataclasses.dataclass(frozen=True)
 class FailureRecord:
-    """One rank's error as the store keeps it: ``key`` is the same for the same error on every rank
-    (a fail-together error names all of them), so that each node prints it once."""
+    """One rank's error as the store keeps it. A node prints each distinct ``error`` once: a fail-together error
+    (the same message on every rank, naming the failing ones), or a refusal every rank makes on its own."""
 
     rank: int
     error: str
     line: str
-    key: str
     collective: bool
     time: float
 
@@ -133,9 +133,9 @@ def own_record(exc: TwinkleError, place: RankPlace, board: ErrorBoard) -> Failur
     error = one_line(exc)
     if isinstance(exc, RanksFailedError):  # raised on every rank with the same message: one line says it for all
         line = f"twinkle_strategy: every rank stopped: {error} (tracebacks: {board.traceback_path('<R>')})"
-        return FailureRecord(place.rank, error, line, error, True, time.time())
+        return FailureRecord(place.rank, error, line, True, time.time())
     line = f"twinkle_strategy: rank {place.rank}: {error} (traceback: {board.traceback_path(place.rank)})"
-    return FailureRecord(place.rank, error, line, f"rank {place.rank}: {error}", False, time.time())
+    return FailureRecord(place.rank, error, line, False, time.time())
 
 
 class ErrorBoard:
@@ -203,8 +203,8 @@ class ErrorBoard:
                 return min(found, key=lambda record: record.time) if found else None
             time.sleep(0.1)
 
-    def claim(self, node_rank: int, key: str, rank: int) -> bool:
-        """Whether this rank is the first of its node to say the line of ``key`` (True without a store)."""
-        digest = hashlib.sha1(key.encode()).hexdigest()
+    def claim(self, node_rank: int, error: str, rank: int) -> bool:
+        """Whether this rank is the first of its node to say the line of ``error`` (True without a store)."""
+        digest = hashlib.sha1(error.encode()).hexdigest()
         said = f"{self.prefix}/said/{node_rank}/{digest}"
         return self._try(lambda: self.store.compare_set(said, "", str(rank)).decode() == str(rank), True)
