@@ -146,6 +146,39 @@ def test_without_a_store_each_rank_says_its_own_line(tmp_path, monkeypatch):
     assert time.monotonic() - start < 1
 
 
+def test_the_hook_installed_before_and_after_torchs_reports_once(tmp_path, monkeypatch, capsys):
+    """from_pretrained installs it before the process group (its refusals come first), init_distributed again after
+    torch wrapped it in its own: a package error is one line, any other error reaches Python's hook once."""
+    import sys
+
+    from twinkle_strategy.distributed import fatal_errors
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    calls, original_report = [], fatal_errors.report
+    monkeypatch.setattr(sys, "excepthook", lambda *args: calls.append("python"))
+    monkeypatch.setattr(fatal_errors, "report", lambda *args: calls.append("report") or original_report(*args))
+    place = RankPlace(rank=1, world_size=2, node_rank=0)
+    fatal_errors.install(place)  # no process group: no store, so each rank says its own line
+    inner = sys.excepthook
+
+    def torch_hook(*args):  # what init_process_group installs: the hook it found, its output prefixed
+        calls.append("torch")
+        inner(*args)
+
+    monkeypatch.setattr(sys, "excepthook", torch_hook)
+    fatal_errors.install(place)
+    fatal_errors.install(place)  # idempotent
+    error = raised(KeyError("a user's bug"))
+    sys.excepthook(type(error), error, error.__traceback__)
+    assert calls == ["report", "torch", "python"]  # looked at once, by the outer hook
+    calls.clear()
+    refusal = raised(ConflictingShardingError("TrainingArguments.deepspeed: drop it"))
+    sys.excepthook(type(refusal), refusal, refusal.__traceback__)
+    assert calls == ["report"]
+    assert capsys.readouterr().err.startswith("twinkle_strategy: rank 1: ConflictingShardingError: "
+                                              "TrainingArguments.deepspeed: drop it (traceback: ")
+
+
 # ------------------------------------------------------------------------------- twinkle-sft's summary
 def test_twinkle_sft_summary_puts_the_cause_first(tmp_path):
     """The order of the issue's run: the ranks the cause stranded failed (and recorded) before the cause's own

@@ -49,7 +49,7 @@ from twinkle_strategy.distributed.fail_together import collectively, on_rank0, s
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
 from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
-from twinkle_strategy.distributed.runtime import current_device, init_distributed
+from twinkle_strategy.distributed.runtime import current_device, init_distributed, install_error_report
 from twinkle_strategy.errors import CheckpointSaveError, DistributedInitError
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
@@ -158,6 +158,7 @@ class NativeFSDPStrategy:
         process group and any file), an environment that asks accelerate to shard or
         broadcast the model too (its DeepSpeed or FSDP plugin, FSDP's cpu_ram_efficient_loading).
         """
+        install_error_report()  # the refusal below comes before the process group: one line per rank too
         refuse_accelerate_sharding()  # the same variables on every rank: each raises on its own, none waits
         self.setup()
         what = f"loading {path_or_id}"

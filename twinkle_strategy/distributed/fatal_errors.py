@@ -69,22 +69,33 @@ def one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())}"
 
 
-def install(place: RankPlace) -> None:
-    """Make this package's errors end this rank in one line (see the module). Idempotent; a no-op on one process.
+_REPORTING = {"now": False}  # a hook of ours is handling an exception (another of ours may sit inside torch's)
 
-    Call once the default process group exists: torch installs its own hook then, and this one must come first.
+
+def install(place: RankPlace) -> None:
+    """Make this package's errors end this rank in one line (see the module). A no-op on one process.
+
+    Called before the process group exists (errors raised before it: one line per rank, no store to agree
+    through) and again once it does: torch then wraps the hook it finds with its own, and this one must come first.
     """
     if place.world_size <= 1 or getattr(sys.excepthook, _HOOK_MARK, False):
         return
     previous = sys.excepthook
 
     def excepthook(exc_type, exc, tb):
-        try:
-            handled = report(exc, place)
-        except Exception:  # noqa: BLE001 - a report that fails must not hide the error it reports
-            handled = False
-        if not handled:
+        if _REPORTING["now"]:  # the outer hook of ours passed it on: the inner one passes it on too
             previous(exc_type, exc, tb)
+            return
+        _REPORTING["now"] = True
+        try:
+            try:
+                handled = report(exc, place)
+            except Exception:  # noqa: BLE001 - a report that fails must not hide the error it reports
+                handled = False
+            if not handled:
+                previous(exc_type, exc, tb)
+        finally:
+            _REPORTING["now"] = False
 
     setattr(excepthook, _HOOK_MARK, True)
     sys.excepthook = excepthook

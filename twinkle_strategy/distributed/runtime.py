@@ -143,8 +143,17 @@ def init_distributed(
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend=backend, **kwargs)
     # After the group exists (whoever made it): torch wraps sys.excepthook then, and ours must see errors first.
-    fatal_errors.install(fatal_errors.RankPlace(rank=env.rank, world_size=env.world_size, node_rank=env.node_rank))
+    install_error_report(env)
     return device_type, env
+
+
+def install_error_report(env: LaunchEnv | None = None) -> None:
+    """For a process of a torchrun job: this package's errors end it in one line (:mod:`.fatal_errors`)."""
+    try:
+        env = LaunchEnv.from_environ() if env is None else env
+    except TopologyError:
+        return  # init_distributed says what is missing
+    fatal_errors.install(fatal_errors.RankPlace(rank=env.rank, world_size=env.world_size, node_rank=env.node_rank))
 
 
 def global_rank() -> int:
