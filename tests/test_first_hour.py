@@ -39,7 +39,7 @@ def test_help_after_a_recipe_shows_its_values_and_every_flag_a_real_help_line(ca
 
 def test_version_names_the_installed_and_the_tested_versions():
     """``twinkle-sft --version``: the installed torch/transformers/peft and setup.py's tested ranges, which the
-    README's table repeats."""
+    README's table repeats, then trl and accelerate (issue 35)."""
     cli = REPO / ".venv" / "bin" / "twinkle-sft"
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "twinkle_strategy.train.cli"]
     proc = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
@@ -48,7 +48,11 @@ def test_version_names_the_installed_and_the_tested_versions():
     assert lines[0] == "twinkle-sft 0.1.0"
     setup = (REPO / "setup.py").read_text()
     readme = (REPO / "README.md").read_text()
-    for line, name in zip(lines[1:], ("torch", "transformers", "peft"), strict=True):
+    # The HF Trainer / TRL front-end's packages after them: trl with its range (setup.py's test extra), accelerate.
+    assert lines[4:] == [f"  trl {metadata.version('trl')} (HF Trainer / TRL front-end; tested trl<2,>=1.16)",
+                         f"  accelerate {metadata.version('accelerate')} (HF Trainer / TRL front-end; its range is the "
+                         "one transformers requires)"], lines
+    for line, name in zip(lines[1:4], ("torch", "transformers", "peft"), strict=True):
         assert line.startswith(f"  {name} {metadata.version(name)} (tested {name}"), line
         assert "OUTSIDE" not in line, line  # the suite runs on the pinned set, inside the ranges
         declared = re.search(rf'"{name}(>=[^"]+)"', setup).group(1)

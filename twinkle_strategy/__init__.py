@@ -13,6 +13,7 @@ from twinkle_strategy import log  # noqa: F401  (configures the package logger)
 
 if TYPE_CHECKING:
     from twinkle_strategy.config import StrategyConfig
+    from twinkle_strategy.demo import demo_dataset_path, demo_model_path
     from twinkle_strategy.errors import ModelStructureError, ParallelConfigError, TopologyError, TwinkleError
     from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
     from twinkle_strategy.parallel import ParallelDims
@@ -30,6 +31,8 @@ _EXPORTS = {
     "TopologyError": "twinkle_strategy.errors",
     "ParallelConfigError": "twinkle_strategy.errors",
     "ModelStructureError": "twinkle_strategy.errors",
+    "demo_model_path": "twinkle_strategy.demo",
+    "demo_dataset_path": "twinkle_strategy.demo",
 }
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "TopologyError",
     "ParallelConfigError",
     "ModelStructureError",
+    "demo_model_path",
+    "demo_dataset_path",
 ]
 
 
