@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from multinode import REPO
 
@@ -237,3 +238,35 @@ def test_the_readme_states_only_the_family_counts_docs_models_md_generates():
     # The check sees the spellings the README once used.
     assert _family_counts("column bf16: 25 of 26 match; 48 more families; 54 of 57 served") == \
         [(25, 26), (54, 57), (48, None)]
+
+
+def test_the_shipped_demo_data_is_one_format_that_load_dataset_and_trl_take():
+    """examples/data/demo_sft.jsonl is TRL's conversational format only (it once mixed query/response rows, and
+    load_dataset + SFTTrainer failed with KeyError 'text'), and it is what the package's demo generates."""
+    from datasets import load_dataset
+
+    from twinkle_strategy.demo import demo_dataset_text
+
+    assert (REPO / "examples" / "data" / "demo_sft.jsonl").read_text() == demo_dataset_text()
+    dataset = load_dataset("json", data_files=DATASET, split="train")
+    assert dataset.column_names == ["messages"] and len(dataset) == 236
+    assert all([m["role"] for m in row] == ["user", "assistant"] for row in dataset["messages"])
+
+
+def test_tiny_demo_from_python_is_built_once_and_is_twinkle_sfts(tmp_path, monkeypatch):
+    """``tiny://demo`` resolves in the library as in twinkle-sft (the same checkpoint, byte for byte, as twinkle-sft
+    builds from the shipped data), through the public helper, built on the first call and reused afterwards."""
+    import twinkle_strategy
+    from twinkle_strategy.loading import resolve_model_path
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
+    path = twinkle_strategy.demo_model_path()
+    assert path.startswith(str(tmp_path / "cache"))
+    built = {f.name: f.stat().st_mtime_ns for f in sorted(Path(path).iterdir())}
+    assert resolve_model_path("tiny://demo") == path == twinkle_strategy.demo_model_path()
+    assert {f.name: f.stat().st_mtime_ns for f in sorted(Path(path).iterdir())} == built  # not built again
+    twinkle_sfts = Path(prepare_demo_model(str(tmp_path / "twinkle-sft"), DATASET))
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (Path(path) / name).read_bytes() == (twinkle_sfts / name).read_bytes(), name
+    assert Path(twinkle_strategy.demo_dataset_path()).read_text() == Path(DATASET).read_text()
