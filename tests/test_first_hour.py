@@ -245,7 +245,7 @@ def test_the_shipped_demo_data_is_one_format_that_load_dataset_and_trl_take():
     load_dataset + SFTTrainer failed with KeyError 'text'), and it is what the package's demo generates."""
     from datasets import load_dataset
 
-    from twinkle_strategy.demo import demo_dataset_text
+    from twinkle_strategy.sources.demo import demo_dataset_text
 
     assert (REPO / "examples" / "data" / "demo_sft.jsonl").read_text() == demo_dataset_text()
     dataset = load_dataset("json", data_files=DATASET, split="train")
@@ -257,7 +257,7 @@ def test_tiny_demo_from_python_is_built_once_and_is_twinkle_sfts(tmp_path, monke
     """``tiny://demo`` resolves in the library as in twinkle-sft (the same checkpoint, byte for byte, as twinkle-sft
     builds from the shipped data), through the public helper, built on the first call and reused afterwards."""
     import twinkle_strategy
-    from twinkle_strategy.loading import resolve_model_path
+    from twinkle_strategy.sources.model_ids import resolve_model_path
     from twinkle_strategy.train.demo_model import prepare_demo_model
 
     monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))

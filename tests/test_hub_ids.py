@@ -98,7 +98,7 @@ def test_bare_ids_go_to_swifts_hub(tmp_path, monkeypatch):
     """ms-swift 4.6 (``swift.hub.get_hub``, ``safe_snapshot_download``): an existing local path wins; otherwise a
     bare org/name comes from ModelScope, or from the Hugging Face Hub with --use_hf true, or USE_HF=1 when the
     flag is not given."""
-    from twinkle_strategy.loading import Hub, hub_for_bare_ids, qualified_model_id
+    from twinkle_strategy.sources.model_ids import Hub, hub_for_bare_ids, qualified_model_id
     from twinkle_strategy.train.cli import parse
 
     monkeypatch.chdir(tmp_path)
@@ -142,7 +142,8 @@ def test_a_bare_id_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch, capsys
            "USE_HF": "0"}
     # The same failure in each front-end's words: twinkle-sft's flags (its recipe made the bare id ms://), and
     # the Python argument for a library user, who has no --use_hf.
-    code = ("from twinkle_strategy.loading import CheckpointError, resolve_model_path\n"
+    code = ("from twinkle_strategy.errors import CheckpointError\n"
+            "from twinkle_strategy.sources.model_ids import resolve_model_path\n"
             "from twinkle_strategy.train.recipe import command_line_hubs\n"
             "for hubs in ({'hubs': command_line_hubs(None)}, {}):\n"
             "    try:\n        resolve_model_path('ms://twinkle/not-cached', **hubs)\n"
@@ -169,7 +170,8 @@ def test_in_python_a_bare_id_is_the_hugging_face_hubs(hub_caches, tmp_path):
     env = {**os.environ, "HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1", "USE_HF": "0",
            "MODELSCOPE_CACHE": str(tmp_path / "ms")}
     code = ("import json, time\n"
-            "from twinkle_strategy.loading import CheckpointError, resolve_model_path\n"
+            "from twinkle_strategy.errors import CheckpointError\n"
+            "from twinkle_strategy.sources.model_ids import resolve_model_path\n"
             f"found = resolve_model_path({REPO_ID!r})\n"
             "started = time.monotonic()\n"
             "try:\n    resolve_model_path('twinkle/not-cached')\n"

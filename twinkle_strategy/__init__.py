@@ -13,10 +13,10 @@ from twinkle_strategy import log  # noqa: F401  (configures the package logger)
 
 if TYPE_CHECKING:
     from twinkle_strategy.config import StrategyConfig
-    from twinkle_strategy.demo import demo_dataset_path, demo_model_path
     from twinkle_strategy.errors import ModelStructureError, ParallelConfigError, TopologyError, TwinkleError
     from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
     from twinkle_strategy.parallel import ParallelDims
+    from twinkle_strategy.sources.demo import demo_dataset_path, demo_model_path
     from twinkle_strategy.strategy import NativeFSDPStrategy
 
 __version__ = "0.1.0"
@@ -31,8 +31,8 @@ _EXPORTS = {
     "TopologyError": "twinkle_strategy.errors",
     "ParallelConfigError": "twinkle_strategy.errors",
     "ModelStructureError": "twinkle_strategy.errors",
-    "demo_model_path": "twinkle_strategy.demo",
-    "demo_dataset_path": "twinkle_strategy.demo",
+    "demo_model_path": "twinkle_strategy.sources.demo",
+    "demo_dataset_path": "twinkle_strategy.sources.demo",
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Opening checkpoints strictly, in host memory or as a streaming skeleton (model ids: model_ids.py).
+"""Opening checkpoints strictly, in host memory or as a streaming skeleton (model ids: sources/model_ids.py).
 
 Two ways to open a checkpoint:
 
@@ -39,16 +39,6 @@ from twinkle_strategy.errors import (
     shorten,  # noqa: F401  (raised here, importable from here)
 )
 from twinkle_strategy.init.skeleton import CheckpointTensor, build_meta_model, install_placeholders
-from twinkle_strategy.model_ids import (  # noqa: F401  (model ids were resolved here; importable from here)
-    HF_PREFIX,
-    MS_PREFIX,
-    Hub,
-    cached_model_path,
-    hub_for_bare_ids,
-    qualified_model_id,
-    resolve_model_path,
-    unavailable_id_message,
-)
 from twinkle_strategy.quantized.formats import (
     QuantizedIndex,
     drop_quantization_config,

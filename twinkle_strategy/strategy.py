@@ -62,12 +62,12 @@ from twinkle_strategy.loading import (
     read_config_text,
     share_weight_conversions,
 )
-from twinkle_strategy.model_ids import PYTHON_HUBS, HubConvention, resolve_model_path
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, loss_tokens, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
+from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -140,7 +140,7 @@ class NativeFSDPStrategy:
         transformers takes it), ``ms://org/name`` (ModelScope) or ``tiny://demo`` (the embedded demo) (collective).
 
         ``hubs``: the hub of a bare ``org/name`` and the words of a message naming the other hub
-        (:mod:`twinkle_strategy.model_ids`); command-line front-ends pass their own.
+        (:mod:`twinkle_strategy.sources.model_ids`); command-line front-ends pass their own.
 
         The class is the checkpoint's own: a causal LM, or for a vision-language
         checkpoint its image-text-to-text class (``loading.model_class_for``).

@@ -4,7 +4,7 @@
 
 Each line is {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}: TRL's conversational format,
 which datasets' load_dataset("json", ...), TRL's SFTTrainer, twinkle-sft and swift sft all take. The rows are
-twinkle_strategy.demo.demo_conversations(), the data the tiny://demo model's tokenizer is trained on.
+twinkle_strategy.sources.demo.demo_conversations(), the data the tiny://demo model's tokenizer is trained on.
 """
 
 import os
@@ -12,7 +12,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from twinkle_strategy.demo import demo_conversations, write_demo_dataset  # noqa: E402
+from twinkle_strategy.sources.demo import demo_conversations, write_demo_dataset  # noqa: E402
 
 
 def main():

@@ -21,7 +21,7 @@ import tempfile
 
 from twinkle_strategy.errors import PreflightError
 from twinkle_strategy.loading import checkpoint_files_problem
-from twinkle_strategy.model_ids import HF_PREFIX, MS_PREFIX, TINY_PREFIX, cached_model_path
+from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, TINY_PREFIX, cached_model_path
 from twinkle_strategy.train.data import (
     DatasetError,
     DatasetSpec,

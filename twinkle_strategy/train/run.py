@@ -9,7 +9,7 @@ import warnings
 import torch
 
 from twinkle_strategy.dtypes import float_dtype
-from twinkle_strategy.model_ids import TINY_PREFIX
+from twinkle_strategy.sources.model_ids import TINY_PREFIX
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTDataset
 from twinkle_strategy.train.demo_model import prepare_demo_model

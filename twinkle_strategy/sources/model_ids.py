@@ -11,7 +11,7 @@ could not give a model says how to reach the other hub in that front-end's own w
   otherwise (:func:`hub_for_bare_ids`); they qualify the id with its hub before it reaches the library and
   pass their own :class:`HubConvention` for the messages.
 
-``tiny://demo`` is the embedded demo model (:func:`twinkle_strategy.demo.demo_model_path`), built once.
+``tiny://demo`` is the embedded demo model (:func:`twinkle_strategy.sources.demo.demo_model_path`), built once.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import re
 
 from twinkle_strategy.checkpoint.durable import raise_if_incomplete
 from twinkle_strategy.errors import CheckpointError
+from twinkle_strategy.sources.demo import DEMO_MODEL_ID, demo_model_path
 
 HF_PREFIX, MS_PREFIX, TINY_PREFIX = "hf://", "ms://", "tiny://"
 # ``org/name`` as both hubs spell repository ids (letters, digits, '-', '_', '.').
@@ -113,8 +114,6 @@ def resolve_model_path(path_or_id: str, *, hubs: HubConvention = PYTHON_HUBS) ->
 
 
 def _demo_path(model_id: str) -> str:
-    from twinkle_strategy.demo import DEMO_MODEL_ID, demo_model_path
-
     if model_id not in (DEMO_MODEL_ID, TINY_PREFIX):
         raise CheckpointError(f"unknown embedded model {model_id!r}: the one there is is {DEMO_MODEL_ID!r} "
                               "(twinkle_strategy.demo_model_path())")

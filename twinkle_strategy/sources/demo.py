@@ -19,6 +19,9 @@ import os
 import random
 import tempfile
 
+from twinkle_strategy import __version__
+from twinkle_strategy.sources.tiny import prepare_tiny_model
+
 DEMO_MODEL_ID = "tiny://demo"
 
 _COLORS = {"sky": "blue", "grass": "green", "snow": "white", "coal": "black", "sun": "yellow", "blood": "red"}
@@ -74,11 +77,9 @@ def write_demo_dataset(path: str) -> str:
 def demo_cache_dir() -> str:
     """Where the demo is built: ``$TWINKLE_CACHE`` or ``~/.cache/twinkle_strategy`` (``$XDG_CACHE_HOME``
     honoured), then a directory named by this package's version and the data, so a changed demo is rebuilt."""
-    import twinkle_strategy
-
     root = os.environ.get("TWINKLE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "twinkle_strategy")
-    key = hashlib.sha1(f"{twinkle_strategy.__version__}\n{demo_dataset_text()}".encode()).hexdigest()[:12]
+    key = hashlib.sha1(f"{__version__}\n{demo_dataset_text()}".encode()).hexdigest()[:12]
     return os.path.join(root, f"demo-{key}")
 
 
@@ -95,6 +96,5 @@ def demo_model_path() -> str:
 
     Safe to call from every rank at once: each builds into a temporary directory and the first rename wins.
     """
-    from twinkle_strategy.train.demo_model import prepare_demo_model
-
-    return prepare_demo_model(os.path.join(demo_cache_dir(), "model"), demo_dataset_path())
+    texts = [m["content"] for row in demo_conversations() for m in row["messages"]]
+    return prepare_tiny_model(os.path.join(demo_cache_dir(), "model"), texts)
