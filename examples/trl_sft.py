@@ -7,19 +7,19 @@ Qwen3-30B-A3B are better spread over a whole node (run on each node, NODE_RANK 0
     torchrun --nnodes 2 --node_rank $NODE_RANK --nproc_per_node 8 --master_addr $MASTER --master_port 29500 \\
         examples/trl_sft.py --model Qwen/Qwen3-30B-A3B --dataset sft.jsonl --ep-size 8 --bf16
 
-(``accelerate launch`` works as well, with a plain multi-GPU config: no DeepSpeed, no FSDP plugin.)
-On this machine (CPU, the embedded tiny Qwen3-MoE, 2 simulated nodes x 2 ranks)::
+(``accelerate launch`` works as well, with a plain multi-GPU config: no DeepSpeed, no FSDP plugin.) A bare
+``--model org/name`` comes from the Hugging Face Hub, as in transformers (``ms://org/name``: ModelScope).
+On this machine (CPU, the embedded tiny Qwen3-MoE ``tiny://demo``, 2 simulated nodes x 2 ranks)::
 
     python examples/trl_sft.py --demo
 
-The dataset is conversational JSONL (``{"messages": [{"role": ..., "content": ...}, ...]}``).
-See docs/transformers.md.
+The dataset is conversational JSONL (``{"messages": [{"role": ..., "content": ...}, ...]}``), read with
+``datasets.load_dataset("json", ...)``. See docs/transformers.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -29,7 +29,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def train(args) -> None:
-    from datasets import Dataset
+    from datasets import load_dataset
     from peft import LoraConfig
     from transformers import AutoTokenizer
     from trl import SFTConfig, SFTTrainer
@@ -43,8 +43,7 @@ def train(args) -> None:
                                   mixed_precision="bf16" if args.bf16 else "no")
     model = strategy.from_pretrained(args.model, dtype=torch.bfloat16 if args.bf16 else torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(strategy.resolved_model_path(args.model))
-    with open(args.dataset) as f:
-        rows = [{"messages": json.loads(line)["messages"]} for line in f if '"messages"' in line]
+    dataset = load_dataset("json", data_files=args.dataset, split="train")
     config = SFTConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=1e-4, logging_steps=1, save_steps=args.max_steps, report_to=[],
@@ -53,21 +52,21 @@ def train(args) -> None:
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,  # dropout 0: LoRA on fused expert weights
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
-    trainer = with_strategy(SFTTrainer)(model=model, args=config, train_dataset=Dataset.from_list(rows),
+    trainer = with_strategy(SFTTrainer)(model=model, args=config, train_dataset=dataset,
                                         processing_class=tokenizer, peft_config=lora, strategy=strategy)
     trainer.train()
     strategy.shutdown()
 
 
 def demo() -> None:
-    """Build the tiny demo checkpoint and run this script as 2 simulated nodes x 2 ranks on this machine."""
+    """Run this script on the tiny demo model as 2 simulated nodes x 2 ranks on this machine."""
     sys.path.insert(0, ROOT)
-    from twinkle_strategy.train.demo_model import prepare_demo_model
+    from twinkle_strategy import demo_model_path
     from twinkle_strategy.train.launcher import run_simulated_nodes
 
     dataset = os.path.join(ROOT, "examples", "data", "demo_sft.jsonl")
-    model = prepare_demo_model(os.path.join(ROOT, "output", "demo_model"), dataset)
-    result = run_simulated_nodes([os.path.abspath(__file__), "--model", model, "--dataset", dataset,
+    demo_model_path()  # built once here, not by the 4 ranks at once
+    result = run_simulated_nodes([os.path.abspath(__file__), "--model", "tiny://demo", "--dataset", dataset,
                                   "--max-steps", "5", "--output-dir", os.path.join(ROOT, "output", "trl_sft")],
                                  nnodes=2, nproc_per_node=2, timeout=600,
                                  env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
@@ -77,7 +76,8 @@ def demo() -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--demo", action="store_true", help="the tiny demo model, 2 simulated nodes x 2 ranks on CPU")
-    p.add_argument("--model", help="a local checkpoint, hf://org/name or ms://org/name")
+    p.add_argument("--model", help="a local checkpoint, org/name or hf://org/name (the Hugging Face Hub), "
+                                   "ms://org/name (ModelScope) or tiny://demo")
     p.add_argument("--dataset", help="conversational JSONL")
     p.add_argument("--ep-size", type=int, default=2, help="expert-parallel size (default 2; a divisor of the world)")
     p.add_argument("--batch-size", type=int, default=1)

@@ -21,7 +21,8 @@ from twinkle_strategy.checkpoint.durable import (
 )
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.errors import CheckpointError, ResumeError
-from twinkle_strategy.loading import config_from_text, read_config_text, resolve_model_path
+from twinkle_strategy.loading import config_from_text, read_config_text
+from twinkle_strategy.sources.model_ids import resolve_model_path
 
 
 @pytest.fixture

@@ -5,6 +5,7 @@ import re
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 from multinode import REPO
 
@@ -39,7 +40,7 @@ def test_help_after_a_recipe_shows_its_values_and_every_flag_a_real_help_line(ca
 
 def test_version_names_the_installed_and_the_tested_versions():
     """``twinkle-sft --version``: the installed torch/transformers/peft and setup.py's tested ranges, which the
-    README's table repeats."""
+    README's table repeats, then trl and accelerate (issue 35)."""
     cli = REPO / ".venv" / "bin" / "twinkle-sft"
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "twinkle_strategy.train.cli"]
     proc = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
@@ -48,7 +49,11 @@ def test_version_names_the_installed_and_the_tested_versions():
     assert lines[0] == "twinkle-sft 0.1.0"
     setup = (REPO / "setup.py").read_text()
     readme = (REPO / "README.md").read_text()
-    for line, name in zip(lines[1:], ("torch", "transformers", "peft"), strict=True):
+    # The HF Trainer / TRL front-end's packages after them: trl with its range (setup.py's test extra), accelerate.
+    assert lines[4:] == [f"  trl {metadata.version('trl')} (HF Trainer / TRL front-end; tested trl<2,>=1.16)",
+                         f"  accelerate {metadata.version('accelerate')} (HF Trainer / TRL front-end; its range is the "
+                         "one transformers requires)"], lines
+    for line, name in zip(lines[1:4], ("torch", "transformers", "peft"), strict=True):
         assert line.startswith(f"  {name} {metadata.version(name)} (tested {name}"), line
         assert "OUTSIDE" not in line, line  # the suite runs on the pinned set, inside the ranges
         declared = re.search(rf'"{name}(>=[^"]+)"', setup).group(1)
@@ -233,3 +238,35 @@ def test_the_readme_states_only_the_family_counts_docs_models_md_generates():
     # The check sees the spellings the README once used.
     assert _family_counts("column bf16: 25 of 26 match; 48 more families; 54 of 57 served") == \
         [(25, 26), (54, 57), (48, None)]
+
+
+def test_the_shipped_demo_data_is_one_format_that_load_dataset_and_trl_take():
+    """examples/data/demo_sft.jsonl is TRL's conversational format only (it once mixed query/response rows, and
+    load_dataset + SFTTrainer failed with KeyError 'text'), and it is what the package's demo generates."""
+    from datasets import load_dataset
+
+    from twinkle_strategy.sources.demo import demo_dataset_text
+
+    assert (REPO / "examples" / "data" / "demo_sft.jsonl").read_text() == demo_dataset_text()
+    dataset = load_dataset("json", data_files=DATASET, split="train")
+    assert dataset.column_names == ["messages"] and len(dataset) == 236
+    assert all([m["role"] for m in row] == ["user", "assistant"] for row in dataset["messages"])
+
+
+def test_tiny_demo_from_python_is_built_once_and_is_twinkle_sfts(tmp_path, monkeypatch):
+    """``tiny://demo`` resolves in the library as in twinkle-sft (the same checkpoint, byte for byte, as twinkle-sft
+    builds from the shipped data), through the public helper, built on the first call and reused afterwards."""
+    import twinkle_strategy
+    from twinkle_strategy.sources.model_ids import resolve_model_path
+    from twinkle_strategy.train.demo_model import prepare_demo_model
+
+    monkeypatch.setenv("TWINKLE_CACHE", str(tmp_path / "cache"))
+    path = twinkle_strategy.demo_model_path()
+    assert path.startswith(str(tmp_path / "cache"))
+    built = {f.name: f.stat().st_mtime_ns for f in sorted(Path(path).iterdir())}
+    assert resolve_model_path("tiny://demo") == path == twinkle_strategy.demo_model_path()
+    assert {f.name: f.stat().st_mtime_ns for f in sorted(Path(path).iterdir())} == built  # not built again
+    twinkle_sfts = Path(prepare_demo_model(str(tmp_path / "twinkle-sft"), DATASET))
+    for name in ("model.safetensors", "config.json", "tokenizer.json"):
+        assert (Path(path) / name).read_bytes() == (twinkle_sfts / name).read_bytes(), name
+    assert Path(twinkle_strategy.demo_dataset_path()).read_text() == Path(DATASET).read_text()

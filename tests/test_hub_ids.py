@@ -1,8 +1,10 @@
 """hf:// and ms:// ids resolve offline, from local caches laid out as huggingface_hub and modelscope lay them out,
 through those clients; with memory_efficient_init only each node's source opens anything in them. A bare org/name
-goes where swift sends it: ModelScope, or the Hugging Face Hub with --use_hf true / USE_HF=1."""
+goes where swift sends it in twinkle-sft: ModelScope, or the Hugging Face Hub with --use_hf true / USE_HF=1; in Python
+(the library, HF Trainer and TRL scripts) where transformers sends it: the Hugging Face Hub."""
 
 import hashlib
+import json
 import os
 import shutil
 import subprocess
@@ -96,7 +98,7 @@ def test_bare_ids_go_to_swifts_hub(tmp_path, monkeypatch):
     """ms-swift 4.6 (``swift.hub.get_hub``, ``safe_snapshot_download``): an existing local path wins; otherwise a
     bare org/name comes from ModelScope, or from the Hugging Face Hub with --use_hf true, or USE_HF=1 when the
     flag is not given."""
-    from twinkle_strategy.loading import Hub, hub_for_bare_ids, qualified_model_id
+    from twinkle_strategy.sources.model_ids import Hub, hub_for_bare_ids, qualified_model_id
     from twinkle_strategy.train.cli import parse
 
     monkeypatch.chdir(tmp_path)
@@ -138,12 +140,51 @@ def test_a_bare_id_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch, capsys
     env = {**os.environ, "MODELSCOPE_ENDPOINT": f"http://127.0.0.1:{free_port()}", "MODELSCOPE_API_MAX_RETRIES": "1",
            "MODELSCOPE_REPO_TREE_PAGE_RETRY_MAX_DELAY_SECONDS": "1", "MODELSCOPE_CACHE": str(tmp_path / "ms"),
            "USE_HF": "0"}
-    code = ("from twinkle_strategy.loading import CheckpointError, resolve_model_path\n"
-            "try:\n    resolve_model_path('twinkle/not-cached')\n"
-            "except CheckpointError as exc:\n    print(exc)\n")
+    # The same failure in each front-end's words: twinkle-sft's flags (its recipe made the bare id ms://), and
+    # the Python argument for a library user, who has no --use_hf.
+    code = ("from twinkle_strategy.errors import CheckpointError\n"
+            "from twinkle_strategy.sources.model_ids import resolve_model_path\n"
+            "from twinkle_strategy.train.recipe import command_line_hubs\n"
+            "for hubs in ({'hubs': command_line_hubs(None)}, {}):\n"
+            "    try:\n        resolve_model_path('ms://twinkle/not-cached', **hubs)\n"
+            "    except CheckpointError as exc:\n        print(exc)\n")
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and proc.stdout.count("\n") == 1, proc
-    assert proc.stdout.startswith("could not get ms://twinkle/not-cached from ModelScope: NetworkError: "), proc.stdout
-    assert proc.stdout.rstrip().endswith("check the id and the network, or take it from the Hugging Face Hub "
-                                         "(hf://twinkle/not-cached, or --use_hf true (USE_HF=1) for a bare id), or "
-                                         "pass a local checkpoint directory"), proc.stdout
+    assert proc.returncode == 0 and proc.stdout.count("\n") == 2, proc
+    twinkle_sft, python = proc.stdout.splitlines()
+    for line in (twinkle_sft, python):
+        assert line.startswith("could not get ms://twinkle/not-cached from ModelScope: NetworkError: "), line
+    assert twinkle_sft.endswith("check the id and the network, or take it from the Hugging Face Hub (--model "
+                                "hf://twinkle/not-cached, or --use_hf true (USE_HF=1) for a bare id), or pass a local "
+                                "checkpoint directory"), twinkle_sft
+    assert python.endswith("check the id and the network, or take it from the Hugging Face Hub (pass "
+                           "'twinkle/not-cached' or 'hf://twinkle/not-cached'), or pass a local checkpoint "
+                           "directory"), python
+
+
+def test_in_python_a_bare_id_is_the_hugging_face_hubs(hub_caches, tmp_path):
+    """The library (what a transformers or TRL script calls) takes a bare org/name as transformers does: from the
+    Hugging Face Hub through huggingface_hub, its cache and HF_HUB_OFFLINE, never from ModelScope, whatever USE_HF
+    says (swift's variable). Not cached and offline: one line at once, in Python's words, and nothing written.
+    (A subprocess: huggingface_hub reads HF_HOME and HF_HUB_OFFLINE when it is imported.)"""
+    root, hf_snapshot, _ = hub_caches
+    env = {**os.environ, "HF_HOME": str(root / "hf"), "HF_HUB_OFFLINE": "1", "USE_HF": "0",
+           "MODELSCOPE_CACHE": str(tmp_path / "ms")}
+    code = ("import json, time\n"
+            "from twinkle_strategy.errors import CheckpointError\n"
+            "from twinkle_strategy.sources.model_ids import resolve_model_path\n"
+            f"found = resolve_model_path({REPO_ID!r})\n"
+            "started = time.monotonic()\n"
+            "try:\n    resolve_model_path('twinkle/not-cached')\n"
+            "except CheckpointError as exc:\n    message = str(exc)\n"
+            "print(json.dumps([found, message, time.monotonic() - started]))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc
+    found, message, seconds = json.loads(proc.stdout.splitlines()[-1])
+    assert found == str(hf_snapshot)
+    assert seconds < 10  # the issue's run waited 28.8 s for ModelScope's DNS
+    assert message.startswith("could not get hf://twinkle/not-cached from the Hugging Face Hub: ") and \
+        "\n" not in message, message
+    assert message.endswith("or take it from ModelScope (pass 'ms://twinkle/not-cached'), or pass a local checkpoint "
+                            "directory"), message
+    assert "--use_hf" not in message
+    assert not (tmp_path / "ms").exists()  # modelscope was never asked

@@ -166,7 +166,8 @@ def test_save_pretrained_exists_under_its_name_only_when_complete(demo_model, tm
     from twinkle_strategy.checkpoint.durable import INCOMPLETE_MARKER
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
     from twinkle_strategy.errors import CheckpointError
-    from twinkle_strategy.loading import checkpoint_files_problem, resolve_model_path
+    from twinkle_strategy.loading import checkpoint_files_problem
+    from twinkle_strategy.sources.model_ids import resolve_model_path
 
     out = tmp_path / "out"
     result = launch("faults.py", ["--scenario", "kill_during_save_pretrained", "--model", demo_model,

@@ -146,6 +146,27 @@ def test_accelerate_launch_with_deepspeed_or_fsdp_is_refused(tmp_path):
     refuse_conflicting_sharding(environ={"ACCELERATE_USE_DEEPSPEED": "false", "FSDP_CPU_RAM_EFFICIENT_LOADING": "false"})
 
 
+def test_training_arguments_fsdp_is_refused_as_the_user_wrote_it(tmp_path):
+    """transformers keeps fsdp=True whatever was passed (a legacy string's options move into fsdp_config): the
+    refusal names the string the user wrote, not "fsdp=True" (issue 35)."""
+    from transformers import TrainingArguments
+
+    def refusal(**fsdp) -> str:
+        args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], **fsdp)
+        with pytest.raises(ConflictingShardingError) as caught:
+            refuse_conflicting_sharding(args, environ={})
+        return str(caught.value)
+
+    assert refusal(fsdp="full_shard").startswith(
+        "TrainingArguments(fsdp='full_shard', or fsdp=True with fsdp_config={'reshard_after_forward': True}) cannot "
+        "run with NativeFSDPStrategy")
+    assert refusal(fsdp="shard_grad_op offload auto_wrap").startswith(
+        "TrainingArguments(fsdp='shard_grad_op offload', or fsdp=True with fsdp_config={'reshard_after_forward': "
+        "False, 'cpu_offload': True}) cannot")
+    assert refusal(fsdp=True).startswith("TrainingArguments(fsdp=True) cannot run with NativeFSDPStrategy")
+    assert "drop fsdp= and fsdp_config=" in refusal(fsdp=True)
+
+
 def test_a_model_transformers_sharded_at_load_is_refused(tiny_model):
     from transformers import AutoModelForCausalLM
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from twinkle_strategy.errors import ModelStructureError, ParallelConfigError, TopologyError, TwinkleError
     from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
     from twinkle_strategy.parallel import ParallelDims
+    from twinkle_strategy.sources.demo import demo_dataset_path, demo_model_path
     from twinkle_strategy.strategy import NativeFSDPStrategy
 
 __version__ = "0.1.0"
@@ -30,6 +31,8 @@ _EXPORTS = {
     "TopologyError": "twinkle_strategy.errors",
     "ParallelConfigError": "twinkle_strategy.errors",
     "ModelStructureError": "twinkle_strategy.errors",
+    "demo_model_path": "twinkle_strategy.sources.demo",
+    "demo_dataset_path": "twinkle_strategy.sources.demo",
 }
 
 __all__ = [
@@ -41,6 +44,8 @@ __all__ = [
     "TopologyError",
     "ParallelConfigError",
     "ModelStructureError",
+    "demo_model_path",
+    "demo_dataset_path",
 ]
 
 

@@ -1,4 +1,4 @@
-"""Resolving model ids and opening checkpoints strictly, in host memory or as a streaming skeleton.
+"""Opening checkpoints strictly, in host memory or as a streaming skeleton (model ids: sources/model_ids.py).
 
 Two ways to open a checkpoint:
 
@@ -21,10 +21,8 @@ only mean something to a full load); callers then use the first.
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
-import re
 from collections.abc import Callable
 
 import torch
@@ -49,99 +47,7 @@ from twinkle_strategy.quantized.formats import (
     quant_format,
 )
 
-HF_PREFIX, MS_PREFIX = "hf://", "ms://"
-# ``org/name`` as both hubs spell repository ids (letters, digits, '-', '_', '.').
-_BARE_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
-
-
-class Hub(str, enum.Enum):
-    """The hub a bare ``org/name`` model id is taken from; the value is its prefix."""
-
-    MODELSCOPE = MS_PREFIX
-    HUGGING_FACE = HF_PREFIX
-
-    @property
-    def title(self) -> str:
-        return "ModelScope" if self is Hub.MODELSCOPE else "the Hugging Face Hub"
-
-
-def hub_for_bare_ids(use_hf: bool | None = None) -> Hub:
-    """swift's rule (ms-swift 4.6 ``get_hub``): ModelScope, unless ``--use_hf true`` or, when the flag is not
-    given (None), the environment variable ``USE_HF`` is true."""
-    if use_hf is None:
-        use_hf = os.environ.get("USE_HF", "0").strip().lower() in ("1", "true", "yes", "y", "t", "on")
-    return Hub.HUGGING_FACE if use_hf else Hub.MODELSCOPE
-
-
-def qualified_model_id(path_or_id: str, *, use_hf: bool | None = None) -> str:
-    """``path_or_id`` with its hub named: a bare ``org/name`` that is not a local path becomes
-    ``ms://org/name`` or ``hf://org/name`` (:func:`hub_for_bare_ids`); anything else is returned as it is.
-
-    As swift does, an existing local path wins over a hub id of the same spelling.
-    """
-    if "://" in path_or_id or os.path.exists(path_or_id) or not _BARE_HUB_ID.match(path_or_id):
-        return path_or_id
-    return hub_for_bare_ids(use_hf).value + path_or_id
-
 logger = logging.getLogger(__name__)
-
-
-def resolve_model_path(path_or_id: str) -> str:
-    """A local directory for ``path_or_id``: a local path, ``ms://org/name`` (ModelScope) or ``hf://org/name``;
-    a bare ``org/name`` goes to the hub :func:`qualified_model_id` names (ModelScope unless ``USE_HF=1``).
-
-    ``hf://``: huggingface_hub's ``snapshot_download`` and its rules: the snapshot in the
-    cache (``HF_HOME``) when ``HF_HUB_OFFLINE=1`` or the Hub cannot be reached, else the
-    Hub's latest revision. ``ms://``: a snapshot already in the ModelScope cache
-    (``MODELSCOPE_CACHE``) is used as it is, without network access (modelscope has no
-    offline switch of its own); otherwise modelscope downloads it.
-    """
-    path_or_id = qualified_model_id(path_or_id)
-    if path_or_id.startswith((HF_PREFIX, MS_PREFIX)):
-        cached = cached_model_path(path_or_id) if path_or_id.startswith(MS_PREFIX) else None
-        if cached is not None:
-            return cached
-        try:
-            return _snapshot_download(path_or_id, local_files_only=False)
-        except Exception as exc:  # noqa: BLE001 - network, authentication and cache errors of either client
-            raise CheckpointError(unavailable_id_message(path_or_id, exc)) from exc
-    if not os.path.isdir(path_or_id):
-        raise CheckpointError(
-            f"model path {path_or_id!r} does not exist or is not a directory; pass a local checkpoint directory, "
-            "'ms://org/name' for ModelScope or 'hf://org/name' for the Hugging Face Hub"
-        )
-    raise_if_incomplete(path_or_id)
-    return path_or_id
-
-
-def unavailable_id_message(model_id: str, exc: Exception) -> str:
-    """One line: which hub could not give ``model_id``, its client's reason (first line), and the fixes."""
-    hub = Hub(model_id[:len(MS_PREFIX)])
-    other = Hub.HUGGING_FACE if hub is Hub.MODELSCOPE else Hub.MODELSCOPE
-    reason = (str(exc).strip().splitlines() or [""])[0]
-    switch = "--use_hf true (USE_HF=1)" if hub is Hub.MODELSCOPE else "--use_hf false"
-    return (f"could not get {model_id} from {hub.title}: {type(exc).__name__}: {reason}; check the "
-            f"id and the network, or take it from {other.title} ({other.value}{model_id[len(MS_PREFIX):]}, or "
-            f"{switch} for a bare id), or pass a local checkpoint directory")
-
-
-def cached_model_path(model_id: str) -> str | None:
-    """The local snapshot of an ``hf://`` or ``ms://`` id if its hub's cache holds one with a config.json
-    (no network access, nothing written), else None."""
-    try:
-        path = _snapshot_download(model_id, local_files_only=True)
-    except Exception:  # noqa: BLE001 - "not in the cache" has a different class in each client
-        return None
-    return path if os.path.isfile(os.path.join(path, "config.json")) else None
-
-
-def _snapshot_download(model_id: str, local_files_only: bool) -> str:
-    if model_id.startswith(MS_PREFIX):
-        from modelscope import snapshot_download
-    else:
-        from huggingface_hub import snapshot_download
-    repo = model_id.split("://", 1)[1]
-    return str(snapshot_download(repo, local_files_only=local_files_only))
 
 
 def checkpoint_files_problem(path: str) -> str | None:

@@ -60,7 +60,6 @@ from twinkle_strategy.loading import (
     load_pretrained_strict,
     open_on_this_rank,
     read_config_text,
-    resolve_model_path,
     share_weight_conversions,
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
@@ -68,6 +67,7 @@ from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, loss_tokens, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
+from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
@@ -134,8 +134,13 @@ class NativeFSDPStrategy:
         return self.rank == 0
 
     # ---------------------------------------------------------------- loading
-    def from_pretrained(self, path_or_id: str, dtype: torch.dtype = torch.float32, **kwargs) -> nn.Module:
-        """Load a model from a local path, ``ms://org/name`` or ``hf://org/name`` (collective).
+    def from_pretrained(self, path_or_id: str, dtype: torch.dtype = torch.float32, *,
+                        hubs: HubConvention = PYTHON_HUBS, **kwargs) -> nn.Module:
+        """Load a model from a local path, ``org/name`` or ``hf://org/name`` (the Hugging Face Hub, as
+        transformers takes it), ``ms://org/name`` (ModelScope) or ``tiny://demo`` (the embedded demo) (collective).
+
+        ``hubs``: the hub of a bare ``org/name`` and the words of a message naming the other hub
+        (:mod:`twinkle_strategy.sources.model_ids`); command-line front-ends pass their own.
 
         The class is the checkpoint's own: a causal LM, or for a vision-language
         checkpoint its image-text-to-text class (``loading.model_class_for``).
@@ -163,31 +168,31 @@ class NativeFSDPStrategy:
         self.setup()
         what = f"loading {path_or_id}"
         if not self.memory_efficient_init:
-            return collectively(what, lambda: self._load_whole(path_or_id, dtype, kwargs),
+            return collectively(what, lambda: self._load_whole(path_or_id, dtype, kwargs, hubs),
                                 error_class=DistributedInitError)
         # The config first, as text: every rank builds it and its meta model while the source checks the checkpoint.
-        found = collectively(what, lambda: self._config_text(path_or_id), here=self.topology.is_source,
+        found = collectively(what, lambda: self._config_text(path_or_id, hubs), here=self.topology.is_source,
                              error_class=DistributedInitError)
         text, path = broadcast_from_source(found, self.topology.source_rank, self.node_group)
         model = collectively(what, lambda: self._build(path, text, dtype, kwargs), error_class=DistributedInitError)
         share_weight_conversions(model, self.topology, self.node_group)
         return model
 
-    def _load_whole(self, path_or_id: str, dtype: torch.dtype, kwargs: dict) -> nn.Module:
-        path = self._resolve(path_or_id)
+    def _load_whole(self, path_or_id: str, dtype: torch.dtype, kwargs: dict, hubs: HubConvention) -> nn.Module:
+        path = self._resolve(path_or_id, hubs)
         if self.dims.sp_enabled:  # refuse a model sequence parallelism cannot split before reading its weights
             from transformers import AutoConfig
 
             check_sequence_parallel(AutoConfig.from_pretrained(path), self.dims.sp_size)
         return load_pretrained_strict(path, dtype=dtype, **kwargs)
 
-    def _resolve(self, path_or_id: str) -> str:
-        path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id)
+    def _resolve(self, path_or_id: str, hubs: HubConvention) -> str:
+        path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id, hubs=hubs)
         return path
 
-    def _config_text(self, path_or_id: str) -> tuple[str, str]:
+    def _config_text(self, path_or_id: str, hubs: HubConvention) -> tuple[str, str]:
         """(config.json's text, the local directory) of ``path_or_id``, on a node's source."""
-        path = self._resolve(path_or_id)
+        path = self._resolve(path_or_id, hubs)
         return read_config_text(path), path
 
     def _build(self, path: str, text: str, dtype: torch.dtype, kwargs: dict) -> nn.Module:
@@ -198,9 +203,10 @@ class NativeFSDPStrategy:
                                  full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs,
                                  quantized_base=QuantizedBase(self.config.quantized_base))
 
-    def resolved_model_path(self, path_or_id: str) -> str:
-        """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not)."""
-        return self._resolved_paths.get(path_or_id) or resolve_model_path(path_or_id)
+    def resolved_model_path(self, path_or_id: str, *, hubs: HubConvention = PYTHON_HUBS) -> str:
+        """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not),
+        e.g. for ``AutoTokenizer.from_pretrained``."""
+        return self._resolved_paths.get(path_or_id) or resolve_model_path(path_or_id, hubs=hubs)
 
     def node_local_object(self, make):
         """``make()`` on each node's source, shared with its node (every rank calls ``make`` without

@@ -14,7 +14,7 @@ import torch
 import transformers as tf
 from transformers import PretrainedConfig
 
-from twinkle_strategy.train.demo_model import (
+from twinkle_strategy.sources.tiny import (
     ConfigBuilder,
     TinySizes,
     model_from_config,

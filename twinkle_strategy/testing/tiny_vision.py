@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import os
 
+from twinkle_strategy.sources.tiny import build_once, build_tokenizer
 from twinkle_strategy.testing.families import VISION_LANGUAGE_FAMILIES
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint, tiny_config
-from twinkle_strategy.train.demo_model import build_once, build_tokenizer
 
 # The config attribute holding each vision token's id, and the token's text (as in Qwen's tokenizers).
 VISION_TOKENS = {

@@ -14,5 +14,5 @@ run_dir.py      the run directory: v{N}-{time}, the one a torchrun restart conti
 preemption.py   SIGTERM: a checkpoint at the next step boundary, then exit
 data.py         JSONL chat/query-response datasets, tokenisation, the rows of each step (StepSampler)
 rank_logs.py    per-rank log files and the failure summary
-demo_model.py   the embedded demo model (``tiny://demo``): a tiny Qwen3-MoE and a tokenizer trained on the data
+demo_model.py   twinkle-sft's ``tiny://NAME``: the tiny Qwen3-MoE (sources/tiny.py), its tokenizer trained on the data
 """

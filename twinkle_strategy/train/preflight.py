@@ -20,7 +20,8 @@ import os
 import tempfile
 
 from twinkle_strategy.errors import PreflightError
-from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path, checkpoint_files_problem
+from twinkle_strategy.loading import checkpoint_files_problem
+from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, TINY_PREFIX, cached_model_path
 from twinkle_strategy.train.data import (
     DatasetError,
     DatasetSpec,
@@ -32,7 +33,6 @@ from twinkle_strategy.train.data import (
 )
 from twinkle_strategy.train.demo_model import demo_tokenizer
 from twinkle_strategy.train.recipe import Recipe
-from twinkle_strategy.train.run import TINY_PREFIX
 
 ROWS_CHECKED = 100  # rows read per dataset file here; the run reads them all
 

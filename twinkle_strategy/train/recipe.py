@@ -19,12 +19,12 @@ from omegaconf.errors import OmegaConfBaseException
 import yaml
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
-from twinkle_strategy.loading import qualified_model_id
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.sequence import check_sequence_parallel
+from twinkle_strategy.sources.model_ids import HubConvention, hub_for_bare_ids, qualified_model_id
+from twinkle_strategy.sources.tiny import DEMO_NUM_EXPERTS, qwen3_moe_config, sized_config
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import TRUNCATION_STRATEGIES
-from twinkle_strategy.train.demo_model import DEMO_NUM_EXPERTS, qwen3_moe_config, sized_config
 
 # target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
 EXPERT_MODULE_NAMES = frozenset({"all-linear", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})
@@ -141,6 +141,13 @@ def load_recipe(yaml_path: str | None = None, overrides: list[str] | None = None
     recipe.model.path = qualified_model_id(recipe.model.path, use_hf=recipe.model.use_hf)
     validate_recipe(recipe)
     return recipe
+
+
+def command_line_hubs(use_hf: bool | None) -> HubConvention:
+    """swift's convention for bare model ids (ModelScope unless --use_hf true / USE_HF=1), worded in its flags."""
+    return HubConvention(bare_ids=hub_for_bare_ids(use_hf),
+                         to_hugging_face="--model hf://{id}, or --use_hf true (USE_HF=1) for a bare id",
+                         to_modelscope="--model ms://{id}, or --use_hf false for a bare id")
 
 
 def _dataset_as_list(config):

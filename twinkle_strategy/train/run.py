@@ -9,17 +9,15 @@ import warnings
 import torch
 
 from twinkle_strategy.dtypes import float_dtype
+from twinkle_strategy.sources.model_ids import TINY_PREFIX
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTDataset
 from twinkle_strategy.train.demo_model import prepare_demo_model
 from twinkle_strategy.train.packing import BatchLayout, DataCollatorForPacking, describe_layout
-from twinkle_strategy.train.recipe import Recipe, TunerType
+from twinkle_strategy.train.recipe import Recipe, TunerType, command_line_hubs
 from twinkle_strategy.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
-
-TINY_PREFIX = "tiny://"
-
 
 def prepare_model_path(path: str, datasets: list[str]) -> str:
     """``tiny://NAME`` builds the embedded tiny MoE (tokenizer trained on ``datasets``) under ./output/tiny/NAME."""
@@ -65,9 +63,10 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
     from transformers import AutoTokenizer
 
     strategy = NativeFSDPStrategy(recipe.strategy)
-    model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype))
+    hubs = command_line_hubs(recipe.model.use_hf)
+    model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype), hubs=hubs)
     tokenizer = strategy.node_local_object(
-        lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path)))
+        lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path, hubs=hubs)))
     if recipe.tuner.type == TunerType.LORA:
         from peft import get_peft_model
 
@@ -92,7 +91,7 @@ def _merge_release_path(recipe: Recipe, strategy: NativeFSDPStrategy) -> str | N
     """The release's local directory, which only merge_lora in the release's format reads. Resolved only then: a
     rank that did not load the model (memory_efficient_init's receivers) must not open the hub caches otherwise."""
     if recipe.train.merge_lora and recipe.train.merged_format == "release":
-        return strategy.resolved_model_path(recipe.model.path)
+        return strategy.resolved_model_path(recipe.model.path, hubs=command_line_hubs(recipe.model.use_hf))
     return None
 
 

@@ -16,6 +16,8 @@ import twinkle_strategy
 
 # What twinkle_strategy reads internals of (through compat/): their versions decide whether it works.
 CHECKED_PACKAGES = ("torch", "transformers", "peft")
+# What the HF Trainer / TRL front-end runs on (--version lists them, with a range where setup.py declares one).
+FRONT_END_PACKAGES = ("trl", "accelerate")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +33,15 @@ class PackageVersion:
             not self.tested.contains(self.installed.split("+")[0], prereleases=True)
 
 
-def package_versions() -> list[PackageVersion]:
+def package_versions(names: tuple[str, ...] = CHECKED_PACKAGES, *, extras: bool = False) -> list[PackageVersion]:
+    """``names`` as installed, with the range setup.py declares (``extras``: in an extra, e.g. trl in ``test``)."""
     try:
         declared = {Requirement(r).name: Requirement(r).specifier for r in metadata.requires("twinkle_strategy") or []
-                    if "extra ==" not in r}
+                    if extras or "extra ==" not in r}
     except metadata.PackageNotFoundError:  # on PYTHONPATH, not installed (the swift env)
         declared = {}
     found = []
-    for name in CHECKED_PACKAGES:
+    for name in names:
         try:
             installed = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -54,6 +57,11 @@ def version_text(versions: list[PackageVersion] | None = None) -> str:
         tested = f"tested {v.name}{v.tested}" if v.tested is not None else "tested range unknown (package not installed)"
         lines.append(f"  {v.name} {v.installed or 'not installed'} "
                      f"({tested}{'; OUTSIDE the tested range' if v.outside_tested else ''})")
+    if versions is None:
+        for v in package_versions(FRONT_END_PACKAGES, extras=True):
+            tested = f"tested {v.name}{v.tested}" if v.tested is not None else "its range is the one transformers requires"
+            lines.append(f"  {v.name} {v.installed or 'not installed'} (HF Trainer / TRL front-end; {tested}"
+                         f"{'; OUTSIDE the tested range' if v.outside_tested else ''})")
     return "\n".join(lines)
 
 

@@ -43,13 +43,32 @@ def _refuse_in_training_arguments(args) -> None:
             "run with NativeFSDPStrategy, which shards the model itself: drop deepspeed= (--deepspeed)")
     if getattr(args, "fsdp", None):
         raise ConflictingShardingError(
-            f"TrainingArguments.fsdp={args.fsdp!r} cannot run with NativeFSDPStrategy, which applies FSDP2 and EP "
-            "itself: drop fsdp= and fsdp_config= (--fsdp); strategy options go to NativeFSDPStrategy(...)")
+            f"TrainingArguments({fsdp_as_passed(args)}) cannot run with NativeFSDPStrategy, which applies FSDP2 and "
+            "EP itself: drop fsdp= and fsdp_config= (--fsdp); strategy options go to NativeFSDPStrategy(...)")
     if getattr(args, "bf16", False) or getattr(args, "fp16", False):
         which = "bf16" if args.bf16 else "fp16"
         raise ConflictingShardingError(
             f"TrainingArguments.{which}=True adds accelerate's autocast on top of FSDP2: set {which}=False and "
             f"NativeFSDPStrategy(mixed_precision='{which}') instead (compute in {which}, gradients reduced in fp32)")
+
+
+# transformers >= 5.19 turns the legacy fsdp="full_shard offload ..." into fsdp=True plus these fsdp_config entries
+# (TrainingArguments._apply_legacy_fsdp_to_config); read back, they name what the user wrote.
+_LEGACY_FSDP_OPTIONS = (("reshard_after_forward", True, "full_shard"), ("reshard_after_forward", False, "shard_grad_op"),
+                        ("cpu_offload", True, "offload"))
+
+
+def fsdp_as_passed(args) -> str:
+    """``TrainingArguments.fsdp`` as the user wrote it: transformers keeps ``fsdp=True`` whatever was passed and
+    moves a legacy string's options into ``fsdp_config``, where this reads them back."""
+    if args.fsdp is not True:
+        return f"fsdp={args.fsdp!r}"
+    config = args.fsdp_config or {}
+    options = [name for key, value, name in _LEGACY_FSDP_OPTIONS if key in config and config[key] is value]
+    if not options:
+        return "fsdp=True"
+    entries = ", ".join(f"{key!r}: {config[key]!r}" for key, _, name in _LEGACY_FSDP_OPTIONS if name in options)
+    return f"fsdp={' '.join(options)!r}, or fsdp=True with fsdp_config={{{entries}}}"
 
 
 def refuse_transformers_expert_parallel(model) -> None:
