@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 from multinode import REPO
 
-from twinkle_strategy.train.launcher import free_port
-
 DEMO = str(REPO / "yaml" / "demo.yaml")
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
@@ -43,9 +41,9 @@ def twenty_rows_three_bad(path):
 
 
 def run_cli(args, cwd, env=None):
-    # A free master port unless the test names one: 29500 may be held by a run beside this one.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_PORT": str(free_port()),
-           **(env or {})}
+    # No MASTER_PORT: a one-node twinkle-sft picks a free one itself, and picks again if another run takes it.
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -167,7 +165,7 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     proc = run_cli([DEMO, f"data.dataset={dataset}", f"train.output_dir={out}", "launch.simulated_nodes=false",
                     "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=-1", "train.save_steps=0",
                     "train.per_device_train_batch_size=2", "train.logging_steps=1"],
-                   cwd=tmp_path, env={"MASTER_PORT": str(free_port())})
+                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     warning = (re.escape(f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not "
                          f"valid JSON (Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: ")
