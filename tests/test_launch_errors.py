@@ -181,7 +181,7 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
     # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
     assert proc.stderr.count(f"{startup_line()}\ntwinkle-sft: torchrun, 2 ranks on this node;") == 1, proc.stderr[:3000]
-    assert proc.stderr.count(" within the tested ranges ") == 1
+    assert proc.stderr.count(": tested versions; within the declared ranges ") == 1
 
 
 # ------------------------------------------------------------------- the pieces, without processes
@@ -563,12 +563,14 @@ def test_swift_flags_and_key_value_in_any_order_train(tmp_path):
     from twinkle_strategy.train.versions import startup_line
 
     err = "\n" + proc.stderr
-    assert err.count(f"\n{startup_line()}\n") == 1 and err.count(" within the tested ranges ") == 1, err[:3000]
+    assert err.count(f"\n{startup_line()}\n") == 1 and err.count(": tested versions; within the declared ranges ") == 1, err[:3000]
     assert err.index(startup_line()) < err.index("Train:"), err[:3000]
 
 
-def test_startup_line_names_a_version_outside_its_tested_range():
-    """The run's start-up line says in one line what ``--version`` says in four: within, outside, or unknown."""
+def test_startup_line_tells_declared_ranges_from_tested_versions():
+    """The run's start-up line says in one line what ``--version`` says in four. Issue 36: torch 2.15.0, allowed by
+    torch>=2.13 but never run by the suite, was called "within the tested ranges"; now a version is within or
+    OUTSIDE its declared range, and a tested version or not."""
     from packaging.specifiers import SpecifierSet
 
     from twinkle_strategy.train.versions import PackageVersion, startup_line, version_text
@@ -576,13 +578,19 @@ def test_startup_line_names_a_version_outside_its_tested_range():
     tested = [PackageVersion("torch", "2.13.0+cpu", SpecifierSet(">=2.13")),
               PackageVersion("transformers", "5.24.0", SpecifierSet(">=5.19,<5.25")),
               PackageVersion("peft", "0.21.2", SpecifierSet(">=0.20,<0.22"))]
-    assert startup_line(tested).endswith(" with torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2: within the "
-                                         "tested ranges (twinkle-sft --version)")
+    assert startup_line(tested).endswith(" with torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2: tested versions; "
+                                         "within the declared ranges (twinkle-sft --version)")
+    untested = [PackageVersion("torch", "2.15.0", SpecifierSet(">=2.13")), *tested[1:]]
+    assert startup_line(untested).endswith(": within the declared ranges; torch 2.15.0 is not a tested version "
+                                           "(tested: 2.13.0, 2.14.1) (twinkle-sft --version)"), startup_line(untested)
+    assert "  torch 2.15.0 (declared torch>=2.13; tested 2.13.0, 2.14.1; not a tested version)" in \
+        version_text(untested)
     outside = [tested[0], PackageVersion("transformers", "5.25.0", SpecifierSet(">=5.19,<5.25")), tested[2]]
     line = startup_line(outside)
-    assert line.endswith(": transformers 5.25.0 is OUTSIDE the tested range transformers<5.25,>=5.19 "
+    assert line.endswith(": transformers 5.25.0 is OUTSIDE the declared range transformers<5.25,>=5.19 "
                          "(twinkle-sft --version)") and "\n" not in line, line
-    assert "  transformers 5.25.0 (tested transformers<5.25,>=5.19; OUTSIDE the tested range)" in version_text(outside)
-    unknown = [PackageVersion("torch", "2.13.0", None), *tested[1:]]
-    assert startup_line(unknown).endswith(": tested ranges unknown (twinkle_strategy is on PYTHONPATH, not "
-                                          "installed) (twinkle-sft --version)")
+    assert "  transformers 5.25.0 (declared transformers<5.25,>=5.19; tested 5.19.0, 5.24.0; OUTSIDE the declared " \
+           "range)" in version_text(outside)
+    unknown = [PackageVersion("torch", "2.14.1", None), *tested[1:]]
+    assert startup_line(unknown).endswith(": tested versions; declared ranges unknown (twinkle_strategy is on "
+                                          "PYTHONPATH, not installed) (twinkle-sft --version)"), startup_line(unknown)

@@ -127,7 +127,7 @@ def build_parser(*, recipe: Recipe | None = None, recipe_path: str | None = None
                         help="print the path of the ms-swift --external_plugins module and exit")
     parser.add_argument("--version", action="store_true",
                         help="print this package's version, the installed torch/transformers/peft and the "
-                             "tested ranges, and exit")
+                             "declared ranges and tested versions, and exit")
     source = os.path.basename(recipe_path) if recipe is not None and recipe_path else "default"
     group = parser.add_argument_group("swift sft compatible flags (--max-steps = --max_steps; --flag=value works)"
                                       + (f"; values: {recipe_path} with this command's settings" if source != "default"
