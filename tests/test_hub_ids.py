@@ -145,5 +145,5 @@ def test_a_bare_id_the_hub_cannot_give_is_one_line(tmp_path, monkeypatch, capsys
     assert proc.returncode == 0 and proc.stdout.count("\n") == 1, proc
     assert proc.stdout.startswith("could not get ms://twinkle/not-cached from ModelScope: NetworkError: "), proc.stdout
     assert proc.stdout.rstrip().endswith("check the id and the network, or take it from the Hugging Face Hub "
-                                         "(hf://twinkle/not-cached, or --use_hf true (USE_HF=1) for a bare id), or "
+                                         "(hf://twinkle/not-cached, or use_hf=True (USE_HF=1) for a bare id), or "
                                          "pass a local checkpoint directory"), proc.stdout

@@ -322,3 +322,58 @@ def test_the_lower_library_imports_neither_the_application_nor_the_front_ends():
     for upper in (APPLICATION, "twinkle_strategy.integrations"):
         offenders = _importers(files, upper)
         assert not offenders, f"{', '.join(LOWER_PACKAGES)} must not import {upper}: {offenders}"
+
+
+def _library_message_strings() -> list[tuple[str, int, str]]:
+    """Every string literal of the library (outside train/, integrations/ and the fixtures) that is not a docstring:
+    (file, line, text), an f-string as its literal parts joined."""
+    found = []
+    for path in _files_outside("train", "integrations", "testing"):
+        tree = ast.parse(path.read_text())
+        docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                      if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+                      and node.body and isinstance(node.body[0], ast.Expr)
+                      and isinstance(node.body[0].value, ast.Constant)}
+        in_fstrings = {id(part) for node in ast.walk(tree) if isinstance(node, ast.JoinedStr) for part in node.values}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.JoinedStr):
+                text = "".join(p.value for p in node.values if isinstance(p, ast.Constant)) + " "
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings | in_fstrings:
+                text = node.value
+            else:
+                continue
+            found.append((str(path.relative_to(PACKAGE.parent)), node.lineno, text))
+    return found
+
+
+def _front_end_words(text: str) -> list[str]:
+    """The twinkle-sft recipe keys (``data.packing``) and the twinkle-sft / swift sft flags (``--packing``) in
+    ``text``. torchrun's and accelerate's own flags (``--nproc_per_node``, ``--use_fsdp``) are not front-ends'."""
+    import re
+    import typing
+
+    from twinkle_strategy.train.cli import SWIFT_FLAGS
+    from twinkle_strategy.train.recipe import Recipe
+    from twinkle_strategy.train.swift_flags import SWIFT_SFT_FLAGS
+
+    flags = set(SWIFT_FLAGS) | set(SWIFT_SFT_FLAGS)
+    sections = {f.name: {g.name for g in dataclasses.fields(typing.get_type_hints(Recipe)[f.name])}
+                for f in dataclasses.fields(Recipe)}
+    words = [f"--{m}" for m in re.findall(r"(?<![\w-])--([a-z][a-z0-9_-]*)", text) if m.replace("-", "_") in flags]
+    words += [f"{s}.{k}" for s, k in re.findall(r"(?<![\w.])([a-z]+)\.([a-z_]+)\b", text) if k in sections.get(s, ())]
+    return words
+
+
+def test_library_messages_name_no_twinkle_sft_key_and_no_swift_flag():
+    """Issue 36: an error raised in the library names the StrategyConfig field or the Python argument; each
+    front-end (twinkle-sft, the swift plugin, the HF layer) translates it into its own keys and flags. sequence/
+    packed.py's refusal once told HF Trainer users to set data.packing (--packing false)."""
+    strings = _library_message_strings()
+    assert len(strings) > 500  # the walk sees the library's messages
+    leaks = [(path, line, words) for path, line, text in strings if (words := _front_end_words(text))]
+    assert leaks == [], f"library strings that name a front-end's keys or flags: {leaks}"
+    # The check sees the words the library once used (strategy.* is the Python object too: its attributes are fine).
+    assert _front_end_words("set data.packing=false and data.padding_free=false (--packing false --padding_free "
+                            "false); with twinkle-sft set launch.nproc_per_node; --use_hf true; strategy.wrap_model; "
+                            "torchrun --nproc_per_node 2; model.safetensors") == \
+        ["--packing", "--padding_free", "--use_hf", "data.packing", "data.padding_free", "launch.nproc_per_node"]

@@ -119,7 +119,7 @@ def unavailable_id_message(model_id: str, exc: Exception) -> str:
     hub = Hub(model_id[:len(MS_PREFIX)])
     other = Hub.HUGGING_FACE if hub is Hub.MODELSCOPE else Hub.MODELSCOPE
     reason = (str(exc).strip().splitlines() or [""])[0]
-    switch = "--use_hf true (USE_HF=1)" if hub is Hub.MODELSCOPE else "--use_hf false"
+    switch = "use_hf=True (USE_HF=1)" if hub is Hub.MODELSCOPE else "use_hf=False (USE_HF=0)"
     return (f"could not get {model_id} from {hub.title}: {type(exc).__name__}: {reason}; check the "
             f"id and the network, or take it from {other.title} ({other.value}{model_id[len(MS_PREFIX):]}, or "
             f"{switch} for a bare id), or pass a local checkpoint directory")
