@@ -252,8 +252,8 @@ def test_flags_are_read_as_swift_reads_them():
 
 def test_a_list_flag_stops_at_the_yaml_recipe(tmp_path):
     """``--dataset d.jsonl yaml/demo.yaml`` once took the recipe for a second dataset."""
-    from twinkle_strategy.errors import RecipeError
     from twinkle_strategy.train.cli import parse, split_argv
+    from twinkle_strategy.train.errors import RecipeError
 
     assert split_argv(["--dataset", DATASET, DEMO, "--max_steps", "3"]) == \
         ([DEMO], [("dataset", [DATASET]), ("max_steps", ["3"])])
@@ -272,8 +272,8 @@ def test_every_flag_of_swift_sft_is_taken_with_its_meaning_or_refused_with_the_r
     """Each field of ms-swift 4.6.0's SftArguments (twinkle_strategy/train/swift_flags.py; tests/test_swift.py checks
     the list against the installed swift) is a twinkle-sft flag, or one line with the reason, never a "did you
     mean" pointing at another flag (--use_cpu once got "did you mean --use_hf?")."""
-    from twinkle_strategy.errors import RecipeError
     from twinkle_strategy.train.cli import SWIFT_FLAGS, main, split_argv
+    from twinkle_strategy.train.errors import RecipeError
     from twinkle_strategy.train.swift_flags import SWIFT_FLAGS_NOT_TAKEN, SWIFT_SFT_FLAGS
 
     assert len(SWIFT_SFT_FLAGS) == len(set(SWIFT_SFT_FLAGS)) == 333

@@ -53,8 +53,9 @@ from collections.abc import Callable
 
 from twinkle_strategy import config
 from twinkle_strategy.checkpoint import latest_checkpoint
-from twinkle_strategy.errors import RunStoppedError, TwinkleError
+from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.errors import RunStoppedError
 from twinkle_strategy.train.launcher import (
     device_problem,
     run_logged,

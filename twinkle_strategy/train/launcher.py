@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from twinkle_strategy.checkpoint import latest_checkpoint
-from twinkle_strategy.errors import RunStoppedError
+from twinkle_strategy.train.errors import RunStoppedError
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
 from twinkle_strategy.train.ports import free_port as free_port  # re-exported: launches import it from here
 from twinkle_strategy.train.ports import port_in_use as port_in_use

@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-from twinkle_strategy.errors import PreflightError
 from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path, checkpoint_files_problem
 from twinkle_strategy.train.data import (
     DatasetError,
@@ -31,6 +30,7 @@ from twinkle_strategy.train.data import (
     tokenize_conversation,
 )
 from twinkle_strategy.train.demo_model import demo_tokenizer
+from twinkle_strategy.train.errors import PreflightError
 from twinkle_strategy.train.recipe import Recipe
 from twinkle_strategy.train.run import TINY_PREFIX
 
