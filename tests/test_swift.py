@@ -729,6 +729,22 @@ def test_plugin_takes_sequence_parallel_from_swift_and_refuses_what_a_chunk_cann
             take_sequence_parallel(args(**change))
 
 
+def test_plugin_names_swifts_launch_setting_where_the_library_names_torchrun():
+    """Issue 36: the library's error names torchrun (every launcher wraps it) and the Python option; the plugin adds
+    swift's own setting. One process (no torchrun, as swift sft runs on one device) with ep_size 2."""
+    code = ("from twinkle_strategy.errors import ParallelConfigError\n"
+            "from twinkle_strategy.integrations.swift.parts import state\n"
+            "state.STATE.fsdp_options = {'ep_size': 2, 'device_type': 'cpu'}\n"
+            "try:\n    state.get_strategy()\nexcept ParallelConfigError as exc:\n    print(exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("ep_size 2 needs 2 processes (or a multiple), this job has 1: launch them, e.g. "
+                                   "torchrun --nproc_per_node 2 your_script.py (so that nodes x processes per node is "
+                                   "a multiple of 2); with swift sft: NPROC_PER_NODE (and NNODES)"), proc.stdout
+
+
 def test_plugin_module_imports_without_swift():
     """Outside ms-swift (e.g. for `twinkle-sft --swift-plugin-path`) importing it hooks nothing."""
     code = "import twinkle_strategy.integrations.swift.plugin as p; print(p.plugin_path())"
