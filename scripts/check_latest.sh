@@ -6,7 +6,8 @@
 # and the installed version). Exit status: the tests'. Run it on a release day, before raising a bound:
 #   bash scripts/check_latest.sh                 # a few minutes; the env is deleted at the end
 #   KEEP_VENV=1 bash scripts/check_latest.sh     # keep it (its path is printed) to debug a failure
-#   TORCH_SPEC='torch==2.14.1' bash scripts/check_latest.sh   # choose the torch build (default: the newest pip allows)
+#   TORCH_SPEC='torch==2.14.1' bash scripts/check_latest.sh   # choose the torch build (default: the newest release,
+#                                                               # past this machine's pip cap; see PIP_CONFIG_FILE below)
 # torch is installed first and pinned afterwards, so pip never swaps the build it chose.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,19 @@ if [ -z "${KEEP_VENV:-}" ]; then trap 'rm -rf "$VENV"' EXIT; fi
 start=$SECONDS
 "$TWINKLE_PY" -m venv "$VENV"
 . "$VENV/bin/activate"
+# This machine's pip config caps torch through a global constraints file (`pip config list`: global.constraint), so
+# "the newest torch" would be the cap, not the newest release. In this throwaway env pip reads no config file and
+# gets the config's indexes, links and certificate back through the environment. CHECK_LATEST_PIP_CONFIG=keep
+# keeps the config (and its caps).
+if [ "${CHECK_LATEST_PIP_CONFIG:-}" != keep ]; then
+  for key in index-url extra-index-url find-links cert trusted-host; do
+    var=PIP_$(echo "$key" | tr 'a-z-' 'A-Z_')
+    value=$(python -m pip config get "global.$key" 2>/dev/null | tr '\n' ' ' || true)
+    if [ -n "${value// /}" ] && [ -z "${!var:-}" ]; then export "$var=${value% }"; fi
+  done
+  export PIP_CONFIG_FILE=/dev/null
+  echo "check_latest: pip reads no config file here (caps lifted); indexes: ${PIP_INDEX_URL:-PyPI} ${PIP_EXTRA_INDEX_URL:-}"
+fi
 pip_quiet --upgrade "${TORCH_SPEC:-torch}"
 TORCH_PIN=torch==$(python -c 'from importlib.metadata import version; print(version("torch"))')
 # setup.py's requirements (install_requires and the test extra), names only: the newest of each.

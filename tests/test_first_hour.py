@@ -1,4 +1,4 @@
-"""What a newcomer reads in the first hour agrees with what runs (issue 31 point 5): ``--help`` after a recipe,
+"""What a newcomer meets in the first hour agrees with what runs (issue 31 point 5): ``--help`` after a recipe,
 ``--version``, the versions the docs and scripts name, the expert-load heatmap's labels."""
 
 import re
@@ -38,9 +38,12 @@ def test_help_after_a_recipe_shows_its_values_and_every_flag_a_real_help_line(ca
         assert f"[{key}]" in text, flag
 
 
-def test_version_names_the_installed_and_the_tested_versions():
-    """``twinkle-sft --version``: the installed torch/transformers/peft and setup.py's tested ranges, which the
-    README's table repeats, then trl and accelerate (issue 35)."""
+def test_version_names_the_installed_the_declared_and_the_tested_versions():
+    """``twinkle-sft --version``: the installed torch/transformers/peft, setup.py's declared ranges and the versions
+    the suite runs on, which docs/versions.md's table states (the numbers are checked, not the prose); then the
+    HF Trainer / TRL front-end's trl and accelerate (issue 35)."""
+    from twinkle_strategy.train.versions import TESTED_VERSIONS
+
     cli = REPO / ".venv" / "bin" / "twinkle-sft"
     command = [str(cli)] if cli.exists() else [sys.executable, "-m", "twinkle_strategy.train.cli"]
     proc = subprocess.run([*command, "--version"], capture_output=True, text=True, timeout=120)
@@ -48,19 +51,24 @@ def test_version_names_the_installed_and_the_tested_versions():
     lines = proc.stdout.splitlines()
     assert lines[0] == "twinkle-sft 0.1.0"
     setup = (REPO / "setup.py").read_text()
-    readme = (REPO / "README.md").read_text()
+    table = (REPO / "docs" / "versions.md").read_text()
     # The HF Trainer / TRL front-end's packages after them: trl with its range (setup.py's test extra), accelerate.
-    assert lines[4:] == [f"  trl {metadata.version('trl')} (HF Trainer / TRL front-end; tested trl<2,>=1.16)",
+    assert lines[4:] == [f"  trl {metadata.version('trl')} (HF Trainer / TRL front-end; declared trl<2,>=1.16)",
                          f"  accelerate {metadata.version('accelerate')} (HF Trainer / TRL front-end; its range is the "
                          "one transformers requires)"], lines
     for line, name in zip(lines[1:4], ("torch", "transformers", "peft"), strict=True):
-        assert line.startswith(f"  {name} {metadata.version(name)} (tested {name}"), line
-        assert "OUTSIDE" not in line, line  # the suite runs on the pinned set, inside the ranges
+        assert line.startswith(f"  {name} {metadata.version(name)} (declared {name}"), line
+        assert "OUTSIDE" not in line and "not a tested version" not in line, line  # the suite runs on the pinned set
         declared = re.search(rf'"{name}(>=[^"]+)"', setup).group(1)
-        assert sorted(declared.split(",")) == sorted(line.split(f"tested {name}")[1].rstrip(")").split(",")), line
-        # The README's table: the declared range and the pinned version of the suite.
-        row = next(r for r in readme.splitlines() if r.startswith(f"| {name} |"))
+        assert sorted(declared.split(",")) == sorted(line.split(f"declared {name}")[1].split(";")[0].split(",")), line
+        # The tested versions are the pins of the three environments the suite runs in, no more, no fewer.
+        pinned = {pins(f)[name].split("+")[0] for f in ("constraints.txt", "constraints-oldest.txt",
+                                                         "constraints-swift.txt")}
+        assert set(TESTED_VERSIONS[name]) == pinned and f"tested {', '.join(TESTED_VERSIONS[name])}" in line, line
+        # docs/versions.md's table: the declared range, the suite's pin and the oldest pin.
+        row = next(r for r in table.splitlines() if r.startswith(f"| {name} |"))
         assert f"`{declared}" in row and pins("constraints.txt")[name].split("+")[0] in row, row
+        assert pins("constraints-oldest.txt")[name] in row, row
 
 
 def test_docs_and_scripts_name_the_torch_their_environment_has():
@@ -80,7 +88,7 @@ def test_docs_and_scripts_name_the_torch_their_environment_has():
                 if path in swift_scripts and ".venv" not in line:  # the swift env, not .venv
                     assert version == swift_torch, where
                 named.append(path.name)
-    assert "swift_sft.sh" in named and "README.md" in named, named
+    assert "swift_sft.sh" in named and "README.md" in named and "versions.md" in named, named
 
 
 def test_byte_figures_of_the_init_bar_and_logs_agree():
@@ -221,9 +229,10 @@ def _family_counts(text: str) -> list[tuple[int, int | None]]:
     return counts
 
 
-def test_the_readme_states_only_the_family_counts_docs_models_md_generates():
+def test_the_docs_state_only_the_family_counts_docs_models_md_generates():
     """The README once said "column bf16: 25 of 26 match" beside docs/models.md's generated 28 of 30 (and earlier,
-    three counts of its own). It points to docs/models.md; any count it states must be one docs/models.md has."""
+    three counts of its own). It and the docs pages point to docs/models.md; any count they state must be one
+    docs/models.md has."""
     models = (REPO / "docs" / "models.md").read_text()
     headline = re.search(r"\*\*(\d+) of (\d+) families match\.\*\*", models)
     bf16 = re.search(r"keeps tensors in fp32 under bf16 \((\d+);.*?\*\*(\d+) match\*\*", models)
@@ -231,10 +240,11 @@ def test_the_readme_states_only_the_family_counts_docs_models_md_generates():
     generated = {(int(headline[1]), int(headline[2])), (int(bf16[2]), int(bf16[1]))}
     allowed = generated | {(a, None) for a, _ in generated} | {(b, None) for _, b in generated}
     assert (int(headline[1]), int(headline[2])) in _family_counts(models) and set(_family_counts(models)) <= allowed
-    readme = (REPO / "README.md").read_text()
-    stated = _family_counts(readme)
-    assert set(stated) <= allowed, (stated, generated)
-    assert "docs/models.md" in readme
+    for page in [REPO / "README.md", *(REPO / "docs").glob("*.md")]:
+        if page.name != "models.md":
+            stated = _family_counts(page.read_text())
+            assert set(stated) <= allowed, (page.name, stated, generated)
+    assert "docs/models.md" in (REPO / "README.md").read_text()
     # The check sees the spellings the README once used.
     assert _family_counts("column bf16: 25 of 26 match; 48 more families; 54 of 57 served") == \
         [(25, 26), (54, 57), (48, None)]

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 from multinode import REPO
 
-from twinkle_strategy.train.launcher import free_port
-
 DEMO = str(REPO / "yaml" / "demo.yaml")
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
@@ -43,9 +41,9 @@ def twenty_rows_three_bad(path):
 
 
 def run_cli(args, cwd, env=None):
-    # A free master port unless the test names one: 29500 may be held by a run beside this one.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "MASTER_PORT": str(free_port()),
-           **(env or {})}
+    # No MASTER_PORT: a one-node twinkle-sft picks a free one itself, and picks again if another run takes it.
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", **(env or {})}
     return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
@@ -167,7 +165,7 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     proc = run_cli([DEMO, f"data.dataset={dataset}", f"train.output_dir={out}", "launch.simulated_nodes=false",
                     "launch.nnodes=1", "launch.nproc_per_node=2", "train.max_steps=-1", "train.save_steps=0",
                     "train.per_device_train_batch_size=2", "train.logging_steps=1"],
-                   cwd=tmp_path, env={"MASTER_PORT": str(free_port())})
+                   cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     warning = (re.escape(f"skipped 3 of 20 dataset rows that cannot become a training example ({dataset}:4: not "
                          f"valid JSON (Expecting value); {dataset}:9: no assistant message to train on; {dataset}:15: ")
@@ -183,7 +181,7 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(tmp_path):
     assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
     # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
     assert proc.stderr.count(f"{startup_line()}\ntwinkle-sft: torchrun, 2 ranks on this node;") == 1, proc.stderr[:3000]
-    assert proc.stderr.count(" within the tested ranges ") == 1
+    assert proc.stderr.count(": tested versions; within the declared ranges ") == 1
 
 
 # ------------------------------------------------------------------- the pieces, without processes
@@ -254,8 +252,8 @@ def test_flags_are_read_as_swift_reads_them():
 
 def test_a_list_flag_stops_at_the_yaml_recipe(tmp_path):
     """``--dataset d.jsonl yaml/demo.yaml`` once took the recipe for a second dataset."""
-    from twinkle_strategy.errors import RecipeError
     from twinkle_strategy.train.cli import parse, split_argv
+    from twinkle_strategy.train.errors import RecipeError
 
     assert split_argv(["--dataset", DATASET, DEMO, "--max_steps", "3"]) == \
         ([DEMO], [("dataset", [DATASET]), ("max_steps", ["3"])])
@@ -274,8 +272,8 @@ def test_every_flag_of_swift_sft_is_taken_with_its_meaning_or_refused_with_the_r
     """Each field of ms-swift 4.6.0's SftArguments (twinkle_strategy/train/swift_flags.py; tests/test_swift.py checks
     the list against the installed swift) is a twinkle-sft flag, or one line with the reason, never a "did you
     mean" pointing at another flag (--use_cpu once got "did you mean --use_hf?")."""
-    from twinkle_strategy.errors import RecipeError
     from twinkle_strategy.train.cli import SWIFT_FLAGS, main, split_argv
+    from twinkle_strategy.train.errors import RecipeError
     from twinkle_strategy.train.swift_flags import SWIFT_FLAGS_NOT_TAKEN, SWIFT_SFT_FLAGS
 
     assert len(SWIFT_SFT_FLAGS) == len(set(SWIFT_SFT_FLAGS)) == 333
@@ -565,12 +563,14 @@ def test_swift_flags_and_key_value_in_any_order_train(tmp_path):
     from twinkle_strategy.train.versions import startup_line
 
     err = "\n" + proc.stderr
-    assert err.count(f"\n{startup_line()}\n") == 1 and err.count(" within the tested ranges ") == 1, err[:3000]
+    assert err.count(f"\n{startup_line()}\n") == 1 and err.count(": tested versions; within the declared ranges ") == 1, err[:3000]
     assert err.index(startup_line()) < err.index("Train:"), err[:3000]
 
 
-def test_startup_line_names_a_version_outside_its_tested_range():
-    """The run's start-up line says in one line what ``--version`` says in four: within, outside, or unknown."""
+def test_startup_line_tells_declared_ranges_from_tested_versions():
+    """The run's start-up line says in one line what ``--version`` says in four. Issue 36: torch 2.15.0, allowed by
+    torch>=2.13 but never run by the suite, was called "within the tested ranges"; now a version is within or
+    OUTSIDE its declared range, and a tested version or not."""
     from packaging.specifiers import SpecifierSet
 
     from twinkle_strategy.train.versions import PackageVersion, startup_line, version_text
@@ -578,13 +578,19 @@ def test_startup_line_names_a_version_outside_its_tested_range():
     tested = [PackageVersion("torch", "2.13.0+cpu", SpecifierSet(">=2.13")),
               PackageVersion("transformers", "5.24.0", SpecifierSet(">=5.19,<5.25")),
               PackageVersion("peft", "0.21.2", SpecifierSet(">=0.20,<0.22"))]
-    assert startup_line(tested).endswith(" with torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2: within the "
-                                         "tested ranges (twinkle-sft --version)")
+    assert startup_line(tested).endswith(" with torch 2.13.0+cpu, transformers 5.24.0, peft 0.21.2: tested versions; "
+                                         "within the declared ranges (twinkle-sft --version)")
+    untested = [PackageVersion("torch", "2.15.0", SpecifierSet(">=2.13")), *tested[1:]]
+    assert startup_line(untested).endswith(": within the declared ranges; torch 2.15.0 is not a tested version "
+                                           "(tested: 2.13.0, 2.14.1) (twinkle-sft --version)"), startup_line(untested)
+    assert "  torch 2.15.0 (declared torch>=2.13; tested 2.13.0, 2.14.1; not a tested version)" in \
+        version_text(untested)
     outside = [tested[0], PackageVersion("transformers", "5.25.0", SpecifierSet(">=5.19,<5.25")), tested[2]]
     line = startup_line(outside)
-    assert line.endswith(": transformers 5.25.0 is OUTSIDE the tested range transformers<5.25,>=5.19 "
+    assert line.endswith(": transformers 5.25.0 is OUTSIDE the declared range transformers<5.25,>=5.19 "
                          "(twinkle-sft --version)") and "\n" not in line, line
-    assert "  transformers 5.25.0 (tested transformers<5.25,>=5.19; OUTSIDE the tested range)" in version_text(outside)
-    unknown = [PackageVersion("torch", "2.13.0", None), *tested[1:]]
-    assert startup_line(unknown).endswith(": tested ranges unknown (twinkle_strategy is on PYTHONPATH, not "
-                                          "installed) (twinkle-sft --version)")
+    assert "  transformers 5.25.0 (declared transformers<5.25,>=5.19; tested 5.19.0, 5.24.0; OUTSIDE the declared " \
+           "range)" in version_text(outside)
+    unknown = [PackageVersion("torch", "2.14.1", None), *tested[1:]]
+    assert startup_line(unknown).endswith(": tested versions; declared ranges unknown (twinkle_strategy is on "
+                                          "PYTHONPATH, not installed) (twinkle-sft --version)"), startup_line(unknown)

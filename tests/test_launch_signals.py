@@ -239,3 +239,35 @@ def test_a_failure_no_rank_recorded_is_named_by_its_cause(tmp_path, capsys):
         headings[name] = capsys.readouterr().err.splitlines()[0]
     assert "out of memory" not in headings["exit"] and "killed by SIGKILL: out of memory" in headings["sigkill"], \
         headings
+
+
+def test_a_launch_whose_picked_port_is_taken_before_torchrun_binds_it_picks_another(tmp_path, monkeypatch):
+    """Issue 36: a swift test lost the pick-then-bind race (EADDRINUSE on a port picked as free, taken by another
+    job before torchrun bound it). The first pick here is a port another socket listens on: node 0's agent fails
+    to listen, node 1's would wait for it; both are stopped, and the launch runs again on a fresh port. The same
+    through ``run_logged``, as twinkle-sft's simulated nodes launch. Workers are plain Python: only agents start."""
+    from twinkle_strategy.train import ports
+    from twinkle_strategy.train.launcher import run_logged, run_simulated_nodes, torchrun_command
+
+    script = tmp_path / "node.py"
+    script.write_text("import os\nprint('joined as group rank', os.environ['GROUP_RANK'])\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        picks = [taken.getsockname()[1]]
+        real_free_port = ports.free_port
+
+        def pick() -> int:  # the taken port first, then whatever the kernel gives
+            picks.append(picks[0] if len(picks) == 1 else real_free_port())
+            return picks[-1]
+
+        monkeypatch.setattr(ports, "free_port", pick)
+        result = run_simulated_nodes([str(script)], nnodes=2, nproc_per_node=1, timeout=240, log_dir=tmp_path)
+        assert result.ok, [p.read_text() for p in result.log_paths]
+        assert len(picks) == 3 and picks[2] != picks[0], picks  # [taken, taken (first pick), fresh]
+        assert "joined as group rank 1" in (tmp_path / "node1.log").read_text()
+        picks[1:] = []
+        assert ports.on_a_free_port(lambda port, retry: run_logged(
+            [torchrun_command([str(script)], 1, 0, 1, port)], str(tmp_path / "logged"), [0], [0],
+            retry_if_port_taken=retry))
+        assert len(picks) == 3, picks

@@ -42,9 +42,8 @@ def test_a_plain_python_script_is_a_one_process_job(tmp_path):
     result = json.loads((tmp_path / "rank0.json").read_text())
     # An ep_size that needs more processes says, in one line, how to launch them.
     assert result["ep_error"] == ("ParallelConfigError: ep_size 2 needs 2 processes (or a multiple), this job has 1: "
-                                  "launch them, e.g. torchrun --nproc_per_node 2 your_script.py (with twinkle-sft set "
-                                  "launch.nproc_per_node, with swift sft NPROC_PER_NODE, so that nodes x processes per "
-                                  "node is a multiple of 2)")
+                                  "launch them, e.g. torchrun --nproc_per_node 2 your_script.py (so that nodes x "
+                                  "processes per node is a multiple of 2)")
     for path in ("plain", "memory_efficient_init"):  # the oracle: plain from_pretrained in the same process
         assert result[path]["compared"] > 10 and result[path]["differing"] == [], result[path]
         assert result[path]["logits_gap"] <= 1e-5, result[path]

@@ -102,6 +102,31 @@ def test_families_that_would_mix_packed_examples_are_refused_by_name(family, rea
         check_packable(model)
 
 
+def test_a_refusal_names_the_option_of_the_front_end_that_asked_for_packing():
+    """Issue 36: the library's refusal once told HF Trainer and swift users to set data.packing and --packing. The
+    library names the batches; each front-end names its own option and how to turn it off."""
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_strategy.integrations.swift.parts.hooks import SWIFT_PACKING
+    from twinkle_strategy.integrations.transformers.sequence import TRAINER_PACKING
+    from twinkle_strategy.sequence.packed import PackingOption
+    from twinkle_strategy.testing.tiny_models import tiny_config
+    from twinkle_strategy.train.packing import RECIPE_PACKING
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(tiny_config("qwen3_next"))
+    for option, says in [(PackingOption(), "packed batches (position_ids restarting at every example)"),
+                         (RECIPE_PACKING, "data.packing / data.padding_free"),
+                         (SWIFT_PACKING, "--packing / --padding_free"),
+                         (TRAINER_PACKING, "packed rows (DataCollatorWithFlattening, TRL's padding_free or packing)")]:
+        with pytest.raises(PackingError) as raised:
+            check_packable(model, option=option)
+        assert str(raised.value).startswith(f"{says} cannot train qwen3_next: ") and \
+            str(raised.value).endswith(f"; {option.turn_off}"), str(raised.value)
+    library = str(pytest.raises(PackingError, check_packable, model).value)
+    assert "data." not in library and "--" not in library, library
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "mixtral", "llama4"])
 def test_attention_families_are_packable(family):
     from transformers import AutoModelForCausalLM

@@ -22,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 import types
 from pathlib import Path
 
@@ -30,7 +31,7 @@ import torch
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.demo_model import prepare_demo_model
-from twinkle_strategy.train.launcher import free_port
+from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
 
 REPO = Path(__file__).resolve().parent.parent
 # What every process of the swift virtualenv gets: this checkout's package first on the path.
@@ -84,7 +85,15 @@ def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], 
            "--learning_rate", "5e-3", "--logging_steps", "1", "--save_steps", "5",
            "--output_dir", str(out / "output"), "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
            "--report_to", "none", "--check_model", "false", *extra]
-    port = str(free_port())
+    if reference:  # one process, no torchrun, no port
+        return _start_and_wait_swift_sft(cmd, out, env, nnodes, timeout, reference, port="")
+    # swift's torchrun cannot bind port 0, so a port picked free may be taken before it binds it: pick again.
+    return on_a_free_port(lambda port, retry: _start_and_wait_swift_sft(cmd, out, env, nnodes, timeout, reference,
+                                                                       port=str(port), retry_if_port_taken=retry))
+
+
+def _start_and_wait_swift_sft(cmd: list[str], out: Path, env: dict[str, str], nnodes: int, timeout: float,
+                              reference: bool, *, port: str, retry_if_port_taken: bool = False):
     procs, logs = [], []
     for node in range(nnodes):
         node_env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
@@ -98,16 +107,19 @@ def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], 
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen(cmd, env=node_env, cwd=out, stdout=log, stderr=subprocess.STDOUT,
                                           start_new_session=True))
-    returncodes = []
-    for proc in procs:
-        try:
-            returncodes.append(proc.wait(timeout=timeout))
-        except subprocess.TimeoutExpired:
-            returncodes.append(None)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
+        if procs[0].poll() not in (None, 0) and master_port_taken(logs[0]) and retry_if_port_taken:
+            break  # node 1 would wait for node 0's store until the time limit
+        time.sleep(0.5)
+    returncodes = [proc.poll() for proc in procs]
+    port_taken = retry_if_port_taken and returncodes[0] not in (None, 0) and master_port_taken(logs[0])
     for proc in procs:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    if port_taken:
+        raise MasterPortTaken(f"swift sft's torchrun could not listen on {port}")
     log = "\n".join(f"--- node {i} ---\n" + path.read_text(errors="replace") for i, path in enumerate(logs))
     return returncodes, log, logs
 
@@ -719,6 +731,22 @@ def test_plugin_takes_sequence_parallel_from_swift_and_refuses_what_a_chunk_cann
         with pytest.raises(SwiftPluginError, match=f"^--sequence_parallel_size 2 with {flag}: .*, or "
                                                    "--sequence_parallel_size 1$"):
             take_sequence_parallel(args(**change))
+
+
+def test_plugin_names_swifts_launch_setting_where_the_library_names_torchrun():
+    """Issue 36: the library's error names torchrun (every launcher wraps it) and the Python option; the plugin adds
+    swift's own setting. One process (no torchrun, as swift sft runs on one device) with ep_size 2."""
+    code = ("from twinkle_strategy.errors import ParallelConfigError\n"
+            "from twinkle_strategy.integrations.swift.parts import state\n"
+            "state.STATE.fsdp_options = {'ep_size': 2, 'device_type': 'cpu'}\n"
+            "try:\n    state.get_strategy()\nexcept ParallelConfigError as exc:\n    print(exc)\n")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
+                          env={**env, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip() == ("ep_size 2 needs 2 processes (or a multiple), this job has 1: launch them, e.g. "
+                                   "torchrun --nproc_per_node 2 your_script.py (so that nodes x processes per node is "
+                                   "a multiple of 2); with swift sft: NPROC_PER_NODE (and NNODES)"), proc.stdout
 
 
 def test_plugin_module_imports_without_swift():

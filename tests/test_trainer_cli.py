@@ -16,8 +16,9 @@ STEPS = 8
 
 
 def run_cli(args, cwd, timeout=600):
-    # A free master port: 29500 may be held by a run beside this one.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MASTER_PORT": str(_free_port())}
+    # No MASTER_PORT: a one-node twinkle-sft picks a free one itself, and picks again if another run takes it.
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
+           "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -297,7 +298,8 @@ def test_shipped_recipes_are_valid(recipe):
 def test_swift_style_relaunch_under_torchrun(demo_run, tmp_path):
     """NPROC_PER_NODE=2, like swift: twinkle-sft re-launches itself under torchrun (one node, 2 ranks)."""
     work, _, _ = demo_run
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(_free_port())}
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
+           "NPROC_PER_NODE": "2"}  # no MASTER_PORT: twinkle-sft picks one
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", "--model", str(work / "output" / "tiny" / "demo"),
                            "--dataset", DATASET, "--tuner_type", "lora", "--target_modules", "q_proj",
@@ -310,12 +312,6 @@ def test_swift_style_relaunch_under_torchrun(demo_run, tmp_path):
     assert len(read_log(run_dir)) == 3
     assert json.loads((run_dir / "args.json").read_text())["world_size"] == 2
     assert (run_dir / "checkpoint-3" / "adapter_model.safetensors").is_file()
-
-
-def _free_port():
-    from twinkle_strategy.train.launcher import free_port
-
-    return free_port()
 
 
 def test_twinkle_sft_trains_a_vision_language_checkpoint_on_text(tmp_path):

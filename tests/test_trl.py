@@ -82,6 +82,8 @@ def test_trl_log_lines_add_throughput_and_expert_load(runs):
     # HF's fields stay; the strategy adds tokens/s and the expert load over the global batch (no mfu on CPU:
     # the device's peak is unknown). Every rank logs the same global load.
     lines = [result["lora"]["extra_fields"] for result in runs["2x2"].values()]
+    # Every rank logged every step (4, logging_steps=1): a loop over an empty log would pass unseen.
+    assert [len(rank) for rank in lines] == [4] * 4, [len(rank) for rank in lines]
     for line in lines[0]:
         assert line["tokens_per_second"] > 0 and line["mfu"] is None
         assert line["moe_load_imbalance"] >= 1.0  # max over experts of tokens / mean: 1.0 is perfectly even

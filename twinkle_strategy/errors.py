@@ -2,8 +2,9 @@
 
 Each names what was expected, what was found, and how to fix it. They subclass ValueError
 (through TwinkleError) because every one of them is caused by input (sizes, launch settings,
-checkpoints, data, a dead peer), not by a bug in this package. The training application's
-errors (recipes, data, preflight) live here too, so one ``except TwinkleError`` catches them all.
+checkpoints, data, a dead peer), not by a bug in this package. The training application's own
+errors (recipes, datasets, preflight, a stopped run) live in :mod:`twinkle_strategy.train.errors`, subclasses of
+the same TwinkleError, so one ``except TwinkleError`` still catches them all.
 :func:`shorten` words the lists they name.
 """
 
@@ -76,33 +77,9 @@ class CheckpointSaveError(RanksFailedError):
     """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
 
 
-# ------------------------------------------------------------------ the training application
-class RecipeError(TwinkleError):
-    """A recipe or command line that cannot run; ``key`` (when known) is the recipe key to fix."""
-
-    def __init__(self, message: str, *, key: str | None = None, reason: str | None = None):
-        super().__init__(message)
-        self.key = key
-        self.reason = reason if reason is not None else message
-
-
+# ------------------------------------------------------------------ the library's front-ends and runs
 class PackingError(TwinkleError):
     """A model that packed (padding-free) batches cannot serve: its layers would mix the packed examples."""
-
-
-class PreflightError(RecipeError):
-    """A recipe value that cannot work on this machine; ``key`` is the recipe key to fix."""
-
-    def __init__(self, key: str, reason: str):
-        super().__init__(f"{key}: {reason}", key=key, reason=reason)
-
-
-class DatasetError(TwinkleError):
-    """A dataset file or row that cannot be used; names the file and line."""
-
-
-class RowError(DatasetError):
-    """Why one row cannot become a training example (the caller adds where it is)."""
 
 
 class TrainingAbortedError(TwinkleError):
@@ -119,14 +96,6 @@ class SwiftPluginError(TwinkleError):
 
 class OutputDirNotSharedError(TwinkleError):
     """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""
-
-
-class RunStoppedError(TwinkleError):
-    """``twinkle-sft`` was stopped by SIGTERM or SIGINT (``signum``) during a launched run; every process of it ended."""
-
-    def __init__(self, message: str, signum: int):
-        super().__init__(message)
-        self.signum = signum
 
 
 def shorten(items: Iterable[object], n: int, sep: str = ", ") -> str:

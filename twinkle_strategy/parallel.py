@@ -41,10 +41,9 @@ from twinkle_strategy.errors import ParallelConfigError
 logger = logging.getLogger(__name__)
 
 # twinkle-sft checks its recipe before launch and names the exact count there; a script that builds the strategy
-# itself, or swift with the plugin, only learns here. twinkle-sft's world is its recipe's launch section (swift's
-# NPROC_PER_NODE, when set, wins over it); swift's is NPROC_PER_NODE.
-_TWINKLE_SFT_FIX = ("with twinkle-sft set launch.nproc_per_node, with swift sft NPROC_PER_NODE, so that nodes x "
-                    "processes per node is a multiple of {size}")
+# itself, or swift with the plugin, only learns here. The library names torchrun, which every launcher wraps; the
+# swift plugin adds swift's NPROC_PER_NODE (integrations/swift/parts/state.py).
+_LAUNCH_FIX = "so that nodes x processes per node is a multiple of {size}"
 
 
 @dataclasses.dataclass
@@ -81,7 +80,7 @@ class ParallelDims:
         if w < size:
             raise ParallelConfigError(
                 f"{name} {size} needs {size} processes (or a multiple), this job has {w}: launch them, e.g. "
-                f"torchrun --nproc_per_node {size} your_script.py ({_TWINKLE_SFT_FIX.format(size=size)})"
+                f"torchrun --nproc_per_node {size} your_script.py ({_LAUNCH_FIX.format(size=size)})"
             )
         if w % size != 0:
             divisors = [d for d in range(1, w + 1) if w % d == 0]

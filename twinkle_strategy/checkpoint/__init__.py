@@ -14,6 +14,8 @@ durable.py          directories that exist under their final name only when comp
 staging.py          asynchronous saves: what a save writes, copied into host buffers reused from save to save
 background.py       asynchronous saves: a thread writes the staged bytes; failures and the commit at step boundaries
 async_saves.py      asynchronous saves of a run: one in flight, the next waits for it, buffers and plans reused
+merged_export.py    a LoRA run's adapters merged into the base, unit by unit, written as bf16 or in the release's format
+shared_directory.py the check that every rank sees the output directory (one filesystem on every node)
 """
 
 from twinkle_strategy.checkpoint.manager import (  # noqa: F401

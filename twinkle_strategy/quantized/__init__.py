@@ -3,6 +3,7 @@
 formats.py  every fact about the formats: which tensors are quantized, their scales, the dequantization math,
             a quantized checkpoint read as the checkpoint of its values
 wire.py     regions sent as stored (quantized bytes and scales) and dequantized by the receiving rank
+kept.py     quantized_base=keep: regions kept as stored, decoded for each FSDP2 all-gather of their unit
 
 It imports neither ``init/`` nor ``checkpoint/``: key layouts come in with the layout object a caller passes.
 """

@@ -11,6 +11,7 @@ layer (``DataCollatorWithFlattening``, TRL's and swift's padding-free batches).
 from __future__ import annotations
 
 import ast
+import dataclasses
 import functools
 import inspect
 import textwrap
@@ -25,14 +26,23 @@ PACKABLE_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunke
                                   "moe", "mlp"})
 
 
-def prepare_for_packed_batches(model: nn.Module) -> None:
+@dataclasses.dataclass(frozen=True)
+class PackingOption:
+    """How the caller's front-end names packed batches in a refusal: the option that asked for them, and how to
+    turn it off. The library speaks of the batches themselves; twinkle-sft, swift and the HF layer pass their own."""
+
+    name: str = "packed batches (position_ids restarting at every example)"
+    turn_off: str = "give it one example per row instead (a padding collator, not DataCollatorWithFlattening)"
+
+
+def prepare_for_packed_batches(model: nn.Module, *, option: PackingOption = PackingOption()) -> None:
     """Refuse a model whose layers mix packed examples (:func:`check_packable`), and turn its KV cache off.
 
     transformers builds per-example masks from ``position_ids`` only without a cache, and its causal LMs
     make a ``DynamicCache`` whenever ``config.use_cache`` is true (in training too): packed examples would
     then silently attend to each other. Training never reads the cache.
     """
-    check_packable(model)
+    check_packable(model, option=option)
     for config in {id(c): c for c in (model.config, _text_config(model))}.values():
         config.use_cache = False
 
@@ -41,7 +51,7 @@ def _text_config(model: nn.Module):
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
-def check_packable(model: nn.Module) -> None:
+def check_packable(model: nn.Module, *, option: PackingOption = PackingOption()) -> None:
     """Raise :class:`PackingError` naming the family and the reason if ``model`` cannot keep packed examples apart.
 
     Attention is masked per example by transformers from ``position_ids``, in the models whose forward hands
@@ -66,9 +76,8 @@ def check_packable(model: nn.Module) -> None:
                "tell the packed examples apart")
     else:
         return
-    raise PackingError(
-        f"data.packing / data.padding_free cannot train {family}: {why}, and each packed example would see the ones "
-        "before it; set data.packing=false and data.padding_free=false (--packing false --padding_free false)")
+    raise PackingError(f"{option.name} cannot train {family}: {why}, and each packed example would see the ones "
+                       f"before it; {option.turn_off}")
 
 
 @functools.cache

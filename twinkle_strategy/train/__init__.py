@@ -4,7 +4,9 @@ The library (``twinkle_strategy`` outside this package) never imports from here;
 
 recipe.py       the typed YAML recipe (omegaconf structured config) and its overrides
 cli.py          ``twinkle-sft``: recipes or swift-style flags, checks before launch, the torchrun re-launch
-launcher.py     torchrun commands, free ports, per-node logging of the launched processes
+launcher.py     torchrun commands, per-node logging of the launched processes
+ports.py        master ports: picked free, picked again when another process takes one first (EADDRINUSE)
+errors.py       the application's own errors: recipe, dataset, preflight, a stopped run
 preflight.py    dataset, model and output checks run on the launching machine
 run.py          one rank's job: recipe -> model, data, strategy, Trainer
 trainer.py      the training loop: set-up, steps, log lines, saves (through checkpoint.manager), resume
@@ -15,4 +17,9 @@ preemption.py   SIGTERM: a checkpoint at the next step boundary, then exit
 data.py         JSONL chat/query-response datasets, tokenisation, the rows of each step (StepSampler)
 rank_logs.py    per-rank log files and the failure summary
 demo_model.py   twinkle-sft's ``tiny://NAME``: the tiny Qwen3-MoE (sources/tiny.py), its tokenizer trained on the data
+versions.py     the installed torch/transformers/peft against the declared ranges and the tested versions
+packing.py      packed and padding-free batches: packs, their collator, the refusal in the recipe's words
+metrics.py      logging.jsonl's MoE and throughput fields
+plots.py        images/: the loss curve and the expert-load heatmap
+swift_flags.py  every flag of swift sft 4.6: taken with swift's meaning, or refused with the reason
 """

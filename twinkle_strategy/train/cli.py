@@ -50,19 +50,20 @@ import re
 import sys
 import traceback
 import typing
+from collections.abc import Callable
 
 from twinkle_strategy import config
 from twinkle_strategy.checkpoint import latest_checkpoint
-from twinkle_strategy.errors import RunStoppedError, TwinkleError
+from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.errors import RunStoppedError
 from twinkle_strategy.train.launcher import (
     device_problem,
-    free_port,
-    master_port_problem,
     run_logged,
     torchrun_command,
     waiting_line,
 )
+from twinkle_strategy.train.ports import master_port_problem, on_a_free_port
 from twinkle_strategy.train.preflight import check_before_launch
 from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, logs_dir, record_error
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
@@ -128,7 +129,7 @@ def build_parser(*, recipe: Recipe | None = None, recipe_path: str | None = None
                         help="print the path of the ms-swift --external_plugins module and exit")
     parser.add_argument("--version", action="store_true",
                         help="print this package's version, the installed torch/transformers/peft and the "
-                             "tested ranges, and exit")
+                             "declared ranges and tested versions, and exit")
     source = os.path.basename(recipe_path) if recipe is not None and recipe_path else "default"
     group = parser.add_argument_group("swift sft compatible flags (--max-steps = --max_steps; --flag=value works)"
                                       + (f"; values: {recipe_path} with this command's settings" if source != "default"
@@ -346,13 +347,17 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
     if nproc * nnodes == 1:
         return None
     node_rank = int(env.get("NODE_RANK", "0"))
+    ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
+    if nnodes == 1 and "MASTER_PORT" not in env:  # one node, no port named: pick one, as torchrun --standalone
+        return _run_logged(lambda port: [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], 1, 0, nproc,
+                                                          port, max_restarts=recipe.launch.max_restarts)],
+                           recipe, ranks, [0], f"torchrun, {nproc} ranks on this node")
     port, master_addr = int(env.get("MASTER_PORT", "29500")), env.get("MASTER_ADDR", "127.0.0.1")
     if node_rank == 0 and (problem := master_port_problem(port)):
         print(f"twinkle-sft: error: {problem}", file=sys.stderr)
         return 2
     cmd = torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node_rank, nproc,
                            port, master_addr=master_addr, max_restarts=recipe.launch.max_restarts)
-    ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
     waiting = waiting_line(nnodes, node_rank, nproc, master_addr, port) if nnodes > 1 else None
     return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node", waiting)
 
@@ -427,22 +432,31 @@ def simulated_launch_shape(recipe: Recipe) -> LaunchShape:
 def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
     shape = simulated_launch_shape(recipe)
     nnodes, nproc = shape.nnodes, shape.nproc_per_node
-    port = free_port()
-    commands = [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
+
+    def commands(port: int) -> list[list[str]]:
+        return [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
                                  max_restarts=recipe.launch.max_restarts) for node in range(nnodes)]
+
     return _run_logged(commands, recipe, list(range(nnodes * nproc)), list(range(nnodes)),
                        f"{nnodes} simulated nodes x {nproc} ranks on this machine")
 
 
-def _run_logged(commands: list[list[str]], recipe: Recipe, ranks: list[int], node_ranks: list[int], what: str,
-                waiting: str | None = None) -> int:
+def _run_logged(commands: list[list[str]] | Callable[[int], list[list[str]]], recipe: Recipe, ranks: list[int],
+                node_ranks: list[int], what: str, waiting: str | None = None) -> int:
+    """``commands``: the agents' commands, or a function of the master port for a launch that picks its own
+    (:func:`~twinkle_strategy.train.launcher.on_a_free_port`: picked again if another process takes it first)."""
     # Chosen here, not by rank 0, so the logs have a home even if the run fails before training.
     run_dir = make_run_dir(recipe.train.output_dir, recipe.train.add_version)
     if 0 in ranks:  # the node of rank 0, once
         print(startup_line(), file=sys.stderr, flush=True)
     print(f"twinkle-sft: {what}; rank {ranks[0]}'s output follows, every rank's is in {logs_dir(run_dir)}",
           file=sys.stderr, flush=True)
-    if not run_logged(commands, run_dir, ranks, node_ranks, waiting):
+    if callable(commands):
+        ok = on_a_free_port(lambda port, retry: run_logged(commands(port), run_dir, ranks, node_ranks, waiting,
+                                                           retry_if_port_taken=retry))
+    else:
+        ok = run_logged(commands, run_dir, ranks, node_ranks, waiting)
+    if not ok:
         return 1
     if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints; its trainer does not print them
         last = latest_checkpoint(run_dir)

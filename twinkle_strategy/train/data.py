@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from twinkle_strategy.distributed.runtime import global_rank
-from twinkle_strategy.errors import DatasetError, RowError, shorten
+from twinkle_strategy.errors import shorten
+from twinkle_strategy.train.errors import DatasetError, RowError
 from twinkle_strategy.train.packing import Pack, pack_examples
 
 logger = logging.getLogger(__name__)

@@ -21,7 +21,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from twinkle_strategy.checkpoint import latest_checkpoint
-from twinkle_strategy.errors import RunStoppedError
+from twinkle_strategy.train.errors import RunStoppedError
+from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
+from twinkle_strategy.train.ports import free_port as free_port  # re-exported: launches import it from here
+from twinkle_strategy.train.ports import port_in_use as port_in_use
 from twinkle_strategy.train.rank_logs import (
     RUN_DIR_ENV,
     LogFollower,
@@ -30,31 +33,6 @@ from twinkle_strategy.train.rank_logs import (
     logs_dir,
     rank_log_path,
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_in_use(port: int) -> bool:
-    """Whether ``port`` cannot be listened on here (torchrun's store binds every address, reusing TIME_WAIT)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("", port))
-        except OSError:
-            return True
-        return False
-
-
-def master_port_problem(port: int) -> str | None:
-    """One line if the master ``port`` is taken on this machine (checked where this node is the master)."""
-    if not port_in_use(port):
-        return None
-    return (f"master port {port} is in use on this machine (another run, or one not stopped?); "
-            f"pick a free one with MASTER_PORT, e.g. MASTER_PORT={free_port()} twinkle-sft ...")
 
 
 def device_problem(device_type: str | None, backend: str | None = None) -> str | None:
@@ -148,13 +126,16 @@ def run_simulated_nodes(
     ``node_env[i]`` adds to node i's environment what differs between real nodes (e.g. a local disk).
     """
     per_node = nproc_per_node if isinstance(nproc_per_node, list) else [nproc_per_node] * nnodes
-    port = free_port()
-    commands = [torchrun_command(script_and_args, nnodes, node, per_node[node], port) for node in range(nnodes)]
     log_paths = [None if log_dir is None else Path(log_dir) / f"node{node}.log" for node in range(nnodes)]
     start = time.monotonic()
     env = {**os.environ, **(env or {})}
     envs = [{**env, **(node_env[node] if node_env else {})} for node in range(nnodes)]
-    returncodes, timed_out = run_agents(commands, envs, log_paths, timeout=timeout, cwd=cwd)
+
+    def launch(port: int, retry_if_taken: bool) -> tuple[list[int | None], bool]:
+        commands = [torchrun_command(script_and_args, nnodes, node, per_node[node], port) for node in range(nnodes)]
+        return run_agents(commands, envs, log_paths, timeout=timeout, cwd=cwd, retry_if_port_taken=retry_if_taken)
+
+    returncodes, timed_out = on_a_free_port(launch)
     return AgentsResult(returncodes, timed_out, log_paths, time.monotonic() - start)
 
 
@@ -167,7 +148,7 @@ def waiting_every_s() -> float:
 
 
 def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_ranks: list[int],
-               waiting: str | None = None, waiting_after_s: float = 3.0) -> bool:
+               waiting: str | None = None, waiting_after_s: float = 3.0, retry_if_port_taken: bool = False) -> bool:
     """Run torchrun agents (``commands``, one per node) whose workers log to ``run_dir/logs``.
 
     The workers (``twinkle-sft``) find ``run_dir`` in ``TWINKLE_RUN_DIR``. The first of
@@ -177,6 +158,7 @@ def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_r
     rank of this node has started, i.e. while torchrun waits for the other nodes. SIGTERM or SIGINT stops
     every process of the run (:class:`RunStopper`) and raises ``RunStoppedError``, whose one line says where
     the last checkpoint is; the rank's output after the signal (its save) stays in its log.
+    ``retry_if_port_taken``: as :func:`run_agents` (for a port this process picked, :func:`on_a_free_port`).
     """
     os.makedirs(logs_dir(run_dir), exist_ok=True)
     env = {**os.environ, RUN_DIR_ENV: run_dir, "PYTHONUNBUFFERED": "1"}
@@ -200,7 +182,8 @@ def run_logged(commands: list[list[str]], run_dir: str, ranks: list[int], node_r
 
     stopper = RunStopper()
     returncodes, _ = run_agents(commands, env, [Path(agent_log_path(run_dir, n)) for n in node_ranks],
-                                while_waiting=while_waiting, stopper=stopper)
+                                while_waiting=while_waiting, stopper=stopper,
+                                retry_if_port_taken=retry_if_port_taken)
     if stopper.signum is not None:
         follower.stopped = True
         follower.end_line()  # a progress bar left mid-line
@@ -347,10 +330,15 @@ class RunStopper:
             agent.wait()
 
 
+def _raise_if_port_taken(node0: subprocess.Popen, log_path: Path | None, retry: bool) -> None:
+    if retry and node0.poll() not in (None, 0) and master_port_taken(log_path):
+        raise MasterPortTaken(f"node 0's master port was taken ({log_path})")
+
+
 def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, str]], log_paths: list[Path | None],
                timeout: float | None = None, cwd: str | None = None,
                while_waiting: Callable[[], None] | None = None, poll_s: float = 0.2,
-               stopper: RunStopper | None = None) -> tuple[list[int | None], bool]:
+               stopper: RunStopper | None = None, retry_if_port_taken: bool = False) -> tuple[list[int | None], bool]:
     """Start one process per command and wait for all: (return codes, timed out).
 
     ``env`` is every command's environment, or one per command. An agent's output goes to its log path, or
@@ -358,6 +346,8 @@ def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, s
     None. ``while_waiting`` is called every ``poll_s`` seconds. With a ``stopper`` (:class:`RunStopper`),
     SIGTERM or SIGINT to this process stops the run (its ``signum`` says which came). Past ``timeout``, or
     however this ends, every agent is killed with all its workers (torchrun's own sessions included).
+    ``retry_if_port_taken``: when the first agent (node 0, which hosts the store) ends because its master port
+    was taken, stop every agent (the others would wait for it) and raise :class:`MasterPortTaken`.
     """
     stopper = stopper or RunStopper(handle_signals=False)
     envs = [{"OMP_NUM_THREADS": "1", **e} for e in (env if isinstance(env, list) else [env] * len(commands))]
@@ -375,10 +365,12 @@ def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, s
         while any(proc.poll() is None for proc in procs):
             if deadline is not None and time.monotonic() > deadline:
                 return [proc.poll() for proc in procs], True
+            _raise_if_port_taken(procs[0], log_paths[0], retry_if_port_taken)
             if while_waiting is not None:
                 while_waiting()
             stopper.poll()
             time.sleep(poll_s)
+        _raise_if_port_taken(procs[0], log_paths[0], retry_if_port_taken)
         return [proc.returncode for proc in procs], False
     finally:
         stopper.kill_all()

@@ -35,11 +35,22 @@ import enum
 import torch
 
 # The model side (which families keep packed examples apart) is library code, shared with the transformers layer.
+from twinkle_strategy.sequence import packed
 from twinkle_strategy.sequence.packed import (  # noqa: F401
     PACKABLE_LAYER_TYPES,
+    PackingOption,
     check_packable,
-    prepare_for_packed_batches,
 )
+
+# The library names packed batches; the application names the recipe keys and twinkle-sft flags that ask for them.
+RECIPE_PACKING = PackingOption(name="data.packing / data.padding_free",
+                               turn_off="set data.packing=false and data.padding_free=false "
+                                        "(--packing false --padding_free false)")
+
+
+def prepare_for_packed_batches(model: torch.nn.Module) -> None:
+    """:func:`twinkle_strategy.sequence.packed.prepare_for_packed_batches`, its refusal in the recipe's words."""
+    packed.prepare_for_packed_batches(model, option=RECIPE_PACKING)
 
 
 class BatchLayout(str, enum.Enum):

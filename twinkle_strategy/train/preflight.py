@@ -19,7 +19,6 @@ from __future__ import annotations
 import os
 import tempfile
 
-from twinkle_strategy.errors import PreflightError
 from twinkle_strategy.loading import checkpoint_files_problem
 from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, TINY_PREFIX, cached_model_path
 from twinkle_strategy.train.data import (
@@ -32,6 +31,7 @@ from twinkle_strategy.train.data import (
     tokenize_conversation,
 )
 from twinkle_strategy.train.demo_model import demo_tokenizer
+from twinkle_strategy.train.errors import PreflightError
 from twinkle_strategy.train.recipe import Recipe
 
 ROWS_CHECKED = 100  # rows read per dataset file here; the run reads them all

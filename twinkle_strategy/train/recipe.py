@@ -18,13 +18,14 @@ from omegaconf.errors import OmegaConfBaseException
 
 import yaml
 from twinkle_strategy.config import StrategyConfig
-from twinkle_strategy.errors import RecipeError, StrategyConfigError, TwinkleError
+from twinkle_strategy.errors import StrategyConfigError, TwinkleError
 from twinkle_strategy.parallel import ParallelDims
 from twinkle_strategy.sequence import check_sequence_parallel
 from twinkle_strategy.sources.model_ids import HubConvention, hub_for_bare_ids, qualified_model_id
 from twinkle_strategy.sources.tiny import DEMO_NUM_EXPERTS, qwen3_moe_config, sized_config
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import TRUNCATION_STRATEGIES
+from twinkle_strategy.train.errors import RecipeError
 
 # target_modules that PEFT turns into LoRA on an MoE model's fused expert weights.
 EXPERT_MODULE_NAMES = frozenset({"all-linear", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3"})

@@ -32,7 +32,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from twinkle_strategy.errors import ParallelConfigError
-from twinkle_strategy.sequence.packed import prepare_for_packed_batches
+from twinkle_strategy.sequence.packed import PackingOption, prepare_for_packed_batches
+
+# A refusal of packed rows in the words of transformers.Trainer and TRL.
+TRAINER_PACKING = PackingOption(name="packed rows (DataCollatorWithFlattening, TRL's padding_free or packing)",
+                                turn_off="use a padding data collator (TRL: SFTConfig(padding_free=False, "
+                                         "packing=False))")
 
 # What split_batch cuts (and the shifted labels it adds).
 _SPLIT_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids"})
@@ -121,7 +126,7 @@ class SequenceBatches:
     def prepare(self, model, batch: dict | None) -> None:
         """Before the first forward of a packed batch (``batch`` None: the collator packs): refuse or turn the cache off."""
         if not self._packed and (batch is None or is_flattened(batch)):
-            prepare_for_packed_batches(model)
+            prepare_for_packed_batches(model, option=TRAINER_PACKING)
             self._packed = True
 
     def step(self, batch_samples: list[dict], num_items) -> list[dict]:

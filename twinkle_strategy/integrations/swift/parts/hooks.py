@@ -21,7 +21,9 @@ from twinkle_strategy.integrations.swift.parts.sequence import check_padding_fre
 from twinkle_strategy.integrations.swift.parts.state import get_strategy
 from twinkle_strategy.integrations.swift.parts.trainer import get_trainer_cls
 from twinkle_strategy.integrations.transformers.trainer import prepare_for_trainer
-from twinkle_strategy.sequence.packed import prepare_for_packed_batches
+from twinkle_strategy.sequence.packed import PackingOption, prepare_for_packed_batches
+
+SWIFT_PACKING = PackingOption(name="--packing / --padding_free", turn_off="set --packing false --padding_free false")
 
 
 def prepare_model(orig, cls, args, model, *pargs, **kwargs):
@@ -34,7 +36,7 @@ def prepare_model(orig, cls, args, model, *pargs, **kwargs):
     torch.manual_seed(args.seed)
     model = orig.__func__(cls, args, model, *pargs, **kwargs)
     if args.packing or args.padding_free:  # before any weight is read: refuse a family that mixes packed examples
-        prepare_for_packed_batches(model)
+        prepare_for_packed_batches(model, option=SWIFT_PACKING)
     # EP + FSDP2, checkpointing that replays the EP dispatch, accelerate kept off: as for any transformers.Trainer
     return prepare_for_trainer(strategy, model)  # (the strategy has logged its init report already)
 

@@ -10,6 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.integrations.swift.parts.options import resolve_options
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
@@ -47,7 +48,10 @@ def get_strategy() -> NativeFSDPStrategy:
         options["sequence_parallel_size"] = STATE.sequence_parallel_size  # swift's flag, taken in .arguments
         options.setdefault("mixed_precision", STATE.swift_precision)
         strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(STATE.args, "ddp_backend", None), **options))
-        strategy.setup()
+        try:
+            strategy.setup()
+        except ParallelConfigError as exc:  # the library names torchrun; swift starts its processes from these
+            raise ParallelConfigError(f"{exc}; with swift sft: NPROC_PER_NODE (and NNODES)") from exc
         STATE.strategy = strategy
         atexit.register(_destroy_process_group)
         if strategy.is_main_process:
