@@ -76,6 +76,10 @@ class CheckpointSaveError(RanksFailedError):
     """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
 
 
+class RoutingRecordError(RanksFailedError):
+    """A routing record (``routed_experts``) that does not fit its batch or the model; raised on every rank."""
+
+
 # ------------------------------------------------------------------ the training application
 class RecipeError(TwinkleError):
     """A recipe or command line that cannot run; ``key`` (when known) is the recipe key to fix."""
