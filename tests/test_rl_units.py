@@ -196,3 +196,16 @@ def test_generation_is_refused_under_sequence_parallelism():
     with pytest.raises(ParallelConfigError, match=r"^generate does not run under sequence parallelism "
                                                   r"\(sequence_parallel_size=2\)"):
         model.generate(input_ids=_ids(model), max_new_tokens=2)
+
+
+def test_generate_records_what_it_routed():
+    model = build_tiny_model("deepseek_v3")
+    hooks = routing_hooks(model)
+    ids = _ids(model, rows=2, seq=5)
+    with torch.no_grad(), hooks.recording() as recorder:
+        sequences = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4,
+                                   do_sample=False, eos_token_id=None, pad_token_id=0)
+    record = recorder.generated(sequences)
+    assert record.shape == (2, 9, hooks.num_layers, hooks.top_k) and (record[:, -1] == NOT_RECORDED).all()
+    # fp32: the KV-cache decode routed every fed token as a full forward over the sequences does.
+    assert torch.equal(record[:, :-1], _record_of(model, hooks, sequences)[:, :-1])

@@ -45,12 +45,12 @@ from twinkle_strategy.checkpoint.sharded_io import IOStats
 from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import QuantizedBase, StrategyConfig
-from twinkle_strategy.distributed.fail_together import collectively, on_rank0, raise_together, step_reporter
+from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
 from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
 from twinkle_strategy.distributed.runtime import current_device, init_distributed
-from twinkle_strategy.errors import CheckpointSaveError, DistributedInitError, RoutingRecordError
+from twinkle_strategy.errors import CheckpointSaveError, DistributedInitError
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import InitReport, distribute
@@ -67,6 +67,7 @@ from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_exper
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.rl.replay import RoutingHooks, routing_hooks
+from twinkle_strategy.rl.strategy_methods import RoutingMethods
 from twinkle_strategy.sequence import (
     apply_sequence_parallel,
     check_sequence_parallel,
@@ -79,7 +80,7 @@ from twinkle_strategy.shards.gather import gather_full_state_dict
 logger = logging.getLogger(__name__)
 
 
-class NativeFSDPStrategy:
+class NativeFSDPStrategy(RoutingMethods):
     """FSDP2 with expert parallelism.
 
     Takes a :class:`~twinkle_strategy.config.StrategyConfig` (every option, its default and its doc),
@@ -361,32 +362,6 @@ class NativeFSDPStrategy:
             dist.all_reduce(value, op=dist.ReduceOp.SUM)
             value /= dist.get_world_size()
         return value
-
-    # ------------------------------------------------------------ routing replay (twinkle_strategy.rl)
-    def routing_replay(self, record: torch.Tensor, *, input_ids: torch.Tensor):
-        """Context: forwards of ``input_ids`` inside dispatch the experts of ``record`` (``routed_experts``,
-        ``[*input_ids.shape, MoE layers, top_k]``, -1 where the router may choose), weighted by the current router
-        (R3 with a rollout engine's record, R2 with :meth:`routing_record`'s). Collective: a record that does not
-        fit raises on every rank; a family that cannot replay raises on every rank (the same model everywhere)."""
-        hooks = self._routing_hooks()
-        raise_together(hooks.record_problem(record, input_ids), "routing replay", RoutingRecordError)
-        return hooks.replaying(record, input_ids=input_ids)
-
-    def routing_record(self):
-        """Context yielding a :class:`~twinkle_strategy.rl.RoutingRecorder`: the forwards inside keep what their
-        routers chose; ``recorder.routed_experts(like=input_ids)`` is the record to replay."""
-        return self._routing_hooks().recording()
-
-    def take_routing_agreement(self) -> list[float] | None:
-        """Per MoE layer, the share of replayed tokens whose recorded experts are the ones the router would have
-        chosen, since the last call, over every rank (collective); None when nothing was replayed."""
-        return self._routing_hooks().take_agreement()
-
-    def _routing_hooks(self) -> RoutingHooks:
-        if self.routing is None:
-            raise RuntimeError("routing replay needs the model: call strategy.wrap_model(model) first")
-        self.routing.check_served()
-        return self.routing
 
     # ------------------------------------------------------------ state dicts
     def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None):

@@ -59,7 +59,8 @@ class RoutedLayer:
 class RoutingRecorder:
     """The routers' choices during :meth:`RoutingHooks.recording`, in call order per layer."""
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, top_k: int) -> None:
+        self.top_k = top_k
         self.per_layer: list[list[torch.Tensor]] = [[] for _ in range(num_layers)]
 
     def routed_experts(self, like: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,6 +70,24 @@ class RoutingRecorder:
             raise RuntimeError("routing record: no forward ran inside strategy.routing_record()")
         record = torch.stack([torch.cat(calls) for calls in self.per_layer], dim=1)
         return record if like is None else record.reshape(*like.shape, *record.shape[1:])
+
+    def generated(self, sequences: torch.Tensor) -> torch.Tensor:
+        """The record of ``model.generate`` (KV cache on) that returned ``sequences`` [batch, length]:
+        ``[batch, length, layers, top_k]``, aligned with ``sequences`` (prompt padding included).
+
+        ``generate`` feeds the prompts once, then one token per sequence per step; the last token is never fed
+        (-1). Steps a rank keeps taking after its own sequences ended (``synced_gpus``) are dropped.
+        """
+        batch, length = sequences.shape
+        if batch == 0:
+            return torch.full((0, length, len(self.per_layer), self.top_k), NOT_RECORDED, dtype=torch.long)
+        if any(not calls for calls in self.per_layer):
+            raise RuntimeError("routing record: no forward ran inside strategy.routing_record()")
+        per_layer = [torch.cat([call.view(batch, -1, call.shape[-1]) for call in calls], dim=1)
+                     for calls in self.per_layer]
+        fed = torch.stack(per_layer, dim=2)[:, :length - 1]
+        last = fed.new_full((batch, length - fed.shape[1], *fed.shape[2:]), NOT_RECORDED)
+        return torch.cat([fed, last], dim=1)
 
 
 class RoutingHooks:
@@ -142,7 +161,7 @@ class RoutingHooks:
     def recording(self):
         """Forwards inside keep their routers' choices; yields the :class:`RoutingRecorder`."""
         self.check_served()
-        recorder = RoutingRecorder(self.num_layers)
+        recorder = RoutingRecorder(self.num_layers, self.top_k)
         token = _CURRENT.set(dataclasses.replace(self._current(), recorded=recorder.per_layer))
         try:
             yield recorder

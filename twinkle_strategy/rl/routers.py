@@ -71,8 +71,15 @@ _RULE_OF_CLASS = {name: rule for rule in RULES for name in rule.classes}
 
 
 def rule_for(router: nn.Module) -> RouterRule | None:
-    """The rule of ``router``'s class, or None for a router replay cannot force (hash routing, Llama-4 ...)."""
-    return _RULE_OF_CLASS.get(type(router).__name__)
+    """The rule of ``router``'s class, or None for a router replay cannot force (hash routing, Llama-4 ...).
+
+    Read along the class's bases: FSDP2 swaps the class of a module it shards on its own (a router kept in
+    float32 under bf16) for a subclass, ``FSDP<name>``."""
+    for cls in type(router).__mro__:
+        rule = _RULE_OF_CLASS.get(cls.__name__)
+        if rule is not None:
+            return rule
+    return None
 
 
 def find_router(block: nn.Module) -> nn.Module | None:
