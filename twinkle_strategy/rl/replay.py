@@ -44,6 +44,8 @@ class _Routing:
     hooks: RoutingHooks
     replay: torch.Tensor | None = None
     recorded: list[list[torch.Tensor]] | None = None
+    # While replaying: the experts each layer used in its latest forward (the global-batch aux loss counts them).
+    used: list[torch.Tensor | None] = dataclasses.field(default_factory=list)
 
 
 _CURRENT: contextvars.ContextVar[_Routing | None] = contextvars.ContextVar("twinkle_routing", default=None)
@@ -141,15 +143,17 @@ class RoutingHooks:
     @contextlib.contextmanager
     def replaying(self, record: torch.Tensor, *, input_ids: torch.Tensor):
         """Forwards of ``input_ids`` inside dispatch the experts of ``record`` ``[*input_ids.shape, layers, top_k]``
-        (-1: the router chooses). Checks on this rank only; see :meth:`record_problem` for a collective check."""
+        (-1: the router chooses). Checks on this rank only; see :meth:`record_problem` for a collective check.
+        Yields the replay's state: ``.used[layer]``, the experts each layer used in its latest forward."""
         self.check_served()
         problem = self.record_problem(record, input_ids)
         if problem is not None:
             raise ValueError(problem)
         rows = record.reshape(-1, self.num_layers, self.top_k).to(device=input_ids.device, dtype=torch.long)
-        token = _CURRENT.set(dataclasses.replace(self._current(), replay=rows))
+        state = dataclasses.replace(self._current(), replay=rows, used=[None] * self.num_layers)
+        token = _CURRENT.set(state)
         try:
-            yield
+            yield state
         finally:
             _CURRENT.reset(token)
 
@@ -202,9 +206,11 @@ class RoutingHooks:
                     raise ValueError(f"routing replay: {self.layers[index].name} routes {ids.shape[0]} tokens but the "
                                      f"record has {forced.shape[0]}; replay a record inside the forward of its batch")
                 recorded = (forced != NOT_RECORDED).all(dim=-1, keepdim=True)
-                if not is_replaying():  # the recomputation of activation checkpointing would count twice
-                    self._count_agreement(index, forced, ids, recorded)
+                ids_own = ids
                 ids = torch.where(recorded, forced, ids)
+                if not is_replaying():  # the recomputation of activation checkpointing would count twice
+                    self._count_agreement(index, forced, ids_own, recorded)
+                    state.used[index] = ids.detach()
                 weights = torch.where(recorded, rule.weights(router, logits, ids, like=weights), weights)
             if state.recorded is not None and not is_replaying():
                 state.recorded[index].append(ids.detach().clone())

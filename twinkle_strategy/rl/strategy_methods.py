@@ -6,12 +6,15 @@ model's :class:`~twinkle_strategy.rl.replay.RoutingHooks`) in ``wrap_model``.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from twinkle_strategy.distributed.fail_together import raise_together
 from twinkle_strategy.errors import RoutingRecordError
 from twinkle_strategy.rl.generation import generate
+from twinkle_strategy.rl.record import ROUTED_EXPERTS
 from twinkle_strategy.rl.replay import RoutingHooks
 
 
@@ -34,8 +37,11 @@ class RoutingMethods:
 
     def take_routing_agreement(self) -> list[float] | None:
         """Per MoE layer, the share of replayed tokens whose recorded experts are the ones the router would have
-        chosen, since the last call, over every rank (collective); None when nothing was replayed."""
-        return self._routing_hooks().take_agreement()
+        chosen, since the last call, over every rank (collective); None when nothing was replayed, or (without a
+        collective) when the model's routing cannot be replayed."""
+        if self.routing is None or self.routing.refusal is not None:
+            return None
+        return self.routing.take_agreement()
 
     def generate(self, model: nn.Module, *, input_ids: torch.Tensor, return_routing: bool = False, **kwargs):
         """``model.generate`` on every rank (collective), where some ranks may have no prompt (``input_ids`` of
@@ -49,3 +55,12 @@ class RoutingMethods:
         self.routing.check_served()
         return self.routing
 
+
+    def replay_of_batch(self, batch: dict):
+        """The batch key front-ends pass a record under: ``(batch without routed_experts, context)``, the context
+        replaying the record (:meth:`routing_replay`) or doing nothing when the batch has none."""
+        if ROUTED_EXPERTS not in batch:
+            return batch, contextlib.nullcontext()
+        batch = dict(batch)
+        record = batch.pop(ROUTED_EXPERTS)
+        return batch, self.routing_replay(record, input_ids=batch["input_ids"])

@@ -137,6 +137,13 @@ class StrategyTrainerMixin:
         return batch_samples, num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # A routing record in the batch (routed_experts): the forwards replay it (R2/R3); the backward, later,
+        # recomputes checkpointed layers with it too (twinkle_strategy.rl.replay).
+        inputs, replay = self.strategy.replay_of_batch(inputs)
+        with replay as replayed:
+            return self._compute_loss(model, inputs, return_outputs, num_items_in_batch, getattr(replayed, "used", None))
+
+    def _compute_loss(self, model, inputs, return_outputs, num_items_in_batch, used_experts):
         if self.global_aux_loss is None or not model.training:
             return super().compute_loss(model, inputs, return_outputs=return_outputs,
                                         num_items_in_batch=num_items_in_batch)
@@ -145,7 +152,8 @@ class StrategyTrainerMixin:
             result = super().compute_loss(model, {**inputs, "output_router_logits": True},
                                           return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss, outputs = result if return_outputs else (result, None)
-        share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats)
+        share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats,
+                                              used_experts)
         loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
@@ -172,6 +180,10 @@ class StrategyTrainerMixin:
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log line, written on every rank: the counts are summed over ranks
             logs = {**logs, **self.step_metrics.take()}
+            agreement = self.strategy.take_routing_agreement()  # routing replay's telemetry, per MoE layer
+            if agreement is not None:  # (scalars: HF's loggers take numbers) the layer furthest from the record
+                logs["routing_agreement_min"] = round(min(agreement), 4)
+                logs["routing_agreement_mean"] = round(sum(agreement) / len(agreement), 4)
         super().log(logs, *args, **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
