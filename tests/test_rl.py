@@ -92,6 +92,8 @@ def test_a_forced_record_is_dispatched_and_the_router_gradient_equals_one_proces
             assert forced["routers"] == {"qwen3_moe": 2, "deepseek_v3": 1}[family]
             assert forced["router_grad_norm"] > 1e-3 and forced["router_grad_diff"] <= TOLERANCE, (rank, family)
             assert max(forced["agreement"]) < 0.5  # the telemetry sees a record that is not the router's choice
+            starved = cases["starved"]  # every token on EP rank 0's experts: rank 1's experts receive none
+            assert starved["counts_equal"] and starved["loss"] > 0, (rank, family, starved)
 
 
 def test_a_record_that_does_not_fit_on_one_rank_is_refused_on_every_rank(two_by_two):

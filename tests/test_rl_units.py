@@ -209,3 +209,40 @@ def test_generate_records_what_it_routed():
     assert record.shape == (2, 9, hooks.num_layers, hooks.top_k) and (record[:, -1] == NOT_RECORDED).all()
     # fp32: the KV-cache decode routed every fed token as a full forward over the sequences does.
     assert torch.equal(record[:, :-1], _record_of(model, hooks, sequences)[:, :-1])
+
+
+def test_a_router_fsdp_wrapped_on_its_own_keeps_its_rule():
+    """FSDP2 gives a module it shards on its own (a float32 router under bf16) a subclass, FSDP<name>."""
+    from twinkle_strategy.rl.routers import rule_for
+
+    router = build_tiny_model("deepseek_v3").model.layers[1].mlp.gate
+    router.__class__ = type(f"FSDP{type(router).__name__}", (type(router),), {})
+    assert rule_for(router) is not None and rule_for(router).name.startswith("sigmoid")
+
+
+def test_the_batch_key_replays_and_the_global_aux_loss_counts_the_replayed_experts():
+    """What twinkle's Trainer and the HF/TRL mixin do with a batch's routed_experts (one process, no launch)."""
+    from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.errors import RoutingRecordError
+    from twinkle_strategy.moe.balance import GlobalBatchAuxLoss
+
+    model = build_tiny_model("qwen3_moe")
+    strategy = NativeFSDPStrategy()
+    strategy.routing = routing_hooks(model)
+    aux = GlobalBatchAuxLoss.replacing_model_term(model, coef=0.01)
+    ids = _ids(model)
+    forced = _other_record(_record_of(model, strategy.routing, ids), strategy.routing.num_experts)
+    batch = {"input_ids": ids, "labels": ids, ROUTED_EXPERTS: forced}
+    stats = aux.prepass(model, [batch], replay_of=strategy.replay_of_batch)
+    assert torch.equal(stats.counts, torch.bincount(forced.reshape(-1), minlength=8).float())
+    inputs, replay = strategy.replay_of_batch(batch)
+    assert ROUTED_EXPERTS not in inputs and ROUTED_EXPERTS in batch  # the caller's batch is left as it was
+    with replay as replayed:
+        out = model(**inputs, output_router_logits=True)
+    _, router = aux.share(out, None, None, replayed.used)
+    assert torch.equal(router.counts, stats.counts)
+    assert strategy.take_routing_agreement()[0] == 0.0
+    assert strategy.replay_of_batch({"input_ids": ids})[0] == {"input_ids": ids}  # no record: nothing to replay
+    with pytest.raises(RoutingRecordError, match=r"routing replay failed on rank\(s\) \[0\]: rank 0: routed_experts "
+                                                 r"has shape \[2, 12, 2, 1\]"):
+        strategy.replay_of_batch({**batch, ROUTED_EXPERTS: forced[..., :1]})

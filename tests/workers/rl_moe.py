@@ -181,6 +181,15 @@ def replay_cases(strategy, path, family, rank, world):
                            router_grad_norm=min(float(g.norm()) for g in routers.values()),
                            routers=len(routers), agreement=strategy.take_routing_agreement())
 
+    # Every token on experts 0..top_k-1, all owned by EP rank 0: the other EP rank receives no token and completes.
+    starved = torch.arange(hooks.top_k).expand(*ids.shape, hooks.num_layers, hooks.top_k)
+    _, starved_loss, _ = step(model, batch, strategy, starved)
+    starved_counts = load_counter.take_global()
+    cases["starved"] = dict(loss=float(starved_loss), counts_equal=bool(torch.equal(
+        starved_counts[:, :hooks.top_k], torch.full((hooks.num_layers, hooks.top_k), float(global_ids.numel()))))
+        and float(starved_counts[:, hooks.top_k:].sum()) == 0.0)
+    strategy.take_routing_agreement()
+
     # A record that does not fit its batch on rank 1 only: every rank refuses, naming rank 1 and the shapes.
     bad = forced[:, :-1] if rank == 1 else forced
     try:
