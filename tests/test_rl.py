@@ -71,13 +71,18 @@ def test_generation_under_ep_equals_one_process(shape, request):
 
 def test_replay_of_the_trainers_own_record_changes_nothing(two_by_two):
     """R3 with the record of the trainer's own forward, ep=2, activation checkpointing: padded rows (padding not
-    recorded) and packed rows; and at sp=2 with the whole rows' record cut by split_sequence."""
+    recorded) and packed rows."""
     for rank, result in two_by_two.items():
         for family, cases in result["replay"].items():
             for kind in ("padded", "packed"):
                 case = cases[kind]
                 assert max(case["logit_diff"], case["loss_diff"], case["grad_diff"]) <= TOLERANCE, (rank, family, kind)
                 assert case["agreement"] == [1.0] * len(case["agreement"]), (rank, family, kind)
+
+
+def test_replay_under_sequence_parallelism_cuts_the_record_with_the_tokens(two_by_two):
+    """sp=2, ep=2: the record of the whole rows (one process), cut by split_sequence, replayed on each chunk."""
+    for result in two_by_two.values():
         sp = result["sp"]
         assert max(sp["logit_diff"], sp["loss_diff"], sp["grad_diff"]) <= TOLERANCE and sp["chunk_tokens"] == 7
         # A record cut elsewhere than the tokens would be compared with other tokens' choices.
