@@ -141,19 +141,17 @@ class StrategyTrainerMixin:
         # recomputes checkpointed layers with it too (twinkle_strategy.rl.replay).
         inputs, replay = self.strategy.replay_of_batch(inputs)
         with replay as replayed:
-            return self._compute_loss(model, inputs, return_outputs, num_items_in_batch, getattr(replayed, "used", None))
-
-    def _compute_loss(self, model, inputs, return_outputs, num_items_in_batch, used_experts):
-        if self.global_aux_loss is None or not model.training:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
-        # Router logits are read off the forward (TRL's fused forwards do not return them).
-        with first_forward_routing(model, self.global_aux_loss) as routing:
-            result = super().compute_loss(model, {**inputs, "output_router_logits": True},
-                                          return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+            if self.global_aux_loss is None or not model.training:
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+            # Router logits are read off the forward (TRL's fused forwards do not return them).
+            with first_forward_routing(model, self.global_aux_loss) as routing:
+                result = super().compute_loss(model, {**inputs, "output_router_logits": True},
+                                              return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss, outputs = result if return_outputs else (result, None)
+        # Under replay the global counts are of the experts the forward used (the replayed ones).
         share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats,
-                                              used_experts)
+                                              getattr(replayed, "used", None))
         loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
