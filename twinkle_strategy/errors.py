@@ -77,6 +77,10 @@ class CheckpointSaveError(RanksFailedError):
     """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
 
 
+class RoutingRecordError(RanksFailedError):
+    """A routing record (``routed_experts``) that does not fit its batch or the model; raised on every rank."""
+
+
 # ------------------------------------------------------------------ the library's front-ends and runs
 class PackingError(TwinkleError):
     """A model that packed (padding-free) batches cannot serve: its layers would mix the packed examples."""

@@ -65,14 +65,22 @@ from twinkle_strategy.loading import (
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
-from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, loss_tokens, split_batch
+from twinkle_strategy.rl.replay import RoutingHooks, routing_hooks
+from twinkle_strategy.rl.strategy_methods import RoutingMethods
+from twinkle_strategy.sequence import (
+    apply_sequence_parallel,
+    check_sequence_parallel,
+    loss_tokens,
+    refuse_generation,
+    split_batch,
+)
 from twinkle_strategy.shards.gather import gather_full_state_dict
 from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention, resolve_model_path
 
 logger = logging.getLogger(__name__)
 
 
-class NativeFSDPStrategy:
+class NativeFSDPStrategy(RoutingMethods):
     """FSDP2 with expert parallelism.
 
     Takes a :class:`~twinkle_strategy.config.StrategyConfig` (every option, its default and its doc),
@@ -91,6 +99,7 @@ class NativeFSDPStrategy:
         self._ready = False
         self._resolved_paths: dict[str, str] = {}
         self.ep_plan: ExpertParallelPlan | None = None
+        self.routing: RoutingHooks | None = None  # the wrapped model's routers (routing replay), set by wrap_model
 
     # The options other code reads most, as attributes of the strategy.
     ep_size = property(lambda self: self.config.ep_size)
@@ -256,6 +265,8 @@ class NativeFSDPStrategy:
             self._materialize(model, capture)
         if self.dims.sp_enabled:
             apply_sequence_parallel(model, self.meshes.sp_group)
+            refuse_generation(model, self.dims.sp_size)
+        self.routing = routing_hooks(model)
         if optimizer is not None:
             optimizer = self._rebind_optimizer(optimizer, names_by_param, model)
         return model, optimizer

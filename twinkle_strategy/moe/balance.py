@@ -25,8 +25,9 @@ the bias after each step from the global expert counts, as torchtitan's
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -80,18 +81,22 @@ class BalancingLoss:
         """The model would add ``coef * local aux loss`` to its loss; the global one replaces it."""
         self.owner.router_aux_loss_coef = 0.0
 
-    def statistics(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None) -> RouterStats:
-        """The model formula's per-expert sums for one forward (softmax, top-k, masked by attention)."""
+    def statistics(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None,
+                   chosen: list[torch.Tensor | None] | None = None) -> RouterStats:
+        """The model formula's per-expert sums for one forward (softmax, top-k, masked by attention). ``chosen``:
+        per layer, the experts the forward used where they are not the router's top-k (routing replay)."""
         device = router_logits[0].device
         counts = torch.zeros(self.num_experts, device=device)
         prob_sums = torch.zeros(self.num_experts, device=device)
         rows = torch.zeros((), device=device)
         mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
-        for logits in router_logits:
+        for layer, logits in enumerate(router_logits):
             probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)
-            chosen = torch.topk(probs, self.top_k, dim=-1).indices
+            used = None if chosen is None or layer >= len(chosen) else chosen[layer]
+            used = used if used is not None and used.shape[0] == probs.shape[0] else None
+            chosen_here = torch.topk(probs, self.top_k, dim=-1).indices if used is None else used.to(device)
             weight = torch.ones(probs.shape[0], device=device) if mask is None else mask
-            counts = counts.scatter_add(0, chosen.reshape(-1), weight.repeat_interleave(self.top_k).detach())
+            counts = counts.scatter_add(0, chosen_here.reshape(-1), weight.repeat_interleave(self.top_k).detach())
             prob_sums = prob_sums + (probs * weight.unsqueeze(-1)).sum(dim=0)
             rows = rows + weight.sum()
         return RouterStats(counts, prob_sums, rows)
@@ -135,35 +140,40 @@ class GlobalBatchAuxLoss:
         balancing.silence_model_term()
         return cls(balancing, coef)
 
-    def share(self, outputs, attention_mask: torch.Tensor | None,
-              router: RouterStats | None) -> tuple[torch.Tensor, RouterStats]:
+    def share(self, outputs, attention_mask: torch.Tensor | None, router: RouterStats | None,
+              chosen: list[torch.Tensor | None] | None = None) -> tuple[torch.Tensor, RouterStats]:
         """This forward's share of the global aux loss (``outputs`` from a forward with ``output_router_logits``),
         and the global statistics it used: ``router`` (from :meth:`prepass`), or with ``None`` this forward's own
         statistics summed over ranks (a collective: every rank must call it)."""
         if getattr(outputs, "router_logits", None) is None:
             raise ModelStructureError(f"router_aux_loss_coef: {type(self.balancing.owner).__name__} returned no "
                                       "router_logits with output_router_logits=True; set router_aux_loss_coef=0")
-        local = self.balancing.statistics(outputs.router_logits, attention_mask)
-        if not self.checked:
+        local = self.balancing.statistics(outputs.router_logits, attention_mask, chosen)
+        if not self.checked and chosen is None:  # (the model's own loss counts its router's top-k)
             self.balancing.check_matches_model(local, getattr(outputs, "aux_loss", None))
             self.checked = True
         router = router if router is not None else local.reduced()
         return self.balancing.loss_part(local, router), router
 
     @torch.no_grad()
-    def prepass(self, model: nn.Module, batches: Iterable[dict], *, expert_load=None) -> RouterStats:
+    def prepass(self, model: nn.Module, batches: Iterable[dict], *, expert_load=None,
+                replay_of: Callable[[dict], tuple[dict, contextlib.AbstractContextManager]] | None = None) -> RouterStats:
         """Router statistics of every micro-batch of a step (on the device; labels are left out), summed over
         ranks: one forward without gradients each, so that the first micro-batch's backward already sees the
         whole global batch. ``expert_load``: a load counter (``.active``) paused meanwhile, since the training
-        forwards count the load."""
+        forwards count the load. ``replay_of``: the strategy's ``replay_of_batch``, for batches that carry a
+        routing record (the experts they will use are counted)."""
         if expert_load is not None:
             expert_load.active = False
         try:
             total = None
             for batch in batches:
                 inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels")}
-                out = model(**inputs, output_router_logits=True)
-                stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"))
+                inputs, replay = replay_of(inputs) if replay_of is not None else (inputs, contextlib.nullcontext())
+                with replay as replayed:
+                    out = model(**inputs, output_router_logits=True)
+                chosen = getattr(replayed, "used", None)
+                stats = self.balancing.statistics(out.router_logits, inputs.get("attention_mask"), chosen)
                 total = stats if total is None else total + stats
             return total.reduced()
         finally:

@@ -36,6 +36,15 @@ from twinkle_strategy.compat.transformers_internals import wrap_checkpointing_en
 
 _ACTIVE: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("twinkle_forward_record",
                                                                                  default=None)
+# Context the recomputation must see as its forward saw it, although the backward runs later, outside the
+# ``with`` blocks of the forward (routing replay: the recomputed routers must take the replayed experts).
+_CARRIED: list[contextvars.ContextVar] = []
+
+
+def carry_into_recomputation(var: contextvars.ContextVar) -> None:
+    """Let the recomputation of every checkpointed forward see ``var`` (which needs a default) as that forward did."""
+    if var not in _CARRIED:
+        _CARRIED.append(var)
 
 
 class ForwardRecord:
@@ -56,19 +65,27 @@ class ForwardRecord:
 
 
 @contextlib.contextmanager
-def _use(record: ForwardRecord, replaying: bool):
+def _use(record: ForwardRecord, replaying: bool, carried: tuple = ()):
     record.replaying = replaying
+    tokens = [(var, var.set(value)) for var, value in carried]
     token = _ACTIVE.set(record)
     try:
         yield
     finally:
         _ACTIVE.reset(token)
+        for var, var_token in reversed(tokens):
+            var.reset(var_token)
 
 
 def checkpoint_contexts():
-    """``context_fn`` for ``torch.utils.checkpoint``: (record the forward, replay it in the recomputation)."""
+    """``context_fn`` for ``torch.utils.checkpoint``: (record the forward, replay it in the recomputation).
+
+    Called when the checkpointed forward starts, so the carried context (:func:`carry_into_recomputation`)
+    is read then and set again around the recomputation.
+    """
     record = ForwardRecord()
-    return _use(record, replaying=False), _use(record, replaying=True)
+    carried = tuple((var, var.get()) for var in _CARRIED)
+    return _use(record, replaying=False), _use(record, replaying=True, carried=carried)
 
 
 def active_record() -> ForwardRecord | None:

@@ -12,6 +12,6 @@ and packed rows (several examples per row), which it composes with.
 
 from twinkle_strategy.sequence.attention import apply_sequence_parallel
 from twinkle_strategy.sequence.batch import loss_tokens, split_batch
-from twinkle_strategy.sequence.support import check_sequence_parallel
+from twinkle_strategy.sequence.support import check_sequence_parallel, refuse_generation
 
-__all__ = ["apply_sequence_parallel", "check_sequence_parallel", "loss_tokens", "split_batch"]
+__all__ = ["apply_sequence_parallel", "check_sequence_parallel", "loss_tokens", "refuse_generation", "split_batch"]

@@ -18,6 +18,10 @@ import torch.nn.functional as F
 
 from twinkle_strategy.errors import ParallelConfigError
 
+# A routing record's batch key and padding (twinkle_strategy.rl.record; sequence/ sits below rl/).
+ROUTED_EXPERTS = "routed_experts"
+NOT_RECORDED = -1
+
 IGNORE_INDEX = -100
 
 
@@ -31,7 +35,8 @@ def loss_tokens(batch: dict[str, torch.Tensor]) -> int:
 
 
 def split_batch(batch: dict[str, torch.Tensor], *, rank: int, size: int) -> dict[str, torch.Tensor]:
-    """This rank's chunk of ``batch`` (``input_ids``, ``labels``, optional ``attention_mask``/``position_ids``).
+    """This rank's chunk of ``batch`` (``input_ids``, ``labels``, optional ``attention_mask``/``position_ids``, and a
+    routing record ``routed_experts`` [rows, length, layers, top_k], cut like ``input_ids``).
 
     The result has ``labels`` and ``shift_labels`` (both the shifted labels of the chunk: the model needs
     ``labels`` to compute a loss, and transformers' loss uses ``shift_labels`` as they are).
@@ -62,4 +67,9 @@ def split_batch(batch: dict[str, torch.Tensor], *, rank: int, size: int) -> dict
                 tensor = F.pad(tensor, (0, padded - length), value=pads[name])
         out[name] = tensor[:, rank * chunk:(rank + 1) * chunk].contiguous()
     out["shift_labels"] = out["labels"]
+    if ROUTED_EXPERTS in batch:  # [rows, length, layers, top_k]: cut along the tokens, padding not recorded
+        record = batch[ROUTED_EXPERTS]
+        if padded > length:
+            record = torch.cat([record, record.new_full((rows, padded - length, *record.shape[2:]), NOT_RECORDED)], 1)
+        out[ROUTED_EXPERTS] = record[:, rank * chunk:(rank + 1) * chunk].contiguous()
     return out

@@ -53,3 +53,15 @@ def check_sequence_parallel(config, sequence_parallel_size: int) -> None:
         choices = [d for d in range(1, heads + 1) if heads % d == 0]
         raise ParallelConfigError(f"sequence_parallel_size={sp} must divide the {heads} attention heads of "
                                   f"{family} (each rank attends with whole heads); choose it among {choices}")
+
+
+def refuse_generation(model, sequence_parallel_size: int) -> None:
+    """Make ``model.generate`` raise one line: decoding one token at a time has no sequence to cut in chunks, and
+    the KV cache of a chunk would hold only its own keys."""
+    def generate(*args, **kwargs):
+        raise ParallelConfigError(
+            f"generate does not run under sequence parallelism (sequence_parallel_size={sequence_parallel_size}): "
+            "each rank holds a chunk of every sequence, and decoding extends whole sequences; generate with a "
+            "strategy whose sequence_parallel_size is 1 (rollouts), and train with sequence parallelism")
+
+    model.generate = generate

@@ -46,6 +46,10 @@ class StepWindow:
             extra["aux_loss"] = round(sum(s["aux_loss"] for s in steps) / len(steps), 6)
         if counts is not None:
             extra["moe_load_imbalance"] = round(load_imbalance(counts), 6)
+        agreement = steps[-1].get("routing_agreement")
+        if agreement is not None:  # routing replay: per MoE layer, the share of replayed tokens whose recorded
+            # experts are the ones the router would have chosen itself
+            extra["routing_agreement"] = [round(a, 4) for a in agreement]
         tokens = sum(s["tokens"] for s in steps)
         seq_len = sum(s["seq_len"] for s in steps) / len(steps)
         extra.update(throughput(self.flops, tokens=tokens, seq_len=seq_len, seconds=seconds,

@@ -257,6 +257,7 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         result["expert_counts"] = self.expert_load.take_global() if self.expert_load is not None else None
+        result["routing_agreement"] = self.strategy.take_routing_agreement()  # None unless a record was replayed
         if self.correction_biases:
             update_correction_bias(self.correction_biases, result["expert_counts"], self.args.load_balance_coeff)
         return result
@@ -287,12 +288,15 @@ class Trainer:
         if self.expert_load is not None:
             self.expert_load.token_mask = batch.get("attention_mask")
         extra = {"output_router_logits": True} if self.balancing is not None else {}
-        out = self.model(**batch, num_items_in_batch=global_tokens, **extra)
+        batch, replay = self.strategy.replay_of_batch(batch)  # a routing record (routed_experts): R2/R3
+        with replay as replayed:
+            out = self.model(**batch, num_items_in_batch=global_tokens, **extra)
         # Sum of this rank's token losses / all tokens of the step; FSDP averages gradients over
         # ranks, so scaling by the world size makes the result the global per-token mean.
         loss, aux = out.loss, torch.zeros((), device=out.loss.device)
         if self.balancing is not None:
-            aux, router = self.balancing.share(out, batch.get("attention_mask"), router)
+            aux, router = self.balancing.share(out, batch.get("attention_mask"), router,
+                                               getattr(replayed, "used", None))
         ((loss + self.args.router_aux_loss_coef * aux) * self.strategy.world_size).backward()
         return loss.detach(), aux.detach(), router
 
@@ -300,7 +304,7 @@ class Trainer:
         """Global router statistics of the step's micro-batches (:meth:`GlobalBatchAuxLoss.prepass`)."""
         device = self.strategy.device
         return self.balancing.prepass(self.model, ({k: v.to(device) for k, v in batch.items()} for batch in batches),
-                                      expert_load=self.expert_load)
+                                      expert_load=self.expert_load, replay_of=self.strategy.replay_of_batch)
 
     def train(self) -> list[dict]:
         state = self.setup()

@@ -75,7 +75,7 @@ def router_prepass(trainer, batch_samples: list[dict], *, prepared: bool = False
     trainer.model.train()
     return trainer.global_aux_loss.prepass(
         trainer.model, (batch if prepared else trainer_prepare_inputs(trainer, batch) for batch in batch_samples),
-        expert_load=trainer.step_metrics.expert_load)
+        expert_load=trainer.step_metrics.expert_load, replay_of=trainer.strategy.replay_of_batch)
 
 
 def share_scale(trainer, num_items_in_batch) -> int:

@@ -137,15 +137,21 @@ class StrategyTrainerMixin:
         return batch_samples, num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        if self.global_aux_loss is None or not model.training:
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
-        # Router logits are read off the forward (TRL's fused forwards do not return them).
-        with first_forward_routing(model, self.global_aux_loss) as routing:
-            result = super().compute_loss(model, {**inputs, "output_router_logits": True},
-                                          return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+        # A routing record in the batch (routed_experts): the forwards replay it (R2/R3); the backward, later,
+        # recomputes checkpointed layers with it too (twinkle_strategy.rl.replay).
+        inputs, replay = self.strategy.replay_of_batch(inputs)
+        with replay as replayed:
+            if self.global_aux_loss is None or not model.training:
+                return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                            num_items_in_batch=num_items_in_batch)
+            # Router logits are read off the forward (TRL's fused forwards do not return them).
+            with first_forward_routing(model, self.global_aux_loss) as routing:
+                result = super().compute_loss(model, {**inputs, "output_router_logits": True},
+                                              return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
         loss, outputs = result if return_outputs else (result, None)
-        share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats)
+        # Under replay the global counts are of the experts the forward used (the replayed ones).
+        share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats,
+                                              getattr(replayed, "used", None))
         loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
@@ -172,6 +178,10 @@ class StrategyTrainerMixin:
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log line, written on every rank: the counts are summed over ranks
             logs = {**logs, **self.step_metrics.take()}
+            agreement = self.strategy.take_routing_agreement()  # routing replay's telemetry, per MoE layer
+            if agreement is not None:  # (scalars: HF's loggers take numbers) the layer furthest from the record
+                logs["routing_agreement_min"] = round(min(agreement), 4)
+                logs["routing_agreement_mean"] = round(sum(agreement) / len(agreement), 4)
         super().log(logs, *args, **kwargs)
 
     def _move_model_to_device(self, model, device) -> None:
