@@ -76,6 +76,11 @@ class CheckpointSaveError(RanksFailedError):
     """Saving a checkpoint failed on some rank; previous checkpoints are untouched."""
 
 
+class WeightSyncError(RanksFailedError):
+    """Sending the trained weights to a rollout engine failed on some rank (the receiver refused them, died or
+    failed); raised on every rank, the model untouched."""
+
+
 # ------------------------------------------------------------------ the training application
 class RecipeError(TwinkleError):
     """A recipe or command line that cannot run; ``key`` (when known) is the recipe key to fix."""
