@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_common  # noqa: E402
+from alloc_tracker import LiveBytes  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.errors import WeightSyncError  # noqa: E402
@@ -85,7 +86,7 @@ def figures(report) -> dict:
 
 
 def export_to_receiver(strategy, model, receiver, name: str, *, path: str, dtype: str = "float32", load=True,
-                       partial=False, die_after=None, **options) -> dict:
+                       partial=False, die_after=None, track=False, **options) -> dict:
     """Export ``model`` into the receiver process (loaded from ``path`` first); save both sides for the test."""
     if receiver is not None:
         if load:
@@ -93,8 +94,15 @@ def export_to_receiver(strategy, model, receiver, name: str, *, path: str, dtype
         receiver.connection.send(("export", partial, die_after))
     out = {}
     export = strategy.export_weights(model, dtype=getattr(torch, dtype), **options)
+    tracker = LiveBytes()
     try:
-        report = export.send_to(receiver.sender if receiver is not None else None)
+        if track:  # every tensor storage the export allocates, alive at its peak
+            tracker.mark()
+            with tracker:
+                report = export.send_to(receiver.sender if receiver is not None else None)
+            out["tensor_bytes_peak"] = tracker.extra_peak
+        else:
+            report = export.send_to(receiver.sender if receiver is not None else None)
         out["report"] = figures(report)
     except WeightSyncError as exc:
         out["error"] = f"{type(exc).__name__}: {exc}"
@@ -115,7 +123,7 @@ def full_case(args, receiver, family: str, *, dtype="float32") -> dict:
     path = os.path.join(args.ckpt_root, family)
     strategy, model, optimizer = trained(path, args.ep_size)
     train(strategy, model, optimizer)
-    result = export_to_receiver(strategy, model, receiver, f"{family}-full", path=path, dtype=dtype,
+    result = export_to_receiver(strategy, model, receiver, f"{family}-full", path=path, dtype=dtype, track=True,
                                 bucket_bytes=args.bucket_bytes)
     save_trainer_state(strategy, model, f"{family}-full")
     return result, (strategy, model, optimizer)

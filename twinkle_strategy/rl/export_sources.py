@@ -20,13 +20,15 @@ import re
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.checkpoint.layout import CheckpointLayout
 from twinkle_strategy.checkpoint.merged_export import merged_shards
 from twinkle_strategy.checkpoint.sharded_io import Region, SameKeys, regions_of
 from twinkle_strategy.checkpoint.training import is_peft_model
 from twinkle_strategy.dtypes import TensorSpec
-from twinkle_strategy.kept_dtypes import kept_dtypes
+from twinkle_strategy.init.skeleton import build_meta_model
+from twinkle_strategy.kept_dtypes import pretrained_model
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 
 
@@ -76,16 +78,25 @@ def export_source(model: nn.Module, ep_plan: ExpertParallelPlan | None, *, lora:
         layout_model = model.get_base_model()
     layout = CheckpointLayout.for_saving(
         layout_model, {key: TensorSpec(r.full_shape, r.need.dtype) for r, key in tensors})
-    kept = kept_dtypes(layout_model, dtype) if dtype is not None else {}
-    return ExportSource([ExportTensor(r, key, _sent_dtype(r.need.dtype, dtype, kept.get(key))) for r, key in tensors],
+    engine = engine_dtypes(layout_model, dtype) if dtype is not None else {}
+    return ExportSource([ExportTensor(r, key, _sent_dtype(r.need.dtype, dtype, engine.get(key))) for r, key in tensors],
                         layout, frozenset(changing))
 
 
-def _sent_dtype(held: torch.dtype, wanted: torch.dtype | None, kept: torch.dtype | None) -> torch.dtype:
-    """The engine's dtype for floating tensors, except those from_pretrained keeps in another (fp32 routers)."""
+def engine_dtypes(model: nn.Module, dtype: torch.dtype) -> dict[str, torch.dtype]:
+    """Model tensor name -> the dtype ``from_pretrained(dtype=dtype)`` gives it (fp32-kept modules, parameters a
+    module creates in a fixed dtype such as DeepSeek-V3's router weight): the model's class built on meta."""
+    pretrained = pretrained_model(model)
+    model_class = next(c for c in type(pretrained).__mro__ if not issubclass(c, FSDPModule))  # not FSDP's subclass
+    meta = build_meta_model(model_class, pretrained.config, dtype)
+    return {name: tensor.dtype for name, tensor in meta.state_dict(keep_vars=True).items()}
+
+
+def _sent_dtype(held: torch.dtype, wanted: torch.dtype | None, engine: torch.dtype | None) -> torch.dtype:
+    """The engine's dtype for floating tensors (what from_pretrained gives each: routers kept in fp32 stay)."""
     if wanted is None or not held.is_floating_point:
         return held
-    return kept or wanted
+    return engine if engine is not None and engine.is_floating_point else wanted
 
 
 def _merged_tensors(model: nn.Module, ep_plan: ExpertParallelPlan | None

@@ -208,6 +208,7 @@ class WeightExport:
         here = plan.dest == self.rank
         chunks: dict[int, torch.Tensor] = {}
         ops, keep_alive = [], []
+        tags: dict[int, int] = {}  # sender -> transfers it has in this bucket so far: the pair's own numbering
         whole = {n for n, item in enumerate(plan.items) if any(r is None for r in self.runs[item.tensor])}
         for n, item in enumerate(plan.items):
             if n in whole:
@@ -226,10 +227,11 @@ class WeightExport:
                     elif sender == self.rank:
                         piece = _flat_rows(t.region.local, t)[src:src + count].to(t.dtype).contiguous()
                         keep_alive.append(piece)
-                        ops.append(dist.P2POp(dist.isend, piece, plan.dest, tag=len(ops)))
+                        ops.append(dist.P2POp(dist.isend, piece, plan.dest, tag=_next(tags, sender)))
                         counters.sent += nbytes
                     elif here:
-                        ops.append(dist.P2POp(dist.irecv, chunks[n][dst:dst + count], sender, tag=len(ops)))
+                        ops.append(dist.P2POp(dist.irecv, chunks[n][dst:dst + count], sender,
+                                              tag=_next(tags, sender)))
                         counters.received += nbytes
         began = time.perf_counter()
         if ops:
@@ -278,6 +280,11 @@ class WeightExport:
                 counters.kept += nbytes if key == table.keys[i][dest] else 0
                 counters.received += nbytes if key != table.keys[i][dest] else 0
         return table.gather(i, t.region.local.to(t.dtype))
+
+
+def _next(tags: dict[int, int], sender: int) -> int:
+    tags[sender] = tags.get(sender, -1) + 1
+    return tags[sender]
 
 
 def _need_bytes(need: Need, dtype: torch.dtype) -> int:
