@@ -10,7 +10,15 @@ import pytest
 import torch
 from multinode import launch
 
-from twinkle_strategy.rl.export_plan import EngineExperts, Item, OneReceiver, TensorPlan, plan_buckets, plan_items
+from twinkle_strategy.rl.export_plan import (
+    EngineExperts,
+    Item,
+    OneReceiver,
+    TensorPlan,
+    overlaps,
+    plan_buckets,
+    plan_items,
+)
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 BUCKET = 1 << 20
@@ -202,3 +210,55 @@ def test_buckets_hold_at_most_bucket_bytes_and_cut_experts_only():
     assert all(b.nbytes <= 200 for b in buckets[1:])
     split = plan_items(specs, bucket_bytes=1000, receivers=EngineExperts((0, 3)), expert_tensors={1})
     assert [i.rows for i in split[3] if i.tensor == 1] == [(4, 8)] and len(split[0]) == len(split[3]) == 3
+
+
+def test_overlaps_place_rows_of_a_region_in_a_chunk():
+    # A region made of rows [2, 4) then [10, 13) of the full tensor; the chunk is rows [3, 12).
+    assert overlaps([(2, 4), (10, 13)], (3, 12)) == [(1, 0, 1), (2, 7, 2)]
+    assert overlaps([(0, 5)], (5, 8)) == []
+
+
+def _checkpoint_buckets(path: str, per_bucket: int):
+    """The checkpoint's own tensors, a few per bucket, as an export delivers them."""
+    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
+
+    index = SafetensorsIndex.from_directory(path)
+    keys = sorted(index.tensors)
+    tensors = [(k, index.read(k)) for k in keys]
+    manifest = [TensorMeta(k, tuple(t.shape), t.dtype) for k, t in tensors]
+    buckets = [Bucket(i, 0, tensors[a:a + per_bucket], 0) for i, a in enumerate(range(0, len(tensors), per_bucket))]
+    index.close()
+    return manifest, buckets
+
+
+def test_a_plain_transformers_model_loads_buckets_as_from_pretrained_loads_the_files(tmp_path):
+    """ModelReceiver, one process: per-expert keys spread over buckets are loaded into the fused tensors."""
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_strategy.rl.receivers import ModelReceiver
+
+    source = save_tiny_checkpoint("qwen3_moe", str(tmp_path / "source"), seed=1)
+    target = save_tiny_checkpoint("qwen3_moe", str(tmp_path / "target"), seed=2)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    receiver = ModelReceiver(model)
+    manifest, buckets = _checkpoint_buckets(source, per_bucket=5)
+    receiver.prepare(manifest)
+    for bucket in buckets:
+        receiver(bucket)
+    receiver.finish()
+    assert_same(model.state_dict(), AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).state_dict())
+    assert any(name.endswith("experts.gate_up_proj") for name in receiver.loaded)
+
+
+def test_a_receiver_refuses_another_architecture_naming_the_first_tensor(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from twinkle_strategy.errors import CheckpointError
+    from twinkle_strategy.rl.receivers import ModelReceiver
+
+    source = save_tiny_checkpoint("qwen3_moe", str(tmp_path / "source"))
+    wider = save_tiny_checkpoint("qwen3_moe", str(tmp_path / "wider"), intermediate_size=32)
+    receiver = ModelReceiver(AutoModelForCausalLM.from_pretrained(wider, dtype=torch.float32))
+    with pytest.raises(CheckpointError, match=r"does not match the exported weights: .*'model\.layers\.0\.mlp\.experts"):
+        receiver.prepare(_checkpoint_buckets(source, per_bucket=5)[0])
