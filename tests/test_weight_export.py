@@ -69,6 +69,10 @@ def test_full_export_equals_the_trainer_bit_for_bit(at_2x2):
     assert "error" not in results["full"], results["full"]
     assert_same(torch.load(out / "qwen3_moe-full-received.pt"), torch.load(out / "qwen3_moe-full-trainer.pt"))
     assert results["full"]["report"]["buckets"] > 5  # several buckets, experts cut between them
+    # Iterated on every rank: the same buckets, the checkpoint's own keys (per-expert hub keys), none elsewhere.
+    iterated = results["full"]["iterated"]
+    assert iterated["same"] and iterated["keys_as_checkpoint"], iterated
+    assert all(data["results"]["full"]["iterated"]["empty_here"] for rank, data in at_2x2[2].items() if rank)
 
 
 def test_full_export_at_2x4_ep4(at_2x4):

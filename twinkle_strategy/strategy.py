@@ -452,19 +452,10 @@ class NativeFSDPStrategy:
     def export_weights(self, model: nn.Module, *, bucket_bytes: int = 256 * 2**20, changed_only: bool = False,
                        lora: str = "merged", dtype: torch.dtype | None = None,
                        receivers: OneReceiver | EngineExperts | None = None) -> weight_export.WeightExport:
-        """The trained weights for a rollout engine, as buckets of ``(checkpoint key, tensor)`` (collective).
-
-        Keys and layout are the checkpoint's own (per-expert hub keys, renames); each tensor is assembled on its
-        destination from the ranks that keep its rows only; each bucket holds at most ``bucket_bytes`` (a single
-        larger tensor: a bucket of its own). ``receivers``: ``OneReceiver(rank)`` (default rank 0), or
-        ``EngineExperts(ranks)`` for an expert-parallel engine (engine rank j, fed by trainer rank ``ranks[j]``,
-        gets its experts and every other tensor). ``changed_only``: after a first export of this model, only what
-        training changes (the trainable tensors; for LoRA the weights the adapters modify). ``lora``: ``merged``
-        (the adapters added into their base weights, the model unchanged) or ``adapter`` (PEFT's keys).
-        ``dtype``: the engine's dtype for floating tensors, those from_pretrained keeps in fp32 kept so.
-        Iterate the result on every rank, or call ``.send_to(receiver)``
-        (:mod:`twinkle_strategy.rl.receivers`); its ``report`` says bytes per rank, seconds blocked, peak memory.
-        """
+        """The trained weights for a rollout engine, as buckets of ``(checkpoint key, tensor)`` in the checkpoint's
+        own layout, each tensor sent by the ranks that keep it (collective; nobody gathers the model). Iterate the
+        result on every rank or call ``.send_to(receiver)``; options and receivers: docs/rl.md and
+        :func:`twinkle_strategy.rl.weight_export.export_weights`."""
         self.setup()
         return weight_export.export_weights(model, self.ep_plan, bucket_bytes=bucket_bytes, changed_only=changed_only,
                                             lora=lora, dtype=dtype, receivers=receivers)

@@ -126,7 +126,27 @@ def full_case(args, receiver, family: str, *, dtype="float32") -> dict:
     result = export_to_receiver(strategy, model, receiver, f"{family}-full", path=path, dtype=dtype, track=True,
                                 bucket_bytes=args.bucket_bytes)
     save_trainer_state(strategy, model, f"{family}-full")
+    if family == "qwen3_moe":
+        result["iterated"] = iterated_check(strategy, model, path, args.bucket_bytes)
     return result, (strategy, model, optimizer)
+
+
+def iterated_check(strategy, model, path: str, bucket_bytes: int) -> dict:
+    """Iterating an export on every rank gives what send_to gives, under the checkpoint's own keys."""
+    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+
+    iterated, called = {}, {}
+    buckets = 0
+    for bucket in strategy.export_weights(model, bucket_bytes=bucket_bytes):
+        iterated.update({k: v.clone() for k, v in bucket.tensors})
+        buckets += 1
+    strategy.export_weights(model, bucket_bytes=bucket_bytes).send_to(
+        lambda bucket: called.update({k: v.clone() for k, v in bucket.tensors}))
+    if strategy.rank != 0:
+        return dict(buckets=buckets, empty_here=not iterated)
+    source = SafetensorsIndex.from_directory(path)
+    return dict(buckets=buckets, same=sorted(iterated) == sorted(called) and all(
+        torch.equal(iterated[k], called[k]) for k in called), keys_as_checkpoint=set(iterated) == set(source.tensors))
 
 
 def lora_case(args, receiver) -> dict:

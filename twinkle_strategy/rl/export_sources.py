@@ -107,7 +107,7 @@ def _merged_tensors(model: nn.Module, ep_plan: ExpertParallelPlan | None
     rows_of = {by_name[key]: rows for key, (_, rows) in merged.items()}
     tensors = []
     for region in regions_of(model, ep_plan):
-        if ".lora_" in region.name or "lora_" in region.name.rsplit(".", 1)[-1]:
+        if any(part.startswith("lora_") for part in region.name.split(".")):  # the adapters: merged in already
             continue
         if region.name in rows_of:
             region = dataclasses.replace(region, local=rows_of[region.name])

@@ -92,6 +92,10 @@ class WeightExport:
         self.source, self.ep_plan = source, ep_plan
         self.tensors: list[ExportTensor] = source.tensors
         self.rank = dist.get_rank()
+        outside = [r for r in receivers.ranks if not 0 <= r < dist.get_world_size()]
+        if outside:
+            raise ValueError(f"receivers {receivers} name rank(s) {outside}, outside this job's "
+                             f"{dist.get_world_size()} ranks")
         needs = [t.region.need for t in self.tensors]
         # Who keeps which rows of every tensor (one all_gather each), and a whole-tensor gather per destination
         # for the few regions that are not rows (PEFT's expert lora_B).
@@ -155,6 +159,7 @@ class WeightExport:
                     receiver(bucket)
                 except Exception as exc:  # noqa: BLE001 - every rank raises at the next agreement
                     errors.append(exc)
+            del bucket  # not held while the next one is assembled
         finish = getattr(receiver, "finish", None)
         error = None
         if self.rank in self.dests and finish is not None:
@@ -176,6 +181,9 @@ class WeightExport:
             bucket = self._transfer(plan, counters, errors)
             tensors_received += len(bucket.tensors)
             yield bucket
+            # Before the next bucket is allocated: drop this one's tensors even where the caller's loop variable
+            # still holds the bucket (a caller that kept the tensors themselves keeps them).
+            bucket.tensors.clear()
             del bucket
         self._agree(errors, counters)
         mine = RankFigures(self.rank, counters.sent, counters.kept, counters.received, counters.blocked,
@@ -328,7 +336,16 @@ def export_weights(model: nn.Module, ep_plan: ExpertParallelPlan | None, *, buck
                    changed_only: bool = False, lora: LoraExport | str = LoraExport.MERGED,
                    dtype: torch.dtype | None = None, receivers: OneReceiver | EngineExperts | None = None
                    ) -> WeightExport:
-    """See :meth:`NativeFSDPStrategy.export_weights`."""
+    """``model``'s weights for a rollout engine (collective; :meth:`NativeFSDPStrategy.export_weights`).
+
+    ``bucket_bytes``: the most a bucket holds (a single larger tensor: a bucket of its own). ``receivers``:
+    ``OneReceiver(rank)`` (default rank 0), or ``EngineExperts(ranks)`` for an expert-parallel engine (engine rank
+    j, fed by trainer rank ``ranks[j]``, gets its experts and every other tensor). ``changed_only``: after a first
+    complete export of this model, only what training changes (the trainable tensors; for LoRA the weights its
+    adapters modify). ``lora``: ``merged`` (the adapters added into their base weights, the model unchanged) or
+    ``adapter`` (the adapter alone, PEFT's keys). ``dtype``: the engine's dtype for floating tensors, each as
+    ``from_pretrained(dtype=...)`` gives it (fp32-kept routers stay fp32); None: as trained.
+    """
     receivers = receivers or OneReceiver()
     lora = LoraExport(lora)
     source = export_source(model, ep_plan, lora=lora, dtype=dtype)
