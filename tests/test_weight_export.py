@@ -266,3 +266,51 @@ def test_a_receiver_refuses_another_architecture_naming_the_first_tensor(tmp_pat
     receiver = ModelReceiver(AutoModelForCausalLM.from_pretrained(wider, dtype=torch.float32))
     with pytest.raises(CheckpointError, match=r"does not match the exported weights: .*'model\.layers\.0\.mlp\.experts"):
         receiver.prepare(_checkpoint_buckets(source, per_bucket=5)[0])
+
+
+def test_peft_names_map_to_the_transformers_model_names():
+    from twinkle_strategy.rl.export_sources import base_name
+
+    assert base_name("base_model.model.model.layers.0.mlp.experts.base_layer.base_layer.gate_up_proj") == \
+        "model.layers.0.mlp.experts.gate_up_proj"
+    assert base_name("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight") == \
+        "model.layers.0.self_attn.q_proj.weight"
+    assert base_name("model.norm.weight") == "model.norm.weight"
+
+
+def test_buckets_cross_a_connection_byte_for_byte_and_a_refusal_comes_back():
+    """ProcessSender and serve_export over a real connection (a thread stands for the other process)."""
+    import threading
+    from multiprocessing import Pipe
+
+    from twinkle_strategy.errors import CheckpointError
+    from twinkle_strategy.rl.receivers import ProcessSender, serve_export
+    from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
+
+    tensors = [("a", torch.randn(3, 5, dtype=torch.bfloat16)), ("b", torch.tensor(7, dtype=torch.int64)),
+               ("c", torch.empty(0, 4)), ("d", torch.randn(4, 6).t())]  # bf16, a scalar, empty, not contiguous
+    got = []
+
+    class Collect:
+        def prepare(self, manifest):
+            if any(m.name == "refuse" for m in manifest):
+                raise ValueError("no place for 'refuse'")
+
+        def __call__(self, bucket):
+            got.extend(bucket.tensors)
+
+    near, far = Pipe()
+    served = []
+    server = threading.Thread(target=lambda: served.append([serve_export(far, Collect()) for _ in range(2)]))
+    server.start()
+    sender = ProcessSender(near)
+    sender.prepare([TensorMeta(k, tuple(v.shape), v.dtype) for k, v in tensors])
+    sender(Bucket(0, 0, tensors[:2], 0))
+    sender(Bucket(1, 0, tensors[2:], 0))
+    sender.finish()
+    with pytest.raises(CheckpointError, match="refused the export: ValueError: no place for 'refuse'"):
+        sender.prepare([TensorMeta("refuse", (1,), torch.float32)])
+    server.join(timeout=30)
+    assert served == [[2, 0]]
+    assert [k for k, _ in got] == ["a", "b", "c", "d"]
+    assert all(v.dtype == w.dtype and torch.equal(v, w) for (_, v), (_, w) in zip(got, tensors, strict=True))
