@@ -106,6 +106,11 @@ def test_extra_memory_is_at_most_one_bucket_plus_the_shard(at_2x2):
         assert 0 < data["results"]["full"]["tensor_bytes_peak"] <= bound, (rank, data["results"]["full"], bound)
         # ... and the host memory the process grew by, as the report measures it.
         assert 0 <= figures["peak_extra_bytes"] <= bound, (figures, report)
+    # The report's exact count: the destination holds one bucket (plus what the reversed gate_up conversion
+    # copies), a sender in the training dtype no copy at all.
+    held = [f["bytes_held"] for f in report["ranks"]]
+    assert report["largest_bucket_bytes"] <= held[0] <= 2 * report["largest_bucket_bytes"], held
+    assert held[1:] == [0] * (len(held) - 1), held
 
 
 def test_lora_merged_equals_peft_merge_and_unload(at_2x2, ckpt_root):
@@ -214,6 +219,10 @@ def test_buckets_hold_at_most_bucket_bytes_and_cut_experts_only():
     assert all(b.nbytes <= 200 for b in buckets[1:])
     split = plan_items(specs, bucket_bytes=1000, receivers=EngineExperts((0, 3)), expert_tensors={1})
     assert [i.rows for i in split[3] if i.tensor == 1] == [(4, 8)] and len(split[0]) == len(split[3]) == 3
+    fused = TensorPlan((8, 6, 4), torch.float32, by_experts=False, experts=8, name="model.layers.0.mlp.experts.gate_up")
+    with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.mlp\.experts\.gate_up' \(8, 6, 4\): its "
+                                         r"checkpoint stores the experts fused"):
+        plan_items([fused], bucket_bytes=1000, receivers=EngineExperts((0, 1)), expert_tensors={0})
 
 
 def test_overlaps_place_rows_of_a_region_in_a_chunk():

@@ -22,6 +22,7 @@ class TensorPlan:
     dtype: torch.dtype  # as sent
     by_experts: bool  # rows of dim 0 are experts, each its own checkpoint keys: may be cut between buckets
     experts: int = 0  # how many experts dim 0 holds (by_experts tensors and EngineExperts' expert tensors)
+    name: str = ""  # for messages
 
     @property
     def row_bytes(self) -> int:
@@ -97,8 +98,11 @@ def plan_items(specs: list[TensorPlan], *, bucket_bytes: int, receivers: OneRece
         for j, dest in enumerate(receivers.ranks):
             if i in expert_tensors and isinstance(receivers, EngineExperts):
                 if not spec.by_experts or spec.experts % n:
-                    raise ValueError(f"tensor {i} of shape {spec.shape} cannot be split over {n} engine ranks by "
-                                     f"experts ({spec.experts} experts, stored per expert: {spec.by_experts})")
+                    why = ("its checkpoint stores the experts fused, not per expert" if not spec.by_experts
+                           else f"its {spec.experts} experts do not divide over {n} engine ranks")
+                    raise ValueError(f"EngineExperts cannot give each of {n} engine ranks its experts of tensor "
+                                     f"'{spec.name or i}' {spec.shape}: {why}; use OneReceiver and let the engine "
+                                     "cut the experts")
                 lo, hi = _experts_range(spec, j, n)
             elif spec.by_experts:
                 lo, hi = 0, spec.shape[0]

@@ -79,6 +79,7 @@ class _Counters:
     kept: int = 0
     received: int = 0
     blocked: float = 0.0
+    held: int = 0  # the most tensor bytes the export itself held for one bucket
 
 
 class WeightExport:
@@ -105,13 +106,15 @@ class WeightExport:
                       if not t.region.need.is_buffer else None for key in self.table.keys[i]]
                      for i, t in enumerate(self.tensors)]
         specs = [TensorPlan(t.region.full_shape, t.dtype, self._by_experts(i),
-                            t.region.full_shape[0] if t.region.full_shape else 0) for i, t in enumerate(self.tensors)]
+                            t.region.full_shape[0] if t.region.full_shape else 0, t.key)
+                 for i, t in enumerate(self.tensors)]
         experts = {i for i, t in enumerate(self.tensors) if ep_plan is not None and t.region.name in ep_plan.axes}
         self.plan: list[BucketPlan] = plan_buckets(
             plan_items(specs, bucket_bytes=bucket_bytes, receivers=receivers, expert_tensors=experts), bucket_bytes)
         self.dests = set(receivers.ranks)
         self.report: ExportReport | None = None
         self._on_done = on_done
+        self._shard_storages = {t.region.local.untyped_storage().data_ptr() for t in self.tensors}
 
     def _by_experts(self, i: int) -> bool:
         """Whether tensor ``i`` may be cut between buckets: rows of it are experts with keys of their own."""
@@ -187,7 +190,7 @@ class WeightExport:
             del bucket
         self._agree(errors, counters)
         mine = RankFigures(self.rank, counters.sent, counters.kept, counters.received, counters.blocked,
-                           max(peak_rss_since_reset() - rss_before, device_peak()), self._shard_bytes())
+                           max(peak_rss_since_reset() - rss_before, device_peak()), self._shard_bytes(), counters.held)
         total = torch.tensor([tensors_received], dtype=torch.int64, device=collective_device())
         dist.all_reduce(total)
         self.report = ExportReport(
@@ -244,7 +247,10 @@ class WeightExport:
         began = time.perf_counter()
         if ops:
             wait_all(dist.batch_isend_irecv(ops))
-        del keep_alive
+        copies = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in keep_alive}
+        # A sender's casts (rows it sends in the training dtype are views of its shard: nothing held).
+        counters.held = max(counters.held, sum(n for ptr, n in copies.items() if ptr not in self._shard_storages))
+        del keep_alive, copies
         for n in sorted(whole):
             chunks[n] = self._gather_whole(plan.items[n], plan.dest, counters)
         counters.blocked += time.perf_counter() - began
@@ -259,6 +265,9 @@ class WeightExport:
                             _rows_shape(t.region.full_shape, item.rows)), item.rows)]
         except Exception as exc:  # noqa: BLE001 - every rank raises at the next agreement
             errors.append(exc)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in [*chunks.values(), *(value for _, value in out)] if t is not None}
+        counters.held = max(counters.held, sum(storages.values()))  # the bucket and what its conversion copied
         return Bucket(plan.index, plan.dest, out, plan.nbytes)
 
     def _senders(self, i: int, dest: int) -> list[tuple[int, list[tuple[int, int]]]]:
