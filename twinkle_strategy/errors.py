@@ -81,6 +81,11 @@ class RoutingRecordError(RanksFailedError):
     """A routing record (``routed_experts``) that does not fit its batch or the model; raised on every rank."""
 
 
+class WeightSyncError(RanksFailedError):
+    """Sending the trained weights to a rollout engine failed on some rank (the receiver refused them, died or
+    failed); raised on every rank, the model untouched."""
+
+
 # ------------------------------------------------------------------ the library's front-ends and runs
 class PackingError(TwinkleError):
     """A model that packed (padding-free) batches cannot serve: its layers would mix the packed examples."""

@@ -63,9 +63,22 @@ def merge_adapters(peft_model: nn.Module, ep_plan: ExpertParallelPlan | None) ->
     """Merge ``peft_model``'s active adapters into its FSDP2 shards (collective) and return the transformers
     model without the adapters. Kept weights (``quantized_base: keep``) are never written: a merged one is
     replaced by a plain shard of its merged values."""
-    from peft.tuners.lora import LoraLayer
-
     peft_names = {id(param): name for name, param in peft_model.named_parameters()}
+    merged = merged_shards(peft_model)
+    model = peft_model.unload()  # the LoRA layers replaced by their base layers: the same parameters
+    for param, rows in merged.values():
+        replace_local_tensor(param, rows)
+    names = {peft_names[id(param)]: name for name, param in model.named_parameters()}
+    if ep_plan is not None:
+        ep_plan = dataclasses.replace(ep_plan, axes={names[old]: axis for old, axis in ep_plan.axes.items()
+                                                     if old in names})
+    return MergedModel(model, ep_plan, {names[peft_names[key]] for key in merged})
+
+
+def merged_shards(peft_model: nn.Module) -> dict[int, tuple[nn.Parameter, torch.Tensor]]:
+    """id(sharded base weight) -> (it, this rank's FSDP2 rows of base + PEFT's delta), for every weight an active
+    adapter modifies (collective: one FSDP2 unit gathered at a time). Changes nothing in the model."""
+    from peft.tuners.lora import LoraLayer
 
     merged: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}  # id(sharded parameter) -> (it, merged rows)
     units = [module for module in peft_model.modules() if isinstance(module, FSDPModule)]
@@ -83,14 +96,7 @@ def merge_adapters(peft_model: nn.Module, ep_plan: ExpertParallelPlan | None) ->
                     merged[id(param)] = (param, _my_rows(param, full))
         finally:
             unit.reshard()
-    model = peft_model.unload()  # the LoRA layers replaced by their base layers: the same parameters
-    for param, rows in merged.values():
-        replace_local_tensor(param, rows)
-    names = {peft_names[id(param)]: name for name, param in model.named_parameters()}
-    if ep_plan is not None:
-        ep_plan = dataclasses.replace(ep_plan, axes={names[old]: axis for old, axis in ep_plan.axes.items()
-                                                     if old in names})
-    return MergedModel(model, ep_plan, {names[peft_names[key]] for key in merged})
+    return merged
 
 
 def _owned_by(unit: nn.Module, name: str, units: list[nn.Module]) -> bool:

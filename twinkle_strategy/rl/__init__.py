@@ -1,9 +1,16 @@
-"""Reinforcement learning on MoE models: routing records and routing replay (R2/R3).
+"""Reinforcement learning on MoE models: routing replay (R2/R3), and what a rollout engine and the trainer exchange.
 
-* :mod:`.record`: the record's layout (vLLM/SGLang ``routed_experts``: [tokens, layers, top_k]) and how it is
-  padded, packed and checked against a batch.
-* :mod:`.routers`: how each router family weights the experts it is told to use.
-* :mod:`.replay`: the router wrappers that replay a record or take one, and the mismatch telemetry.
+record.py          the routing record's layout (vLLM/SGLang ``routed_experts``: [tokens, layers, top_k]), padded,
+                   packed and checked against a batch
+routers.py         how each router family weights the experts it is told to use
+replay.py          the router wrappers that replay a record or take one, and the mismatch telemetry
+generation.py      ``generate`` on every rank (synced steps, empty ranks), returning what it routed
+strategy_methods.py  the routing methods NativeFSDPStrategy gains
+export_plan.py     pure: which rank assembles which rows of which tensor, in which bucket
+export_sources.py  what an export sends: a full model, a LoRA model merged on the fly, or its adapter alone
+weight_export.py   the export walk: owners send their rows, a destination assembles checkpoint tensors per bucket
+export_report.py   bytes per rank, seconds blocked, peak extra memory, buckets
+receivers.py       engine adapters over the walk: a callable, a plain transformers model, a process outside the group
 """
 
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pack_records, pad_records

@@ -69,16 +69,16 @@ class WholeTensors:
         name = self.needs[i].name
         return self._owner(name) if self._owner is not None else owner_of(name, self.world)
 
-    def _need(self, i: int, key: tuple[int, int, int]) -> Need:
+    def need_at(self, i: int, key: tuple[int, int, int]) -> Need:
         need = self.needs[i]
         rows = None if key[1] == _WHOLE else (key[1], key[2])
         return Need(need.name, key[0], rows, need.shape, need.dtype, need.is_buffer)
 
-    def _senders(self, i: int) -> dict[tuple, int]:
+    def senders(self, i: int) -> dict[tuple, int]:
         """Each distinct region of tensor ``i`` that has bytes -> the first rank keeping it (replicas send once)."""
         senders: dict[tuple, int] = {}
         for rank, key in enumerate(self.keys[i]):
-            if key not in senders and self._need(i, key).nbytes:
+            if key not in senders and self.need_at(i, key).nbytes:
                 senders[key] = rank
         return senders
 
@@ -91,7 +91,7 @@ class WholeTensors:
         if need.is_buffer or (need.ep_rank == NOT_EXPERT and need.rows is None):
             return local if self.rank == owner else None  # every rank has all of it
         mine = self.keys[i][self.rank]
-        senders = self._senders(i)
+        senders = self.senders(i)
         if self.rank != owner:
             if senders.get(mine) == self.rank and mine != self.keys[i][owner]:
                 wait_all(dist.batch_isend_irecv([dist.P2POp(dist.isend, local.contiguous(), owner, self.group)]))
@@ -100,7 +100,7 @@ class WholeTensors:
         ops = []
         for key, sender in senders.items():
             if key not in received:
-                received[key] = torch.empty(self._need(i, key).region_shape, dtype=local.dtype, device=local.device)
+                received[key] = torch.empty(self.need_at(i, key).region_shape, dtype=local.dtype, device=local.device)
                 ops.append(dist.P2POp(dist.irecv, received[key], sender, self.group))
         if ops:
             wait_all(dist.batch_isend_irecv(ops))
@@ -132,7 +132,7 @@ class WholeTensors:
             return
         ops = []
         for rank, key in enumerate(self.keys[i]):
-            need = self._need(i, key)
+            need = self.need_at(i, key)
             region = region_of(whole, need, self.ep_plan)
             if rank == self.rank:
                 target.copy_(region.reshape(target.shape))
