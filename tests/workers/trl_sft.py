@@ -92,14 +92,16 @@ def train_with_defaults(a, dtype) -> dict:
     from twinkle_strategy.integrations.transformers import with_strategy
 
     name = f"defaults_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"
-    args = SFTConfig(output_dir=os.path.join(a.out, name), max_steps=3, per_device_train_batch_size=MICRO,
+    # 4 rows a micro-batch: TRL logs the model's own aux loss of each micro-batch, where one token routed otherwise
+    # in bf16 weighs 1 / its rows.
+    args = SFTConfig(output_dir=os.path.join(a.out, name), max_steps=3, per_device_train_batch_size=4,
                      gradient_accumulation_steps=2, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[],
                      seed=0, bf16=False, disable_tqdm=True, dataset_num_proc=None, max_length=64)
     strategy = NativeFSDPStrategy(ep_size=a.ep, memory_efficient_init=True, device_type="cpu",
                                   mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
     model = strategy.from_pretrained(a.model, dtype=dtype)
     trainer = with_strategy(SFTTrainer)(model=model, args=args, processing_class=AutoTokenizer.from_pretrained(a.model),
-                                        train_dataset=Dataset.from_list(conversations(a.dataset, 3 * GLOBAL_BATCH)),
+                                        train_dataset=Dataset.from_list(conversations(a.dataset, 3 * 4 * 2 * 4)),
                                         strategy=strategy)
     trainer.train()
     logs = [h for h in trainer.state.log_history if "loss" in h]
