@@ -164,3 +164,18 @@ def test_a_router_with_a_correction_bias_is_told_to_balance_with_load_balance_co
                                                   r"> 0 instead \(aux-loss-free updates of its routers' "
                                                   r"e_score_correction_bias\)$"):
         check(model, padded_batch(128))
+
+
+def test_a_forward_of_padding_only_is_not_judged():
+    """Both forms are 0/0 on a micro-batch without a real token (a starved rank): the check waits for the next."""
+    from transformers import Qwen3MoeForCausalLM
+
+    model = tiny("qwen3_moe", torch.bfloat16, per_layer_model(Qwen3MoeForCausalLM))
+    batch = padded_batch(128)
+    with torch.no_grad():
+        out = model(**batch, output_router_logits=True)
+    balancing = BalancingLoss.of(model)
+    assert balancing.check_matches_model(out.router_logits, torch.zeros_like(batch["attention_mask"]),
+                                         out.aux_loss) is False
+    with pytest.raises(ModelStructureError):
+        balancing.check_matches_model(out.router_logits, batch["attention_mask"], out.aux_loss)

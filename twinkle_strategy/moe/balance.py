@@ -114,13 +114,17 @@ class BalancingLoss:
         return self.loss_part(local, RouterStats(local.counts, local.prob_sums, local.rows))
 
     def check_matches_model(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None,
-                            model_aux_loss: torch.Tensor | None) -> None:
-        """Refuse a family whose own load-balancing loss is not the formula made global here (in any dtype)."""
+                            model_aux_loss: torch.Tensor | None) -> bool:
+        """Refuse a family whose own load-balancing loss is not the formula made global here (in any dtype); True
+        once judged, False for a forward of padding only (either form is 0/0 there: the next forward is judged)."""
+        if attention_mask is not None and not bool(attention_mask.detach().any()):
+            return False
         problem = switch_form_problem(self, router_logits, attention_mask, model_aux_loss)
         if problem is not None:
             raise ModelStructureError(
                 f"router_aux_loss_coef: {type(self.owner).__name__}'s load-balancing loss is not the "
                 f"Switch-Transformer form counted over the global batch here: {problem}; {self.fix()}")
+        return True
 
     def fix(self) -> str:
         """What to do instead, keeping load balancing where the model allows it."""
@@ -159,9 +163,8 @@ class GlobalBatchAuxLoss:
             raise ModelStructureError(f"router_aux_loss_coef: {type(self.balancing.owner).__name__} returned no "
                                       "router_logits with output_router_logits=True; set router_aux_loss_coef=0")
         if not self.checked:
-            self.balancing.check_matches_model(outputs.router_logits, attention_mask,
-                                               getattr(outputs, "aux_loss", None))
-            self.checked = True
+            self.checked = self.balancing.check_matches_model(outputs.router_logits, attention_mask,
+                                                              getattr(outputs, "aux_loss", None))
         local = self.balancing.statistics(outputs.router_logits, attention_mask)
         router = router if router is not None else local.reduced()
         return self.balancing.loss_part(local, router), router

@@ -14,8 +14,8 @@ So the question is split in two, each asked where it has an exact answer:
    :func:`~twinkle_strategy.compat.transformers_internals.balancing_loss_function`) and ours evaluate the same
    router logits cast to fp32 with the same mask: the same probabilities, the same top-k, only the order of the
    fp32 sums differs, a few fp32 roundings of sums over the rows (``log2(rows) * 2^-24``, about 1e-6 at a million
-   rows). :data:`FORM_TOLERANCE` = 1e-5 relative; another formula differs by orders more (a different formula is
-   a different number, not a rounding of the same one).
+   rows). :data:`FORM_TOLERANCE` = 1e-5 relative; another formula gives another number, not a rounding of
+   the same one.
 2. **The forward returns that function's value.** The ``aux_loss`` the forward returned is that function on the
    logits as the forward had them: in their own dtype, or in fp32 where autocast computed the softmax in fp32
    (CUDA autocast lists softmax among its fp32 operations). The same function on the same inputs repeats its
