@@ -77,6 +77,20 @@ def test_bf16_with_the_aux_loss_trains_and_logs_the_fp32_aux_loss(long_runs, tin
           + ", ".join(f"{family} {value:.2f} u" for family, value in worst.items()))
 
 
+def test_a_load_balancing_loss_of_another_form_is_refused_in_bf16_on_every_rank(long_runs):
+    """The modeling module's load_balancing_loss_func replaced by another form (each layer's loss alone, averaged):
+    every rank refuses at its first step, in one line naming what differs and the fix (tests/test_balance_form.py
+    checks the cases one by one, in fp32 and bf16)."""
+    for rank, data in long_runs.items():
+        error = data["refused"]["error"]
+        assert error is not None and "\n" not in error, (rank, error)
+        assert error.startswith("router_aux_loss_coef: FSDPQwen3MoeForCausalLM's load-balancing loss is not the "
+                                "Switch-Transformer form counted over the global batch here: its modeling module's "
+                                "per_layer_mean gives "), (rank, error)
+        assert error.endswith("; set router_aux_loss_coef=0 for this model (it then trains without load balancing: "
+                              "its routers have no e_score_correction_bias for load_balance_coeff)"), (rank, error)
+
+
 def test_twinkle_sft_in_bf16_with_the_aux_loss_at_2x4_ep4_logs_the_fp32_aux_loss(tmp_path):
     """The issue's command, ``twinkle-sft yaml/demo.yaml strategy.mixed_precision=bf16 --router_aux_loss_coef 0.01``
     (refused at step 1 once), on 2 nodes x 4 with ep=4 for 3 steps, against the same recipe in fp32 on one process

@@ -9,6 +9,8 @@ One launch (2 nodes x 2 ranks, ep=2, fp32) checks:
   parameters: same losses, grad norms and expert counts, and no more all-to-alls per step.
 * bf16_aux: three steps with router_aux_loss_coef in bf16 (mixed_precision='bf16', the model loaded in bf16)
   and in fp32, on the demo (Qwen3-MoE) and on --second-model (another family): the losses each logs.
+* refused: last, the same bf16 run with the modeling module's load_balancing_loss_func replaced by another form
+  (each layer's loss alone, averaged): the error each rank raised at its first step.
 """
 
 import argparse
@@ -122,6 +124,28 @@ def bf16_aux_case(args, dataset, collator, tokenizer, model_path: str) -> dict:
     return runs
 
 
+def refused_case(args, dataset, collator, tokenizer) -> dict:
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from twinkle_strategy.errors import ModelStructureError
+
+    switch = modeling_qwen3_moe.load_balancing_loss_func
+
+    def per_layer_mean(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return sum(switch((layer,), num_experts, top_k, attention_mask) for layer in gate_logits) / len(gate_logits)
+
+    modeling_qwen3_moe.load_balancing_loss_func = per_layer_mean
+    try:
+        trainer = make_trainer(args, dataset, collator, tokenizer, lora=False, dtype=torch.bfloat16,
+                               router_aux_loss_coef=COEF)
+        trainer.training_step(0)
+    except ModelStructureError as error:
+        return {"error": str(error)}
+    finally:
+        modeling_qwen3_moe.load_balancing_loss_func = switch
+    return {"error": None}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
@@ -141,6 +165,7 @@ def main():
                 args, dataset, collator, tokenizer, lora=lora, gc=gc)
     results["bf16_aux"] = {path: bf16_aux_case(args, dataset, collator, tokenizer, path)
                            for path in (args.model, args.second_model)}
+    results["refused"] = refused_case(args, dataset, collator, tokenizer)  # last: its step stops after a forward
     return results
 
 
