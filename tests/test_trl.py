@@ -102,3 +102,6 @@ def test_trl_defaults_train_in_bf16_with_the_aux_loss_and_log_the_fp32_aux_loss(
         assert bf16["coef"] == fp32["coef"] > 0  # the global-batch aux loss took over TRL's: it is on
         for step, low, ref in zip(bf16["steps"], bf16["aux_losses"], fp32["aux_losses"], strict=True):
             assert abs(low - ref) <= BF16_AUX_TOLERANCE * ref, (rank, step, bf16["aux_losses"], fp32["aux_losses"])
+    bf16, fp32 = runs["2x2"][0]["defaults_bf16"], runs["2x2"][0]["defaults_fp32"]
+    print("\nTRL bf16 aux loss against fp32: " + ", ".join(
+        f"{abs(low - ref) / ref / 2 ** -8:.2f} u" for low, ref in zip(bf16["aux_losses"], fp32["aux_losses"])))
