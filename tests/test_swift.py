@@ -41,7 +41,7 @@ PROBE = WORKERS / "swift_probe_plugin.py"
 REFERENCE = WORKERS / "swift_reference_plugin.py"
 DATASET = REPO / "examples" / "data" / "demo_sft.jsonl"
 MAX_STEPS = 10
-BF16_AUX_TOLERANCE = 4 * 2.0 ** -8  # relative (see the bf16 aux-loss test)
+BF16_AUX_TOLERANCE = 8 * 2.0 ** -8  # relative: swift logs the model's own bf16 aux loss, as TRL (see test_trl.py)
 
 LORA_ARGS = ["--tuner_type", "lora", "--lora_rank", "4", "--lora_alpha", "8", "--lora_dropout", "0",
              "--target_modules", "q_proj", "v_proj",
@@ -212,8 +212,7 @@ def test_swift_sft_trains_in_bf16_with_the_aux_loss_and_logs_the_fp32_aux_loss(s
     mixed_precision follows that) with the load-balancing loss on (--router_aux_loss_coef 0.01), 3 steps at 1x2
     ep=2 (issue 35: bf16 with the aux loss failed at step 1 in twinkle-sft, HF and TRL). swift adds and logs the
     model's own aux loss of each micro-batch (2 rows); each step's is the same run's in fp32 within
-    BF16_AUX_TOLERANCE, 4 u relative, as tests/test_long_runs.py's bf16 aux-loss test explains (measured: up to
-    1.4 u)."""
+    BF16_AUX_TOLERANCE, 8 u relative, as tests/test_trl.py's explains (measured: up to 1.4 u)."""
     runs = {}
     for dtype in ("bfloat16", "float32"):
         out = tmp_path / dtype

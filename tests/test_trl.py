@@ -25,9 +25,11 @@ from twinkle_strategy.train.demo_model import prepare_demo_model
 
 DATASET = REPO / "examples" / "data" / "demo_sft.jsonl"
 ATOL = 1e-5  # fp32, as one process
-# bf16 against fp32, relative: 4 u (u = 2^-8), as test_long_runs.py's BF16_AUX_TOLERANCE explains. TRL logs the model's
-# own aux loss, whose softmax is bf16 here: a further rounding of u/2 per probability, mostly averaged out.
-BF16_AUX_TOLERANCE = 4 * 2.0 ** -8
+# bf16 against fp32, relative: 8 u (u = 2^-8). test_long_runs.py's BF16_AUX_TOLERANCE (4 u) says why the global-batch
+# aux loss of a bf16 run moves; TRL logs instead the model's own aux loss of each micro-batch (4 rows), whose softmax
+# and top-k run in bf16: probabilities rounded to bf16 tie where they were close, top-k breaks ties by position, so
+# f_e moves further, and on fewer rows. Measured: 1.4, 1.4 and 3.9 u at steps 1-3.
+BF16_AUX_TOLERANCE = 8 * 2.0 ** -8
 
 
 def _args(model: str, out) -> list[str]:
@@ -103,5 +105,5 @@ def test_trl_defaults_train_in_bf16_with_the_aux_loss_and_log_the_fp32_aux_loss(
         for step, low, ref in zip(bf16["steps"], bf16["aux_losses"], fp32["aux_losses"], strict=True):
             assert abs(low - ref) <= BF16_AUX_TOLERANCE * ref, (rank, step, bf16["aux_losses"], fp32["aux_losses"])
     bf16, fp32 = runs["2x2"][0]["defaults_bf16"], runs["2x2"][0]["defaults_fp32"]
-    print("\nTRL bf16 aux loss against fp32: " + ", ".join(
-        f"{abs(low - ref) / ref / 2 ** -8:.2f} u" for low, ref in zip(bf16["aux_losses"], fp32["aux_losses"])))
+    pairs = zip(bf16["aux_losses"], fp32["aux_losses"], strict=True)
+    print("\nTRL bf16 aux loss against fp32: " + ", ".join(f"{abs(low - ref) / ref / 2 ** -8:.2f} u" for low, ref in pairs))
