@@ -571,6 +571,35 @@ def _accelerate_prepared(tiny):
     assert model._is_accelerate_prepared is True
 
 
+# ------------------------------------------------------------------ transformers: the MoE load-balancing loss
+@checks("modeling_<family>.load_balancing_loss_func")
+def _balancing_loss_function(tiny):
+    """Each family's forward returns exactly its modeling module's function of its router logits and attention mask
+    (in fp32 and bf16), called as (gate_logits, num_experts, top_k, attention_mask); a subclass defined elsewhere
+    finds its base class's; a function with other parameters is not taken."""
+    import sys
+
+    input_ids = torch.tensor([[3, 5, 7, 9, 11, 13], [2, 4, 6, 8, 0, 0]])
+    attention_mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    for family in ("qwen3_moe", "qwen2_moe", "mixtral"):
+        for dtype in (torch.float32, torch.bfloat16):
+            model = tiny.fresh(family).to(dtype)
+            function = hf.balancing_loss_function(model)
+            assert function is sys.modules[type(model).__module__].load_balancing_loss_func, family
+            with torch.no_grad():
+                out = model(input_ids=input_ids, attention_mask=attention_mask, output_router_logits=True)
+                again = function(out.router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+            assert torch.equal(out.aux_loss, again), (family, dtype, out.aux_loss, again)
+    subclass = type("Elsewhere", (type(tiny.model("qwen3_moe")),), {"__module__": __name__})
+    assert hf.balancing_loss_function(subclass.__new__(subclass)) is \
+        sys.modules[type(tiny.model("qwen3_moe")).__module__].load_balancing_loss_func
+    assert hf.balancing_loss_function(nn.Linear(2, 2)) is None
+    from transformers.models.doge import modeling_doge  # (gate_logits, num_experts, num_keys, top_k, ...)
+
+    doge = type("Doge", (nn.Module,), {"__module__": modeling_doge.__name__})
+    assert callable(modeling_doge.load_balancing_loss_func) and hf.balancing_loss_function(doge()) is None
+
+
 # ------------------------------------------------------------------ torch
 @checks("nn.Module._parameters")
 def _parameter_slots(tiny):

@@ -7,6 +7,10 @@ One launch (2 nodes x 2 ranks, ep=2, fp32) checks:
   the expert counts behind moe_load_imbalance equal a single-process count of that batch.
 * checkpointing: two steps with and without gradient_checkpointing, LoRA on experts and full
   parameters: same losses, grad norms and expert counts, and no more all-to-alls per step.
+* bf16_aux: three steps with router_aux_loss_coef in bf16 (mixed_precision='bf16', the model loaded in bf16)
+  and in fp32, on the demo (Qwen3-MoE) and on --second-model (another family): the losses each logs.
+* refused: last, the same bf16 run with the modeling module's load_balancing_loss_func replaced by another form
+  (each layer's loss alone, averaged): the error each rank raised at its first step.
 """
 
 import argparse
@@ -38,9 +42,11 @@ def counting_all_to_all_single(*args, **kwargs):
 dist.all_to_all_single = counting_all_to_all_single  # counts, then runs the real collective
 
 
-def make_trainer(args, dataset, collator, tokenizer, *, lora: bool, **train_kwargs) -> Trainer:
-    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", device_type="cpu")
-    model = strategy.from_pretrained(args.model, dtype=torch.float32)
+def make_trainer(args, dataset, collator, tokenizer, *, lora: bool, model_path: str | None = None,
+                 dtype: torch.dtype = torch.float32, **train_kwargs) -> Trainer:
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="bf16" if dtype == torch.bfloat16 else "no",
+                                  device_type="cpu")
+    model = strategy.from_pretrained(model_path or args.model, dtype=dtype)
     if lora:
         from peft import LoraConfig, get_peft_model
 
@@ -48,8 +54,8 @@ def make_trainer(args, dataset, collator, tokenizer, *, lora: bool, **train_kwar
         model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                  target_parameters=["mlp.experts.gate_up_proj",
                                                                     "mlp.experts.down_proj"], init_lora_weights=False))
-    train_args = TrainingArguments(output_dir=args.output_dir, per_device_train_batch_size=2, max_steps=2,
-                                   learning_rate=1e-3, seed=3, **train_kwargs)
+    train_args = TrainingArguments(**{"output_dir": args.output_dir, "per_device_train_batch_size": 2, "max_steps": 2,
+                                      "learning_rate": 1e-3, "seed": 3, **train_kwargs})
     trainer = Trainer(model=model, strategy=strategy, args=train_args, train_dataset=dataset,
                       data_collator=collator, processing_class=tokenizer)
     trainer.setup()
@@ -106,11 +112,46 @@ def checkpointing_case(args, dataset, collator, tokenizer, *, lora: bool, gc: bo
     return {"steps": steps}
 
 
+def bf16_aux_case(args, dataset, collator, tokenizer, model_path: str) -> dict:
+    """Three steps with the global-batch aux loss, 2 micro-batches each, in bf16 and in fp32 (full parameters)."""
+    runs = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        trainer = make_trainer(args, dataset, collator, tokenizer, lora=False, model_path=model_path, dtype=dtype,
+                               gradient_accumulation_steps=2, router_aux_loss_coef=COEF, max_steps=3)
+        steps = [trainer.training_step(step) for step in range(3)]
+        runs[name] = {key: [float(s[key]) for s in steps] for key in ("loss", "aux_loss", "grad_norm")}
+        runs[name]["model_class"] = type(trainer.balancing.balancing.owner).__name__
+    return runs
+
+
+def refused_case(args, dataset, collator, tokenizer) -> dict:
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
+
+    from twinkle_strategy.errors import ModelStructureError
+
+    switch = modeling_qwen3_moe.load_balancing_loss_func
+
+    def per_layer_mean(gate_logits, num_experts=None, top_k=2, attention_mask=None):
+        return sum(switch((layer,), num_experts, top_k, attention_mask) for layer in gate_logits) / len(gate_logits)
+
+    modeling_qwen3_moe.load_balancing_loss_func = per_layer_mean
+    try:
+        trainer = make_trainer(args, dataset, collator, tokenizer, lora=False, dtype=torch.bfloat16,
+                               router_aux_loss_coef=COEF)
+        trainer.training_step(0)
+    except ModelStructureError as error:
+        return {"error": str(error)}
+    finally:
+        modeling_qwen3_moe.load_balancing_loss_func = switch
+    return {"error": None}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--dataset", required=True)
     p.add_argument("--output-dir", required=True)
+    p.add_argument("--second-model", required=True, help="another family's demo checkpoint (bf16_aux)")
     args = p.parse_args()
     from transformers import AutoTokenizer
 
@@ -122,6 +163,9 @@ def main():
         for gc in (False, True):
             results[f"{'lora' if lora else 'full'}_gc{int(gc)}"] = checkpointing_case(
                 args, dataset, collator, tokenizer, lora=lora, gc=gc)
+    results["bf16_aux"] = {path: bf16_aux_case(args, dataset, collator, tokenizer, path)
+                           for path in (args.model, args.second_model)}
+    results["refused"] = refused_case(args, dataset, collator, tokenizer)  # last: its step stops after a forward
     return results
 
 

@@ -8,7 +8,11 @@ Two runs (one with --resume): ``lora`` with TRL's MoE aux loss off (router_aux_l
 ``aux`` with it on (a coefficient large enough that a per-rank aux loss would show), where the plain process
 takes the whole global batch in one micro-batch, so that TRL's own aux loss there is the global batch's: the
 strategy's ranks, two micro-batches each, must give the same.
-Writes per rank and run the per-step losses and gradient norms (with their step numbers).
+``--mode strategy`` then also trains ``defaults_bf16`` and ``defaults_fp32``: TRL's defaults (full parameters,
+its MoE aux loss on with the model's coefficient, gradient checkpointing), 3 steps, with
+NativeFSDPStrategy(mixed_precision='bf16') on the model loaded in bf16, and in fp32.
+Writes per rank and run the per-step losses and gradient norms (with their step numbers), and the aux losses TRL
+logs.
 """
 
 import argparse
@@ -78,6 +82,33 @@ def train(a, *, aux: bool) -> dict:
         "extra_fields": [{k: h.get(k) for k in ("tokens_per_second", "moe_load_imbalance", "mfu")} for h in logs]}}
 
 
+def train_with_defaults(a, dtype) -> dict:
+    """TRL's defaults, but bf16=False: precision is the strategy's (TrainingArguments.bf16 is refused)."""
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    from twinkle_strategy import NativeFSDPStrategy
+    from twinkle_strategy.integrations.transformers import with_strategy
+
+    name = f"defaults_{'bf16' if dtype == torch.bfloat16 else 'fp32'}"
+    # 4 rows a micro-batch: TRL logs the model's own aux loss of each micro-batch, where one token routed otherwise
+    # in bf16 weighs 1 / its rows.
+    args = SFTConfig(output_dir=os.path.join(a.out, name), max_steps=3, per_device_train_batch_size=4,
+                     gradient_accumulation_steps=2, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[],
+                     seed=0, bf16=False, disable_tqdm=True, dataset_num_proc=None, max_length=64)
+    strategy = NativeFSDPStrategy(ep_size=a.ep, memory_efficient_init=True, device_type="cpu",
+                                  mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
+    model = strategy.from_pretrained(a.model, dtype=dtype)
+    trainer = with_strategy(SFTTrainer)(model=model, args=args, processing_class=AutoTokenizer.from_pretrained(a.model),
+                                        train_dataset=Dataset.from_list(conversations(a.dataset, 3 * 4 * 2 * 4)),
+                                        strategy=strategy)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    return {name: {"steps": [h["step"] for h in logs], "losses": [h["loss"] for h in logs],
+                   "aux_losses": [h.get("aux_loss") for h in logs], "coef": trainer.global_aux_loss.coef}}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=["strategy", "plain"], required=True)
@@ -91,7 +122,10 @@ def main():
     assert int(os.environ.get("WORLD_SIZE", "1")) in (1, 4)  # the global batch is the same on 1 and 4 processes
     if a.resume:
         return train(a, aux=False)
-    return {**train(a, aux=False), **train(a, aux=True)}
+    defaults = {}
+    if a.mode == "strategy":
+        defaults = {**train_with_defaults(a, torch.bfloat16), **train_with_defaults(a, torch.float32)}
+    return {**train(a, aux=False), **train(a, aux=True), **defaults}
 
 
 if __name__ == "__main__":

@@ -501,3 +501,33 @@ def config_with_attention(config, implementation: str):
     changed = copy.copy(config)
     changed._attn_implementation = implementation
     return changed
+
+
+# ------------------------------------------------------------------ the MoE load-balancing loss
+BALANCING_LOSS_FUNCTION = Internal(
+    "modeling_<family>.load_balancing_loss_func", "transformers",
+    used_for="evaluate an MoE family's own load-balancing loss on given router logits (cast to fp32, and in their "
+             "own dtype), to judge in bf16 as in fp32 whether it is the Switch-Transformer form counted over the "
+             "global batch",
+    checked="5.19, 5.24", replacement="none: the models compute it inside their forward only")
+
+_BALANCING_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+
+
+@BALANCING_LOSS_FUNCTION.wrapper
+def balancing_loss_function(model: nn.Module):
+    """The ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)`` that ``model``'s forward
+    calls: a global of the modeling module of its class, or of the nearest base class whose module has one (a
+    subclass defined elsewhere inherits its forward). None where none has one with those parameters (remote
+    code, Switch-Transformers' own signature)."""
+    import sys
+
+    for cls in type(model).__mro__:
+        function = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if callable(function):
+            try:
+                parameters = inspect.signature(function).parameters
+            except (TypeError, ValueError):
+                return None
+            return function if tuple(parameters)[:4] == _BALANCING_PARAMETERS else None
+    return None

@@ -13,9 +13,9 @@ router probability, carries gradient; each (rank, micro-batch) contributes
 the global row count, so the parts add up to the loss one process would
 compute on the concatenated batch.
 
-The formula is the model's: :func:`check_matches_model` compares it with the
-model's own ``aux_loss`` on local statistics and refuses a family whose
-function differs, rather than silently changing its objective.
+The formula is the model's: :meth:`BalancingLoss.check_matches_model` refuses a
+family whose own loss is not this form, rather than silently changing its
+objective (see :mod:`twinkle_strategy.moe.balance_form` for how, in bf16 too).
 
 Routers with a correction bias (DeepSeek-V3's ``e_score_correction_bias``)
 can instead be balanced without a loss: :func:`update_correction_bias` nudges
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinkle_strategy.errors import ModelStructureError
+from twinkle_strategy.moe.balance_form import switch_form_problem
 
 
 @dataclasses.dataclass
@@ -82,19 +83,26 @@ class BalancingLoss:
         self.owner.router_aux_loss_coef = 0.0
 
     def statistics(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None,
-                   chosen: list[torch.Tensor | None] | None = None) -> RouterStats:
+                   chosen: list[torch.Tensor | None] | None = None, *, in_logits_dtype: bool = False) -> RouterStats:
         """The model formula's per-expert sums for one forward (softmax, top-k, masked by attention). ``chosen``:
-        per layer, the experts the forward used where they are not the router's top-k (routing replay)."""
+        per layer, the experts the forward used where they are not the router's top-k (routing replay). The
+        softmax in fp32; ``in_logits_dtype``: in the logits' dtype, top-k on those rounded probabilities, as
+        transformers' ``load_balancing_loss_func`` takes them (for comparing with a model's own value)."""
         device = router_logits[0].device
         counts = torch.zeros(self.num_experts, device=device)
         prob_sums = torch.zeros(self.num_experts, device=device)
         rows = torch.zeros((), device=device)
         mask = None if attention_mask is None else attention_mask.reshape(-1).to(device, torch.float32)
         for layer, logits in enumerate(router_logits):
-            probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)
+            if in_logits_dtype:
+                rounded = F.softmax(logits.to(device), dim=-1)
+                top, probs = torch.topk(rounded, self.top_k, dim=-1).indices, rounded.float()
+            else:
+                probs = F.softmax(logits.to(device), dim=-1, dtype=torch.float32)
+                top = torch.topk(probs, self.top_k, dim=-1).indices
             used = None if chosen is None or layer >= len(chosen) else chosen[layer]
             used = used if used is not None and used.shape[0] == probs.shape[0] else None
-            chosen_here = torch.topk(probs, self.top_k, dim=-1).indices if used is None else used.to(device)
+            chosen_here = top if used is None else used.to(device)
             weight = torch.ones(probs.shape[0], device=device) if mask is None else mask
             counts = counts.scatter_add(0, chosen_here.reshape(-1), weight.repeat_interleave(self.top_k).detach())
             prob_sums = prob_sums + (probs * weight.unsqueeze(-1)).sum(dim=0)
@@ -110,15 +118,26 @@ class BalancingLoss:
         """The loss on this forward's statistics alone: what the model itself computes."""
         return self.loss_part(local, RouterStats(local.counts, local.prob_sums, local.rows))
 
-    def check_matches_model(self, local: RouterStats, model_aux_loss: torch.Tensor | None) -> None:
-        """Refuse a family whose own load-balancing loss is not the formula made global here."""
-        ours = float(self.local_loss(local))
-        theirs = None if model_aux_loss is None else float(model_aux_loss)
-        if theirs is None or abs(ours - theirs) > 1e-4 * max(1.0, abs(theirs)):
+    def check_matches_model(self, router_logits: tuple[torch.Tensor, ...], attention_mask: torch.Tensor | None,
+                            model_aux_loss: torch.Tensor | None) -> bool:
+        """Refuse a family whose own load-balancing loss is not the formula made global here (in any dtype); True
+        once judged, False for a forward of padding only (either form is 0/0 there: the next forward is judged)."""
+        if attention_mask is not None and not bool(attention_mask.detach().any()):
+            return False
+        problem = switch_form_problem(self, router_logits, attention_mask, model_aux_loss)
+        if problem is not None:
             raise ModelStructureError(
-                f"router_aux_loss_coef: {type(self.owner).__name__}'s load-balancing loss ({theirs}) is not the "
-                f"Switch-Transformer form counted over the global batch here (which gives {ours} on the same "
-                "batch); set router_aux_loss_coef=0 for this model")
+                f"router_aux_loss_coef: {type(self.owner).__name__}'s load-balancing loss is not the "
+                f"Switch-Transformer form counted over the global batch here: {problem}; {self.fix()}")
+        return True
+
+    def fix(self) -> str:
+        """What to do instead, keeping load balancing where the model allows it."""
+        if correction_biases(self.owner):
+            return ("set router_aux_loss_coef=0 and balance with load_balance_coeff > 0 instead (aux-loss-free "
+                    "updates of its routers' e_score_correction_bias)")
+        return ("set router_aux_loss_coef=0 for this model (it then trains without load balancing: its routers have "
+                "no e_score_correction_bias for load_balance_coeff)")
 
 
 @dataclasses.dataclass
@@ -148,10 +167,10 @@ class GlobalBatchAuxLoss:
         if getattr(outputs, "router_logits", None) is None:
             raise ModelStructureError(f"router_aux_loss_coef: {type(self.balancing.owner).__name__} returned no "
                                       "router_logits with output_router_logits=True; set router_aux_loss_coef=0")
-        local = self.balancing.statistics(outputs.router_logits, attention_mask, chosen)
         if not self.checked and chosen is None:  # (the model's own loss counts its router's top-k)
-            self.balancing.check_matches_model(local, getattr(outputs, "aux_loss", None))
-            self.checked = True
+            self.checked = self.balancing.check_matches_model(outputs.router_logits, attention_mask,
+                                                              getattr(outputs, "aux_loss", None))
+        local = self.balancing.statistics(outputs.router_logits, attention_mask, chosen)
         router = router if router is not None else local.reduced()
         return self.balancing.loss_part(local, router), router
 
