@@ -31,14 +31,25 @@ in fp32 (or all in fp32, for a model that upcasts): equal up to the order of fp3
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
+from torch import nn
 
 from twinkle_strategy.compat.transformers_internals import balancing_loss_function
 
-if TYPE_CHECKING:
-    from twinkle_strategy.moe.balance import BalancingLoss
+
+class BalancingLoss(Protocol):
+    """What this check reads of :class:`twinkle_strategy.moe.balance.BalancingLoss` (a protocol, so that the two
+    modules do not import each other)."""
+
+    owner: nn.Module
+    num_experts: int
+    top_k: int
+
+    def statistics(self, router_logits, attention_mask, chosen=None, *, in_logits_dtype: bool = False): ...
+
+    def local_loss(self, local) -> torch.Tensor: ...
 
 FORM_TOLERANCE = 1e-5  # the family's function against ours, both in fp32 on the same logits
 SAME_FUNCTION_TOLERANCE = 16 * 2.0 ** -24  # the returned aux_loss against the same function on the same logits
