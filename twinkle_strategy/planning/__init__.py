@@ -9,8 +9,8 @@ report.py       the table and the JSON
 """
 
 from twinkle_strategy.planning.plan import MemoryPlan, plan_memory
-from twinkle_strategy.planning.request import LoraShape, PlanInputError, PlanRequest, parse_size
 from twinkle_strategy.planning.report import table, to_json, verdict_line
+from twinkle_strategy.planning.request import LoraShape, PlanInputError, PlanRequest, parse_size
 
 __all__ = ["LoraShape", "MemoryPlan", "PlanInputError", "PlanRequest", "parse_size", "plan_memory", "table",
            "to_json", "verdict_line"]
