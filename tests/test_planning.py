@@ -13,8 +13,8 @@ from twinkle_strategy import NativeFSDPStrategy
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.planning import PlanInputError, PlanRequest, plan_memory, to_json
-from twinkle_strategy.planning.states import ADAMW_STATES, STEP_BYTES, model_states
 from twinkle_strategy.planning.skeleton import build_planned_model
+from twinkle_strategy.planning.states import ADAMW_STATES, STEP_BYTES, model_states
 
 CONFIGS = REPO / "twinkle_strategy" / "planning" / "configs"
 
