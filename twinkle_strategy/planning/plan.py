@@ -1,10 +1,18 @@
 """A memory plan: every part of one rank's peak, the verdict against the budgets, and the fixes that fit.
 
 :func:`plan_memory` builds the model on meta (``skeleton``), counts the model states exactly
-(``states``), traces the activations (``activations``), and adds them up as the run holds them.
-The step's peak is the larger of two moments: the start of the backward (every layer's activations
-kept, the root and two layers gathered: the one computing and the one FSDP2 prefetches) and the
-optimizer step (AdamW's foreach updates hold one temporary the size of the trainable shards).
+(``states``), traces the activations (``activations``), and adds them up as the run holds them at
+the step's peak, which is one of two moments:
+
+* without activation checkpointing, the start of the backward: every layer's activations are kept and
+  the head's loss gradient is being made; FSDP2 holds only the root gathered (every layer was resharded
+  after its forward) and no gradient exists yet;
+* with it, inside a layer's backward: the layer is recomputed while the root and two layers are gathered
+  (the one computing and the next, which FSDP2 prefetches), and the gradients of the layers done so far
+  exist (all of them are counted).
+
+The optimizer step (AdamW's foreach updates hold one temporary the size of the trainable shards) is
+the other candidate; the larger wins.
 """
 
 from __future__ import annotations
@@ -12,6 +20,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from twinkle_strategy.dtypes import FLOAT_DTYPES
+from twinkle_strategy.init.staging import FLAG_BYTES, STAGING_BUFFERS
 from twinkle_strategy.planning.activations import ActivationPeak, measure_activations
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel, build_planned_model
@@ -21,7 +31,8 @@ GATHERED_LAYERS = 2  # the layer computing and the next, which FSDP2 prefetches 
 ASSUMPTIONS = (
     "every row is max_length tokens (no padding); one micro-batch's activations at a time",
     "balanced routing: each EP rank receives its share of the rows (routing_skew times it on the busiest)",
-    "gradients of the whole step are counted at the peak (the start of the backward holds fewer)",
+    "without activation checkpointing the peak is the start of the backward (the root gathered, no gradient "
+    "yet); with it, a layer's backward (the root and two layers gathered, every gradient counted)",
     "tensor bytes only: the allocator's caching and fragmentation (often 5-15% on GPUs) and the CUDA context "
     "(about 0.5 GiB) come on top",
 )
@@ -54,8 +65,8 @@ class StepPeak:
 class InitMemory:
     """memory_efficient_init: host RAM of a node's source and of a receiver, device memory after wrapping."""
 
-    source_host: int  # its shards and buffers, plus one bucket read and one in flight per receiver
-    receiver_host: int  # its shards and buffers, plus the bucket it receives
+    source_host: int  # its shards and buffers, its staging buckets and the bytes it reads ahead
+    receiver_host: int  # its shards and buffers (buckets land in them)
     device_after_wrap: int  # shards and buffers on the device, every rank
 
 
@@ -113,7 +124,7 @@ def plan_memory(request: PlanRequest, *, fixes: bool = True) -> MemoryPlan:
     states = model_states(planned, request)
     activations = measure_activations(planned, request)  # (mutates the meta model: after the states)
     plan = MemoryPlan(request=request, notes=tuple(planned.notes), states=states, activations=activations,
-                      step=_step_peak(states, activations), init=_init_memory(states, request),
+                      step=_step_peak(states, activations, request), init=_init_memory(states, request),
                       comm=_comm_bytes(planned, states, request))
     if fixes and plan.fits is False:
         from twinkle_strategy.planning.fixes import ranked_fixes
@@ -122,23 +133,28 @@ def plan_memory(request: PlanRequest, *, fixes: bool = True) -> MemoryPlan:
     return plan
 
 
-def _step_peak(states: ModelStates, activations: ActivationPeak) -> StepPeak:
-    gathered = states.root.unsharded + GATHERED_LAYERS * states.largest_layer
+def _step_peak(states: ModelStates, activations: ActivationPeak, request: PlanRequest) -> StepPeak:
     optimizer_step = states.params + states.grads + states.optimizer + states.trainable_params
-    return StepPeak(params=states.params, grads=states.grads, optimizer=states.optimizer, gathered=gathered,
+    if request.gradient_checkpointing:
+        grads, gathered = states.grads, states.root.unsharded + GATHERED_LAYERS * states.largest_layer
+    else:
+        grads, gathered = 0, states.root.unsharded
+    return StepPeak(params=states.params, grads=grads, optimizer=states.optimizer, gathered=gathered,
                     decoded=states.kept_decoded_unit, activations=activations.total, optimizer_step=optimizer_step)
 
 
 def _init_memory(states: ModelStates, request: PlanRequest) -> InitMemory:
     held = states.params + states.buffers
     if not request.strategy.memory_efficient_init:
-        # Every rank loads the whole model on the CPU, then keeps its shards.
-        whole = states.total_params * 4  # read in float32 by from_pretrained of the default dtype; conservative
+        # Every rank loads the whole model on the CPU in the model's dtype, then keeps its shards.
+        whole = states.total_params * FLOAT_DTYPES[request.dtype].itemsize
         return InitMemory(source_host=whole + held, receiver_host=whole + held, device_after_wrap=held)
-    bucket = min(request.strategy.init_bucket_bytes, max(held, 1))
-    peers = request.nproc_per_node - 1
-    return InitMemory(source_host=held + bucket * (1 + min(peers, 1)), receiver_host=held + bucket,
-                      device_after_wrap=held)
+    # A receiver's buckets land in its shards; the source stages through STAGING_BUFFERS buckets of
+    # init_bucket_mb (each with its flag byte) and reads about half a bucket ahead (init.staging).
+    bucket = request.strategy.init_bucket_bytes
+    node_stream = held * (request.nproc_per_node - 1)
+    source = held + STAGING_BUFFERS * (bucket + FLAG_BYTES) + min(bucket // 2, node_stream)
+    return InitMemory(source_host=source, receiver_host=held, device_after_wrap=held)
 
 
 def _comm_bytes(planned: PlannedModel, states: ModelStates, request: PlanRequest) -> CommBytes:
