@@ -151,10 +151,13 @@ def _init_memory(states: ModelStates, request: PlanRequest) -> InitMemory:
         return InitMemory(source_host=whole + held, receiver_host=whole + held, device_after_wrap=held)
     # A receiver's buckets land in its shards; the source stages through STAGING_BUFFERS buckets of
     # init_bucket_mb (each with its flag byte) and reads about half a bucket ahead (init.staging).
+    # With quantized_base=keep every shard is first allocated in the model's dtype (to_empty), then the kept
+    # weights' stored bytes replace theirs: the init's peak is the larger.
+    allocated = max(held, states.params_as_values + states.buffers)
     bucket = request.strategy.init_bucket_bytes
     node_stream = held * (request.nproc_per_node - 1)
-    source = held + STAGING_BUFFERS * (bucket + FLAG_BYTES) + min(bucket // 2, node_stream)
-    return InitMemory(source_host=source, receiver_host=held, device_after_wrap=held)
+    source = allocated + STAGING_BUFFERS * (bucket + FLAG_BYTES) + min(bucket // 2, node_stream)
+    return InitMemory(source_host=source, receiver_host=allocated, device_after_wrap=held)
 
 
 def _comm_bytes(planned: PlannedModel, states: ModelStates, request: PlanRequest) -> CommBytes:

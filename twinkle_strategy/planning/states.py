@@ -38,6 +38,7 @@ class ModelStates:
     """One rank's model states, in bytes."""
 
     params: int  # sharded parameters (the frozen base as held: kept quantized bytes under quantized_base=keep)
+    params_as_values: int  # the same shards in the model's dtypes (what the init allocates before keeping)
     grads: int  # sharded gradients of the trainable parameters
     optimizer: int  # AdamW states of the trainable parameters
     trainable_params: int  # sharded bytes of the trainable parameters alone
@@ -107,7 +108,7 @@ def model_states(planned: PlannedModel, request: PlanRequest) -> ModelStates:
     expert_units = {id(block.experts): block.experts_fqn for block in planned.blocks}
     unit_of = _unit_names(model, planned, expert_units)
 
-    params = grads = optimizer = trainable_bytes = kept_bytes = count = total = trainable_elements = 0
+    params = values = grads = optimizer = trainable_bytes = kept_bytes = count = total = trainable_elements = 0
     unsharded: dict[str, int] = {}
     decoded: dict[str, int] = {}
     for name, param in model.named_parameters():
@@ -116,6 +117,7 @@ def model_states(planned: PlannedModel, request: PlanRequest) -> ModelStates:
         elements = _shard_elements(local, mesh)
         nbytes = elements * param.element_size()
         total += param.numel()
+        values += nbytes
         unit = unit_of(name)
         gathered = (padded_rows(local[0], mesh) * mesh * math.prod(local[1:]) if local else 1)
         if keep_quantized and _is_quantized_weight(name, param):
@@ -137,7 +139,7 @@ def model_states(planned: PlannedModel, request: PlanRequest) -> ModelStates:
             optimizer += ADAMW_STATES * nbytes + STEP_BYTES
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
     layer_units = _layer_units(model, planned, unsharded)
-    return ModelStates(params=params, grads=grads, optimizer=optimizer, trainable_params=trainable_bytes,
+    return ModelStates(params=params, params_as_values=values, grads=grads, optimizer=optimizer, trainable_params=trainable_bytes,
                        kept_quantized=kept_bytes, kept_decoded_unit=max(decoded.values(), default=0),
                        buffers=buffers, root=UnitBytes("root", unsharded.get("", 0)), layers=layer_units,
                        trainable_count=count, total_params=total, trainable_elements=trainable_elements)
