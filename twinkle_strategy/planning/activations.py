@@ -30,7 +30,7 @@ from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.moe.discovery import MoEBlock, unwrap_experts
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
-from twinkle_strategy.planning.request import PlanRequest
+from twinkle_strategy.planning.request import PlanInputError, PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
 
 
@@ -79,9 +79,14 @@ def measure_activations(planned: PlannedModel, request: PlanRequest) -> Activati
             ids = torch.randint(0, vocab, (request.micro_batch, tokens))
             return th.peak_tracked_bytes(lambda: _forward_backward(model, ids))
 
-    with _dropping_grads(model):
-        base = trace(firsts)
-        per_layer = {kind: trace(firsts + [firsts[i]]) - base for i, kind in enumerate(kinds)}
+    try:
+        with _dropping_grads(model):
+            base = trace(firsts)
+            per_layer = {kind: trace(firsts + [firsts[i]]) - base for i, kind in enumerate(kinds)}
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:  # the model's own code refused the step
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlanInputError(f"the model's forward and backward failed on fake tensors, as the run would fail "
+                             f"({type(exc).__name__}: {first_line}); check the LoRA targets and sizes") from exc
     return ActivationPeak(base=base, per_layer={k: max(v, 0) for k, v in per_layer.items()},
                           layer_counts={k: len(v) for k, v in kinds.items()}, tokens=request.micro_batch * tokens)
 
