@@ -65,6 +65,7 @@ from twinkle_strategy.loading import (
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
+from twinkle_strategy.planning import PlanRequest, parse_size, plan_memory
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, loss_tokens, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
@@ -141,8 +142,6 @@ class NativeFSDPStrategy:
         :class:`~twinkle_strategy.planning.PlanRequest` (``lora``, ``dtype``, ``micro_batch``, ``max_length``,
         ``gradient_checkpointing``, ``routing_skew``, ``device_memory``, ``host_memory``); ``table(plan)`` and
         ``to_json(plan)`` of :mod:`twinkle_strategy.planning` print it."""
-        from twinkle_strategy.planning import PlanRequest, parse_size, plan_memory
-
         for budget in ("device_memory", "host_memory"):
             if isinstance(request.get(budget), str):
                 request[budget] = parse_size(request[budget], what=budget)

@@ -26,11 +26,12 @@ from torch import nn
 
 from twinkle_strategy.compat import torch_internals as th
 from twinkle_strategy.dtypes import FLOAT_DTYPES
+from twinkle_strategy.errors import PlanInputError
 from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.moe.discovery import MoEBlock, unwrap_experts
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
-from twinkle_strategy.planning.request import PlanInputError, PlanRequest
+from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
 
 

@@ -4,7 +4,7 @@ checkpointing, quantized_base=keep, a smaller micro-batch, more nodes."""
 from __future__ import annotations
 
 from twinkle_strategy.errors import TwinkleError
-from twinkle_strategy.planning.plan import Fix, MemoryPlan, plan_memory
+from twinkle_strategy.planning.plan import Fix, MemoryPlan, plan_once
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
 
@@ -33,6 +33,14 @@ def candidate_changes(request: PlanRequest, planned: PlannedModel) -> list[tuple
                     request.replace(micro_batch=half)))
     out.append((f"nnodes={request.nnodes * 2}", request.replace(nnodes=request.nnodes * 2)))
     return out
+
+
+def plan_memory(request: PlanRequest, *, fixes: bool = True) -> MemoryPlan:
+    """The plan of ``request``; when it does not fit its budget, with the changes that make it fit, ranked."""
+    plan, planned = plan_once(request)
+    if fixes and plan.fits is False:
+        plan = plan.with_fixes(ranked_fixes(plan, planned))
+    return plan
 
 
 def ranked_fixes(plan: MemoryPlan, planned: PlannedModel) -> tuple[Fix, ...]:

@@ -1,6 +1,6 @@
 """A memory plan: every part of one rank's peak, the verdict against the budgets, and the fixes that fit.
 
-:func:`plan_memory` builds the model on meta (``skeleton``), counts the model states exactly
+:func:`plan_once` builds the model on meta (``skeleton``), counts the model states exactly
 (``states``), traces the activations (``activations``), and adds them up as the run holds them at
 the step's peak, which is one of two moments:
 
@@ -118,19 +118,15 @@ class MemoryPlan:
         return dataclasses.replace(self, fixes=fixes)
 
 
-def plan_memory(request: PlanRequest, *, fixes: bool = True) -> MemoryPlan:
-    """The plan of ``request``; when it does not fit its budget, with the changes that make it fit, ranked."""
+def plan_once(request: PlanRequest) -> tuple[MemoryPlan, PlannedModel]:
+    """The plan of ``request`` without fixes, and the model it measured (``fixes.plan_memory`` adds them)."""
     planned = build_planned_model(request)
     states = model_states(planned, request)
     activations = measure_activations(planned, request)  # (mutates the meta model: after the states)
     plan = MemoryPlan(request=request, notes=tuple(planned.notes), states=states, activations=activations,
                       step=_step_peak(states, activations, request), init=_init_memory(states, request),
                       comm=_comm_bytes(planned, states, request))
-    if fixes and plan.fits is False:
-        from twinkle_strategy.planning.fixes import ranked_fixes
-
-        plan = plan.with_fixes(ranked_fixes(plan, planned))
-    return plan
+    return plan, planned
 
 
 def _step_peak(states: ModelStates, activations: ActivationPeak, request: PlanRequest) -> StepPeak:

@@ -11,14 +11,10 @@ import os
 import re
 
 from twinkle_strategy.config import StrategyConfig
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import PlanInputError
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9, "t": 10**12,
           "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-class PlanInputError(TwinkleError):
-    """A plan cannot be made from what it was given (a missing config.json, a size it cannot read)."""
 
 
 def parse_size(text: str | int | float | None, *, what: str) -> int | None:

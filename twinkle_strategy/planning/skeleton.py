@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from twinkle_strategy.dtypes import float_dtype
+from twinkle_strategy.errors import PlanInputError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.init.skeleton import build_meta_model
 from twinkle_strategy.loading import config_from_text, model_class_for, read_config_text
@@ -23,7 +24,7 @@ from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks
 from twinkle_strategy.moe.expert_axis import ExpertAxis
 from twinkle_strategy.moe.expert_parallel import plan_expert_parallel
 from twinkle_strategy.parallel import ParallelDims
-from twinkle_strategy.planning.request import PlanInputError, PlanRequest
+from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.quantized.formats import QuantFormat, drop_quantization_config, quant_format
 from twinkle_strategy.sequence import check_sequence_parallel
 

@@ -54,7 +54,7 @@ from twinkle_strategy import config
 from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import RunStoppedError, TwinkleError
 from twinkle_strategy.train.arguments import TrainingArguments
-from twinkle_strategy.train.fit_check import check_fit_before_launch
+from twinkle_strategy.train.fit_check import check_fit_before_launch, plan_command
 from twinkle_strategy.train.launcher import (
     device_problem,
     free_port,
@@ -377,8 +377,6 @@ def main(argv: list[str] | None = None) -> int:
     if "LOCAL_RANK" in os.environ:  # a torchrun worker
         return _worker_main(argv)
     if argv[:1] == ["plan"]:
-        from twinkle_strategy.train.fit_check import plan_command
-
         return plan_command(argv[1:], parse)
     try:
         return _parse_and_launch(argv)

@@ -17,8 +17,8 @@ from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path
 from twinkle_strategy.planning import LoraShape, MemoryPlan, PlanRequest, parse_size, plan_memory, table, to_json
 from twinkle_strategy.planning.report import gib
 from twinkle_strategy.train.recipe import Recipe, TunerType
-
-PLANNED_PEAK_ENV = "TWINKLE_PLANNED_PEAK_BYTES"  # the launcher's plan, for the step log beside the measured peak
+from twinkle_strategy.train.run import prepare_model_path
+from twinkle_strategy.train.trainer import PLANNED_PEAK_ENV
 
 
 def local_model_dir(path: str) -> str:
@@ -86,8 +86,6 @@ def plan_command(argv: list[str], parse) -> int:
     argv = [a for a in argv if a != "--json"]
     try:
         recipe = parse(argv)
-        from twinkle_strategy.train.run import prepare_model_path
-
         recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
         plan: MemoryPlan = plan_memory(request_from_recipe(recipe))
     except TwinkleError as exc:

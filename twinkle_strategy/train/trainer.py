@@ -429,10 +429,12 @@ class Trainer:
             print(f"expert load: {out}", flush=True)
 
 
+# The step peak twinkle-sft's memory plan gave before launch (it sets this for its workers when it checked the fit).
+PLANNED_PEAK_ENV = "TWINKLE_PLANNED_PEAK_BYTES"
+
+
 def _planned_memory() -> dict:
     """The step peak the memory plan gave before launch (twinkle-sft sets it when it checked the fit)."""
-    from twinkle_strategy.train.fit_check import PLANNED_PEAK_ENV
-
     planned = os.environ.get(PLANNED_PEAK_ENV)
     return {"planned_memory(GiB)": round(int(planned) / 2**30, 6)} if planned else {}
 
