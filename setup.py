@@ -7,6 +7,8 @@ setup(
     long_description=open("README.md").read(),
     long_description_content_type="text/markdown",
     packages=find_packages(include=["twinkle_strategy", "twinkle_strategy.*"]),
+    # Public config.json values of the models docs/planning.md plans (twinkle-sft plan needs nothing else).
+    package_data={"twinkle_strategy.planning": ["configs/*/config.json"]},
     python_requires=">=3.10",
     # Tested ranges (README "Tested versions"): the lower bounds are what .ci/run's oldest smoke run installs
     # (constraints-oldest.txt), the upper bounds the next minor after the newest release the suite passed on

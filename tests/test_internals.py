@@ -647,6 +647,45 @@ def _wrapper_subclass(tiny):
         assert not placeholder.requires_grad
 
 
+@checks("torch._subclasses.fake_tensor.FakeTensorMode")
+def _fake_tensor_mode(tiny):
+    """Tensors made in the mode have a device, shape and dtype and no storage; a model computes on them (a
+    64 GiB weight here), including autograd."""
+    mode = th.fake_tensor_mode()
+    with mode:
+        weight = torch.nn.Parameter(torch.empty(2**17, 2**17, dtype=torch.float32, device="cpu"))
+        x = torch.randn(3, 2**17, requires_grad=True)
+        y = torch.nn.functional.linear(x, weight)
+        y.sum().backward()
+    assert type(weight).__name__ == "FakeTensor" or type(weight.data).__name__ == "FakeTensor"
+    assert y.shape == (3, 2**17) and weight.grad.shape == weight.shape and weight.device.type == "cpu"
+
+
+@checks("torch.utils._python_dispatch.TorchDispatchMode")
+def _dispatch_mode(tiny):
+    """The counter sees fake tensors made inside ``run`` and the moment they are freed: a linear layer's
+    forward and backward on fake tensors peaks at its known bytes, with the inputs (made before) left out."""
+    mode = th.fake_tensor_mode()
+    with mode:
+        layer = torch.nn.Linear(256, 1024)
+        x = torch.randn(64, 256, requires_grad=True)
+
+        def run():
+            torch.nn.functional.gelu(layer(x)).sum().backward()
+
+        peak = th.peak_tracked_bytes(run)
+
+        def transient():
+            for _ in range(3):
+                torch.empty(2**20, dtype=torch.uint8)  # freed at once: never two alive
+
+        held = th.peak_tracked_bytes(transient)
+    # The linear's output (64 x 1024 fp32, kept for GELU's backward), then gradients of weight, bias and x.
+    weights = (1024 * 256 + 1024) * 4
+    assert held == 2**20
+    assert 64 * 1024 * 4 + weights <= peak <= 4 * 64 * 1024 * 4 + weights + 64 * 256 * 4, peak
+
+
 @checks("torch._C._disabled_torch_function_impl")
 def _disabled_torch_function(tiny):
     """Operations on a placeholder reach its __torch_dispatch__ directly; results are not re-wrapped."""

@@ -39,15 +39,20 @@ def demo_run(tmp_path_factory):
     """The demo recipe, shortened, through the CLI (2 simulated nodes x 2 ranks, ep=2, mem-efficient init, LoRA)."""
     work = tmp_path_factory.mktemp("demo")
     out = work / "out"
-    proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
-                    f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1", "--merge_lora", "true"],
-                   cwd=work)
+    recipe = [str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
+              f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1", "--merge_lora", "true"]
+    # The memory plan's peak for this run: the launch below gets a budget just over it (it must train), and
+    # tests/test_fit_check.py one just under (it must be refused before any process starts).
+    planned = run_cli(["plan", *recipe, "--json"], cwd=work)
+    assert planned.returncode == 0, planned.stderr[-3000:]
+    peak = json.loads(planned.stdout)["step_peak_bytes"]
+    proc = run_cli([*recipe, "--device_memory", str(int(peak * 1.01))], cwd=work)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-    return work, only_run_dir(out), proc
+    return work, only_run_dir(out), proc, peak
 
 
 def test_demo_cli_trains_and_saves(demo_run):
-    work, run_dir, proc = demo_run
+    work, run_dir, proc, planned_peak = demo_run
     log = read_log(run_dir)
     assert [e["global_step/max_steps"] for e in log] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
     losses = [e["loss"] for e in log]
@@ -55,6 +60,9 @@ def test_demo_cli_trains_and_saves(demo_run):
     for key in ("grad_norm", "learning_rate", "epoch", "elapsed_time", "remaining_time", "memory(GiB)",
                 "train_speed(s/it)"):
         assert key in log[0]
+    # Launched with a budget just over the plan's peak: it trained, and the step log shows the plan beside the
+    # measured peak.
+    assert {e["planned_memory(GiB)"] for e in log} == {round(planned_peak / 2**30, 6)}
     assert (run_dir / "args.json").is_file() and (run_dir / "images" / "train_loss.png").is_file()
     for step in (4, STEPS):
         ckpt = run_dir / f"checkpoint-{step}"
@@ -88,7 +96,7 @@ def test_merge_lora_writes_the_merged_model_beside_the_last_checkpoint(demo_run)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    work, run_dir, proc = demo_run
+    work, run_dir, proc, _ = demo_run
     merged_dir = run_dir / f"checkpoint-{STEPS}-merged"
     assert f"merged model: {merged_dir}" in proc.stdout, proc.stdout[-2000:]
     assert list(merged_dir.glob("model*.safetensors")) and not list(merged_dir.glob("adapter_*")), \
@@ -106,7 +114,7 @@ def test_merge_lora_writes_the_merged_model_beside_the_last_checkpoint(demo_run)
 
 
 def test_resume_gives_the_same_losses(demo_run):
-    work, run_dir, _ = demo_run
+    work, run_dir, _, _ = demo_run
     out = work / "resumed"
     proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
                     f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1",
@@ -121,7 +129,7 @@ def test_resume_gives_the_same_losses(demo_run):
 
 def test_activation_checkpointing_logs_the_same_losses(demo_run):
     """train.gradient_checkpointing=true recomputes each decoder layer (EP dispatch replayed): same losses."""
-    work, run_dir, _ = demo_run
+    work, run_dir, _, _ = demo_run
     out = work / "checkpointed"
     proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
                     f"train.max_steps={STEPS}", "train.save_steps=100", "train.logging_steps=1",
@@ -138,7 +146,7 @@ def test_padding_free_and_packing_through_twinkle_sft(demo_run):
     """--padding_free true: each micro-batch's examples in one row instead of padded rows, each attending only to
     itself, so the demo's steps (the same examples) log the same losses. --packing true: examples packed into
     rows of up to max_length tokens (other steps, so other losses) train as well."""
-    work, run_dir, _ = demo_run
+    work, run_dir, _, _ = demo_run
     padded = {e["global_step/max_steps"]: e["loss"] for e in read_log(run_dir)}
     for flag in ("--padding_free", "--packing"):
         out = work / flag.strip("-")
@@ -170,7 +178,7 @@ def test_python_trainer_matches_cli_and_checkpoints_load_on_one_process(demo_run
 
     from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
 
-    work, run_dir, _ = demo_run
+    work, run_dir, _, _ = demo_run
     model_path = str(work / "output" / "tiny" / "demo")
     result = launch("trainer_python.py", ["--model", model_path, "--dataset", DATASET, "--output-dir",
                                           str(tmp_path / "py"), "--max-steps", str(STEPS)],
@@ -297,7 +305,7 @@ def test_shipped_recipes_are_valid(recipe):
 
 def test_swift_style_relaunch_under_torchrun(demo_run, tmp_path):
     """NPROC_PER_NODE=2, like swift: twinkle-sft re-launches itself under torchrun (one node, 2 ranks)."""
-    work, _, _ = demo_run
+    work, _, _, _ = demo_run
     env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
            "NPROC_PER_NODE": "2"}  # no MASTER_PORT: twinkle-sft picks one
     out = tmp_path / "out"

@@ -107,6 +107,10 @@ class OutputDirNotSharedError(TwinkleError):
     """Ranks see different contents in the output directory (each node its own disk): saves need a shared one."""
 
 
+class PlanInputError(TwinkleError):
+    """A memory plan cannot be made from what it was given (a missing config.json, a size it cannot read)."""
+
+
 def shorten(items: Iterable[object], n: int, sep: str = ", ") -> str:
     """The first ``n`` of ``items`` joined by ``sep``, then how many are left out: ``a, b and 3 more``
     (``a; b; and 3 more`` with ``sep="; "``), so a message names what is wrong without listing all of it."""

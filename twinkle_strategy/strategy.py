@@ -64,6 +64,7 @@ from twinkle_strategy.loading import (
 )
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
+from twinkle_strategy.planning import PlanRequest, parse_size, plan_memory
 from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.rl import weight_export
 from twinkle_strategy.rl.export_plan import EngineExperts, OneReceiver
@@ -143,6 +144,20 @@ class NativeFSDPStrategy(RoutingMethods):
     @property
     def is_main_process(self) -> bool:
         return self.rank == 0
+
+    # --------------------------------------------------------------- planning
+    def plan(self, model_path: str, *, nnodes: int = 1, nproc_per_node: int = 1, **request: Any):
+        """Will this strategy's run of ``model_path`` fit? A :class:`~twinkle_strategy.planning.MemoryPlan` of
+        every rank's device memory and host RAM, made in this process from the model's config.json alone (no
+        weight, no process group, no GPU; ``setup`` is not called). ``request``: the other fields of
+        :class:`~twinkle_strategy.planning.PlanRequest` (``lora``, ``dtype``, ``micro_batch``, ``max_length``,
+        ``gradient_checkpointing``, ``routing_skew``, ``device_memory``, ``host_memory``); ``table(plan)`` and
+        ``to_json(plan)`` of :mod:`twinkle_strategy.planning` print it."""
+        for budget in ("device_memory", "host_memory"):
+            if isinstance(request.get(budget), str):
+                request[budget] = parse_size(request[budget], what=budget)
+        return plan_memory(PlanRequest(model_path=model_path, strategy=self.config, nnodes=nnodes,
+                                       nproc_per_node=nproc_per_node, **request))
 
     # ---------------------------------------------------------------- loading
     def from_pretrained(self, path_or_id: str, dtype: torch.dtype = torch.float32, *,

@@ -123,3 +123,75 @@ def replace_local_tensor(param, local: torch.Tensor) -> torch.Tensor:
                              f"{tuple(local.shape)} one")
     param._local_tensor = local
     return old
+
+
+# ------------------------------------------------------------------ planning memory without memory
+FAKE_TENSOR_MODE = Internal(
+    "torch._subclasses.fake_tensor.FakeTensorMode", "torch",
+    used_for="run the model's real forward and backward on tensors that have shapes, dtypes and devices but no "
+             "storage, so a memory plan measures a layer of a 671B model on a laptop",
+    checked=_CHECKED,
+    replacement="none public: torch.compile and torch.distributed._tools use it; the meta device alone picks "
+                "other kernels than the device does")
+
+
+@FAKE_TENSOR_MODE.wrapper
+def fake_tensor_mode():
+    """A new FakeTensorMode: tensors made inside it are fake (no storage) on the device named."""
+    mode_class = FAKE_TENSOR_MODE.import_name("torch._subclasses.fake_tensor", "FakeTensorMode")
+    return mode_class()
+
+
+DISPATCH_MODE = Internal(
+    "torch.utils._python_dispatch.TorchDispatchMode", "torch",
+    used_for="see every tensor an operation makes (fake ones included) and count the bytes of the storages "
+             "alive at once, so a plan measures the peak of a traced forward and backward",
+    checked=_CHECKED,
+    replacement="none public: torch.distributed._tools.mem_tracker.MemTracker builds on it too (and, in 2.13, "
+                "cannot trace a model with frozen parameters: it hooks every parameter's gradient)")
+
+
+@DISPATCH_MODE.wrapper
+def peak_tracked_bytes(run) -> int:
+    """Run ``run()`` and return the peak bytes of the tensor storages it made that were alive at once
+    (storages made before, such as the parameters, are not counted)."""
+    import weakref
+
+    mode_class = DISPATCH_MODE.import_name("torch.utils._python_dispatch", "TorchDispatchMode")
+    from torch.utils._pytree import tree_flatten
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    before = WeakIdKeyDictionary()
+    counted = WeakIdKeyDictionary()
+    state = {"live": 0, "peak": 0}
+
+    def freed(nbytes: int) -> None:
+        state["live"] -= nbytes
+
+    def storages(tree):
+        for t in tree_flatten(tree)[0]:
+            if isinstance(t, torch.Tensor):
+                try:
+                    yield t.untyped_storage()
+                except (RuntimeError, NotImplementedError):
+                    continue
+
+    class Counting(mode_class):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            for storage in storages((args, kwargs)):
+                if storage not in counted:
+                    before[storage] = True
+            out = func(*args, **(kwargs or {}))
+            for storage in storages(out):
+                if storage in counted or storage in before:
+                    continue
+                nbytes = storage.nbytes()
+                counted[storage] = nbytes
+                state["live"] += nbytes
+                state["peak"] = max(state["peak"], state["live"])
+                weakref.finalize(storage, freed, nbytes)
+            return out
+
+    with Counting():
+        run()
+    return state["peak"]

@@ -57,6 +57,7 @@ from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.errors import RunStoppedError
+from twinkle_strategy.train.fit_check import check_fit_before_launch, plan_command
 from twinkle_strategy.train.launcher import (
     device_problem,
     run_logged,
@@ -101,6 +102,14 @@ SWIFT_FLAGS: dict[str, tuple[str, str]] = {
     "target_parameters": ("tuner.target_parameters", "LoRA on parameters, e.g. mlp.experts.gate_up_proj"),
     "max_restarts": ("launch.max_restarts", "torchrun restarts after a failure; the run resumes from its newest "
                                             "complete checkpoint"),
+    "nnodes": ("launch.nnodes", "nodes of the run (swift: NNODES)"),
+    "nproc_per_node": ("launch.nproc_per_node", "processes (devices) per node (swift: NPROC_PER_NODE)"),
+    "device_memory": ("launch.device_memory", "memory per device for the plan checked before launch (e.g. 80GiB); "
+                                              "default: the device's own (none on CPU: then no check)"),
+    "host_memory": ("launch.host_memory", "host RAM per node for twinkle-sft plan's init verdict (e.g. 1TB)"),
+    "routing_skew": ("launch.routing_skew", "twinkle-sft plan: the busiest EP rank receives this many times its "
+                                            "balanced share of tokens (1 = balanced)"),
+    "skip_plan": ("launch.skip_plan", "launch without checking that the memory plan fits the device (true/false)"),
 }
 # Every strategy option is a flag, named as swift names it where swift has one.
 SWIFT_NAMES_OF_STRATEGY_OPTIONS = {"ep_size": "expert_parallel_size", "ep_fsdp_size": "expert_fsdp_size",
@@ -373,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if "LOCAL_RANK" in os.environ:  # a torchrun worker
         return _worker_main(argv)
+    if argv[:1] == ["plan"]:
+        return plan_command(argv[1:], parse)
     try:
         return _parse_and_launch(argv)
     except RunStoppedError as exc:  # SIGTERM / SIGINT during a launched run: every process has ended
@@ -396,6 +407,13 @@ def _parse_and_launch(argv: list[str]) -> int:
 
     # Build the embedded model (tiny://) once here, before any worker starts; the workers find it built.
     recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
+    try:
+        refusal = check_fit_before_launch(recipe)
+    except TwinkleError as exc:
+        refusal = f"the memory plan failed: {exc}; --skip_plan true launches without it"
+    if refusal:
+        print(f"twinkle-sft: error: {refusal}", file=sys.stderr)
+        return 2
     if recipe.launch.simulated_nodes and recipe.launch.nnodes > 1:
         return _launch_simulated_nodes(argv, recipe)
     code = _launch_torchrun(argv, recipe)

@@ -85,6 +85,12 @@ class LaunchConfig:
     simulated_nodes: bool = False
     # torchrun's --max-restarts: a failed run restarts in place and resumes from its newest complete checkpoint.
     max_restarts: int = 0
+    # The memory plan (twinkle-sft plan) runs before every launch against the device memory found here, or this
+    # size (e.g. 80GiB; needed on CPU, where none is found); a run it says will not fit is refused.
+    device_memory: str | None = None
+    host_memory: str | None = None  # host RAM per node for the plan's init verdict (e.g. 1TB)
+    routing_skew: float = 1.0  # the plan's busiest EP rank receives this many times its balanced share
+    skip_plan: bool = False  # launch without checking the plan's fit
 
 
 @dataclasses.dataclass

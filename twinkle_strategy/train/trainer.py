@@ -17,6 +17,7 @@ import dataclasses
 import datetime
 import logging
 import math
+import os
 import sys
 import time
 
@@ -400,6 +401,7 @@ class Trainer:
             "elapsed_time": _format_seconds(elapsed),
             "remaining_time": _format_seconds(speed * (state.max_steps - step)),
             "memory(GiB)": round(memory, 3),
+            **_planned_memory(),  # the launcher's memory plan, beside the measured peak above
             "train_speed(s/it)": round(speed, 6),
             **kept_weight_log(self.strategy.init_report),  # quantized_base=keep: frozen bytes, decoded peak
             **fields["extra"],
@@ -434,6 +436,16 @@ class Trainer:
         out = plot_expert_load(self.run_dir, [s for s, _ in load], [c for _, c in load])
         if out:
             print(f"expert load: {out}", flush=True)
+
+
+# The step peak twinkle-sft's memory plan gave before launch (it sets this for its workers when it checked the fit).
+PLANNED_PEAK_ENV = "TWINKLE_PLANNED_PEAK_BYTES"
+
+
+def _planned_memory() -> dict:
+    """The step peak the memory plan gave before launch (twinkle-sft sets it when it checked the fit)."""
+    planned = os.environ.get(PLANNED_PEAK_ENV)
+    return {"planned_memory(GiB)": round(int(planned) / 2**30, 6)} if planned else {}
 
 
 def _print_line(text: str) -> None:

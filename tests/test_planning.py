@@ -1,0 +1,135 @@
+"""twinkle-sft plan / NativeFSDPStrategy.plan: the memory plan, in one process (no launch)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from multinode import REPO
+
+from twinkle_strategy import NativeFSDPStrategy
+from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.errors import ParallelConfigError
+from twinkle_strategy.planning import PlanInputError, PlanRequest, plan_memory, to_json
+from twinkle_strategy.planning.skeleton import build_planned_model
+from twinkle_strategy.planning.states import ADAMW_STATES, STEP_BYTES, model_states
+
+CONFIGS = REPO / "twinkle_strategy" / "planning" / "configs"
+
+
+@pytest.fixture(scope="module")
+def demo_config(tmp_path_factory):
+    from twinkle_strategy.train.demo_model import TinySizes, qwen3_moe_config
+
+    path = tmp_path_factory.mktemp("demo_config")
+    qwen3_moe_config(TinySizes()).save_pretrained(path)
+    return str(path)
+
+
+def _request(path, **changes):
+    base = dict(model_path=path, strategy=StrategyConfig(ep_size=2, mixed_precision="no"), nproc_per_node=4,
+                dtype="float32", micro_batch=4, max_length=64)
+    return PlanRequest(**{**base, **changes})
+
+
+def test_model_states_are_the_shards_the_run_keeps(demo_config):
+    """Full fine-tuning in one process: every parameter whole, AdamW's two states and a step counter each."""
+    request = _request(demo_config, nproc_per_node=1, strategy=StrategyConfig(mixed_precision="no"), lora=None)
+    states = model_states(build_planned_model(request), request)
+    assert states.params == states.total_params * 4 == states.trainable_params == states.grads
+    assert states.optimizer == ADAMW_STATES * states.params + STEP_BYTES * states.trainable_count
+    # 4 ranks, ep 2: experts split over 2 EP ranks and sharded over the other 2, the rest over 4; padding only
+    # where rows do not divide (none here), so every rank holds a quarter.
+    sharded = model_states(build_planned_model(_request(demo_config, lora=None)), _request(demo_config, lora=None))
+    assert sharded.params == states.params // 4
+
+
+def test_lora_trains_only_the_adapters(demo_config):
+    request = _request(demo_config)
+    states = model_states(build_planned_model(request), request)
+    assert 0 < states.trainable_params < states.params
+    assert states.grads == states.trainable_params
+
+
+def test_activations_grow_with_tokens_and_shrink_with_checkpointing(demo_config):
+    plain = plan_memory(_request(demo_config))
+    longer = plan_memory(_request(demo_config, max_length=128))
+    checkpointed = plan_memory(_request(demo_config, gradient_checkpointing=True))
+    assert longer.activations.total > 1.5 * plain.activations.total
+    assert checkpointed.activations.total < plain.activations.total
+    assert plain.step.total == max(sum(plain.step.parts().values()), plain.step.optimizer_step)
+
+
+def test_a_plan_that_does_not_fit_ranks_its_fixes(demo_config):
+    fits = plan_memory(_request(demo_config))
+    tight = plan_memory(_request(demo_config, device_memory=int(fits.peak * 0.8)))
+    assert tight.fits is False and tight.fixes
+    assert tight.fixes[0].fits and tight.fixes[0].peak <= tight.request.device_memory
+    fitting = [f.peak for f in tight.fixes if f.fits]
+    assert fitting == sorted(fitting)
+    record = json.loads(json.dumps(to_json(tight)))
+    assert record["fits"] is False and record["step_peak_bytes"] == tight.peak
+    assert record["verdict"].startswith("does not fit") and tight.fixes[0].change in record["verdict"]
+
+
+def test_strategy_plan_is_the_same_plan(demo_config):
+    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no")
+    plan = strategy.plan(demo_config, nproc_per_node=4, dtype="float32", micro_batch=4, max_length=64,
+                         device_memory="1GiB")
+    assert plan.fits and plan.peak == plan_memory(_request(demo_config)).peak
+
+
+def test_a_world_the_sizes_do_not_divide_gets_the_launch_message(demo_config):
+    with pytest.raises(ParallelConfigError, match="world size 6 is not divisible by ep_size 4"):
+        plan_memory(_request(demo_config, nproc_per_node=6, strategy=StrategyConfig(ep_size=4)))
+    with pytest.raises(ParallelConfigError, match="8 experts, not divisible by ep_size 3"):
+        plan_memory(_request(demo_config, nproc_per_node=3, strategy=StrategyConfig(ep_size=3)))
+
+
+def test_a_dense_config_is_planned_as_dense(tmp_path):
+    from transformers import Qwen3Config
+
+    Qwen3Config(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path)
+    plan = plan_memory(_request(str(tmp_path), strategy=StrategyConfig(), nproc_per_node=2))
+    assert any("no MoE layer" in note and "dense" in note for note in plan.notes), plan.notes
+    assert plan.comm.all_to_all == 0 and plan.activations.total > 0
+
+
+def test_a_missing_config_is_one_line_naming_the_path(tmp_path):
+    with pytest.raises(PlanInputError) as info:
+        plan_memory(_request(str(tmp_path / "nowhere")))
+    assert str(tmp_path / "nowhere" / "config.json") in str(info.value) and "\n" not in str(info.value)
+
+
+def test_deepseek_v3_on_64_ranks_plans_from_config_json_alone(tmp_path):
+    """In a fresh process (its own imports), with an audit hook that records every file it opens under the model's
+    directory: only config.json may be read. The plan itself is timed."""
+    model = tmp_path / "deepseek-v3"
+    model.mkdir()
+    (model / "config.json").write_text((CONFIGS / "deepseek-v3" / "config.json").read_text())
+    script = textwrap.dedent(f"""
+        import json, sys, time
+        opened = []
+        sys.addaudithook(lambda event, args: opened.append(str(args[0])) if event == "open" and
+                         str(args[0]).startswith({str(model)!r}) else None)
+        from twinkle_strategy.config import StrategyConfig
+        from twinkle_strategy.planning import PlanRequest, plan_memory
+        start, cpu = time.perf_counter(), time.process_time()
+        plan = plan_memory(PlanRequest({str(model)!r}, strategy=StrategyConfig(ep_size=64, memory_efficient_init=True),
+                                       nnodes=8, nproc_per_node=8, max_length=2048))
+        print(json.dumps({{"seconds": time.perf_counter() - start, "cpu_seconds": time.process_time() - cpu,
+                          "opened": sorted(set(opened)),
+                          "peak": plan.peak, "params": plan.step.params}}))
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["opened"] == [str(model / "config.json")], result["opened"]
+    # 671B parameters in bf16 over 64 ranks: about 21 GB of shards each (experts over ep 64, the rest over 64).
+    assert 18e9 < result["params"] < 23e9, result
+    # CPU seconds of this one process: the shared test machine's load does not count against the plan.
+    assert result["cpu_seconds"] < 60, result

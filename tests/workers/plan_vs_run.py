@@ -1,0 +1,62 @@
+"""Train a few steps of each named configuration and record the tensor memory each rank really held.
+
+Per configuration and rank: the peak of live tensor bytes during the init (from the start to the
+first step) and during the steps (every storage alive, parameters included, as a device's allocator
+counts them), with :class:`alloc_tracker.LiveBytes`. The test plans the same configurations in its
+own process and compares. One launch serves every configuration: each builds its own strategy and
+joins the process group the first one started.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import worker_common  # noqa: E402
+from alloc_tracker import LiveBytes  # noqa: E402
+
+from twinkle_strategy.train.recipe import load_recipe  # noqa: E402
+from twinkle_strategy.train.run import build_training  # noqa: E402
+
+STEPS = 2
+
+
+def measure(overrides: list[str]) -> dict:
+    recipe = load_recipe(None, overrides)
+    tracker = LiveBytes()
+    with tracker:
+        trainer, strategy = build_training(recipe, print_summary=False)
+        marks = {}
+        original = trainer.training_step
+
+        def training_step(step):
+            if not marks:  # the init is over: wrapped, materialized, optimizer made
+                marks["init_peak"] = tracker.peak
+                tracker.mark()
+            result = original(step)
+            marks["step_peak"] = tracker.peak  # after each step: the final save's memory is not the step's
+            return result
+
+        trainer.training_step = training_step
+        trainer.train()  # (the process group stays up: the next configuration's strategy joins it)
+    report = strategy.init_report
+    return {"init_peak": marks["init_peak"], "step_peak": marks["step_peak"],
+            "is_source": bool(report and report.is_source),
+            "init_shard_bytes": report.shard_bytes + report.buffer_bytes if report else None}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--common", nargs="*", default=[])
+    p.add_argument("--config", action="append", required=True, help="NAME:key=value;key=value")
+    args = p.parse_args()
+    out = {}
+    for spec in args.config:
+        name, _, keys = spec.partition(":")
+        out[name] = measure(list(args.common) + [k for k in keys.split(";") if k] + [f"train.max_steps={STEPS}"])
+    return {"configs": out}
+
+
+if __name__ == "__main__":
+    worker_common.run(main)

@@ -1,0 +1,195 @@
+"""Activations measured, not guessed: the model's own forward and backward traced on fake tensors.
+
+For each kind of decoder layer (dense or MoE, full or linear attention ...) the model runs once with
+one layer of each kind, and once more with that kind's layer twice: the difference is what one more
+layer of that kind keeps for the backward. Scaled by the layer counts, plus the first run (embedding,
+head, loss and the backward's transient peak), that is the step's activation peak. The run is real
+model code at the recipe's micro-batch and length, with its activation checkpointing, under
+FakeTensorMode (no storage) and torch's MemTracker, in this process, whatever the model's size.
+
+What is not the model's own code: the experts' routing. A fake tensor has no values, so each rank's
+experts get a balanced share of the rows (``routing_skew`` times it on the busiest EP rank), computed
+expert by expert with the experts' own weights (LoRA deltas included); EP's dispatch buffers (rows
+sent, rows received, the return trip) are allocated as the all-to-alls allocate them. Gradients are
+dropped as soon as they are accumulated, as FSDP2 frees them after its reduce-scatter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twinkle_strategy.compat import torch_internals as th
+from twinkle_strategy.dtypes import FLOAT_DTYPES
+from twinkle_strategy.errors import PlanInputError
+from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
+from twinkle_strategy.moe.discovery import MoEBlock, unwrap_experts
+from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
+from twinkle_strategy.moe.recompute import apply_activation_checkpointing
+from twinkle_strategy.planning.request import PlanRequest
+from twinkle_strategy.planning.skeleton import PlannedModel
+
+
+@dataclasses.dataclass(frozen=True)
+class ActivationPeak:
+    """The step's activation bytes on one rank (one micro-batch: accumulation frees each before the next)."""
+
+    base: int  # one layer of each kind, with embedding, head, loss and backward transients
+    per_layer: dict[str, int]  # one more layer of each kind
+    layer_counts: dict[str, int]
+    tokens: int  # tokens each rank computes per micro-batch
+
+    @property
+    def total(self) -> int:
+        return self.base + sum(self.per_layer[k] * (self.layer_counts[k] - 1) for k in self.per_layer)
+
+
+def layer_kind(layer: nn.Module) -> str:
+    """Layers of one kind keep the same activations: same classes of parts, same attention type."""
+    parts = ",".join(type(m).__name__ for m in layer.children())
+    return f"{type(layer).__name__}({parts}){getattr(layer, 'layer_type', '') or ''}"
+
+
+def measure_activations(planned: PlannedModel, request: PlanRequest) -> ActivationPeak:
+    """Trace the step's activations (mutates ``planned.model``: measure the states before)."""
+    model, dims = planned.model, planned.dims
+    tokens = math.ceil(request.max_length / dims.sp_size)
+    kinds: dict[str, list[nn.Module]] = {}
+    for layer in planned.layers:
+        kinds.setdefault(layer_kind(layer), []).append(layer)
+    holder, attr = _layer_list(model, planned.layers)
+    mode = th.fake_tensor_mode()
+    _to_fake(model, request, mode)
+    if dims.ep_enabled:
+        apply_expert_parallel(model, dims, 0, ep_group=None)  # this rank's slice of the experts, as the run cuts
+    for block in planned.blocks:
+        block.experts.forward = _balanced_experts(block, ep_size=dims.ep_size, skew=request.routing_skew)
+    if request.gradient_checkpointing:
+        apply_activation_checkpointing(planned.layers)
+    firsts = [layers[0] for layers in kinds.values()]
+    vocab = getattr(planned.config.get_text_config(), "vocab_size", 2)
+
+    def trace(layers: list[nn.Module]) -> int:
+        setattr(holder, attr, nn.ModuleList(layers))
+        with mode:
+            ids = torch.randint(0, vocab, (request.micro_batch, tokens))
+            return th.peak_tracked_bytes(lambda: _forward_backward(model, ids))
+
+    try:
+        with _dropping_grads(model):
+            base = trace(firsts)
+            per_layer = {kind: trace(firsts + [firsts[i]]) - base for i, kind in enumerate(kinds)}
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:  # the model's own code refused the step
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PlanInputError(f"the model's forward and backward failed on fake tensors, as the run would fail "
+                             f"({type(exc).__name__}: {first_line}); check the LoRA targets and sizes") from exc
+    return ActivationPeak(base=base, per_layer={k: max(v, 0) for k, v in per_layer.items()},
+                          layer_counts={k: len(v) for k, v in kinds.items()}, tokens=request.micro_batch * tokens)
+
+
+def _forward_backward(model: nn.Module, ids: torch.Tensor) -> None:
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    out.loss.backward()
+
+
+def _layer_list(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module, str]:
+    """The module and attribute holding the decoder layers (a ModuleList the model's forward loops over)."""
+    first = layers[0]
+    for module in model.modules():
+        for name, child in module.named_children():
+            if isinstance(child, nn.ModuleList) and any(m is first for m in child):
+                return module, name
+    raise ValueError(f"{type(model).__name__}: no ModuleList holds its decoder layers; the plan cannot trace it")
+
+
+def _to_fake(model: nn.Module, request: PlanRequest, mode) -> None:
+    """Every parameter and buffer a fake CPU tensor in the dtype it computes in (FSDP2's gathered copy)."""
+    loaded = loaded_dtype(model)
+    mixed = request.strategy.mixed_precision
+    compute = loaded if mixed == "no" else FLOAT_DTYPES[mixed]
+    kept = kept_parameters(model, compute)
+    done: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        params, buffers = th.parameter_slots(module), th.buffer_slots(module)
+        for key, param in list(params.items()):
+            if param is None:
+                continue
+            if id(param) not in done:
+                dtype = param.dtype if (id(param) in kept or mixed == "no" or not param.is_floating_point()) \
+                    else compute
+                with mode:
+                    done[id(param)] = nn.Parameter(torch.empty(param.shape, dtype=dtype, device="cpu"),
+                                                   requires_grad=param.requires_grad)
+            params[key] = done[id(param)]
+        for key, buf in list(buffers.items()):
+            if buf is not None:
+                with mode:
+                    buffers[key] = torch.zeros(buf.shape, dtype=buf.dtype, device="cpu")
+
+
+@contextlib.contextmanager
+def _dropping_grads(model: nn.Module):
+    handles = [p.register_post_accumulate_grad_hook(_drop_grad) for p in model.parameters() if p.requires_grad]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _drop_grad(param: torch.Tensor) -> None:
+    param.grad = None  # FSDP2 reduce-scatters the gathered gradient and frees it; the shard is counted apart
+
+
+def _balanced_experts(block: MoEBlock, *, ep_size: int, skew: float):
+    """The experts' forward at balanced routing, with EP's dispatch buffers (see the module docstring)."""
+    inner, wrappers = unwrap_experts(block.experts)
+
+    def weight(attr: str) -> torch.Tensor:
+        value = getattr(inner, attr)
+        for wrapper in wrappers:
+            if getattr(wrapper, "parameter_name", None) == attr:
+                for adapter in wrapper.lora_A:
+                    value = value + wrapper.get_delta_weight(adapter)
+        return value
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        tokens, top_k = top_k_index.shape
+        rows = tokens * top_k
+        token_of_row = torch.arange(rows, device=hidden_states.device) // top_k
+        x = hidden_states[token_of_row]  # the rows sent, one per (token, choice)
+        received = math.ceil(rows * skew) if ep_size > 1 else rows
+        if ep_size > 1:
+            x = x[torch.arange(received, device=x.device) % rows]  # the all-to-all's output buffer
+        gate_up = weight("gate_up_proj") if hasattr(inner, "gate_up_proj") else weight("up_proj")
+        gated = hasattr(inner, "gate_up_proj")
+        down = weight("down_proj")
+        act = getattr(inner, "act_fn", F.silu)
+        local = gate_up.shape[0]
+        sizes = [received // local + (1 if e < received % local else 0) for e in range(local)]
+        outs = []
+        for e, chunk in enumerate(x.split(sizes)):
+            h = _project(chunk, gate_up[e])
+            if gated:
+                g, u = h.chunk(2, dim=-1)
+                h = act(g) * u
+            else:
+                h = act(h)
+            outs.append(_project(h, down[e]))
+        y = torch.cat(outs)
+        if ep_size > 1:
+            y = y[torch.arange(rows, device=y.device) % received]  # the return trip's buffer
+        weighted = (y * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
+        return torch.zeros_like(hidden_states).index_add(0, token_of_row, weighted)
+
+    return forward
+
+
+def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x`` through one expert's weight, stored [out, in] (most families) or [in, out] (gpt-oss)."""
+    return F.linear(x, w) if w.shape[-1] == x.shape[-1] else x @ w

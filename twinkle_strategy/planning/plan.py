@@ -1,0 +1,174 @@
+"""A memory plan: every part of one rank's peak, the verdict against the budgets, and the fixes that fit.
+
+:func:`plan_once` builds the model on meta (``skeleton``), counts the model states exactly
+(``states``), traces the activations (``activations``), and adds them up as the run holds them at
+the step's peak, which is one of two moments:
+
+* without activation checkpointing, the start of the backward: every layer's activations are kept and
+  the head's loss gradient is being made; FSDP2 holds only the root gathered (every layer was resharded
+  after its forward) and no gradient exists yet;
+* with it, inside a layer's backward: the layer is recomputed while the root and two layers are gathered
+  (the one computing and the next, which FSDP2 prefetches), and the gradients of the layers done so far
+  exist (all of them are counted).
+
+The optimizer step (AdamW's foreach updates hold one temporary the size of the trainable shards) is
+the other candidate; the larger wins.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from twinkle_strategy.dtypes import FLOAT_DTYPES
+from twinkle_strategy.init.staging import FLAG_BYTES, STAGING_BUFFERS
+from twinkle_strategy.planning.activations import ActivationPeak, measure_activations
+from twinkle_strategy.planning.request import PlanRequest
+from twinkle_strategy.planning.skeleton import PlannedModel, build_planned_model
+from twinkle_strategy.planning.states import ModelStates, model_states
+
+GATHERED_LAYERS = 2  # the layer computing and the next, which FSDP2 prefetches in the backward
+ASSUMPTIONS = (
+    "every row is max_length tokens (no padding); one micro-batch's activations at a time",
+    "balanced routing: each EP rank receives its share of the rows (routing_skew times it on the busiest)",
+    "without activation checkpointing the peak is the start of the backward (the root gathered, no gradient "
+    "yet); with it, a layer's backward (the root and two layers gathered, every gradient counted)",
+    "tensor bytes only: the allocator's caching and fragmentation (often 5-15% on GPUs) and the CUDA context "
+    "(about 0.5 GiB) come on top",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPeak:
+    """The parts of one rank's device memory at the step's peak, in bytes."""
+
+    params: int  # sharded parameters (kept quantized bytes included)
+    grads: int
+    optimizer: int
+    gathered: int  # FSDP2 units gathered at once: the root and GATHERED_LAYERS layers, in the compute dtype
+    decoded: int  # quantized_base=keep: the largest unit's weights decoded for its compute
+    activations: int  # traced: embedding, every layer, head and loss, backward transients, EP dispatch buffers
+    optimizer_step: int  # the peak while AdamW steps (for comparison)
+
+    @property
+    def total(self) -> int:
+        backward = self.params + self.grads + self.optimizer + self.gathered + self.decoded + self.activations
+        return max(backward, self.optimizer_step)
+
+    def parts(self) -> dict[str, int]:
+        return {"sharded parameters": self.params, "gradients": self.grads, "optimizer state": self.optimizer,
+                "gathered units (mixed precision)": self.gathered, "decoded quantized unit": self.decoded,
+                "activations and EP buffers": self.activations}
+
+
+@dataclasses.dataclass(frozen=True)
+class InitMemory:
+    """memory_efficient_init: host RAM of a node's source and of a receiver, device memory after wrapping."""
+
+    source_host: int  # its shards and buffers, its staging buckets and the bytes it reads ahead
+    receiver_host: int  # its shards and buffers (buckets land in them)
+    device_after_wrap: int  # shards and buffers on the device, every rank
+
+
+@dataclasses.dataclass(frozen=True)
+class CommBytes:
+    """Bytes each rank sends per micro-batch (it receives as many at balanced routing)."""
+
+    all_gather: int
+    reduce_scatter: int
+    all_to_all: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Fix:
+    change: str  # the option(s) to change, as the Python API names them
+    peak: int  # the step's peak with the change
+    fits: bool | None
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    request: PlanRequest
+    notes: tuple[str, ...]
+    states: ModelStates
+    activations: ActivationPeak
+    step: StepPeak
+    init: InitMemory
+    comm: CommBytes
+    fixes: tuple[Fix, ...] = ()
+
+    @property
+    def peak(self) -> int:
+        return self.step.total
+
+    @property
+    def fits(self) -> bool | None:
+        """Whether the step's peak fits ``device_memory`` (None without a budget)."""
+        budget = self.request.device_memory
+        return None if budget is None else self.peak <= budget
+
+    @property
+    def host_fits(self) -> bool | None:
+        budget = self.request.host_memory
+        if budget is None:
+            return None
+        return self.init.source_host + (self.request.nproc_per_node - 1) * self.init.receiver_host <= budget
+
+    def with_fixes(self, fixes: tuple[Fix, ...]) -> MemoryPlan:
+        return dataclasses.replace(self, fixes=fixes)
+
+
+def plan_once(request: PlanRequest) -> tuple[MemoryPlan, PlannedModel]:
+    """The plan of ``request`` without fixes, and the model it measured (``fixes.plan_memory`` adds them)."""
+    planned = build_planned_model(request)
+    states = model_states(planned, request)
+    activations = measure_activations(planned, request)  # (mutates the meta model: after the states)
+    plan = MemoryPlan(request=request, notes=tuple(planned.notes), states=states, activations=activations,
+                      step=_step_peak(states, activations, request), init=_init_memory(states, request),
+                      comm=_comm_bytes(planned, states, request))
+    return plan, planned
+
+
+def _step_peak(states: ModelStates, activations: ActivationPeak, request: PlanRequest) -> StepPeak:
+    optimizer_step = states.params + states.grads + states.optimizer + states.trainable_params
+    if request.gradient_checkpointing:
+        grads, gathered = states.grads, states.root.unsharded + GATHERED_LAYERS * states.largest_layer
+    else:
+        grads, gathered = 0, states.root.unsharded
+    return StepPeak(params=states.params, grads=grads, optimizer=states.optimizer, gathered=gathered,
+                    decoded=states.kept_decoded_unit, activations=activations.total, optimizer_step=optimizer_step)
+
+
+def _init_memory(states: ModelStates, request: PlanRequest) -> InitMemory:
+    held = states.params + states.buffers
+    if not request.strategy.memory_efficient_init:
+        # Every rank loads the whole model on the CPU in the model's dtype, then keeps its shards.
+        whole = states.total_params * FLOAT_DTYPES[request.dtype].itemsize
+        return InitMemory(source_host=whole + held, receiver_host=whole + held, device_after_wrap=held)
+    # A receiver's buckets land in its shards; the source stages through STAGING_BUFFERS buckets of
+    # init_bucket_mb (each with its flag byte) and reads about half a bucket ahead (init.staging).
+    # With quantized_base=keep every shard is first allocated in the model's dtype (to_empty), then the kept
+    # weights' stored bytes replace theirs: the init's peak is the larger.
+    allocated = max(held, states.params_as_values + states.buffers)
+    bucket = request.strategy.init_bucket_bytes
+    node_stream = held * (request.nproc_per_node - 1)
+    source = allocated + STAGING_BUFFERS * (bucket + FLAG_BYTES) + min(bucket // 2, node_stream)
+    return InitMemory(source_host=source, receiver_host=allocated, device_after_wrap=held)
+
+
+def _comm_bytes(planned: PlannedModel, states: ModelStates, request: PlanRequest) -> CommBytes:
+    dims = planned.dims
+    world = dims.world_size
+    share = (world - 1) / world
+    units = states.root.unsharded + sum(u.unsharded for u in states.layers)
+    regathers = 1 if request.strategy.reshard_after_forward else 0
+    layers_gathered = sum(u.unsharded for u in states.layers)
+    all_gather = int(share * (units + regathers * layers_gathered))
+    reduce_scatter = int(share * states.trainable_elements / max(dims.ep_size, 1) * 4)  # fp32 reduction
+    hidden = getattr(planned.config.get_text_config(), "hidden_size", 0)
+    top_k = getattr(planned.config.get_text_config(), "num_experts_per_tok", 0) or 0
+    tokens = request.micro_batch * math.ceil(request.max_length / dims.sp_size)
+    compute_bytes = 4 if request.strategy.mixed_precision == "no" else 2
+    rows = tokens * top_k * hidden * compute_bytes * (dims.ep_size - 1) / dims.ep_size
+    all_to_all = int(4 * rows * len(planned.blocks)) if dims.ep_enabled else 0  # dispatch and combine, fwd and bwd
+    return CommBytes(all_gather=all_gather, reduce_scatter=reduce_scatter, all_to_all=all_to_all)
