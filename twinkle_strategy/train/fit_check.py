@@ -13,7 +13,7 @@ import os
 import sys
 
 from twinkle_strategy.errors import TwinkleError
-from twinkle_strategy.loading import HF_PREFIX, MS_PREFIX, cached_model_path
+from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, cached_model_path
 from twinkle_strategy.planning import LoraShape, MemoryPlan, PlanRequest, parse_size, plan_memory, table, to_json
 from twinkle_strategy.planning.report import gib
 from twinkle_strategy.train.recipe import Recipe, TunerType
