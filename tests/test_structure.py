@@ -367,7 +367,9 @@ def _front_end_words(text: str) -> list[str]:
     from twinkle_strategy.train.recipe import Recipe
     from twinkle_strategy.train.swift_flags import SWIFT_SFT_FLAGS
 
-    flags = set(SWIFT_FLAGS) | set(SWIFT_SFT_FLAGS)
+    # twinkle-sft plan takes torchrun's --nnodes/--nproc_per_node too: in a library message they are torchrun's.
+    flags = (set(SWIFT_FLAGS) | set(SWIFT_SFT_FLAGS)) - {"nnodes", "nproc_per_node", "node_rank", "master_addr",
+                                                          "master_port"}
     sections = {f.name: {g.name for g in dataclasses.fields(typing.get_type_hints(Recipe)[f.name])}
                 for f in dataclasses.fields(Recipe)}
     words = [f"--{m}" for m in re.findall(r"(?<![\w-])--([a-z][a-z0-9_-]*)", text) if m.replace("-", "_") in flags]

@@ -8,6 +8,7 @@ launcher.py     torchrun commands, per-node logging of the launched processes
 ports.py        master ports: picked free, picked again when another process takes one first (EADDRINUSE)
 errors.py       the application's own errors: recipe, dataset, preflight, a stopped run
 preflight.py    dataset, model and output checks run on the launching machine
+fit_check.py    the memory plan before launch (twinkle-sft plan, launch.device_memory / --skip_plan)
 run.py          one rank's job: recipe -> model, data, strategy, Trainer
 trainer.py      the training loop: set-up, steps, log lines, saves (through checkpoint.manager), resume
 arguments.py    TrainingArguments
