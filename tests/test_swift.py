@@ -769,6 +769,21 @@ def test_plugin_reads_async_save_as_a_trainer_option_before_any_weight_loads():
         resolve_options(None, {"TWINKLE_ASYNC_SAVE": "soon"})
 
 
+def test_plugin_reads_the_fit_checks_options_apart_from_the_strategys():
+    from twinkle_strategy.integrations.swift.parts.fit import launched_world, plan_options
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, resolve_options
+
+    assert plan_options(None, {}) == {"device_memory": None, "skip_plan": False, "routing_skew": 1.0}
+    env = {"TWINKLE_DEVICE_MEMORY": "80GiB", "TWINKLE_ROUTING_SKEW": "1.5"}
+    assert plan_options(None, env) == {"device_memory": 80 * 2**30, "skip_plan": False, "routing_skew": 1.5}
+    assert plan_options({"device_memory": "141G", "skip_plan": True}, env)["device_memory"] == 141 * 10**9  # JSON wins
+    assert resolve_options({"device_memory": "80GiB", "skip_plan": True}, env) == {"memory_efficient_init": True}
+    with pytest.raises(SwiftPluginError, match=r"^environment variable TWINKLE_DEVICE_MEMORY='lots': "):
+        plan_options(None, {"TWINKLE_DEVICE_MEMORY": "lots"})
+    assert launched_world({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == (2, 4)
+    assert launched_world({}) == (1, 1)
+
+
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():
     from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, check_arguments
 
