@@ -22,11 +22,7 @@ CONFIGS = {
     # LoRA over the FP8 release of the same tiny model, its frozen weights kept as stored (model.path: below).
     "fp8_keep_ep2": ["strategy.ep_size=2", "tuner.type=lora", "strategy.memory_efficient_init=true",
                      "strategy.quantized_base=keep", "model.dtype=bfloat16"],
-    # A sharded Qwen3-MoE of 217 MiB (hub layout, 5 safetensors files, benchmarks/export_bench.py's sizes; model.path:
-    # below): the init streams real shards and buckets, not the demo's few kilobytes.
-    "sharded_217m_lora_ep2": ["strategy.ep_size=2", "tuner.type=lora", "strategy.memory_efficient_init=true"],
 }
-SHARDED_SIZES = {"hidden_size": 512, "intermediate_size": 512, "num_layers": 8, "max_shard_size": "50MB"}
 
 
 @pytest.fixture(scope="module")
@@ -48,8 +44,7 @@ def runs(long_rows, tmp_path_factory):
     work = tmp_path_factory.mktemp("plan_vs_run")
     model = prepare_demo_model(str(work / "demo"), long_rows)
     release = _fp8_release_with_tokenizer(work / "fp8", model)
-    sharded = prepare_demo_model(str(work / "sharded"), long_rows, **SHARDED_SIZES)
-    paths = {"fp8_keep_ep2": release, "sharded_217m_lora_ep2": sharded}
+    paths = {"fp8_keep_ep2": release}
     configs = {name: keys + ([f"model.path={paths[name]}"] if name in paths else []) for name, keys in CONFIGS.items()}
     common = [f"model.path={model}", f"data.dataset=[{long_rows}]", "data.max_length=64",
               "data.truncation_strategy=right", "model.dtype=float32", "strategy.mixed_precision=no",
