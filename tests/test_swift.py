@@ -384,13 +384,16 @@ def test_swift_sft_fit_check_refuses_a_budget_just_under_the_plan_before_any_wei
                                            timeout=240, probe=False)
     assert returncodes[0] not in (0, None), returncodes
     refusals = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
-    assert len(refusals) == 2 and len(set(refusals)) == 1, _tail(log)  # one per rank, the same line
+    # Each rank refuses with the same line; torchrun stops the other rank once one has failed, so its line may not
+    # come (whether it does is a race on this loaded machine). Either way no rank got further (below).
+    assert len(refusals) in (1, 2) and len(set(refusals)) == 1, _tail(log)
     said = (f"twinkle_strategy.errors.SwiftPluginError: the memory plan's step peak {gib(peak)} per device exceeds "
             f"the budget {gib(budget)} (TWINKLE_DEVICE_MEMORY, else the GPU's memory); first fix: ")
     assert refusals[0].startswith(said), (refusals[0], said)
     assert re.fullmatch(r"\S+ \(peak [0-9.]+ [GM]iB\); twinkle-sft plan shows every part; TWINKLE_SKIP_PLAN=1 "
                         r"launches anyway", refusals[0][len(said):]), refusals[0]
-    assert "_init_fsdp" in log and "SafetensorError" not in log, _tail(log)  # refused while parsing, unread
+    # refused while parsing: no strategy built, the weights never opened
+    assert "_init_fsdp" in log and "NativeFSDPStrategy(" not in log and "CheckpointError" not in log, _tail(log)
 
 
 def test_swift_sft_resume_continues_exactly(lora_runs):
