@@ -44,7 +44,8 @@ def runs(long_rows, tmp_path_factory):
     work = tmp_path_factory.mktemp("plan_vs_run")
     model = prepare_demo_model(str(work / "demo"), long_rows)
     release = _fp8_release_with_tokenizer(work / "fp8", model)
-    configs = {name: keys + ([f"model.path={release}"] if "fp8" in name else []) for name, keys in CONFIGS.items()}
+    paths = {"fp8_keep_ep2": release}
+    configs = {name: keys + ([f"model.path={paths[name]}"] if name in paths else []) for name, keys in CONFIGS.items()}
     common = [f"model.path={model}", f"data.dataset=[{long_rows}]", "data.max_length=64",
               "data.truncation_strategy=right", "model.dtype=float32", "strategy.mixed_precision=no",
               "strategy.device_type=cpu", "train.per_device_train_batch_size=4", f"train.output_dir={work / 'out'}",
@@ -55,6 +56,8 @@ def runs(long_rows, tmp_path_factory):
         args += ["--config", f"{name}:{';'.join(keys)}"]
     result = launch("plan_vs_run.py", args, work / "launch", nnodes=2, nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
+    print("seconds per configuration (rank 0):", {name: round(r["seconds"], 1) for name, r in
+                                                  result.rank_results()[0]["configs"].items()})
     plans = {name: plan_memory(request_from_recipe(load_recipe(None, common + keys))) for name, keys in configs.items()}
     return result.rank_results(), plans
 

@@ -184,8 +184,27 @@ def lora_runs(swift_bin, tiny_model, tmp_path_factory):
     checkpoint = runs["plain"]["run_dir"] / "checkpoint-5"
     runs["resume"] = run_swift_sft(swift_bin, tiny_model, out,
                                    [*BATCH_2, *LORA_ARGS, "--resume_from_checkpoint", str(checkpoint)],
-                                   {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"})
+                                   {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1",
+                                    # the fit check, with a budget just over the plan's peak: it trains
+                                    "TWINKLE_DEVICE_MEMORY": str(int(planned_peak(tiny_model) * 1.01))})
     return runs
+
+
+def planned_peak(model: Path, *, max_length: int = 512) -> int:
+    """The plan's step peak of LORA_ARGS + BATCH_2 with ep_size 2 on 2 processes, as the plugin asks it (swift's
+    --max_length defaults to the demo's max_position_embeddings, 512; gradient checkpointing is swift's default)."""
+    from twinkle_strategy.config import StrategyConfig
+    from twinkle_strategy.integrations.swift.parts.fit import plan_request
+    from twinkle_strategy.planning import plan_memory
+
+    args = types.SimpleNamespace(tuner_type="lora", lora_rank=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                 target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+                                 torch_dtype=torch.float32, model_dir=str(model), per_device_train_batch_size=2,
+                                 max_length=max_length, gradient_checkpointing=True)
+    strategy = StrategyConfig(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
+    request = plan_request(args, strategy, device_type="cpu", device_memory=None, routing_skew=1.0,
+                           environ={"WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"})
+    return plan_memory(request).peak
 
 
 def test_swift_sft_lora_trains_with_memory_efficient_init(lora_runs, tiny_model):
@@ -341,6 +360,40 @@ def test_swift_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_wit
     assert (swift_args["sequence_parallel_size"], swift_args["packing"]) == (1, True), swift_args
     assert sorted(runs["sp"]["losses"]) == sorted(runs["ref"]["losses"]) == [1, 2, 3]
     assert_same_steps(runs["sp"], runs["ref"])
+
+
+def test_swift_sft_fit_check_passes_a_budget_just_over_the_plan(lora_runs):
+    """The resume launch ran with TWINKLE_DEVICE_MEMORY 1% over the plan's peak: planned, fits, trained."""
+    (line,) = set(re.findall(r"twinkle swift plugin: memory plan: (.*)", lora_runs["resume"]["log"]))
+    assert line.startswith("fits: step peak "), line
+
+
+def test_swift_sft_fit_check_refuses_a_budget_just_under_the_plan_before_any_weight_is_read(swift_bin, tiny_model,
+                                                                                           tmp_path):
+    """TWINKLE_DEVICE_MEMORY 1% under the plan's peak: every rank refuses in one line (peak, budget, first fix)
+    while swift parses its arguments. The weights file is garbage, so a rank that opened it would fail otherwise."""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+    from twinkle_strategy.planning.report import gib
+
+    peak = planned_peak(tiny_model)
+    budget = int(peak * 0.99)
+    returncodes, log, _ = launch_swift_sft(swift_bin, model, tmp_path, [*BATCH_2, *LORA_ARGS],
+                                           {"TWINKLE_EP_SIZE": "2", "TWINKLE_DEVICE_MEMORY": str(budget)},
+                                           timeout=240, probe=False)
+    assert returncodes[0] not in (0, None), returncodes
+    refusals = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
+    # Each rank refuses with the same line; torchrun stops the other rank once one has failed, so its line may not
+    # come (whether it does is a race on this loaded machine). Either way no rank got further (below).
+    assert len(refusals) in (1, 2) and len(set(refusals)) == 1, _tail(log)
+    said = (f"twinkle_strategy.errors.SwiftPluginError: the memory plan's step peak {gib(peak)} per device exceeds "
+            f"the budget {gib(budget)} (TWINKLE_DEVICE_MEMORY, else the GPU's memory); first fix: ")
+    assert refusals[0].startswith(said), (refusals[0], said)
+    assert re.fullmatch(r"\S+ \(peak [0-9.]+ [GM]iB\); twinkle-sft plan shows every part; TWINKLE_SKIP_PLAN=1 "
+                        r"launches anyway", refusals[0][len(said):]), refusals[0]
+    # refused while parsing: no strategy built, the weights never opened
+    assert "_init_fsdp" in log and "NativeFSDPStrategy(" not in log and "CheckpointError" not in log, _tail(log)
 
 
 def test_swift_sft_resume_continues_exactly(lora_runs):
@@ -717,6 +770,21 @@ def test_plugin_reads_async_save_as_a_trainer_option_before_any_weight_loads():
     assert resolve_options({"async_save": True}, {"TWINKLE_ASYNC_SAVE": "1"}) == {"memory_efficient_init": True}
     with pytest.raises(SwiftPluginError, match=r"^environment variable TWINKLE_ASYNC_SAVE='soon': expected true/false"):
         resolve_options(None, {"TWINKLE_ASYNC_SAVE": "soon"})
+
+
+def test_plugin_reads_the_fit_checks_options_apart_from_the_strategys():
+    from twinkle_strategy.integrations.swift.parts.fit import launched_world, plan_options
+    from twinkle_strategy.integrations.swift.plugin import SwiftPluginError, resolve_options
+
+    assert plan_options(None, {}) == {"device_memory": None, "skip_plan": False, "routing_skew": 1.0}
+    env = {"TWINKLE_DEVICE_MEMORY": "80GiB", "TWINKLE_ROUTING_SKEW": "1.5"}
+    assert plan_options(None, env) == {"device_memory": 80 * 2**30, "skip_plan": False, "routing_skew": 1.5}
+    assert plan_options({"device_memory": "141G", "skip_plan": True}, env)["device_memory"] == 141 * 10**9  # JSON wins
+    assert resolve_options({"device_memory": "80GiB", "skip_plan": True}, env) == {"memory_efficient_init": True}
+    with pytest.raises(SwiftPluginError, match=r"^environment variable TWINKLE_DEVICE_MEMORY='lots': "):
+        plan_options(None, {"TWINKLE_DEVICE_MEMORY": "lots"})
+    assert launched_world({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "4"}) == (2, 4)
+    assert launched_world({}) == (1, 1)
 
 
 def test_plugin_rejects_lora_options_the_expert_path_cannot_serve():

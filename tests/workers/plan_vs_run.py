@@ -10,6 +10,7 @@ joins the process group the first one started.
 import argparse
 import os
 import sys
+import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -23,6 +24,7 @@ STEPS = 2
 
 
 def measure(overrides: list[str]) -> dict:
+    start = time.monotonic()
     recipe = load_recipe(None, overrides)
     tracker = LiveBytes()
     with tracker:
@@ -43,7 +45,8 @@ def measure(overrides: list[str]) -> dict:
     report = strategy.init_report
     return {"init_peak": marks["init_peak"], "step_peak": marks["step_peak"],
             "is_source": bool(report and report.is_source),
-            "init_shard_bytes": report.shard_bytes + report.buffer_bytes if report else None}
+            "init_shard_bytes": report.shard_bytes + report.buffer_bytes if report else None,
+            "seconds": time.monotonic() - start}  # what each configuration adds to the launch
 
 
 def main():

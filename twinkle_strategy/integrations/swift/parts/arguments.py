@@ -9,9 +9,10 @@ import os
 from twinkle_strategy import config
 from twinkle_strategy.distributed.runtime import apply_backend_env_defaults, backend_for, detect_device_type
 from twinkle_strategy.errors import SwiftPluginError
+from twinkle_strategy.integrations.swift.parts.fit import check_fit
 from twinkle_strategy.integrations.swift.parts.options import resolve_options
 from twinkle_strategy.integrations.swift.parts.sequence import take_sequence_parallel
-from twinkle_strategy.integrations.swift.parts.state import STATE
+from twinkle_strategy.integrations.swift.parts.state import STATE, strategy_options
 from twinkle_strategy.integrations.transformers.refusals import refuse_conflicting_sharding
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
@@ -103,6 +104,10 @@ def init_fsdp(_orig, self) -> None:
     STATE.swift_precision = "bf16" if self.bf16 else "no"
     self.bf16 = self.fp16 = False
     device_type = detect_device_type()
+    # Will it fit? Planned from config.json alone, on every rank alike, before any weight is read (.fit).
+    strategy_config = config.StrategyConfig(backend=getattr(self, "ddp_backend", None), **strategy_options())
+    check_fit(self, strategy_config, device_type=strategy_config.device_type or device_type,
+              fsdp_options=STATE.fsdp_options)
     # Before accelerate creates the process group (the strategy then reuses it).
     apply_backend_env_defaults(backend_for(device_type, self.ddp_backend))
     if device_type == "cpu" and int(os.environ.get("WORLD_SIZE", "1")) > 1:

@@ -1,7 +1,8 @@
 """The plugin's options: every StrategyConfig field, as ``TWINKLE_<NAME>`` or the ``--fsdp`` JSON's ``"twinkle"`` object.
 
 Built from :mod:`twinkle_strategy.config` generically: an option added to StrategyConfig is an option here.
-Plus the trainer's own options (:data:`TRAINER_OPTIONS`: ``TWINKLE_ASYNC_SAVE``), read the same two ways.
+Plus the trainer's own options (:data:`TRAINER_OPTIONS`: ``TWINKLE_ASYNC_SAVE``) and the fit check's
+(:data:`PLAN_OPTIONS`: ``TWINKLE_DEVICE_MEMORY``, ``TWINKLE_SKIP_PLAN``, ``TWINKLE_ROUTING_SKEW``), read the same two ways.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ DEFAULTS = {"memory_efficient_init": True}
 SWIFT_OWNED = {"backend": "--ddp_backend"}  # options swift already has a flag for
 # Options of the trainer, not of the strategy (twinkle-sft's train.* of the same name): name -> default.
 TRAINER_OPTIONS = {"async_save": False}
+# Options of the fit check before the model loads (parts/fit.py), neither the strategy's nor the trainer's.
+PLAN_OPTIONS = {"device_memory": None, "skip_plan": False, "routing_skew": 1.0}
 
 
 def option_names() -> list[str]:
@@ -33,7 +36,7 @@ def resolve_options(fsdp_options: dict | None = None, environ=None) -> dict[str,
     """Strategy options from ``TWINKLE_*`` variables, overridden by the ``--fsdp`` JSON's ``"twinkle"`` object."""
     environ = os.environ if environ is None else environ
     trainer_options(fsdp_options, environ)  # their errors now too, before any model is loaded
-    fsdp_options = {k: v for k, v in (fsdp_options or {}).items() if k not in TRAINER_OPTIONS}
+    fsdp_options = {k: v for k, v in (fsdp_options or {}).items() if k not in TRAINER_OPTIONS and k not in PLAN_OPTIONS}
     names = option_names()
     options: dict[str, Any] = dict(DEFAULTS)
     sources = [(f"environment variable {env_var(k)}", k, environ[env_var(k)]) for k in names if env_var(k) in environ]

@@ -41,12 +41,18 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def strategy_options() -> dict[str, Any]:
+    """The StrategyConfig fields of this run: the options, swift's --sequence_parallel_size and its precision."""
+    options = resolve_options(STATE.fsdp_options)
+    options["sequence_parallel_size"] = STATE.sequence_parallel_size  # swift's flag, taken in .arguments
+    options.setdefault("mixed_precision", STATE.swift_precision)
+    return options
+
+
 def get_strategy() -> NativeFSDPStrategy:
     """The process's NativeFSDPStrategy, built on first use from the options and swift's arguments."""
     if STATE.strategy is None:
-        options = resolve_options(STATE.fsdp_options)
-        options["sequence_parallel_size"] = STATE.sequence_parallel_size  # swift's flag, taken in .arguments
-        options.setdefault("mixed_precision", STATE.swift_precision)
+        options = strategy_options()
         strategy = NativeFSDPStrategy(StrategyConfig(backend=getattr(STATE.args, "ddp_backend", None), **options))
         try:
             strategy.setup()
