@@ -55,8 +55,13 @@ def layer_kind(layer: nn.Module) -> str:
     return f"{type(layer).__name__}({parts}){getattr(layer, 'layer_type', '') or ''}"
 
 
-def measure_activations(planned: PlannedModel, request: PlanRequest) -> ActivationPeak:
-    """Trace the step's activations (mutates ``planned.model``: measure the states before)."""
+def measure_activations(planned: PlannedModel, request: PlanRequest, *, gathered_in_backward: int = 0) -> ActivationPeak:
+    """Trace the step's activations (mutates ``planned.model``: measure the states before).
+
+    ``gathered_in_backward``: bytes FSDP2 holds while each layer's backward runs (the layer unsharded and
+    the one it prefetches), held in the trace from a layer's output gradient to its input gradient: the
+    peak is then the larger of the backward's start and a layer's backward, with what each really holds.
+    """
     model, dims = planned.model, planned.dims
     tokens = math.ceil(request.max_length / dims.sp_size)
     kinds: dict[str, list[nn.Module]] = {}
@@ -71,11 +76,15 @@ def measure_activations(planned: PlannedModel, request: PlanRequest) -> Activati
         block.experts.forward = _balanced_experts(block, ep_size=dims.ep_size, skew=request.routing_skew)
     if request.gradient_checkpointing:
         apply_activation_checkpointing(planned.layers)
+    slot: list = []  # the holding call and its bytes, one for every layer: their backwards run one after another
+    hooks = [_holding_during_backward(layer, gathered_in_backward, mode, slot) for layer in planned.layers] \
+        if gathered_in_backward else []
     firsts = [layers[0] for layers in kinds.values()]
     vocab = getattr(planned.config.get_text_config(), "vocab_size", 2)
 
     def trace(layers: list[nn.Module]) -> int:
         setattr(holder, attr, nn.ModuleList(layers))
+        slot.clear()  # (the last trace's first layer kept its bytes to its end)
         with mode:
             ids = torch.randint(0, vocab, (request.micro_batch, tokens))
             return th.peak_tracked_bytes(lambda: _forward_backward(model, ids))
@@ -88,6 +97,9 @@ def measure_activations(planned: PlannedModel, request: PlanRequest) -> Activati
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PlanInputError(f"the model's forward and backward failed on fake tensors, as the run would fail "
                              f"({type(exc).__name__}: {first_line}); check the LoRA targets and sizes") from exc
+    finally:
+        for hook in hooks:
+            hook.remove()
     return ActivationPeak(base=base, per_layer={k: max(v, 0) for k, v in per_layer.items()},
                           layer_counts={k: len(v) for k, v in kinds.items()}, tokens=request.micro_batch * tokens)
 
@@ -95,6 +107,41 @@ def measure_activations(planned: PlannedModel, request: PlanRequest) -> Activati
 def _forward_backward(model: nn.Module, ids: torch.Tensor) -> None:
     out = model(input_ids=ids, labels=ids, use_cache=False)
     out.loss.backward()
+
+
+def _holding_during_backward(layer: nn.Module, nbytes: int, mode, slot: list):
+    """A forward hook making ``layer``'s backward hold ``nbytes`` (FSDP2's gathered units) while it runs.
+
+    The bytes are taken when the gradient of the layer's output arrives (FSDP2's pre-backward unshard) and
+    given back when its input's gradient is complete (its post-backward reshard); an input that needs no
+    gradient (the first layer's, under LoRA) keeps them to the end of the backward, whose rest is smaller.
+    ``slot`` is shared by every layer: one layer's output is the next one's input, and its hooks may run
+    in either order; the next layer's bytes replace the last's, never add to them (nor are freed by it).
+    """
+
+    def hook(module, args, kwargs, output):
+        call = object()  # this call's bytes (a layer traced twice is two calls)
+
+        def take(grad):
+            slot[:] = [call]
+            with mode:
+                slot.append(torch.empty(nbytes, dtype=torch.uint8))
+            return grad
+
+        def give_back(grad):
+            if slot and slot[0] is call:  # (not the next layer's, taken just before on the same tensor)
+                slot.clear()
+            return grad
+
+        out = output[0] if isinstance(output, tuple) else output
+        if isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(take)
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if isinstance(hidden, torch.Tensor) and hidden.requires_grad:
+            hidden.register_hook(give_back)
+        return output
+
+    return layer.register_forward_hook(hook, with_kwargs=True)
 
 
 def _layer_list(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module, str]:

@@ -4,9 +4,11 @@
 (``states``), traces the activations (``activations``), and adds them up as the run holds them at
 the step's peak, which is one of two moments:
 
-* without activation checkpointing, the start of the backward: every layer's activations are kept and
-  the head's loss gradient is being made; FSDP2 holds only the root gathered (every layer was resharded
-  after its forward) and no gradient exists yet;
+* without activation checkpointing, the start of the backward (every layer's activations are kept and
+  the head's loss gradient is being made; FSDP2 holds only the root gathered, every layer was resharded
+  after its forward, and no gradient exists yet) or a layer's backward (two layers gathered, the one
+  computing and the one prefetched, with nearly every activation still alive), whichever the trace finds
+  larger: it holds the two layers' bytes during each layer's backward (``activations``);
 * with it, inside a layer's backward: the layer is recomputed while the root and two layers are gathered
   (the one computing and the next, which FSDP2 prefetches), and the gradients of the layers done so far
   exist (all of them are counted).
@@ -32,7 +34,8 @@ ASSUMPTIONS = (
     "every row is max_length tokens (no padding); one micro-batch's activations at a time",
     "balanced routing: each EP rank receives its share of the rows (routing_skew times it on the busiest)",
     "without activation checkpointing the peak is the start of the backward (the root gathered, no gradient "
-    "yet); with it, a layer's backward (the root and two layers gathered, every gradient counted)",
+    "yet) or a layer's backward (two layers gathered too); with it, a layer's backward (the root and two layers "
+    "gathered, every gradient counted)",
     "tensor bytes only: the allocator's caching and fragmentation (often 5-15% on GPUs) and the CUDA context "
     "(about 0.5 GiB) come on top",
 )
@@ -48,6 +51,7 @@ class StepPeak:
     gathered: int  # FSDP2 units gathered at once: the root and GATHERED_LAYERS layers, in the compute dtype
     decoded: int  # quantized_base=keep: the largest unit's weights decoded for its compute
     activations: int  # traced: embedding, every layer, head and loss, backward transients, EP dispatch buffers
+    # (without activation checkpointing, with the two layers a layer's backward holds gathered, where that wins)
     optimizer_step: int  # the peak while AdamW steps (for comparison)
 
     @property
@@ -122,7 +126,10 @@ def plan_once(request: PlanRequest) -> tuple[MemoryPlan, PlannedModel]:
     """The plan of ``request`` without fixes, and the model it measured (``fixes.plan_memory`` adds them)."""
     planned = build_planned_model(request)
     states = model_states(planned, request)
-    activations = measure_activations(planned, request)  # (mutates the meta model: after the states)
+    # Without activation checkpointing, a layer's backward holds two layers gathered with nearly every
+    # activation still alive: the trace holds them there (with it, they are counted apart, at every moment).
+    in_backward = 0 if request.gradient_checkpointing else GATHERED_LAYERS * states.largest_layer
+    activations = measure_activations(planned, request, gathered_in_backward=in_backward)  # (after the states)
     plan = MemoryPlan(request=request, notes=tuple(planned.notes), states=states, activations=activations,
                       step=_step_peak(states, activations, request), init=_init_memory(states, request),
                       comm=_comm_bytes(planned, states, request))
