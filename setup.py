@@ -26,7 +26,7 @@ setup(
     ],
     entry_points={"console_scripts": ["twinkle-sft=twinkle_strategy.train.cli:main"]},
     extras_require={
-        # trl: tests/test_trl.py (TRL's SFTTrainer through integrations.transformers); 1.16 runs on transformers 5.19-5.24
+        # trl: tests/multiproc/test_trl.py (TRL's SFTTrainer through integrations.transformers); 1.16 runs on transformers 5.19-5.24
         "test": ["pytest", "ruff", "trl>=1.16,<2", "mkdocs>=1.6,<2"],
         # ms-swift's `swift sft --external_plugins` integration (docs/swift.md); tested with ms-swift 4.6.0, which
         # needs transformers<5.20 and peft<0.21: the oldest versions above (constraints-swift.txt)

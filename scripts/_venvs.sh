@@ -56,7 +56,7 @@ venv_pythonpath() { echo "$TWINKLE_REPO${PYTHONPATH:+:$PYTHONPATH}"; }
 dot_venv_stamp() { { echo "$TWINKLE_REPO"; cat "$1" "$TWINKLE_REPO/setup.py"; } | sha256sum | cut -c1-64; }
 
 # True (pip is skipped) when the virtualenv DIR has the stamp of CONSTRAINTS and its installed versions are their
-# pins; tests/test_first_hour.py (test_scripts_install_into_dot_venv_only_when_it_is_stale) runs it on a throwaway
+# pins; tests/multiproc/test_first_hour.py (test_scripts_install_into_dot_venv_only_when_it_is_stale) runs it on a throwaway
 # layout, never on the real .venv.
 dot_venv_is_current() {
   [ "$(cat "$1/.twinkle-env" 2>/dev/null)" = "$(dot_venv_stamp "$2")" ] &&

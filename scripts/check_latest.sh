@@ -2,7 +2,7 @@
 # Try the newest releases: a throwaway virtualenv with the newest transformers, peft, torch and every other
 # dependency setup.py names, from the registry, without constraints.txt and without setup.py's bounds; prints
 # the versions it got (and which fall outside setup.py's ranges), then runs the smoke subset on them
-# (scripts/smoke.sh: tests/test_smoke.py, and tests/test_internals.py, whose tests name the internal that moved
+# (scripts/smoke.sh: tests/multiproc/test_smoke.py, and tests/unit/test_internals.py, whose tests name the internal that moved
 # and the installed version). Exit status: the tests'. Run it on a release day, before raising a bound:
 #   bash scripts/check_latest.sh                 # a few minutes; the env is deleted at the end
 #   KEEP_VENV=1 bash scripts/check_latest.sh     # keep it (its path is printed) to debug a failure

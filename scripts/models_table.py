@@ -12,7 +12,7 @@ whose modeling code has an ``experts`` module. For each one:
    on 2 simulated nodes x 2 ranks, ep=2, memory_efficient_init, against a
    single process: weights bit for bit after init, logits, loss and gradient norm;
 4. in the same launch, for the families whose class keeps tensors in fp32 under bf16,
-   the same in bf16 against one process in bf16 (``tests/test_bf16.py``'s checks:
+   the same in bf16 against one process in bf16 (``tests/multiproc/test_bf16.py``'s checks:
    weights and dtypes bit for bit, first-layer routing, bf16 tolerances).
 
 Usage::
@@ -178,7 +178,7 @@ def run_matrix(families: list[str], bf16: list[str], root: Path, work: Path):
 
 
 def bf16_verdict(row: dict, by_rank: dict[int, dict]) -> None:
-    """The row's bf16 result, by tests/test_bf16.py's own checks."""
+    """The row's bf16 result, by tests/multiproc/test_bf16.py's own checks."""
     from test_bf16 import check_cases
 
     errors = [c for c in by_rank.values() if "error" in c]
@@ -232,7 +232,7 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
         "modeling code has an `experts` module (a vision-language checkpoint loads its own class, vision tower "
         f"included, and is trained on text here), run with torch {torch.__version__.split('+')[0]} on CPU (gloo) as 2 simulated nodes x 2 ranks, "
         "`ep_size=2`, `memory_efficient_init=True`, fp32, each against a single process of the same tiny "
-        "checkpoint (the checks of `tests/test_model_families.py`): the weights gathered right after init equal "
+        "checkpoint (the checks of `tests/multiproc/test_model_families.py`): the weights gathered right after init equal "
         "the single-process model's bit for bit and every rank holds its own experts; logits, loss and gradient "
         f"norm agree within {TOLERANCE:g} (gradient norm relative). Run took {seconds:.0f} s.",
         "",
@@ -245,7 +245,7 @@ def write_markdown(rows: list[dict], path: Path, seconds: float) -> None:
         f"Families whose class keeps tensors in fp32 under bf16 ({len([r for r in rows if r.get('fp32_kept')])}; "
         "`_keep_in_fp32_modules_strict` or a parameter built in fp32) also run in bf16 in the same launch, "
         "loaded with `dtype=torch.bfloat16` and `mixed_precision='bf16'` against one process in bf16 (the "
-        "checks of `tests/test_bf16.py`: weights and dtypes bit for bit, fp32-kept parameters computing in fp32, "
+        "checks of `tests/multiproc/test_bf16.py`: weights and dtypes bit for bit, fp32-kept parameters computing in fp32, "
         f"the first MoE layer's routing token for token, logits, loss and gradient norm within bf16 tolerances): "
         f"**{len([r for r in rows if r.get('bf16') == 'matches'])} match** (column bf16).",
         "",

@@ -3,7 +3,7 @@
 # transformers, peft ...), lint, build the docs site, run the whole suite on CPU/gloo; then the smoke subset on the oldest versions
 # setup.py allows (scripts/test_oldest.sh, its own virtualenv). Both run; either failing fails.
 #   bash scripts/test.sh                     # everything
-#   bash scripts/test.sh tests/test_units.py # pytest arguments go to the pinned run; the oldest smoke is skipped
+#   bash scripts/test.sh tests/unit/test_units.py # pytest arguments go to the pinned run; the oldest smoke is skipped
 source "$(dirname "$0")/_env.sh"
 ruff check .   # lint (pyproject.toml): unused/undefined names, import order
 status=0

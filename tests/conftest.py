@@ -5,6 +5,18 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Folder -> marker. The swift tier's folder is not `swift/`: this folder is on sys.path (above), and a `swift/`
+# in it would shadow ms-swift's own `swift` package for every test that imports it.
+TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift"}
+
+
+def pytest_collection_modifyitems(items):
+    """Mark every test with its tier, the folder it lives in (pyproject.toml registers the markers): `-m unit`."""
+    for item in items:
+        tier = TIERS.get(item.path.parent.name)
+        if tier:
+            item.add_marker(getattr(pytest.mark, tier))
+
 from twinkle_strategy.testing.families import FAMILIES, LAYOUT_FAMILIES  # noqa: E402
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint  # noqa: E402
 

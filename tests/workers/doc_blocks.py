@@ -2,7 +2,7 @@
 
     torchrun ... doc_blocks.py BLOCKS_JSON OUT_DIR
 
-``BLOCKS_JSON``: ``[{"line": N, "code": "..."}, ...]`` (tests/test_docs_transformers.py extracts them from the page).
+``BLOCKS_JSON``: ``[{"line": N, "code": "..."}, ...]`` (tests/multiproc/test_docs_transformers.py extracts them from the page).
 Each rank writes ``OUT_DIR/rank<R>.json``: per block, the losses of the trainer it built and trained (if it did).
 A block that raises stops the script with its traceback, naming the page line the block starts at.
 """

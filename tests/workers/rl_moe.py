@@ -1,4 +1,4 @@
-"""Generation and routing replay under EP + FSDP2, against one process (tests/test_rl.py).
+"""Generation and routing replay under EP + FSDP2, against one process (tests/multiproc/test_rl.py).
 
 --generate: greedy and sampled ``generate`` (KV cache) of Qwen3-MoE and DeepSeek-V3 with prompts of different
 lengths and numbers per rank, stop tokens hit at different steps on different ranks, one rank without a

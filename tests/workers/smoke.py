@@ -1,6 +1,6 @@
 """The smoke subset in one launch: what a transformers/peft/torch release most often breaks, on every rank.
 
-Run by tests/test_smoke.py on the pinned set, on the oldest versions setup.py allows (.ci/run) and on the
+Run by tests/multiproc/test_smoke.py on the pinned set, on the oldest versions setup.py allows (.ci/run) and on the
 newest releases (scripts/check_latest.sh). Each part reuses the worker of the full test, on fewer cases:
 
 * ``init``: memory_efficient_init (streamed from hub-layout checkpoints, one of them in several files)

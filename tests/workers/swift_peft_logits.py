@@ -4,7 +4,7 @@
 
 Prints ``PEFT <peft version> <max |logits - probe logits|>`` for the probe's token ids and, when the
 probe recorded an image-text batch, ``PEFT-IMAGE-TEXT <peft version> <max difference>`` for it (the
-base loaded with its vision-language class). tests/test_swift.py runs it with the swift virtualenv's
+base loaded with its vision-language class). tests/swift_plugin/test_swift.py runs it with the swift virtualenv's
 interpreter (the peft/transformers ms-swift trains with) and imports it in .venv.
 """
 

@@ -1,4 +1,4 @@
-"""Weight export to a rollout engine: every case of tests/test_weight_export.py in one launch.
+"""Weight export to a rollout engine: every case of tests/multiproc/test_weight_export.py in one launch.
 
 Rank 0 is the destination: it starts a receiver process outside the group (export_receiver.py), which loads a
 plain transformers model from the original checkpoint and receives the buckets. Each case trains 3 steps, exports,

@@ -3,14 +3,14 @@
 Some of what the library needs has no public API: which tensors ``from_pretrained`` keeps in
 fp32, transformers' checkpoint conversion rules, a tensor that holds no storage, a module's own
 parameter slots. Those internals are read here and nowhere else
-(``tests/test_internals.py`` fails if another module touches a private name of transformers or
+(``tests/unit/test_internals.py`` fails if another module touches a private name of transformers or
 torch), each through one small wrapper that
 
 * is declared with an :class:`Internal`: what the library uses it for, the versions it was checked
   on, and the public API that would replace it (the wrapper's docstring ends with the same);
 * raises :class:`~twinkle_strategy.errors.InternalChangedError`, naming the internal and the
   installed version, when a release removes it;
-* has a fast single-process unit test in ``tests/test_internals.py`` of exactly the behaviour the
+* has a fast single-process unit test in ``tests/unit/test_internals.py`` of exactly the behaviour the
   library relies on, so that a release that changes it fails there, by name, rather than deep
   inside a multi-process run.
 

@@ -1,7 +1,7 @@
 """What twinkle_strategy takes from torch's internals.
 
 Each wrapper is declared with an :class:`~twinkle_strategy.compat.Internal` (what it is used for,
-the versions checked, the public replacement) and tested in ``tests/test_internals.py``.
+the versions checked, the public replacement) and tested in ``tests/unit/test_internals.py``.
 """
 
 from __future__ import annotations

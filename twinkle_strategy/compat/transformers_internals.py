@@ -1,7 +1,7 @@
 """What twinkle_strategy takes from transformers' internals (and accelerate's, which its Trainer drives).
 
 Each wrapper is declared with an :class:`~twinkle_strategy.compat.Internal` (what it is used for,
-the versions checked, the public replacement) and tested in ``tests/test_internals.py``.
+the versions checked, the public replacement) and tested in ``tests/unit/test_internals.py``.
 transformers is imported inside the wrappers, never at import time.
 """
 

@@ -4,7 +4,7 @@ Routing replay dispatches recorded expert ids instead of the router's top-k. The
 still come from the current router's scores at those ids, normalised as the family normalises them,
 or the router gets no gradient (Megatron-LM's ``RouterReplay``). A :class:`RouterRule` is that
 normalisation, written for one family of transformers router classes whose ``forward`` is the same
-code (transformers copies it between models; tests/test_rl_units.py checks the copies still match).
+code (transformers copies it between models; tests/unit/test_rl_units.py checks the copies still match).
 
 A router is called as ``router(hidden_states)`` and returns ``(router_logits, weights, indices)``;
 the rules read the logits the router itself returned, so its linear layer (with LoRA, with FSDP's

@@ -2,7 +2,7 @@
 
 # The four families the foundation tests run at ep=2 and ep=4.
 FAMILIES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
-# The family matrix (tests/test_model_families.py): the families whose experts need more than
+# The family matrix (tests/multiproc/test_model_families.py): the families whose experts need more than
 # the common routed contract (Llama-4's pre-routed call, Nemotron-H's non-gated experts,
 # LongCat-Flash's zero-computation experts), and a representative set of the others.
 MATRIX_FAMILIES = ("llama4", "nemotron_h", "longcat_flash", "qwen3_moe", "deepseek_v4", "gpt_oss", "qwen3_next",

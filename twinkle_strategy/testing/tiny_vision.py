@@ -1,6 +1,6 @@
 """Tiny, real vision-language MoE checkpoints with a real processor, and a tiny image-text dataset.
 
-For image-text fine-tuning through ``swift sft`` (examples/swift_vl_sft.sh, tests/test_swift.py):
+For image-text fine-tuning through ``swift sft`` (examples/swift_vl_sft.sh, tests/swift_plugin/test_swift.py):
 swift's templates turn each ``<image>`` of a sample into the model's vision tokens and run the
 checkpoint's own processor on the image, so the checkpoint needs a processor that really
 processes images (``Qwen3VLProcessor``: image processor, video processor, tokenizer).

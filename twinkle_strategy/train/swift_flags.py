@@ -1,10 +1,10 @@
 """The flags of ``swift sft`` (ms-swift 4.6.0) that ``twinkle-sft`` does not take, each with the reason.
 
-``SWIFT_SFT_FLAGS`` is every field of ms-swift 4.6.0's ``SftArguments`` (``tests/test_swift.py`` checks the list
+``SWIFT_SFT_FLAGS`` is every field of ms-swift 4.6.0's ``SftArguments`` (``tests/swift_plugin/test_swift.py`` checks the list
 against the installed ms-swift). Each is either a ``twinkle-sft`` flag with swift's meaning (``cli.SWIFT_FLAGS``)
 or a key of :data:`SWIFT_FLAGS_NOT_TAKEN`, whose one line says why and what to do instead; the CLI prints it
 instead of a "did you mean" that would point at another flag (``--use_cpu`` is not ``--use_hf``).
-``tests/test_launch_errors.py`` checks that every listed flag is one or the other.
+``tests/multiproc/test_launch_errors.py`` checks that every listed flag is one or the other.
 """
 
 from __future__ import annotations

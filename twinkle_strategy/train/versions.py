@@ -22,7 +22,7 @@ CHECKED_PACKAGES = ("torch", "transformers", "peft")
 FRONT_END_PACKAGES = ("trl", "accelerate")
 
 # The versions the suite runs on: the pins of constraints.txt (the whole suite), constraints-oldest.txt (the smoke
-# subset) and constraints-swift.txt (the swift tests). tests/test_first_hour.py checks this against those files.
+# subset) and constraints-swift.txt (the swift tests). tests/multiproc/test_first_hour.py checks this against those files.
 TESTED_VERSIONS = {
     "torch": ("2.13.0", "2.14.1"),
     "transformers": ("5.19.0", "5.24.0"),

@@ -30,7 +30,7 @@ from twinkle_strategy.compat import transformers_internals as hf
 from twinkle_strategy.compat.transformers_internals import rule_class
 from twinkle_strategy.errors import InternalChangedError
 
-PACKAGE = Path(__file__).resolve().parent.parent / "twinkle_strategy"
+PACKAGE = Path(__file__).resolve().parents[2] / "twinkle_strategy"
 INTERNALS = internals()
 CHECKS = {}
 

@@ -1,7 +1,7 @@
 """Routing records and routing replay in one process (ep=1, plain transformers models): the inner loop.
 
 The multi-process checks (EP dispatch of replayed ids, equality with these one-process references,
-generation under EP) are tests/test_rl.py.
+generation under EP) are tests/multiproc/test_rl.py.
 """
 
 from __future__ import annotations

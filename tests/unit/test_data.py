@@ -52,7 +52,7 @@ def test_max_length_packing_and_collation(tokenizer, tmp_path):
     single = SFTDataset.from_jsonl(path, tokenizer, max_length=64)
     n = len(single[0]["input_ids"])
     packed = SFTDataset.from_jsonl(path, tokenizer, max_length=3 * n, packing=True)
-    # Packs keep their examples apart (tests/test_packing.py): three whole examples each.
+    # Packs keep their examples apart (tests/multiproc/test_packing.py): three whole examples each.
     assert len(packed) == 2 and len(packed[0]) == 3 * n and packed[0].examples == (single[0],) * 3
     truncated = SFTDataset.from_jsonl(path, tokenizer, max_length=n - 2)
     assert len(truncated[0]["input_ids"]) == n - 2

@@ -42,7 +42,7 @@ def demo_run(tmp_path_factory):
     recipe = [str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
               f"train.max_steps={STEPS}", "train.save_steps=4", "train.logging_steps=1", "--merge_lora", "true"]
     # The memory plan's peak for this run: the launch below gets a budget just over it (it must train), and
-    # tests/test_fit_check.py one just under (it must be refused before any process starts).
+    # tests/multiproc/test_fit_check.py one just under (it must be refused before any process starts).
     planned = run_cli(["plan", *recipe, "--json"], cwd=work)
     assert planned.returncode == 0, planned.stderr[-3000:]
     peak = json.loads(planned.stdout)["step_peak_bytes"]

@@ -4,7 +4,7 @@ One launch runs the whole matrix: Llama-4 (pre-routed experts), Nemotron-H
 (non-gated experts), LongCat-Flash (zero-computation experts), each also with
 LoRA on attention and its experts, and a representative set of the routed
 families; then the models EP must refuse at wrap_model, on every rank. The same launch runs a few
-families in bf16 against one process in bf16 (tests/test_bf16.py's checks).
+families in bf16 against one process in bf16 (tests/multiproc/test_bf16.py's checks).
 """
 
 import pytest
@@ -16,7 +16,7 @@ from twinkle_strategy.testing.families import MATRIX_FAMILIES, REFUSED_FAMILIES,
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 FAMILIES = MATRIX_FAMILIES + VISION_LANGUAGE_FAMILIES
-# Also run in bf16, against one process in bf16 (the checks of tests/test_bf16.py): the families of the matrix
+# Also run in bf16, against one process in bf16 (the checks of tests/multiproc/test_bf16.py): the families of the matrix
 # whose transformers class keeps tensors in fp32 (Nemotron-H's router bias, DeepSeek-V4's norms, sinks and
 # hyper-connections), Bailing-Hybrid (its attention uses its fp32-kept conv1d's weight without calling conv1d),
 # and the two whose experts take another dispatch path (pre-routed, zero experts).

@@ -6,7 +6,7 @@ import threading
 
 import torch
 
-LIBRARY = pathlib.Path(__file__).resolve().parent.parent / "twinkle_strategy"
+LIBRARY = pathlib.Path(__file__).resolve().parents[2] / "twinkle_strategy"
 
 
 def test_collectives_move_tensors_on_the_backends_device():

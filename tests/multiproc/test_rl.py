@@ -6,7 +6,7 @@ Generation: each rank has its own number of prompts (rank 3 none) and lengths, l
 max_new_tokens and a stop token its first prompt reaches at its own step; the tokens equal the same model
 generating the same prompts in one process (fp32 greedy and sampled with the same seed, LoRA on attention
 and experts). bf16 generation runs to the same stops; its equality with one process is reported, not
-asserted: EP sums bf16 expert outputs of other matmul shapes (rounding, see tests/test_bf16.py).
+asserted: EP sums bf16 expert outputs of other matmul shapes (rounding, see tests/multiproc/test_bf16.py).
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def test_bf16_with_the_aux_loss_trains_and_logs_the_fp32_aux_loss(long_runs, tin
 
 def test_a_load_balancing_loss_of_another_form_is_refused_in_bf16_on_every_rank(long_runs):
     """The modeling module's load_balancing_loss_func replaced by another form (each layer's loss alone, averaged):
-    every rank refuses at its first step, in one line naming what differs and the fix (tests/test_balance_form.py
+    every rank refuses at its first step, in one line naming what differs and the fix (tests/unit/test_balance_form.py
     checks the cases one by one, in fp32 and bf16)."""
     for rank, data in long_runs.items():
         error = data["refused"]["error"]

@@ -1,6 +1,6 @@
 """The README and docs/ as a newcomer uses them (issue 36): the README's two commands are the ones CI and the demo
 run, every relative link resolves, every page is in the site, and the site is built strictly by the test command.
-One process, no launch: the demo recipe itself trains in tests/test_trainer_cli.py (demo_run)."""
+One process, no launch: the demo recipe itself trains in tests/multiproc/test_trainer_cli.py (demo_run)."""
 
 import re
 from pathlib import Path
@@ -74,10 +74,10 @@ def test_the_readme_is_short_and_its_two_commands_are_what_ci_and_the_demo_run()
     assert "bash scripts/test.sh" in ci, ci
     test_sh = (REPO / "scripts" / "test.sh").read_text()
     assert re.search(r"^if ! mkdocs build --strict ", test_sh, flags=re.M) and "mkdocs build -q" not in test_sh
-    # The demo command runs the demo recipe, the one tests/test_trainer_cli.py trains through the CLI.
+    # The demo command runs the demo recipe, the one tests/multiproc/test_trainer_cli.py trains through the CLI.
     demo = [line for line in (REPO / "scripts" / "demo.sh").read_text().splitlines() if line.startswith("twinkle-sft")]
     assert demo == ['twinkle-sft yaml/demo.yaml "$@"'], demo
-    assert 'REPO / "yaml" / "demo.yaml"' in (REPO / "tests" / "test_trainer_cli.py").read_text()
+    assert 'REPO / "yaml" / "demo.yaml"' in (REPO / "tests" / "multiproc" / "test_trainer_cli.py").read_text()
 
 
 def test_every_docs_page_is_in_the_site_and_every_nav_entry_exists():

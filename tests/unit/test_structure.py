@@ -24,7 +24,7 @@ from twinkle_strategy import NativeFSDPStrategy, config
 from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.errors import StrategyConfigError
 
-PACKAGE = Path(__file__).resolve().parent.parent / "twinkle_strategy"
+PACKAGE = Path(__file__).resolve().parents[2] / "twinkle_strategy"
 APPLICATION = "twinkle_strategy.train"
 FIXTURES = "twinkle_strategy.testing"
 

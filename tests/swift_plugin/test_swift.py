@@ -33,7 +33,7 @@ from workers.swift_peft_logits import peft_logits
 from twinkle_strategy.train.demo_model import prepare_demo_model
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # What every process of the swift virtualenv gets: this checkout's package first on the path.
 SWIFT_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 PLUGIN = REPO / "twinkle_strategy" / "integrations" / "swift" / "plugin.py"
@@ -243,7 +243,7 @@ def test_swift_sft_trains_in_bf16_with_the_aux_loss_and_logs_the_fp32_aux_loss(s
     mixed_precision follows that) with the load-balancing loss on (--router_aux_loss_coef 0.01), 3 steps at 1x2
     ep=2 (issue 35: bf16 with the aux loss failed at step 1 in twinkle-sft, HF and TRL). swift adds and logs the
     model's own aux loss of each micro-batch (2 rows); each step's is the same run's in fp32 within
-    BF16_AUX_TOLERANCE, 8 u relative, as tests/test_trl.py's explains (measured: up to 1.4 u)."""
+    BF16_AUX_TOLERANCE, 8 u relative, as tests/multiproc/test_trl.py's explains (measured: up to 1.4 u)."""
     runs = {}
     for dtype in ("bfloat16", "float32"):
         out = tmp_path / dtype
@@ -726,7 +726,7 @@ def test_swift_vl_freeze_vit_decides_whether_the_vision_tower_trains(vl_runs):
 
 def test_twinkle_sft_knows_every_flag_of_the_installed_swift_sft(swift_bin):
     """twinkle_strategy/train/swift_flags.py lists the fields of ms-swift's SftArguments, each taken by twinkle-sft
-    or refused with its reason (tests/test_launch_errors.py checks which): this fails when the pinned ms-swift
+    or refused with its reason (tests/multiproc/test_launch_errors.py checks which): this fails when the pinned ms-swift
     adds, renames or drops a flag, so that the list and its reasons are brought up to date."""
     from twinkle_strategy.train.swift_flags import SWIFT_SFT_FLAGS, SWIFT_VERSION
 

@@ -103,7 +103,7 @@ def test_a_layers_backward_holds_the_gathered_layers_with_the_activations(demo_c
 
 
 def test_the_plan_holds_two_gathered_layers_in_a_layers_backward(tmp_path):
-    """The sizes of tests/test_plan_vs_run.py's sharded case (217 MiB): there a layer's backward, two layers of
+    """The sizes of tests/multiproc/test_plan_vs_run.py's sharded case (217 MiB): there a layer's backward, two layers of
     16 MB gathered with the activations, is the peak; the plan missed them (12% under the run on every rank)."""
     from transformers import Qwen3MoeConfig
 

@@ -269,7 +269,7 @@ def test_a_list_flag_stops_at_the_yaml_recipe(tmp_path):
 
 
 def test_every_flag_of_swift_sft_is_taken_with_its_meaning_or_refused_with_the_reason(capsys):
-    """Each field of ms-swift 4.6.0's SftArguments (twinkle_strategy/train/swift_flags.py; tests/test_swift.py checks
+    """Each field of ms-swift 4.6.0's SftArguments (twinkle_strategy/train/swift_flags.py; tests/swift_plugin/test_swift.py checks
     the list against the installed swift) is a twinkle-sft flag, or one line with the reason, never a "did you
     mean" pointing at another flag (--use_cpu once got "did you mean --use_hf?")."""
     from twinkle_strategy.train.cli import SWIFT_FLAGS, main, split_argv
