@@ -48,6 +48,7 @@ import tempfile
 import time
 
 import torch
+from bench_io import command_line, record_rank, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -425,19 +426,8 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float, timeout_s: flo
 
 
 def worker_main(args) -> None:
-    try:
-        result = run_method(args.worker, args.model, args.ep, args.bucket_mb, args.collective_timeout)
-    except BaseException as exc:  # noqa: BLE001 - a peer that crashes is a result too (DCP raises BaseException)
-        import traceback
-
-        # Errors that wrap every rank's traceback (DCP's CheckpointException) end with the actual message.
-        lines = [line for line in str(exc).strip().splitlines() if line.strip()]
-        message = lines[-1].strip() if len(lines) > 1 else str(exc)
-        result = {"method": args.worker, "rank": int(os.environ["RANK"]),
-                  "error": f"{type(exc).__name__}: {message}", "traceback": traceback.format_exc()}
-    with open(os.path.join(args.results, f"{args.worker}-rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(result, f)
-    os._exit(0 if "error" not in result else 1)
+    record_rank(lambda: run_method(args.worker, args.model, args.ep, args.bucket_mb, args.collective_timeout),
+                results_dir=args.results, prefix=f"{args.worker}-", method=args.worker, last_line_only=True)
 
 
 # --------------------------------------------------------------------------- driver
@@ -781,12 +771,12 @@ def main() -> None:
         chosen = timed[len(timed) // 2] if timed else attempts[-1]
         chosen["init_s_runs"] = [round(summarize(r)["init_s"], 2) for r in timed]
         runs.append(chosen)
-    command = "python benchmarks/init_bench.py " + " ".join(sys.argv[1:])
+    command = command_line("init_bench.py")
     report([summarize(r) for r in runs], runs, shape, command, args)
 
 
 def report(rows, runs, shape, command, args) -> None:
-    text = (f"Command: `{command.strip()}`\n\nCheckpoint: {shape['checkpoint_mb']:.0f} MiB fp32 Qwen3-MoE "
+    text = (f"Command: `{command}`\n\nCheckpoint: {shape['checkpoint_mb']:.0f} MiB fp32 Qwen3-MoE "
             f"({shape['layers']} layers, {shape['experts']} experts, hidden {shape['hidden']}, "
             f"moe_intermediate {shape['moe_intermediate']}, vocab {shape['vocab']}); "
             f"{args.nnodes} simulated nodes x {args.nproc_per_node} ranks, ep={args.ep}, gloo on CPU, "
@@ -803,12 +793,10 @@ def report(rows, runs, shape, command, args) -> None:
         text += f"\nOurs: InitReport next to the counting wrapper (counted calls include from_pretrained's " \
                 f"config broadcast and its fail-together checks):\n\n{check}\n"
     print(text)
-    with open(os.path.join(args.out, "init_bench.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "init_bench.json"), "w") as f:
-        json.dump({"command": command, "checkpoint": shape, "rows": rows, "runs": runs}, f, indent=1, default=str)
+    write_results(args.out, "init_bench", text=text,
+                  payload={"command": command, "checkpoint": shape, "rows": rows, "runs": runs})
     chart(rows, os.path.join(args.out, "init_bench.png"), args.nnodes)
-    print(f"wrote {args.out}/init_bench.md, .json, .png")
+    print(f"wrote {args.out}/init_bench.png")
 
 
 if __name__ == "__main__":

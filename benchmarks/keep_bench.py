@@ -29,11 +29,11 @@ import json
 import os
 import re
 import shutil
-import sys
 import tempfile
 import time
 
 import torch
+from bench_io import command_line, record_rank, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -89,16 +89,7 @@ def run_method(method: str, path: str, ep: int, steps: int) -> dict:
 
 
 def worker_main(args) -> None:
-    try:
-        result = run_method(args.worker, args.model, args.ep, args.steps)
-    except BaseException as exc:  # noqa: BLE001 - a failed rank is a result too
-        import traceback
-
-        result = {"rank": int(os.environ["RANK"]), "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()}
-    with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(result, f)
-    os._exit(0 if "error" not in result else 1)
+    record_rank(lambda: run_method(args.worker, args.model, args.ep, args.steps), results_dir=args.results)
 
 
 # --------------------------------------------------------------------------- at scale, from the accounting
@@ -286,17 +277,13 @@ def main() -> None:
             rows.append(summarize(release, path, method, launch(method, path, args, os.path.join(work, release,
                                                                                                method))))
             print(f"  {rows[-1]}", flush=True)
-    command = "python benchmarks/keep_bench.py " + " ".join(sys.argv[1:])
-    text = (f"Command: `{command.strip()}`\n\n2 simulated nodes x 2 ranks, ep=2, bf16, LoRA r=8 (attention and "
+    command = command_line("keep_bench.py")
+    text = (f"Command: `{command}`\n\n2 simulated nodes x 2 ranks, ep=2, bf16, LoRA r=8 (attention and "
             f"experts), {PER_RANK} x {SEQ} tokens per rank, {args.steps} timed steps, gloo on CPU, "
             f"{os.cpu_count()} CPU cores.\n\n{markdown(rows)}\n\n{ratios(rows)}\n\nAt scale (the same "
             f"accounting; `--at-scale` prints only this):\n\n{at_scale()}\n")
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "keep_bench.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "keep_bench.json"), "w") as f:
-        json.dump({"command": command, "rows": rows}, f, indent=1)
+    write_results(args.out, "keep_bench", text=text, payload={"command": command, "rows": rows})
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -27,11 +27,11 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 
 import torch
+from bench_io import command_line, record_rank, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -71,16 +71,7 @@ def run_method(method: str, path: str, ep: int, bucket_mb: float) -> dict:
 
 
 def worker_main(args) -> None:
-    try:
-        result = run_method(args.worker, args.model, args.ep, args.bucket_mb)
-    except BaseException as exc:  # noqa: BLE001 - a failed rank is a result too
-        import traceback
-
-        result = {"rank": int(os.environ["RANK"]), "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()}
-    with open(os.path.join(args.results, f"rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(result, f)
-    os._exit(0 if "error" not in result else 1)
+    record_rank(lambda: run_method(args.worker, args.model, args.ep, args.bucket_mb), results_dir=args.results)
 
 
 # --------------------------------------------------------------------------- driver
@@ -219,8 +210,8 @@ def main() -> None:
         else:
             rows.append(summarize(launch(method, release, args, os.path.join(work, method)), args.nproc_per_node))
         print(f"  {rows[-1]}", flush=True)
-    command = "python benchmarks/quant_bench.py " + " ".join(sys.argv[1:])
-    text = (f"Command: `{command.strip()}`\n\nRelease: {shape['release_mb']:.0f} MiB FP8 Qwen3-MoE "
+    command = command_line("quant_bench.py")
+    text = (f"Command: `{command}`\n\nRelease: {shape['release_mb']:.0f} MiB FP8 Qwen3-MoE "
             f"({shape['layers']} layers, {shape['experts']} experts, hidden {shape['hidden']}, moe_intermediate "
             f"{shape['moe_intermediate']}, vocab {shape['vocab']}, 128 x 128 blocks, {shape['files']} files), "
             f"loaded in bf16 on {args.nnodes} simulated nodes x {args.nproc_per_node} ranks, ep={args.ep}, gloo on "
@@ -228,11 +219,7 @@ def main() -> None:
             f"({next((r.get('convert_s', 0) for r in rows if r['method'] == 'convert_stream'), 0):.2f} s, one "
             f"process reading the whole release).\n\n{markdown(rows, shape)}\n")
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "quant_bench.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "quant_bench.json"), "w") as f:
-        json.dump({"command": command, "release": shape, "rows": rows}, f, indent=1)
+    write_results(args.out, "quant_bench", text=text, payload={"command": command, "release": shape, "rows": rows})
     shutil.rmtree(work, ignore_errors=True)
 
 

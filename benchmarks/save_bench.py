@@ -38,6 +38,7 @@ import tempfile
 import time
 
 import torch
+from bench_io import command_line, record_rank, write_results  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -154,17 +155,10 @@ def check_checkpoint(out: str, source: str, gathered: dict) -> dict:
 
 
 def worker_main(args) -> None:
-    try:
-        result = run_method(args.worker, args.model, args.save_to, args.ep, args.bucket_mb,
-                            int(args.shard_mb * 2**20))
-    except BaseException as exc:  # noqa: BLE001
-        import traceback
-
-        result = {"method": args.worker, "rank": int(os.environ["RANK"]), "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()}
-    with open(os.path.join(args.results, f"{args.worker}-rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(result, f)
-    os._exit(0)
+    # A method that fails on one rank is a row of the table: the rank exits 0 so that the launch goes on.
+    record_rank(lambda: run_method(args.worker, args.model, args.save_to, args.ep, args.bucket_mb,
+                                   int(args.shard_mb * 2**20)),
+                results_dir=args.results, prefix=f"{args.worker}-", method=args.worker, exit_code_on_error=0)
 
 
 def summarize(method: str, ranks: list[dict]) -> dict:
@@ -352,18 +346,14 @@ def training_main(args) -> None:
     if len(ranks) != 4:
         raise SystemExit(f"the training benchmark failed (returncodes {run.returncodes}); logs in {results}")
     table, rows = training_table(ranks)
-    command = "python benchmarks/save_bench.py " + " ".join(sys.argv[1:])
-    text = (f"Command: `{command.strip()}`\n\nModel: the demo's Qwen3-MoE at hidden {args.hidden}, "
+    command = command_line("save_bench.py")
+    text = (f"Command: `{command}`\n\nModel: the demo's Qwen3-MoE at hidden {args.hidden}, "
             f"{args.layers} layers, 8 experts (fp32, {rows[0]['shard_mb']:.0f} MiB of parameters per rank); "
             f"2 simulated nodes x 2 ranks, ep=2, gloo on CPU, {os.cpu_count()} CPU cores; "
             f"{TRAINING_STEPS} steps, a save every {TRAINING_SAVE_STEPS} (the first step is left out of the step "
             f"times).\n\n{table}\n")
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "save_bench_training.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "save_bench_training.json"), "w") as f:
-        json.dump({"command": command, "rows": rows, "ranks": ranks}, f, indent=1)
+    write_results(args.out, "save_bench_training", text=text, payload={"command": command, "rows": rows, "ranks": ranks})
 
 
 def main() -> None:
@@ -422,18 +412,13 @@ def main() -> None:
         print(f"  {row['status']}", flush=True)
         rows.append(row)
         shutil.rmtree(os.path.join(work, f"saved-{method}"), ignore_errors=True)
-    command = "python benchmarks/save_bench.py " + " ".join(sys.argv[1:])
-    text = (f"Command: `{command.strip()}`\n\nModel: {shape['checkpoint_mb']:.0f} MiB fp32 Qwen3-MoE "
+    command = command_line("save_bench.py")
+    text = (f"Command: `{command}`\n\nModel: {shape['checkpoint_mb']:.0f} MiB fp32 Qwen3-MoE "
             f"({shape['layers']} layers, {shape['experts']} experts, hidden {shape['hidden']}), loaded from a "
             f"hub-layout checkpoint; {args.nnodes} simulated nodes x {args.nproc_per_node} ranks, ep={args.ep}, gloo "
             f"on CPU, {os.cpu_count()} CPU cores; files of at most {args.shard_mb:.0f} MiB.\n\n{markdown(rows)}\n")
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "save_bench.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "save_bench.json"), "w") as f:
-        json.dump({"command": command, "checkpoint": shape, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}/save_bench.md, .json")
+    write_results(args.out, "save_bench", text=text, payload={"command": command, "checkpoint": shape, "rows": rows})
 
 
 if __name__ == "__main__":

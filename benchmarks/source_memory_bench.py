@@ -30,6 +30,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
 import init_bench  # noqa: E402
+from bench_io import command_line, write_results  # noqa: E402
 
 
 def extract(revision: str, into: str) -> str:
@@ -121,17 +122,13 @@ def main() -> None:
                 runs.setdefault((code, nproc), []).append(
                     launch(root, model, nproc, args.ep, args.bucket_mb, results, args.timeout))
     results = {key: median_of(value) for key, value in runs.items()}
-    command = "python benchmarks/source_memory_bench.py " + " ".join(sys.argv[1:])
+    command = command_line("source_memory_bench.py")
     text = (f"Command: `{command}`\n\nCheckpoint: {shape['checkpoint_mb']:.0f} MiB fp32 Qwen3-MoE (hub layout), "
             f"1 simulated node, ep={args.ep}, init_bucket_mb={args.bucket_mb}, gloo on CPU, {os.cpu_count()} "
             f"CPU cores; before = {args.before}; median of {args.repeat} runs each.\n\n{table(results, nprocs, args)}\n")
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "source_memory_bench.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "source_memory_bench.json"), "w") as f:
-        json.dump({"command": command, "checkpoint": shape,
-                   "runs": {f"{code}-{nproc}": value for (code, nproc), value in runs.items()}}, f, indent=1)
+    write_results(args.out, "source_memory_bench", text=text, payload={"command": command, "checkpoint": shape,
+                   "runs": {f"{code}-{nproc}": value for (code, nproc), value in runs.items()}})
 
 
 if __name__ == "__main__":

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from bench_io import command_line, record_rank, write_results  # noqa: E402
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
@@ -117,16 +119,9 @@ def run_method(method: str, path: str, *, seq: int, batch: int, steps: int) -> d
 
 
 def worker_main(args) -> None:
-    try:
-        result = run_method(args.worker, args.model, seq=args.seq, batch=args.batch, steps=args.steps)
-    except BaseException as exc:  # noqa: BLE001 - a method that fails is a result too
-        import traceback
-
-        result = {"method": args.worker, "rank": int(os.environ["RANK"]), "error": f"{type(exc).__name__}: {exc}",
-                  "traceback": traceback.format_exc()}
-    with open(os.path.join(args.results, f"{args.worker}-rank{os.environ['RANK']}.json"), "w") as f:
-        json.dump(result, f)
-    os._exit(0)
+    # A method that fails is a row of the table: the rank exits 0 so that the launch goes on.
+    record_rank(lambda: run_method(args.worker, args.model, seq=args.seq, batch=args.batch, steps=args.steps),
+                results_dir=args.results, prefix=f"{args.worker}-", method=args.worker, exit_code_on_error=0)
 
 
 def summarize(method: str, ranks: list[dict]) -> dict:
@@ -223,19 +218,14 @@ def main() -> None:
     shape = build_model(model, hidden=args.hidden, layers=args.layers, experts=args.experts)
     rows = run_all(args, work, model)
     shutil.rmtree(work, ignore_errors=True)
-    command = "python benchmarks/step_bench.py " + " ".join(sys.argv[1:])
-    text = (f"Command: `{command.strip()}`\n\nModel: Qwen3-MoE fp32, {shape['layers']} layers, {shape['experts']} "
+    command = command_line("step_bench.py")
+    text = (f"Command: `{command}`\n\nModel: Qwen3-MoE fp32, {shape['layers']} layers, {shape['experts']} "
             f"experts (top-2), hidden {shape['hidden']}; global batch {args.batch} x {args.nnodes * args.nproc_per_node}"
             f" ranks x {args.seq} tokens; {args.nnodes} simulated nodes x {args.nproc_per_node} ranks, gloo on CPU, "
             f"{os.cpu_count()} CPU cores; median of {args.steps} timed steps, fastest of {args.repeat} round(s) "
             f"(step s: that round, then the range over rounds).\n\n{markdown(rows)}\n")
     print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "step_bench.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "step_bench.json"), "w") as f:
-        json.dump({"command": command, "model": shape, "rows": rows}, f, indent=1)
-    print(f"wrote {args.out}/step_bench.md, .json")
+    write_results(args.out, "step_bench", text=text, payload={"command": command, "model": shape, "rows": rows})
 
 
 if __name__ == "__main__":
