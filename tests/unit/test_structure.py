@@ -405,3 +405,15 @@ def test_library_messages_name_no_twinkle_sft_key_and_no_swift_flag():
                             "false); with twinkle-sft set launch.nproc_per_node; --use_hf true; strategy.wrap_model; "
                             "torchrun --nproc_per_node 2; model.safetensors") == \
         ["--packing", "--padding_free", "--use_hf", "data.packing", "data.padding_free", "launch.nproc_per_node"]
+
+
+def test_the_message_check_sees_f_strings_and_messages_over_several_lines():
+    path = PACKAGE / "_probe_for_message_test.py"
+    path.write_text('def f(n):\n    raise ValueError(f"rows of {n} tokens: set data.packing=false "\n'
+                    '                     "or --padding_free false")\n')
+    try:
+        found = [(line, _front_end_words(text)) for file, line, text in _library_message_strings()
+                 if file.endswith(path.name)]
+        assert found == [(2, ["--padding_free", "data.packing"])]
+    finally:
+        path.unlink()
