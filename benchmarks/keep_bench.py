@@ -109,7 +109,7 @@ def release_headers(model, *, scale_dtype: torch.dtype, fp4_experts: bool) -> di
     per 128 x 128 block, or (``fp4_experts``) routed experts as FP4 with a ue8m0 scale per 32."""
     from twinkle_strategy.checkpoint.layout import CheckpointLayout
     from twinkle_strategy.dtypes import TensorSpec
-    from twinkle_strategy.quantized.formats import FP4_GROUP
+    from twinkle_strategy.quantized.codec import FP4_GROUP
     from twinkle_strategy.testing.releases import _QUANTIZED_KEY
 
     tensors = {k: TensorSpec(tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}

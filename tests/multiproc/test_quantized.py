@@ -10,15 +10,8 @@ from multinode import launch
 
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.errors import CheckpointError
-from twinkle_strategy.quantized.formats import (
-    QuantFormat,
-    QuantizedIndex,
-    apply_block_scales,
-    quant_format,
-    quantize_fp4_groups,
-    quantize_fp8_blocks,
-    unpack_e2m1,
-)
+from twinkle_strategy.quantized.codec import apply_block_scales, quantize_fp4_groups, quantize_fp8_blocks, unpack_e2m1
+from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex, quant_format
 from twinkle_strategy.testing.releases import (
     save_tiny_deepseek_v4_release,
     save_tiny_mxfp4_release,
@@ -133,7 +126,7 @@ def write_reference(release: str, block) -> str:
 
 def test_reference_definitions_agree_with_the_library():
     """The test's definitions and the library's vectorised math agree, for FP4 and MXFP4 too."""
-    from twinkle_strategy.quantized.formats import mxfp4_values, quantize_mxfp4
+    from twinkle_strategy.quantized.codec import mxfp4_values, quantize_mxfp4
 
     torch.manual_seed(0)
     packed, scale = quantize_fp4_groups(torch.randn(4, 64))

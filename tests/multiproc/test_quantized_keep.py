@@ -203,7 +203,7 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     hands the region over, and an in-place change is refused by name."""
     from twinkle_strategy.dtypes import TensorSpec
     from twinkle_strategy.errors import FrozenWeightError
-    from twinkle_strategy.quantized.formats import Codec, StoredAs, quantize_fp8_blocks
+    from twinkle_strategy.quantized.codec import Codec, StoredAs, quantize_fp8_blocks
     from twinkle_strategy.quantized.kept import KeptRegion, KeptWeight
     from twinkle_strategy.quantized.wire import Piece, WireChunk, WireForm
 

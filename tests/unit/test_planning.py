@@ -165,3 +165,28 @@ def test_deepseek_v3_on_64_ranks_plans_from_config_json_alone(tmp_path):
     assert 18e9 < result["params"] < 23e9, result
     # CPU seconds of this one process: the shared test machine's load does not count against the plan.
     assert result["cpu_seconds"] < 60, result
+
+
+def test_the_fixes_speak_the_python_api_and_each_front_end_spells_them(demo_config):
+    """Issue 36: the library names its own arguments (micro_batch, ep_size); twinkle-sft spells them as recipe
+    keys and the swift plugin as swift's flags and variables."""
+    from twinkle_strategy.integrations.swift.parts.fit import swift_spelling
+    from twinkle_strategy.planning import table, verdict_line
+    from twinkle_strategy.train.fit_check import recipe_spelling
+
+    fits = plan_memory(_request(demo_config))
+    tight = plan_memory(_request(demo_config, device_memory=int(fits.peak * 0.8)))
+    by_option = {fix.option: fix for fix in tight.fixes}
+    smaller = by_option["micro_batch"]
+    assert smaller.value == 2 and smaller.change == "micro_batch=2 (double the gradient accumulation)"
+    assert "per_device_train_batch_size" not in table(tight) + json.dumps(to_json(tight))
+    assert smaller.spelled(recipe_spelling) == "train.per_device_train_batch_size=2 (double the gradient accumulation)"
+    assert smaller.spelled(swift_spelling) == "--per_device_train_batch_size 2 (double the gradient accumulation)"
+    assert by_option["ep_size"].spelled(recipe_spelling) == "strategy.ep_size=4"
+    assert by_option["ep_size"].spelled(swift_spelling) == "TWINKLE_EP_SIZE=4"
+    assert by_option["gradient_checkpointing"].spelled(recipe_spelling) == "train.gradient_checkpointing=true"
+    assert by_option["nnodes"].spelled(swift_spelling) == "NNODES=2"
+    first = next(f for f in tight.fixes if f.fits)
+    assert first.spelled(recipe_spelling) in table(tight, spelling=recipe_spelling)
+    assert first.spelled(swift_spelling) in verdict_line(tight, spelling=swift_spelling)
+    assert to_json(tight, spelling=recipe_spelling)["fixes"][0]["change"] == tight.fixes[0].spelled(recipe_spelling)

@@ -18,9 +18,12 @@ torch), each through one small wrapper that
 and 5.24.0; torch 2.13.0; accelerate 1.15.0), and for torch 2.14.1 that its source has the same
 definitions. :func:`internals` lists them all; ``python -m twinkle_strategy.compat`` prints them.
 
-The wrappers live in :mod:`~twinkle_strategy.compat.transformers_internals` (transformers and
-accelerate) and :mod:`~twinkle_strategy.compat.torch_internals`. Neither imports transformers at
-import time.
+registry.py              :class:`Internal`, the declaration, and the list of those declared
+transformers_internals/  the wrappers of transformers and accelerate, one module per area (its own map)
+torch_internals.py       the wrappers of torch
+__main__.py              ``python -m twinkle_strategy.compat``: the list, with the installed versions
+
+Neither kind of wrapper imports transformers at import time.
 """
 
 from twinkle_strategy.compat import torch_internals, transformers_internals  # noqa: F401  (they declare them)

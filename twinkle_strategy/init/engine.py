@@ -3,111 +3,41 @@
 ``strategy.from_pretrained`` builds the model (placeholders or meta, see :mod:`.skeleton`) and, on
 each node's source, the :class:`~.capture.Capture` of what it will send. :func:`distribute` runs inside
 ``strategy.wrap_model`` after EP, ``fully_shard`` on meta and ``to_empty``: plan (who needs which
-rows), transfer (buckets inside each node), agree (fail together). Between the two the user may add
+rows), transfer (buckets inside each node), agree (fail together, after :mod:`.verify`'s checksums with
+``verify_init``), and returns the rank's :class:`~.report.InitReport`. Between the two the user may add
 PEFT adapters.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
-import zlib
 
 import torch
 from torch import nn
 
-from twinkle_strategy import log
 from twinkle_strategy.config import DEFAULT_INIT_BUCKET_MB, InitTransport, QuantizedBase
 from twinkle_strategy.distributed.fail_together import raise_init_together
 from twinkle_strategy.distributed.fatal_errors import stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard
 from twinkle_strategy.distributed.node import NodeLink, gather_to_source, scatter_from_source
 from twinkle_strategy.distributed.runtime import peak_rss_bytes
-from twinkle_strategy.errors import DistributedInitError, shorten
+from twinkle_strategy.errors import DistributedInitError
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
+from twinkle_strategy.init.report import InitReport, decoded_bytes, frozen_bytes, progress_postfix
 from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
+from twinkle_strategy.init.verify import verify_regions
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.formats import is_quantized_release
-from twinkle_strategy.quantized.kept import KeepingSink, keep_regions, stored_kind
+from twinkle_strategy.quantized.kept import KeepingSink, keep_regions
 from twinkle_strategy.quantized.wire import DecodingSink
 from twinkle_strategy.shards.plan import Need, check_need, needs_of
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_INIT_BUCKET_MB * 2**20)
-
-
-@dataclasses.dataclass
-class InitReport:
-    """What memory-efficient init did on this rank."""
-
-    rank: int
-    is_source: bool
-    seconds: float
-    bytes_sent: int
-    bytes_received: int
-    shard_bytes: int  # parameter bytes this rank keeps
-    buffer_bytes: int  # buffer bytes this rank keeps (full copies)
-    buckets: int
-    collective_calls: int
-    peak_rss_bytes: int
-    tensors: int
-    phase_seconds: dict[str, float] = dataclasses.field(default_factory=dict)  # plan, transfer, agree
-    bytes_read: int = 0  # tensor bytes this rank read from checkpoint files (sources streaming a checkpoint)
-    read_seconds: float = 0.0  # time spent in those reads
-    whole_tensors: list[str] = dataclasses.field(default_factory=list)  # read whole: no region-wise rule
-    # What bytes_sent / bytes_received stand for in the model's dtype: more than them where regions of a
-    # quantized release travel as stored (FP8 bytes and scales) and are dequantized by their receiver.
-    bytes_sent_decoded: int = 0
-    bytes_received_decoded: int = 0
-    # This rank's regions of a quantized release's weights, by stored format (fp8_block, fp4_block, mxfp4): the
-    # bytes as stored (what quantized_base=keep holds) and in the model's dtype (what dequantize holds).
-    quantized_base: str = "dequantize"
-    frozen_stored_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-    frozen_values_bytes: dict[str, int] = dataclasses.field(default_factory=dict)
-    # What this rank holds of those regions between steps, counted region by region as held: as stored where
-    # kept, in the model's dtype where decoded (every region under dequantize; under keep, the ones listed in
-    # frozen_decoded: regions that are not an FSDP2 shard, whose local tensor cannot be swapped).
-    frozen_held_bytes: int = 0
-    frozen_decoded: list[str] = dataclasses.field(default_factory=list)
-
-    def log_line(self) -> str:
-        mib = 1024 * 1024
-        read = (f"read {log.mib(self.bytes_read)} from the checkpoint in {self.read_seconds:.2f}s"
-                + (f" ({len(self.whole_tensors)} tensors whole: {shorten(self.whole_tensors, 3)})"
-                   if self.whole_tensors else "") + ", "
-                if self.is_source else "")
-        return (f"memory_efficient_init: {self.seconds:.2f}s, rank {self.rank} "
-                f"({'source' if self.is_source else 'receiver'}) kept {self.shard_bytes / mib:.1f} MiB of shards "
-                f"+ {self.buffer_bytes / mib:.2f} MiB of buffers in {self.tensors} tensors, {read}"
-                f"received {self.bytes_received / mib:.1f} MiB{_standing_for(self.bytes_received_decoded, self.bytes_received)}, "
-                f"sent {self.bytes_sent / mib:.1f} MiB{_standing_for(self.bytes_sent_decoded, self.bytes_sent)} "
-                f"in {self.buckets} buckets ({self.collective_calls} collective calls), "
-                f"peak host RSS {self.peak_rss_bytes / mib:.0f} MiB{self._frozen_clause()}")
-
-    def _frozen_clause(self) -> str:
-        if not self.frozen_values_bytes:
-            return ""
-        mib = 1024 * 1024
-        stored, values = sum(self.frozen_stored_bytes.values()), sum(self.frozen_values_bytes.values())
-        decoded = (f", {len(self.frozen_decoded)} regions decoded: {shorten(self.frozen_decoded, 3)}"
-                   if self.frozen_decoded else "")
-        return (f"; quantized weights ({', '.join(sorted(self.frozen_stored_bytes))}) held "
-                f"{'as stored' if self.quantized_base == QuantizedBase.KEEP else 'dequantized'}{decoded}: "
-                f"{self.frozen_held_bytes / mib:.1f} MiB ({stored / mib:.1f} MiB stored, {values / mib:.1f} MiB "
-                "in the model dtype)")
-
-
-def progress_postfix(bytes_read: int) -> str:
-    """The init bar's last word: the bytes the source read, as :meth:`InitReport.log_line` writes them."""
-    return f"read {log.mib(bytes_read)} from the checkpoint"
-
-
-def _standing_for(decoded: int, wire: int) -> str:
-    return f" (standing for {decoded / 2**20:.1f} MiB of values)" if decoded != wire else ""
 
 
 def distribute(
@@ -171,7 +101,7 @@ def distribute(
                     for sink, local in zip(sinks, held, strict=False)]
         mismatch = None
         if verify and not outcome.aborted:  # an aborted node's shards are incomplete: nothing to verify
-            mismatch = _verify(held, all_needs, capture, ep_plan=ep_plan, node=node,
+            mismatch = verify_regions(held, all_needs, capture, ep_plan=ep_plan, node=node,
                                compare=outcome.error is None)
         # Nobody leaves the init until everyone has its shards (and, with verify, they check out);
         # a source whose reading failed reports it here, to every rank.
@@ -193,8 +123,8 @@ def distribute(
         shard_bytes=sum(n.nbytes for n in my_needs if not n.is_buffer),
         buffer_bytes=sum(n.nbytes for n in my_needs if n.is_buffer), buckets=stats.buckets,
         collective_calls=stats.collective_calls, peak_rss_bytes=peak_rss_bytes(), tensors=len(my_needs),
-        phase_seconds=phase_seconds, **read, **_decoded_bytes(my_needs, all_needs, topology),
-        **_frozen_bytes(mine, my_forms, sinks, keep=keep), quantized_base=QuantizedBase(quantized_base).value,
+        phase_seconds=phase_seconds, **read, **decoded_bytes(my_needs, all_needs, topology),
+        **frozen_bytes(mine, my_forms, sinks, keep=keep), quantized_base=QuantizedBase(quantized_base).value,
     )
 
 
@@ -218,25 +148,6 @@ def _trainable_kept(model: nn.Module, mine, my_forms) -> str | None:
     return None
 
 
-def _frozen_bytes(mine, my_forms, sinks, *, keep: bool) -> dict:
-    """This rank's regions of quantized weights, by stored format: bytes as stored and in the model's dtype; and
-    what it holds of them, from each region's sink: as stored where kept, else decoded (named, under keep)."""
-    stored: dict[str, int] = {}
-    values: dict[str, int] = {}
-    held, decoded = 0, []
-    for (need, _), form, sink in zip(mine, my_forms, sinks, strict=True):
-        if form is None:
-            continue
-        kind = stored_kind(form)
-        stored[kind] = stored.get(kind, 0) + form.nbytes
-        values[kind] = values.get(kind, 0) + need.nbytes
-        kept = isinstance(sink, KeepingSink)
-        held += form.nbytes if kept else need.nbytes
-        if keep and not kept:
-            decoded.append(need.name)
-    return dict(frozen_stored_bytes=stored, frozen_values_bytes=values, frozen_held_bytes=held,
-                frozen_decoded=decoded)
-
 
 def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) -> DistributedInitError:
     """The error this rank raises when a collective failed under it: which ranks failed (and why) or fell silent."""
@@ -244,15 +155,6 @@ def _named_failure(board: StatusBoard, phase: str, rank: int, exc: Exception) ->
     return DistributedInitError(f"memory_efficient_init failed on rank {rank} during '{phase}': {who}. "
                                 f"Underlying error: {type(exc).__name__}: {exc}", failures)
 
-
-def _decoded_bytes(my_needs, all_needs, topology) -> dict:
-    """The model-dtype bytes this rank received or sent (its own shards move without the wire)."""
-    if topology.local_world_size == 1:
-        return {}
-    if not topology.is_source:
-        return dict(bytes_received_decoded=sum(n.nbytes for n in my_needs))
-    others = [needs for i, needs in enumerate(all_needs) if i != topology.local_rank]
-    return dict(bytes_sent_decoded=sum(n.nbytes for needs in others for n in needs))
 
 
 def _as_values(all_needs, mine):
@@ -368,36 +270,6 @@ def _copy_own_shards(mine, sinks, forms, capture, ep_plan: ExpertParallelPlan | 
                 progress.update(copied)
             yield copied
 
-
-def _checksum(chunks) -> int:
-    crc = 0
-    for chunk in chunks:
-        crc = zlib.crc32(as_bytes(chunk.detach()).cpu().numpy().tobytes(), crc)
-    return crc
-
-
-def _verify(mine: list[torch.Tensor], all_needs, capture, *, ep_plan: ExpertParallelPlan | None, node: NodeLink,
-            compare: bool = True) -> str | None:
-    """CRC32 of every region each rank holds (``mine``, its values: kept regions decode for it), compared on its source with the bytes it holds or reads again.
-
-    Collective in the node; a source that already failed (``compare=False``) takes part without comparing.
-    """
-    topology = node.topology
-    sums = [_checksum([local]) for local in mine]
-    gathered = gather_to_source(sums, topology.source_rank, node.group)
-    if not topology.is_source or not compare:
-        return None
-    node_ranks = topology.node_ranks[topology.node_index]
-    for rank, needs, got in zip(node_ranks, all_needs, gathered, strict=False):
-        for need, checksum in zip(needs, got, strict=False):
-            expected = _checksum(capture.region_chunks(need, ep_plan, 64 * 2**20))
-            if checksum != expected:
-                region = f"rows {need.rows[0]}:{need.rows[1]}" if need.rows else "whole tensor"
-                expert = f", EP rank {need.ep_rank}" if need.ep_rank >= 0 else ""
-                return (f"verify_init: tensor '{need.name}' ({region}{expert}) on rank {rank} has CRC32 "
-                        f"{checksum:#010x}, its source rank {topology.source_rank} has {expected:#010x}: "
-                        "the bytes were corrupted in transit")
-    return None
 
 
 def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan: ExpertParallelPlan | None,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.init.staging import FLAG_BYTES, STAGING_BUFFERS
@@ -83,11 +84,30 @@ class CommBytes:
     all_to_all: int
 
 
+# How a front-end spells setting an option to a value ("train.per_device_train_batch_size=2", "--... 2").
+Spelling = Callable[[str, object], str]
+
+
 @dataclasses.dataclass(frozen=True)
 class Fix:
-    change: str  # the option(s) to change, as the Python API names them
+    """One change re-planned. ``option`` is named as the Python API names it (a StrategyConfig field or a
+    PlanRequest argument); each front-end spells it as its users set it (:meth:`spelled`)."""
+
+    option: str  # "ep_size", "micro_batch", "gradient_checkpointing", "nnodes" ...
+    value: object  # what it is set to
     peak: int  # the step's peak with the change
     fits: bool | None
+    note: str = ""  # what goes with it ("double the gradient accumulation")
+
+    @property
+    def change(self) -> str:
+        """The change in the Python API's words: ``micro_batch=2 (double the gradient accumulation)``."""
+        return self.spelled()
+
+    def spelled(self, spelling: Spelling | None = None) -> str:
+        """The change as ``spelling(option, value)`` writes it (the Python API's ``option=value`` without one)."""
+        setting = spelling(self.option, self.value) if spelling else f"{self.option}={self.value!r}"
+        return f"{setting} ({self.note})" if self.note else setting
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,10 +1,14 @@
-"""A plan as people read it (a table) and as scripts read it (``to_json``)."""
+"""A plan as people read it (a table) and as scripts read it (``to_json``).
+
+Each takes a front-end's ``spelling`` of the fixes (``train.per_device_train_batch_size=2`` for twinkle-sft,
+``--per_device_train_batch_size 2`` for swift); without one they read as the Python API names them.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 
-from twinkle_strategy.planning.plan import ASSUMPTIONS, MemoryPlan
+from twinkle_strategy.planning.plan import ASSUMPTIONS, MemoryPlan, Spelling
 
 GIB = 2**30
 
@@ -13,7 +17,7 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / GIB:.2f} GiB" if nbytes >= GIB / 100 else f"{nbytes / 2**20:.2f} MiB"
 
 
-def verdict_line(plan: MemoryPlan) -> str:
+def verdict_line(plan: MemoryPlan, *, spelling: Spelling | None = None) -> str:
     """One line: the peak, the budget, and (when it does not fit) the first fix."""
     budget = plan.request.device_memory
     if budget is None:
@@ -21,11 +25,12 @@ def verdict_line(plan: MemoryPlan) -> str:
     if plan.fits:
         return f"fits: step peak {gib(plan.peak)} of {gib(budget)} per device, margin {gib(budget - plan.peak)}"
     first = next((f for f in plan.fixes if f.fits), None)
-    fix = f"; first fix: {first.change} (peak {gib(first.peak)})" if first else "; no single change makes it fit"
+    fix = f"; first fix: {first.spelled(spelling)} (peak {gib(first.peak)})" if first else \
+        "; no single change makes it fit"
     return f"does not fit: step peak {gib(plan.peak)} > device_memory {gib(budget)} per device{fix}"
 
 
-def table(plan: MemoryPlan) -> str:
+def table(plan: MemoryPlan, *, spelling: Spelling | None = None) -> str:
     r, s = plan.request, plan.request.strategy
     lora = f"LoRA r={r.lora.rank}" if r.lora is not None else "full"
     lines = [f"memory plan: {r.model_path}",
@@ -49,13 +54,14 @@ def table(plan: MemoryPlan) -> str:
     lines.append(f"  {'EP all-to-alls (balanced)':<34}{gib(plan.comm.all_to_all):>14}")
     if plan.fixes:
         lines.append("fixes, ranked (each re-planned):")
-        lines += [f"  {f.change:<50} peak {gib(f.peak)}{'' if f.fits else ' (still too big)'}" for f in plan.fixes]
+        lines += [f"  {f.spelled(spelling):<50} peak {gib(f.peak)}{'' if f.fits else ' (still too big)'}"
+                  for f in plan.fixes]
     lines.append("assumptions: " + "; ".join(ASSUMPTIONS))
-    lines.append(verdict_line(plan))
+    lines.append(verdict_line(plan, spelling=spelling))
     return "\n".join(lines)
 
 
-def to_json(plan: MemoryPlan) -> dict:
+def to_json(plan: MemoryPlan, *, spelling: Spelling | None = None) -> dict:
     r = plan.request
     return {
         "model": r.model_path, "nnodes": r.nnodes, "nproc_per_node": r.nproc_per_node,
@@ -68,8 +74,8 @@ def to_json(plan: MemoryPlan) -> dict:
         "activations": {"base": plan.activations.base, "per_layer": plan.activations.per_layer,
                         "layer_counts": plan.activations.layer_counts, "tokens": plan.activations.tokens},
         "device_memory": r.device_memory, "host_memory": r.host_memory, "fits": plan.fits,
-        "host_fits": plan.host_fits, "verdict": verdict_line(plan),
-        "fixes": [dataclasses.asdict(f) for f in plan.fixes],
+        "host_fits": plan.host_fits, "verdict": verdict_line(plan, spelling=spelling),
+        "fixes": [{**dataclasses.asdict(f), "change": f.spelled(spelling)} for f in plan.fixes],
     }
 
 

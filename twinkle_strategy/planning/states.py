@@ -19,7 +19,8 @@ from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
-from twinkle_strategy.quantized.formats import FP4_GROUP, QuantFormat, QuantMethod
+from twinkle_strategy.quantized.codec import FP4_GROUP
+from twinkle_strategy.quantized.formats import QuantFormat, QuantMethod
 
 ADAMW_STATES = 2  # exp_avg and exp_avg_sq, each like its parameter's shard
 STEP_BYTES = 4  # AdamW's per-parameter step counter (a float32 scalar tensor)

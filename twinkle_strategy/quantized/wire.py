@@ -6,7 +6,7 @@ the receiving rank dequantizes on its own device and applies transformers'
 conversion rule (merging experts, concatenating gate and up ...) itself.
 
 A :class:`WireForm` is the whole agreement between the two sides: which
-checkpoint pieces (key, rows, :class:`~twinkle_strategy.quantized.formats.Codec`)
+checkpoint pieces (key, rows, :class:`~twinkle_strategy.quantized.codec.Codec`)
 make each chunk of rows of the region, and the rule that combines them. It is
 planned on the source from the headers (no read) and sent to the receiver
 before any weight moves. Chunks are cut at scale-block boundaries, so no scale
@@ -27,7 +27,8 @@ from collections.abc import Callable, Iterator
 import torch
 
 from twinkle_strategy.dtypes import TensorSpec
-from twinkle_strategy.quantized.formats import Codec, QuantizedIndex
+from twinkle_strategy.quantized.codec import Codec
+from twinkle_strategy.quantized.formats import QuantizedIndex
 
 
 @dataclasses.dataclass(frozen=True)

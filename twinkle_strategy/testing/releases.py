@@ -1,7 +1,7 @@
 """Tiny quantized hub releases, written as the real ones ship: FP8 blocks (DeepSeek-V3, Qwen3 "-FP8"),
 DeepSeek-V4-Flash (FP8 dense, FP4 experts) and gpt-oss (MXFP4 experts).
 
-For the tests of :mod:`twinkle_strategy.quantized.formats` and benchmarks/quant_bench.py.
+For the tests of :mod:`twinkle_strategy.quantized.formats` (and :mod:`~twinkle_strategy.quantized.codec`) and benchmarks/quant_bench.py.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import tempfile
 import torch
 from safetensors.torch import load_file, save_file
 
-from twinkle_strategy.quantized.formats import quantize_fp4_groups, quantize_fp8_blocks, quantize_mxfp4
+from twinkle_strategy.quantized.codec import quantize_fp4_groups, quantize_fp8_blocks, quantize_mxfp4
 from twinkle_strategy.testing.tiny_models import build_tiny_model
 
 # Checkpoint keys that quantized releases store in FP8 (attention and MLP projections, experts included);

@@ -60,6 +60,18 @@ def _cuda_memory() -> int | None:
     return None
 
 
+# The plan's fixes are named as the Python API names them (StrategyConfig fields, PlanRequest arguments); a
+# twinkle-sft user sets them as recipe keys, on the command line as key=value.
+_RECIPE_KEYS = {"micro_batch": "train.per_device_train_batch_size", "gradient_checkpointing": "train.gradient_checkpointing",
+                "nnodes": "launch.nnodes"}
+
+
+def recipe_spelling(option: str, value) -> str:
+    """A fix as a recipe override: ``train.per_device_train_batch_size=2``, ``strategy.ep_size=4``."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    return f"{_RECIPE_KEYS.get(option, f'strategy.{option}')}={text}"
+
+
 def check_fit_before_launch(recipe: Recipe) -> str | None:
     """The refusal line when the plan says ``recipe`` will not fit its devices, else None (and the plan's peak
     goes to the workers' environment for the step log). Skipped with launch.skip_plan, and on a machine with no
@@ -74,7 +86,8 @@ def check_fit_before_launch(recipe: Recipe) -> str | None:
     if plan.fits:
         return None
     first = next((f for f in plan.fixes if f.fits), None)
-    fix = f"first fix: {first.change} (peak {gib(first.peak)})" if first else "no single change fits: see twinkle-sft plan"
+    fix = (f"first fix: {first.spelled(recipe_spelling)} (peak {gib(first.peak)})" if first
+           else "no single change fits: see twinkle-sft plan")
     return (f"the memory plan's step peak {gib(plan.peak)} per device exceeds the budget {gib(budget)} "
             f"(launch.device_memory, --device_memory); {fix}; twinkle-sft plan shows every part; --skip_plan true "
             "launches anyway")
@@ -91,5 +104,6 @@ def plan_command(argv: list[str], parse) -> int:
     except TwinkleError as exc:
         print(f"twinkle-sft plan: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(to_json(plan), indent=1) if as_json else table(plan))
+    print(json.dumps(to_json(plan, spelling=recipe_spelling), indent=1) if as_json
+          else table(plan, spelling=recipe_spelling))
     return 0 if plan.fits is not False else 1

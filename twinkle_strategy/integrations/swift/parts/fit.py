@@ -65,6 +65,19 @@ def plan_request(args, strategy_config, *, device_type: str, device_memory: int 
                        routing_skew=routing_skew, device_memory=device_memory, device_type=device_type)
 
 
+# The plan's fixes are named as the Python API names them; swift's users set them so (``--flag value`` or a variable).
+_SWIFT_FLAGS = {"micro_batch": "--per_device_train_batch_size", "gradient_checkpointing": "--gradient_checkpointing",
+                "sequence_parallel_size": "--sequence_parallel_size"}
+
+
+def swift_spelling(option: str, value) -> str:
+    """A fix as swift sft takes it: ``--per_device_train_batch_size 2``, ``NNODES=2``, ``TWINKLE_EP_SIZE=4``."""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if option in _SWIFT_FLAGS:
+        return f"{_SWIFT_FLAGS[option]} {text}"
+    return f"NNODES={text}" if option == "nnodes" else f"{env_var(option)}={text}"
+
+
 def check_fit(args, strategy_config, *, device_type: str, fsdp_options: dict | None = None) -> int | None:
     """Refuse (SwiftPluginError, one line: the peak, the budget, the first fix) a run whose plan does not fit its
     devices; returns the planned peak in bytes, or None where nothing was checked."""
@@ -85,11 +98,12 @@ def check_fit(args, strategy_config, *, device_type: str, fsdp_options: dict | N
         raise SwiftPluginError(f"the memory plan of this run: {exc} ({env_var('skip_plan')}=1 skips it)") from exc
     if not plan.fits:
         first = next((f for f in plan.fixes if f.fits), None)
-        fix = f"first fix: {first.change} (peak {gib(first.peak)})" if first else "no single change makes it fit"
+        fix = (f"first fix: {first.spelled(swift_spelling)} (peak {gib(first.peak)})" if first
+               else "no single change makes it fit")
         raise SwiftPluginError(
             f"the memory plan's step peak {gib(plan.peak)} per device exceeds the budget {gib(budget)} "
             f"({env_var('device_memory')}, else the GPU's memory); {fix}; twinkle-sft plan shows every part; "
             f"{env_var('skip_plan')}=1 launches anyway")
     if int(os.environ.get("RANK", "0")) == 0:
-        logger.info("twinkle swift plugin: memory plan: %s", verdict_line(plan))
+        logger.info("twinkle swift plugin: memory plan: %s", verdict_line(plan, spelling=swift_spelling))
     return plan.peak

@@ -1,0 +1,64 @@
+"""What a model's forward calls: the attention implementation its config names (sequence parallelism wraps it)
+and its family's MoE load-balancing loss function.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+
+from torch import nn
+
+from twinkle_strategy.compat.registry import Internal
+from twinkle_strategy.compat.transformers_internals.checked import CHECKED
+
+ATTN_IMPLEMENTATION = Internal(
+    "PreTrainedConfig._attn_implementation", "transformers",
+    used_for="read which attention function a model was loaded with (Ulysses wraps that one), and build the "
+             "whole sequence's mask with a copy of the config that names it",
+    checked=CHECKED,
+    replacement="none for reading it (set_attn_implementation only sets it; the attention-interface docs read "
+                "config._attn_implementation themselves)")
+
+
+@ATTN_IMPLEMENTATION.wrapper
+def attention_implementation(config) -> str | None:
+    """The name of the attention function ``config``'s model calls (``"sdpa"``, ``"flash_attention_2"`` ...)."""
+    return ATTN_IMPLEMENTATION.attribute(config, "_attn_implementation")
+
+
+@ATTN_IMPLEMENTATION.wrapper
+def config_with_attention(config, implementation: str):
+    """A shallow copy of ``config`` whose models call ``implementation``: what transformers' mask functions read."""
+    ATTN_IMPLEMENTATION.attribute(config, "_attn_implementation")
+    changed = copy.copy(config)
+    changed._attn_implementation = implementation
+    return changed
+
+
+BALANCING_LOSS_FUNCTION = Internal(
+    "modeling_<family>.load_balancing_loss_func", "transformers",
+    used_for="evaluate an MoE family's own load-balancing loss on given router logits (cast to fp32, and in their "
+             "own dtype), to judge in bf16 as in fp32 whether it is the Switch-Transformer form counted over the "
+             "global batch",
+    checked="5.19, 5.24", replacement="none: the models compute it inside their forward only")
+
+_BALANCING_PARAMETERS = ("gate_logits", "num_experts", "top_k", "attention_mask")
+
+
+@BALANCING_LOSS_FUNCTION.wrapper
+def balancing_loss_function(model: nn.Module):
+    """The ``load_balancing_loss_func(gate_logits, num_experts, top_k, attention_mask)`` that ``model``'s forward
+    calls: a global of the modeling module of its class, or of the nearest base class whose module has one (a
+    subclass defined elsewhere inherits its forward). None where none has one with those parameters (remote
+    code, Switch-Transformers' own signature)."""
+    for cls in type(model).__mro__:
+        function = getattr(sys.modules.get(cls.__module__), "load_balancing_loss_func", None)
+        if callable(function):
+            try:
+                parameters = inspect.signature(function).parameters
+            except (TypeError, ValueError):
+                return None
+            return function if tuple(parameters)[:4] == _BALANCING_PARAMETERS else None
+    return None
