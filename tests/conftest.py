@@ -12,6 +12,9 @@ TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift"}
 
 import launch_log  # noqa: E402
 
+# The shared launches (session fixtures several test files assert on) and the fixtures they build on.
+pytest_plugins = ["launches"]
+
 # The launch budget: how many launches (tests/launch_log.py: a simulated-node run, a twinkle-sft or swift run, a
 # one-process script) each tier may make when it runs in full. Start-up is most of the suite's time: a test that
 # needs ranks rides a launch that exists (tests/launches.py's session fixtures) before it adds one. Raise a number

@@ -1,64 +1,20 @@
 """Bad input and real faults end in clear errors on every rank, never a hang, never lost data."""
 
-import json
 import re
-import shutil
 
 import pytest
-from header_edit import EDITS, corrupt_copy
+from launches import assert_every_rank_reached_the_fatal_case
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 LIMIT = 240  # seconds; a hang fails the test instead of blocking CI
 
 
-@pytest.fixture(scope="module")
-def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-
-    root = tmp_path_factory.mktemp("broken")
-    good = tiny_checkpoints / "qwen3_moe"
-    paths = {}
-    for name in ("missing_key", "corrupt"):
-        shutil.copytree(good, root / name)
-        paths[name] = root / name
-    weights = load_file(str(good / "model.safetensors"))
-    del weights["model.layers.0.self_attn.q_proj.weight"]
-    save_file(weights, str(paths["missing_key"] / "model.safetensors"), metadata={"format": "pt"})
-    data = (good / "model.safetensors").read_bytes()
-    (paths["corrupt"] / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated file
-    for edit in EDITS:  # headers safetensors itself rejects
-        paths[edit] = root / edit
-        shutil.copytree(good, paths[edit])
-        corrupt_copy(good / "model.safetensors", paths[edit] / "model.safetensors", edit)
-    paths["invalid_config_json"] = root / "invalid_config_json"
-    shutil.copytree(good, paths["invalid_config_json"])
-    (paths["invalid_config_json"] / "config.json").write_text('{"model_type": "qwen3_moe",, }')
-    return {k: str(v) for k, v in paths.items()} | {"good": str(good)}
-
-
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    from twinkle_strategy.train.demo_model import prepare_demo_model
-
-    return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
-
-
-def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_checkpoint, tmp_path):
-    headers = {case: broken_checkpoints[case] for case in [*EDITS, "invalid_config_json"]}
-    cases = ",".join(["missing_key", "wrong_shape", "corrupt_file", "missing_path", "dtype_differs_on_node1",
-                      *headers, "output_dir_not_shared"])
-    # Each simulated node gets its own output directory, as nodes with only local disks would.
-    node_dirs = [tmp_path / f"node{n}_disk" / "output" for n in range(2)]
-    result = launch("bad_config.py", ["--cases", cases, "--missing-key", broken_checkpoints["missing_key"],
-                                      "--wrong-shape", str(wrong_shape_checkpoint),
-                                      "--corrupt", broken_checkpoints["corrupt"], "--good", broken_checkpoints["good"],
-                                      "--checkpoints", json.dumps(headers)],
-                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT,
-                    node_env=[{"TWINKLE_TEST_NODE_DIR": str(d)} for d in node_dirs])
-    assert result.ok(), result.describe()
-    ranks = result.rank_results()
-    assert sorted(ranks) == [0, 1, 2, 3]
+def test_bad_checkpoints_fail_on_every_rank(refusals):
+    # (rides the refusals launch, tests/launches.py; each simulated node has its own output directory there, as
+    # nodes with only local disks would)
+    headers, node_dirs = refusals.headers, refusals.node_dirs
+    ranks = assert_every_rank_reached_the_fatal_case(refusals)
     expected = {
         "missing_key": "tensor 'model.layers.0.self_attn.q_proj.weight' is missing from the checkpoint",
         "wrong_shape": "tensor 'model.layers.1.mlp.gate.weight' has shape (3, 3) in the checkpoint but the model "
