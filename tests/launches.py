@@ -164,3 +164,25 @@ def assert_every_rank_reached_the_fatal_case(run: RefusalRun) -> dict[int, dict]
         assert data["ok"] is False and data["error_type"] == "ParallelConfigError", (rank, data.get("error"))
         assert set(data["errors"]) == {*CHECKPOINT_CASES, *HUB_CASES, *SIZE_CASES}, (rank, sorted(data["errors"]))
     return ranks
+
+
+# ------------------------------------------------------------------ the faults no process dies of (faults.py, 2 x 2)
+# tests/workers/faults.py --batch: each scenario's error recorded in turn; the last one's ends every rank.
+FAULT_BATCH = ["fail_trainer_state_writes", "disk_full_during_save:lora", "disk_full_during_save:full",
+               "corrupt_in_transit"]
+FAULT_LIMIT = 600  # seconds for the four: a hang fails the tests instead of blocking CI
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultRun:
+    result: LaunchResult
+    output_dir: Path  # each scenario writes under output_dir / KEY (the entry with ':' as '_')
+
+
+@pytest.fixture(scope="session")
+def fault_batch(demo_model, tmp_path_factory) -> FaultRun:
+    """faults.py on 2 nodes x 2 ranks: the faults no process dies of, one after another (test_reliability.py)."""
+    root = tmp_path_factory.mktemp("faults")
+    result = launch("faults.py", ["--batch", ",".join(FAULT_BATCH), "--model", demo_model, "--dataset", DATASET,
+                                  "--output-dir", str(root / "out")], root / "logs", timeout=FAULT_LIMIT)
+    return FaultRun(result, root / "out")
