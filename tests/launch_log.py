@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import os
 import subprocess
 import threading
@@ -80,6 +81,17 @@ def launch_group(program: str) -> Iterator[None]:
     finally:
         _state.group = None
         record.ended = time.monotonic()
+
+
+def one_launch(program: str):
+    """Decorator: every process the function starts is one launch (a helper that starts one process per node)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with launch_group(program):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
 
 
 class RecordingPopen(subprocess.Popen):
@@ -170,7 +182,20 @@ def start_sampler() -> None:
 
 def install() -> None:
     """Record every launch of this pytest process from now on."""
+    from twinkle_strategy.train import launcher
+
     subprocess.Popen = RecordingPopen
+    # twinkle-sft's main called in this process starts its node agents through run_agents: one launch, as
+    # multinode.launch's are.
+    run_agents = launcher.run_agents
+
+    def grouped_run_agents(commands, *args, **kwargs):
+        if getattr(_state, "group", None) is not None:
+            return run_agents(commands, *args, **kwargs)
+        with launch_group(f"{_program(commands[0])} {len(commands)} nodes" if commands else "run_agents"):
+            return run_agents(commands, *args, **kwargs)
+
+    launcher.run_agents = grouped_run_agents
     start_sampler()
 
 
