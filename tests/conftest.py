@@ -10,12 +10,86 @@ sys.path.insert(0, os.path.dirname(__file__))
 TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift"}
 
 
+import launch_log  # noqa: E402
+
+# The shared launches (session fixtures several test files assert on) and the fixtures they build on.
+pytest_plugins = ["launches"]
+
+# The launch budget: how many launches (tests/launch_log.py: a simulated-node run, a twinkle-sft or swift run, a
+# one-process script) each tier may make when it runs in full. Start-up is most of the suite's time: a test that
+# needs ranks rides a launch that exists (tests/launches.py's session fixtures) before it adds one. Raise a number
+# only with a reason in the commit.
+# unit: the torch-free subprocesses of test_structure.py and test_launch_budget.py. multiproc and swift_plugin:
+# counted from the test code (launch sites times parametrizations, shared fixtures once), with room for the sites a
+# static count misses; set them to the table's counts of the first full run.
+LAUNCH_BUDGET = {"unit": 2, "multiproc": 105, "swift_plugin": 40}
+
+
+def pytest_configure(config):
+    launch_log.install()
+
+
 def pytest_collection_modifyitems(items):
     """Mark every test with its tier, the folder it lives in (pyproject.toml registers the markers): `-m unit`."""
     for item in items:
         tier = TIERS.get(item.path.parent.name)
         if tier:
             item.add_marker(getattr(pytest.mark, tier))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    launch_log.current_test[0] = item.nodeid  # a session fixture's launches count for the test that first needs it
+    yield
+
+
+def _tiers_run_in_full(config) -> list[str]:
+    """The tier folders this session ran whole: `pytest tests` or `pytest tests/<tier>`, nothing filtered."""
+    opt = config.option
+    if opt.keyword or opt.markexpr or getattr(opt, "deselect", None) or getattr(opt, "lf", False) \
+            or getattr(opt, "collectonly", False) or opt.maxfail:
+        return []
+    here = os.path.dirname(os.path.abspath(__file__))
+    tiers = []
+    for arg in config.args:
+        path = os.path.abspath(os.path.join(str(config.invocation_params.dir), arg))
+        if path in (here, os.path.dirname(here)):  # tests/, or the repository (pytest with no path)
+            tiers += list(TIERS)
+        elif os.path.dirname(path) == here and os.path.basename(path) in TIERS:
+            tiers.append(os.path.basename(path))
+    return tiers
+
+
+def _launches_by_tier() -> dict[str, int]:
+    counts = dict.fromkeys(TIERS, 0)
+    for launch in launch_log.LAUNCHES:
+        parts = launch.test.split("::")[0].split("/")
+        if len(parts) > 2 and parts[-2] in counts:
+            counts[parts[-2]] += 1
+    return counts
+
+
+_over_budget: list[str] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    counts = _launches_by_tier()
+    for tier in _tiers_run_in_full(session.config):
+        if counts[tier] > LAUNCH_BUDGET[tier]:
+            _over_budget.append(f"launch budget: tests/{tier} made {counts[tier]} launches, over its budget of "
+                                f"{LAUNCH_BUDGET[tier]} (tests/conftest.py LAUNCH_BUDGET); ride an existing launch "
+                                f"(tests/launches.py) instead of adding one")
+    if _over_budget and session.exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter):
+    if launch_log.LAUNCHES:
+        terminalreporter.section("launches (tests/launch_log.py)")
+        for line in launch_log.table_lines():
+            terminalreporter.write_line(line)
+    for line in _over_budget:
+        terminalreporter.write_line(line, red=True)
 
 from twinkle_strategy.testing.families import FAMILIES, LAYOUT_FAMILIES  # noqa: E402
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint  # noqa: E402

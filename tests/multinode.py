@@ -11,6 +11,8 @@ import json
 import os
 from pathlib import Path
 
+from launch_log import launch_group
+
 from twinkle_strategy.train.launcher import run_simulated_nodes
 
 REPO = Path(__file__).resolve().parent.parent
@@ -54,7 +56,9 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
         "PYTHONUNBUFFERED": "1",
         **(env or {}),
     }
-    result = run_simulated_nodes([str(WORKERS / worker), *args], nnodes=nnodes, nproc_per_node=nproc_per_node,
-                                 timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env)
+    shape = "+".join(map(str, nproc_per_node)) if isinstance(nproc_per_node, list) else f"{nnodes}x{nproc_per_node}"
+    with launch_group(f"{worker} {shape}"):  # the launch table's row (tests/launch_log.py)
+        result = run_simulated_nodes([str(WORKERS / worker), *args], nnodes=nnodes, nproc_per_node=nproc_per_node,
+                                     timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env)
     logs = [p.read_text(errors="replace") for p in result.log_paths]
     return LaunchResult(result.returncodes, result.timed_out, logs, out_dir, result.seconds)

@@ -12,13 +12,6 @@ LIMIT = 420  # seconds; a hang fails the test instead of blocking CI
 
 
 @pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    from twinkle_strategy.train.demo_model import prepare_demo_model
-
-    return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
-
-
-@pytest.fixture(scope="module")
 def compared(demo_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("async_compare")
     result = launch("async_saves.py", ["--scenario", "compare", "--model", demo_model, "--dataset", DATASET,

@@ -4,16 +4,15 @@ Sources stream the checkpoint (hub layout, single file and sharded): each reads 
 node's rows; every other rank opens no weight file and receives exactly its shard and buffers.
 """
 
-import json
 import math
-import shutil
 
-import pytest
-import torch
 from conftest import LAYOUT_CHECKPOINTS
+from launches import HUB_MISSING_KEY as MISSING_KEY
+from launches import HUB_TRUNCATED_KEY as TRUNCATED_KEY
+from launches import HUB_WRONG_KEY as WRONG_KEY
+from launches import assert_every_rank_reached_the_fatal_case
 from multinode import launch
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.testing.families import FAMILIES
 
 BUCKET = 4096
@@ -127,53 +126,10 @@ def test_three_nodes(tiny_checkpoints, tmp_path):
             assert scatter["bytes_received"] >= scatter["kept"]
 
 
-@pytest.fixture(scope="module")
-def broken_hub_checkpoints(tiny_checkpoints, tmp_path_factory):
-    """The sharded Mixtral checkpoint (per-expert hub keys) with one fault each."""
-    from safetensors.torch import load_file, save_file
-
-    good = tiny_checkpoints / "mixtral_sharded"
-    index = json.loads((good / "model.safetensors.index.json").read_text())["weight_map"]
-    root = tmp_path_factory.mktemp("broken_hub")
-
-    def variant(name, key, change):
-        path = root / name
-        shutil.copytree(good, path)
-        weights = load_file(str(path / index[key]))
-        change(weights)
-        save_file(weights, str(path / index[key]), metadata={"format": "pt"})
-        return path
-
-    wrong = variant("wrong_shape", WRONG_KEY, lambda w: w.__setitem__(WRONG_KEY, torch.zeros(64, 16)))
-    missing = variant("missing_key", MISSING_KEY, lambda w: w.pop(MISSING_KEY))
-    weight_map = json.loads((missing / "model.safetensors.index.json").read_text())
-    del weight_map["weight_map"][MISSING_KEY]
-    (missing / "model.safetensors.index.json").write_text(json.dumps(weight_map))
-    truncated = root / "truncated"
-    shutil.copytree(good, truncated)
-    stored = SafetensorsIndex.from_directory(str(good)).tensors[TRUNCATED_KEY]
-    shard = truncated / index[TRUNCATED_KEY]
-    shard.write_bytes(shard.read_bytes()[:stored.begin + stored.nbytes // 2])  # cut inside that tensor
-    return {"wrong_shape": wrong, "missing_key": missing, "truncated": truncated}
-
-
-WRONG_KEY = "model.layers.1.block_sparse_moe.experts.3.w2.weight"
-MISSING_KEY = "model.layers.0.block_sparse_moe.experts.5.w1.weight"
-TRUNCATED_KEY = "model.layers.1.block_sparse_moe.experts.6.w3.weight"
-
-
-def test_bad_hub_checkpoints_are_named_by_key_on_every_rank(broken_hub_checkpoints, tmp_path):
+def test_bad_hub_checkpoints_are_named_by_key_on_every_rank(refusals):
     """A wrong-shaped per-expert tensor, a missing one, a truncated shard: named by checkpoint key, before any
-    weight is read, on every rank; nobody hangs."""
-    paths = broken_hub_checkpoints
-    result = launch("bad_config.py", ["--cases", "hub_wrong_shape,hub_missing_key,hub_truncated",
-                                      "--hub-wrong-shape", str(paths["wrong_shape"]),
-                                      "--hub-missing-key", str(paths["missing_key"]),
-                                      "--hub-truncated", str(paths["truncated"])],
-                    tmp_path, nnodes=2, nproc_per_node=2, timeout=240)
-    assert result.ok(), result.describe()
-    ranks = result.rank_results()
-    assert sorted(ranks) == [0, 1, 2, 3]
+    weight is read, on every rank; nobody hangs. (Rides the refusals launch, tests/launches.py.)"""
+    ranks = assert_every_rank_reached_the_fatal_case(refusals)
     expected = {
         "hub_wrong_shape": [f"checkpoint tensor '{WRONG_KEY}' has shape (64, 16)",
                             "model parameter 'model.layers.1.mlp.experts.down_proj' (8, 32, 16) have (32, 16)"],

@@ -1,64 +1,20 @@
 """Bad input and real faults end in clear errors on every rank, never a hang, never lost data."""
 
-import json
 import re
-import shutil
 
 import pytest
-from header_edit import EDITS, corrupt_copy
+from launches import FAULT_LIMIT, assert_every_rank_reached_the_fatal_case
 from multinode import REPO, launch
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 LIMIT = 240  # seconds; a hang fails the test instead of blocking CI
 
 
-@pytest.fixture(scope="module")
-def broken_checkpoints(tiny_checkpoints, tmp_path_factory):
-    from safetensors.torch import load_file, save_file
-
-    root = tmp_path_factory.mktemp("broken")
-    good = tiny_checkpoints / "qwen3_moe"
-    paths = {}
-    for name in ("missing_key", "corrupt"):
-        shutil.copytree(good, root / name)
-        paths[name] = root / name
-    weights = load_file(str(good / "model.safetensors"))
-    del weights["model.layers.0.self_attn.q_proj.weight"]
-    save_file(weights, str(paths["missing_key"] / "model.safetensors"), metadata={"format": "pt"})
-    data = (good / "model.safetensors").read_bytes()
-    (paths["corrupt"] / "model.safetensors").write_bytes(data[: len(data) // 2])  # truncated file
-    for edit in EDITS:  # headers safetensors itself rejects
-        paths[edit] = root / edit
-        shutil.copytree(good, paths[edit])
-        corrupt_copy(good / "model.safetensors", paths[edit] / "model.safetensors", edit)
-    paths["invalid_config_json"] = root / "invalid_config_json"
-    shutil.copytree(good, paths["invalid_config_json"])
-    (paths["invalid_config_json"] / "config.json").write_text('{"model_type": "qwen3_moe",, }')
-    return {k: str(v) for k, v in paths.items()} | {"good": str(good)}
-
-
-@pytest.fixture(scope="module")
-def demo_model(tmp_path_factory):
-    from twinkle_strategy.train.demo_model import prepare_demo_model
-
-    return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
-
-
-def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_checkpoint, tmp_path):
-    headers = {case: broken_checkpoints[case] for case in [*EDITS, "invalid_config_json"]}
-    cases = ",".join(["missing_key", "wrong_shape", "corrupt_file", "missing_path", "dtype_differs_on_node1",
-                      *headers, "output_dir_not_shared"])
-    # Each simulated node gets its own output directory, as nodes with only local disks would.
-    node_dirs = [tmp_path / f"node{n}_disk" / "output" for n in range(2)]
-    result = launch("bad_config.py", ["--cases", cases, "--missing-key", broken_checkpoints["missing_key"],
-                                      "--wrong-shape", str(wrong_shape_checkpoint),
-                                      "--corrupt", broken_checkpoints["corrupt"], "--good", broken_checkpoints["good"],
-                                      "--checkpoints", json.dumps(headers)],
-                    tmp_path, nnodes=2, nproc_per_node=2, timeout=LIMIT,
-                    node_env=[{"TWINKLE_TEST_NODE_DIR": str(d)} for d in node_dirs])
-    assert result.ok(), result.describe()
-    ranks = result.rank_results()
-    assert sorted(ranks) == [0, 1, 2, 3]
+def test_bad_checkpoints_fail_on_every_rank(refusals):
+    # (rides the refusals launch, tests/launches.py; each simulated node has its own output directory there, as
+    # nodes with only local disks would)
+    headers, node_dirs = refusals.headers, refusals.node_dirs
+    ranks = assert_every_rank_reached_the_fatal_case(refusals)
     expected = {
         "missing_key": "tensor 'model.layers.0.self_attn.q_proj.weight' is missing from the checkpoint",
         "wrong_shape": "tensor 'model.layers.1.mlp.gate.weight' has shape (3, 3) in the checkpoint but the model "
@@ -94,10 +50,10 @@ def test_bad_checkpoints_fail_on_every_rank(broken_checkpoints, wrong_shape_chec
     assert "rank(s) [2]" in ranks[0]["errors"]["dtype_differs_on_node1"]["message"]
 
 
-def _assert_everyone_stopped(result):
+def _assert_everyone_stopped(result, limit=LIMIT):
     assert not result.timed_out, result.describe()
     assert all(rc not in (0, None) for rc in result.returncodes), result.describe()
-    assert result.seconds < LIMIT
+    assert result.seconds < limit
 
 
 def test_source_killed_mid_distribution(demo_model, tmp_path):
@@ -117,9 +73,10 @@ def test_source_killed_mid_distribution(demo_model, tmp_path):
         assert named and 2 in [int(r) for r in named.group(1).split(",")], data["error"]
 
 
-def test_verify_init_detects_a_corrupted_region(demo_model, tmp_path):
-    result = launch("faults.py", ["--scenario", "corrupt_in_transit", "--model", demo_model], tmp_path, timeout=LIMIT)
-    _assert_everyone_stopped(result)
+def test_verify_init_detects_a_corrupted_region(fault_batch):
+    # (the last scenario of the fault batch, tests/launches.py: its error ends every rank)
+    result = fault_batch.result
+    _assert_everyone_stopped(result, FAULT_LIMIT)
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3]
     for data in ranks.values():
@@ -188,17 +145,17 @@ def test_save_pretrained_exists_under_its_name_only_when_complete(demo_model, tm
 
 
 @pytest.mark.parametrize("tuner", ["lora", "full"])
-def test_disk_full_while_saving(demo_model, tmp_path, tuner):
+def test_disk_full_while_saving(fault_batch, tuner):
     from safetensors.torch import load_file
 
-    out = tmp_path / "out"
-    result = launch("faults.py", ["--scenario", "disk_full_during_save", "--model", demo_model, "--dataset", DATASET,
-                                  "--output-dir", str(out)] + (["--full"] if tuner == "full" else []),
-                    tmp_path / "l", timeout=LIMIT)
-    _assert_everyone_stopped(result)
+    # (a scenario of the fault batch, tests/launches.py: every rank raised the error, then went on to the next)
+    key = f"disk_full_during_save_{tuner}"
+    out = fault_batch.output_dir / key
+    result = fault_batch.result
+    _assert_everyone_stopped(result, FAULT_LIMIT)
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3], result.describe()
-    for data in ranks.values():
+    for data in (ranks[rank]["scenarios"][key] for rank in ranks):
         assert data["error_type"] == "CheckpointSaveError", data
         assert data["error"].startswith("saving checkpoint-4 (model weights) failed on rank(s) [0]: rank 0: ")
         assert "File too large" in data["error"] and data["error"].endswith("previous checkpoints are untouched")
@@ -209,19 +166,20 @@ def test_disk_full_while_saving(demo_model, tmp_path, tuner):
     assert not (out / "checkpoint-4").exists() and not (out / "checkpoint-4.tmp").exists()
 
 
-def test_a_rank_failing_to_write_trainer_state_stops_every_rank_together(demo_model, tmp_path):
+def test_a_rank_failing_to_write_trainer_state_stops_every_rank_together(fault_batch):
     # Rank 1 fails while writing the optimizer state, then the trainable weights (expert LoRA, ep=2: some of
     # both are gathered to be written). Every rank must get CheckpointSaveError at once, not wait in a gather
-    # for the 60 s collective timeout the worker sets.
-    out = tmp_path / "out"
-    result = launch("faults.py", ["--scenario", "fail_trainer_state_writes", "--model", demo_model,
-                                  "--dataset", DATASET, "--output-dir", str(out)], tmp_path / "l", timeout=LIMIT)
-    assert result.ok(), result.describe()
+    # for the 60 s collective timeout the worker sets. (The first scenario of the fault batch, tests/launches.py.)
+    out = fault_batch.output_dir / "fail_trainer_state_writes"
+    result = fault_batch.result
+    assert not result.timed_out, result.describe()
     ranks = result.rank_results()
     assert sorted(ranks) == [0, 1, 2, 3], result.describe()
     for rank, data in ranks.items():
+        scenario = data["scenarios"]["fail_trainer_state_writes"]
+        assert scenario["error_type"] is None, (rank, scenario)  # the scenario itself ran to its end
         for part in ("optimizer", "trainable"):
-            save = data["saves"][part]
+            save = scenario["result"]["saves"][part]
             assert save["error_type"] == "CheckpointSaveError", (rank, part, save)
             assert "failed on rank(s) [1]: rank 1: OSError: [Errno 5] injected I/O error" in save["error"], save
             assert save["seconds"] < 30, (rank, part, save)

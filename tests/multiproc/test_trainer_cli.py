@@ -127,34 +127,44 @@ def test_resume_gives_the_same_losses(demo_run):
         assert abs(e["loss"] - uninterrupted[e["global_step/max_steps"]]) <= 1e-6, (e, uninterrupted)
 
 
-def test_activation_checkpointing_logs_the_same_losses(demo_run):
-    """train.gradient_checkpointing=true recomputes each decoder layer (EP dispatch replayed): same losses."""
-    work, run_dir, _, _ = demo_run
-    out = work / "checkpointed"
-    proc = run_cli([str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", f"train.output_dir={out}",
-                    f"train.max_steps={STEPS}", "train.save_steps=100", "train.logging_steps=1",
-                    "train.gradient_checkpointing=true"], cwd=work)
-    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+@pytest.fixture(scope="module")
+def variant_runs(demo_run):
+    """The demo recipe again with --padding_free true, and with --packing true. The padding-free run also takes
+    train.gradient_checkpointing=true: each changes nothing but memory, so one launch checks both (a loss off by
+    either fails test_activation_checkpointing_logs_the_same_losses and the padding-free test alike)."""
+    work = demo_run[0]
+    runs = {}
+    for flag, extra in (("--padding_free", ["train.gradient_checkpointing=true"]), ("--packing", [])):
+        out = work / flag.strip("-")
+        proc = run_cli([str(REPO / "yaml" / "demo.yaml"), "--dataset", DATASET, "--output_dir", str(out),
+                        "--max_steps", str(STEPS), "--save_steps", "100", "--logging_steps", "1", flag, "true",
+                        *extra], cwd=work)
+        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
+        runs[flag] = proc, only_run_dir(out)
+    return runs
+
+
+def test_activation_checkpointing_logs_the_same_losses(demo_run, variant_runs):
+    """train.gradient_checkpointing=true recomputes each decoder layer (EP dispatch replayed): same losses.
+    (Rides the padding-free run of variant_runs.)"""
+    _, run_dir, _, _ = demo_run
+    proc, checkpointed_dir = variant_runs["--padding_free"]
+    assert "train.gradient_checkpointing=true" in proc.args
     plain = {e["global_step/max_steps"]: e["loss"] for e in read_log(run_dir)}
-    checkpointed = read_log(only_run_dir(out))
+    checkpointed = read_log(checkpointed_dir)
     assert [e["global_step/max_steps"] for e in checkpointed] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
     for e in checkpointed:
         assert abs(e["loss"] - plain[e["global_step/max_steps"]]) <= 1e-5, (e, plain)
 
 
-def test_padding_free_and_packing_through_twinkle_sft(demo_run):
+def test_padding_free_and_packing_through_twinkle_sft(demo_run, variant_runs):
     """--padding_free true: each micro-batch's examples in one row instead of padded rows, each attending only to
     itself, so the demo's steps (the same examples) log the same losses. --packing true: examples packed into
     rows of up to max_length tokens (other steps, so other losses) train as well."""
-    work, run_dir, _, _ = demo_run
+    _, run_dir, _, _ = demo_run
     padded = {e["global_step/max_steps"]: e["loss"] for e in read_log(run_dir)}
     for flag in ("--padding_free", "--packing"):
-        out = work / flag.strip("-")
-        proc = run_cli([str(REPO / "yaml" / "demo.yaml"), "--dataset", DATASET, "--output_dir", str(out),
-                        "--max_steps", str(STEPS), "--save_steps", "100", "--logging_steps", "1", flag, "true"],
-                       cwd=work)
-        assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-5000:]
-        run = only_run_dir(out)
+        proc, run = variant_runs[flag]
         log = read_log(run)
         assert [e["global_step/max_steps"] for e in log] == [f"{i}/{STEPS}" for i in range(1, STEPS + 1)]
         said = {"--padding_free": r"data\.padding_free: each micro-batch's examples concatenated into one row",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from launch_log import one_launch
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.demo_model import prepare_demo_model
@@ -93,6 +94,7 @@ def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], 
                                                                        port=str(port), retry_if_port_taken=retry))
 
 
+@one_launch("swift sft")  # its nodes are one launch in the launch table (tests/launch_log.py)
 def _start_and_wait_swift_sft(cmd: list[str], out: Path, env: dict[str, str], nnodes: int, timeout: float,
                               reference: bool, *, port: str, retry_if_port_taken: bool = False):
     procs, logs = [], []

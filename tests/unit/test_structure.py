@@ -194,10 +194,9 @@ def test_the_package_imports_its_own_modules_at_module_level():
 def test_importing_one_module_does_not_load_the_library():
     code = ("import sys, twinkle_strategy.errors\n"
             "loaded = sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'twinkle_strategy.')))\n"
-            "print(loaded)\n"
-            "import twinkle_strategy\n"
-            "assert twinkle_strategy.NativeFSDPStrategy.__module__ == 'twinkle_strategy.strategy'\n"
-            "assert 'torch.distributed.fsdp' in sys.modules\n")
+            "print(loaded)\n")
+    # (without torch: half a second. That the package root then loads the strategy on first use is checked in a
+    # fresh process that imports torch: tests/multiproc/test_fresh_process.py)
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['twinkle_strategy.errors', 'twinkle_strategy.log']", result.stdout

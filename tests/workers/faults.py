@@ -216,16 +216,54 @@ SCENARIOS = {f.__name__: f for f in (kill_source_mid_transfer, corrupt_in_transi
                                      resume)}
 
 
+# What the scenarios patch, restored between the scenarios of one --batch run.
+def _patched_attributes():
+    from twinkle_strategy.checkpoint import writer
+    from twinkle_strategy.init import streams
+    from twinkle_strategy.train.trainer import Trainer
+
+    return [(Trainer, "save"), (writer.ParallelFileWriter, "write"), (streams.StreamWriter, "write")]
+
+
+def batch(args):
+    """The faults no process dies of, in one launch: ``--batch name[:full],...``, each scenario with its own
+    output directory (``--output-dir``/KEY, KEY the entry with ':' as '_'); each error is recorded under
+    ``scenarios`` and the last entry's is left uncaught, so every rank ends with it."""
+    *caught, last = args.batch.split(",")
+    scenarios = {}
+
+    def scenario_args(entry):
+        mode = entry.partition(":")[2]
+        return argparse.Namespace(**{**vars(args), "full": mode == "full",
+                                     "output_dir": os.path.join(args.output_dir, entry.replace(":", "_"))})
+
+    for entry in caught:
+        key = entry.replace(":", "_")
+        saved = [(owner, attr, getattr(owner, attr)) for owner, attr in _patched_attributes()]
+        limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+        try:
+            scenarios[key] = {"error_type": None, "result": SCENARIOS[entry.partition(":")[0]](scenario_args(entry))}
+        except Exception as exc:  # noqa: BLE001 - the test reads it
+            scenarios[key] = {"error_type": type(exc).__name__, "error": str(exc)}
+        finally:
+            for owner, attr, value in saved:
+                setattr(owner, attr, value)
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+        worker_common.write_result({"scenarios": scenarios})
+    return SCENARIOS[last.partition(":")[0]](scenario_args(last))  # its error ends every rank
+
+
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("--scenario", required=True, choices=sorted(SCENARIOS))
+    p.add_argument("--scenario", choices=sorted(SCENARIOS))
+    p.add_argument("--batch", help="name[:full],... (see batch)")
     p.add_argument("--model", required=True)
     p.add_argument("--dataset")
     p.add_argument("--output-dir")
     p.add_argument("--timeout", type=float, default=60)
     p.add_argument("--full", action="store_true", help="full-parameter training instead of LoRA")
     args = p.parse_args()
-    return SCENARIOS[args.scenario](args)
+    return batch(args) if args.batch else SCENARIOS[args.scenario](args)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,219 @@
+"""Every process the suite starts, with the Python processes under it, for the launch table and the launch budget.
+
+Start-up (each process imports torch and transformers: 5-8 s on 2 cores) is most of the suite's time, so the
+suite counts what it starts. conftest.py installs :class:`RecordingPopen` as ``subprocess.Popen`` in the pytest
+process: a launch is one program the tests start there (a torchrun agent of ``multinode.launch``, a ``twinkle-sft``
+run, ``swift sft``, a one-process script); :func:`launch_group` makes the agents of one simulated-node launch one
+row. A sampler thread walks /proc twice a second and counts the Python processes under each launch (agents, ranks,
+the workers a CLI starts): any process that lives longer than a sample, which every rank does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+
+# Programs that count as launches; a `git`, `ldconfig` or `uname` some library starts does not.
+LAUNCHERS = ("python", "bash", "torchrun", "twinkle-sft", "swift")
+SAMPLE_S = 0.5
+
+
+@dataclasses.dataclass
+class Launch:
+    """One launch: which test started what, how many Python processes ran under it, and for how long."""
+    test: str
+    program: str
+    started: float
+    pids: set[int] = dataclasses.field(default_factory=set)  # the launch's own top-level processes
+    python: set[int] = dataclasses.field(default_factory=set)  # the pid of each Python process under it
+    ended: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return (self.ended or time.monotonic()) - self.started
+
+    @property
+    def processes(self) -> int:
+        return len(self.python)
+
+
+LAUNCHES: list[Launch] = []
+_lock = threading.Lock()
+_state = threading.local()
+current_test = ["(collection)"]
+
+
+def _program(args) -> str:
+    argv = [args] if isinstance(args, (str, os.PathLike)) else list(args)
+    argv = [str(a) for a in argv]
+    name = os.path.basename(argv[0]) if argv else "?"
+    # The script or module that matters: `python -m twinkle_strategy.train.cli`, `python tests/workers/x.py`.
+    for i, arg in enumerate(argv[1:], 1):
+        if arg == "-m" and i + 1 < len(argv):
+            return f"{name} -m {argv[i + 1]}"
+        if arg == "-c":
+            return f"{name} -c"
+        if arg.endswith((".py", ".sh")):
+            return f"{name} {os.path.basename(arg)}"
+    return name
+
+
+def _counts(args) -> bool:
+    argv = [args] if isinstance(args, (str, os.PathLike)) else list(args)
+    return bool(argv) and os.path.basename(str(argv[0])).startswith(LAUNCHERS)
+
+
+@contextlib.contextmanager
+def launch_group(program: str) -> Iterator[None]:
+    """The processes started inside this block are one launch (the node agents of one simulated-node run)."""
+    record = Launch(current_test[0], program, time.monotonic())
+    with _lock:
+        LAUNCHES.append(record)
+    _state.group = record
+    try:
+        yield
+    finally:
+        _state.group = None
+        record.ended = time.monotonic()
+
+
+def one_launch(program: str):
+    """Decorator: every process the function starts is one launch (a helper that starts one process per node)."""
+    def wrap(fn):
+        @functools.wraps(fn)
+        def inner(*args, **kwargs):
+            with launch_group(program):
+                return fn(*args, **kwargs)
+        return inner
+    return wrap
+
+
+class RecordingPopen(subprocess.Popen):
+    """``subprocess.Popen`` that records a launch (or joins the current :func:`launch_group`)."""
+
+    def __init__(self, args, *rest, **kwargs):
+        super().__init__(args, *rest, **kwargs)
+        self._launch = None
+        if not _counts(args):
+            return
+        group = getattr(_state, "group", None)
+        if group is None:
+            group = Launch(current_test[0], _program(args), time.monotonic())
+            with _lock:
+                LAUNCHES.append(group)
+            self._launch = group  # ends with this process
+        with _lock:
+            group.pids.add(self.pid)
+            if os.path.basename(str(args[0] if not isinstance(args, (str, os.PathLike)) else args)).startswith("python"):
+                group.python.add(self.pid)  # counted even when it ends before the first sample
+
+    def _note_end(self):
+        if self._launch is not None and self.returncode is not None and self._launch.ended is None:
+            self._launch.ended = time.monotonic()
+
+    def poll(self):
+        code = super().poll()
+        self._note_end()
+        return code
+
+    def wait(self, timeout=None):
+        code = super().wait(timeout)
+        self._note_end()
+        return code
+
+    def communicate(self, *args, **kwargs):
+        out = super().communicate(*args, **kwargs)
+        self._note_end()
+        return out
+
+
+def _proc_table() -> dict[int, tuple[int, bool]]:
+    """pid -> (parent pid, is Python), for every process now alive."""
+    table = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                exe = f.read().split(b"\0", 1)[0]
+        except (OSError, IndexError):
+            continue
+        table[int(entry.name)] = (int(fields[1]), os.path.basename(exe).startswith(b"python"))
+    return table
+
+
+def _sample() -> None:
+    with _lock:
+        live = [launch for launch in LAUNCHES if launch.ended is None]
+    if not live:
+        return
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, _) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    for launch in live:
+        stack = [pid for pid in list(launch.pids) if pid in table]
+        while stack:
+            pid = stack.pop()
+            if table[pid][1]:
+                launch.python.add(pid)
+            stack.extend(children.get(pid, ()))
+
+
+def start_sampler() -> None:
+    def loop():
+        while True:
+            try:
+                _sample()
+            except Exception:  # noqa: BLE001 - a count, never a reason for the suite to fail
+                pass
+            time.sleep(SAMPLE_S)
+
+    threading.Thread(target=loop, name="launch-log", daemon=True).start()
+
+
+def install() -> None:
+    """Record every launch of this pytest process from now on."""
+    from twinkle_strategy.train import launcher
+
+    subprocess.Popen = RecordingPopen
+    # twinkle-sft's main called in this process starts its node agents through run_agents: one launch, as
+    # multinode.launch's are.
+    run_agents = launcher.run_agents
+
+    def grouped_run_agents(commands, *args, **kwargs):
+        if getattr(_state, "group", None) is not None:
+            return run_agents(commands, *args, **kwargs)
+        with launch_group(f"{_program(commands[0])} {len(commands)} nodes" if commands else "run_agents"):
+            return run_agents(commands, *args, **kwargs)
+
+    launcher.run_agents = grouped_run_agents
+    start_sampler()
+
+
+def table_lines(limit: int = 25) -> list[str]:
+    """The launch table: totals per test file, then the longest launches."""
+    launches = list(LAUNCHES)
+    files: dict[str, list[Launch]] = {}
+    for launch in launches:
+        files.setdefault(launch.test.split("::")[0], []).append(launch)
+    total_s = sum(launch.seconds for launch in launches)
+    lines = [f"{len(launches)} launches, {sum(x.processes for x in launches)} Python processes, "
+             f"{total_s:.0f} s of launches (serial)",
+             f"{'launches':>8} {'procs':>6} {'seconds':>8}  test file"]
+    for name, group in sorted(files.items(), key=lambda kv: -sum(x.seconds for x in kv[1])):
+        lines.append(f"{len(group):>8} {sum(x.processes for x in group):>6} {sum(x.seconds for x in group):>8.1f}  "
+                     f"{name}")
+    lines.append(f"the {min(limit, len(launches))} longest launches:")
+    lines.append(f"{'procs':>6} {'seconds':>8}  program  (test)")
+    for launch in sorted(launches, key=lambda x: -x.seconds)[:limit]:
+        lines.append(f"{launch.processes:>6} {launch.seconds:>8.1f}  {launch.program}  ({launch.test})")
+    return lines

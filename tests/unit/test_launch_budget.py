@@ -1,0 +1,65 @@
+"""The suite's launch budget (tests/conftest.py) and launch table (tests/launch_log.py), on made-up sessions."""
+
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import conftest
+import launch_log
+import pytest
+
+TESTS = Path(conftest.__file__).parent
+
+
+def _config(*args, keyword="", markexpr="", maxfail=0):
+    option = types.SimpleNamespace(keyword=keyword, markexpr=markexpr, deselect=None, lf=False, collectonly=False,
+                                   maxfail=maxfail)
+    return types.SimpleNamespace(option=option, args=list(args),
+                                 invocation_params=types.SimpleNamespace(dir=TESTS.parent))
+
+
+def test_only_a_tier_run_in_full_is_held_to_its_budget():
+    assert conftest._tiers_run_in_full(_config("tests")) == list(conftest.TIERS)
+    assert conftest._tiers_run_in_full(_config(str(TESTS.parent))) == list(conftest.TIERS)
+    assert conftest._tiers_run_in_full(_config("tests/multiproc", "tests/unit")) == ["multiproc", "unit"]
+    assert conftest._tiers_run_in_full(_config("tests/multiproc/test_smoke.py")) == []
+    assert conftest._tiers_run_in_full(_config("tests", keyword="smoke")) == []
+    assert conftest._tiers_run_in_full(_config("tests", markexpr="unit")) == []
+    assert conftest._tiers_run_in_full(_config("tests", maxfail=1)) == []
+
+
+def test_a_tier_over_its_budget_fails_the_session_in_one_line(monkeypatch):
+    made_up = [launch_log.Launch(f"tests/multiproc/test_x.py::test_{i}", "python", 0.0, ended=1.0)
+               for i in range(conftest.LAUNCH_BUDGET["multiproc"] + 1)]
+    monkeypatch.setattr(launch_log, "LAUNCHES", made_up)
+    monkeypatch.setattr(conftest, "_over_budget", [])
+    session = types.SimpleNamespace(config=_config("tests/multiproc"), exitstatus=pytest.ExitCode.OK)
+    conftest.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.TESTS_FAILED
+    count, budget = len(made_up), conftest.LAUNCH_BUDGET["multiproc"]
+    assert conftest._over_budget == [f"launch budget: tests/multiproc made {count} launches, over its budget of "
+                                     f"{budget} (tests/conftest.py LAUNCH_BUDGET); ride an existing launch "
+                                     f"(tests/launches.py) instead of adding one"]
+    # Within the budget, or a tier not run in full: nothing.
+    monkeypatch.setattr(conftest, "_over_budget", [])
+    monkeypatch.setattr(launch_log, "LAUNCHES", made_up[:-1])
+    session = types.SimpleNamespace(config=_config("tests/multiproc"), exitstatus=pytest.ExitCode.OK)
+    conftest.pytest_sessionfinish(session, 0)
+    assert session.exitstatus == pytest.ExitCode.OK and conftest._over_budget == []
+
+
+def test_the_table_counts_each_launch_and_the_python_processes_under_it():
+    """A process started through subprocess (conftest installed the recorder) is one launch of the test that
+    started it, with its Python children counted by the /proc sampler."""
+    before = len(launch_log.LAUNCHES)
+    child = "import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(2)']); p.wait()"
+    subprocess.run([sys.executable, "-c", child], check=True, env={**os.environ, "PYTHONPATH": ""})
+    subprocess.run(["true"], check=True)  # not a launcher: not counted
+    new = launch_log.LAUNCHES[before:]
+    assert len(new) == 1, new
+    assert new[0].test.endswith("::test_the_table_counts_each_launch_and_the_python_processes_under_it")
+    assert new[0].processes == 2 and 1.5 < new[0].seconds < 60, new[0]
+    lines = launch_log.table_lines()
+    assert any(line.endswith("tests/unit/test_launch_budget.py") for line in lines), lines
