@@ -8,7 +8,7 @@ import threading
 import weakref
 
 import torch
-from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -53,7 +53,7 @@ class LiveBytes:
     (torch keeps one Python object per storage) that counts it out when it is freed. Three paths that
     a plain dispatch mode misses are covered, as torch's ``MemTracker`` covers them:
 
-    * tensor subclasses (DTensor): the mode steps aside (``NotImplemented``) so the subclass runs and its
+    * DTensor: the mode steps aside (``NotImplemented``) so the subclass runs and its
       local ops (the shards ``to_empty`` makes, AdamW's states, a redistribute's buffers) come back
       through the mode as plain tensors;
     * ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters that way), which
@@ -168,8 +168,8 @@ class _LiveMode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is not torch.Tensor and not issubclass(t, FakeTensor) for t in types):
-            return NotImplemented  # a subclass (DTensor): let it run; its local ops come back here
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run: its local ops come back here as plain tensors
         # torch.tensor(data) fills a fresh tensor outside the dispatcher and hands it to lift_fresh: new, not foreign.
         inputs_are_new = func in _LIFT_FRESH
         for storage in _storages((args, kwargs)):
