@@ -4,7 +4,11 @@ A TorchDispatchMode sees each op's outputs; an output whose storage was not
 seen before is a fresh allocation. Meta tensors are ignored (they hold no bytes).
 """
 
+import threading
+import weakref
+
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -45,10 +49,22 @@ class AllocationTracker(TorchDispatchMode):
 class LiveBytes:
     """Bytes of tensor storages allocated while active and not yet freed, in every Python thread; peak too.
 
-    Allocation tracking as :class:`AllocationTracker` (a dispatch mode sees each new storage), plus a
-    finalizer per storage (torch keeps one Python object per storage) that counts its bytes out when it
-    is freed. Dispatch modes are per thread, so threads started while active (the source's read thread)
-    get one of their own. ``mark()`` starts a new peak; ``extra_peak`` is the most held beyond the mark.
+    Every storage an ATen op returns that was not seen before is counted, with a finalizer on its storage
+    (torch keeps one Python object per storage) that counts it out when it is freed. Three paths that
+    a plain dispatch mode misses are covered, as torch's ``MemTracker`` covers them:
+
+    * DTensor: the mode steps aside (``NotImplemented``) so the subclass runs and its
+      local ops (the shards ``to_empty`` makes, AdamW's states, a redistribute's buffers) come back
+      through the mode as plain tensors;
+    * ``UntypedStorage.resize_`` (FSDP2 frees and re-allocates its unsharded parameters that way), which
+      is no ATen op: patched while active, it counts the new size;
+    * threads started while active (the source's read thread): dispatch modes are per thread, so each
+      gets a mode of its own.
+
+    Storages are keyed by their StorageImpl (``_cdata``), not their data pointer: a resized storage keeps
+    its key and changes its pointer. Storages first seen as an op's input (made before the tracker, or
+    without an ATen op, as a memory-mapped file) are not counted. ``mark()`` starts a new peak;
+    ``extra_peak`` is the most held beyond the mark.
     """
 
     def __init__(self):
@@ -58,8 +74,9 @@ class LiveBytes:
         self.live = 0
         self.peak = 0
         self.base = 0
-        self._known: set[int] = set()
-        self._sizes: dict[int, int] = {}  # counted storages alive: address -> bytes
+        self._sizes: dict[int, int] = {}  # counted storages alive: StorageImpl address -> bytes
+        self._foreign: set[int] = set()  # storages seen as inputs before any op made them: not counted
+        self._marked: set[int] = set()
         self.at_peak: list[int] = []  # sizes of the storages allocated since the mark and alive at the peak
 
     def mark(self) -> None:
@@ -73,57 +90,75 @@ class LiveBytes:
         return self.peak - self.base
 
     def _seen(self, storage) -> None:
-        import weakref
-
-        ptr = storage.data_ptr()
+        key = storage._cdata
         with self._lock:
-            if ptr in self._known:
+            if key in self._sizes:
+                self._resized_locked(key, storage.nbytes())
                 return
-            self._known.add(ptr)
-        # Made elsewhere (before the mark, or without an ATen op): not counted, but its address may be reused.
-        weakref.finalize(storage, self._freed, ptr, 0)
+            if key in self._foreign:
+                return
+            self._foreign.add(key)
+        weakref.finalize(storage, self._forget, key)
 
     def _allocated(self, storage) -> None:
-        import weakref
-
-        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        key, nbytes = storage._cdata, storage.nbytes()
         with self._lock:
-            if ptr in self._known or nbytes == 0:
+            if key in self._sizes:
+                self._resized_locked(key, nbytes)
                 return
-            self._known.add(ptr)
-            self._sizes[ptr] = nbytes
-            self.live += nbytes
-            if self.live > self.peak:
-                self.peak = self.live
-                marked = getattr(self, "_marked", set())
-                self.at_peak = sorted((n for p, n in self._sizes.items() if p not in marked), reverse=True)
-        weakref.finalize(storage, self._freed, ptr, nbytes)
+            if key in self._foreign:
+                return
+            self._sizes[key] = nbytes
+            self._add_locked(nbytes)
+        weakref.finalize(storage, self._freed, key)
 
-    def _freed(self, ptr: int, nbytes: int) -> None:
+    def _resized(self, storage) -> None:
         with self._lock:
-            self._known.discard(ptr)
-            self._sizes.pop(ptr, None)
-            self.live -= nbytes
+            if storage._cdata in self._sizes:
+                self._resized_locked(storage._cdata, storage.nbytes())
+
+    def _resized_locked(self, key: int, nbytes: int) -> None:
+        change = nbytes - self._sizes[key]
+        if change:
+            self._sizes[key] = nbytes
+            self._add_locked(change)
+
+    def _add_locked(self, change: int) -> None:
+        self.live += change
+        if self.live > self.peak:
+            self.peak = self.live
+            self.at_peak = sorted((n for k, n in self._sizes.items() if k not in self._marked and n), reverse=True)
+
+    def _freed(self, key: int) -> None:
+        with self._lock:
+            self.live -= self._sizes.pop(key, 0)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._foreign.discard(key)
 
     def __enter__(self):
-        import threading
-
         self._mode = _LiveMode(self)
         self._mode.__enter__()
-        self._run = threading.Thread.run
-        tracker, original = self, self._run
+        self._run, self._resize = threading.Thread.run, torch.UntypedStorage.resize_
+        tracker, run, resize = self, self._run, self._resize
 
         def run_tracked(thread):
             with _LiveMode(tracker):
-                original(thread)
+                run(thread)
+
+        def resize_tracked(storage, size):
+            result = resize(storage, size)
+            tracker._resized(storage)
+            return result
 
         threading.Thread.run = run_tracked
+        torch.UntypedStorage.resize_ = resize_tracked
         return self
 
     def __exit__(self, *exc):
-        import threading
-
         threading.Thread.run = self._run
+        torch.UntypedStorage.resize_ = self._resize
         self._mode.__exit__(*exc)
 
 
@@ -133,21 +168,27 @@ class _LiveMode(TorchDispatchMode):
         self.tracker = tracker
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        for t in _plain_tensors((args, kwargs)):
-            self.tracker._seen(t.untyped_storage())
+        if any(issubclass(t, DTensor) for t in types):
+            return NotImplemented  # let DTensor run: its local ops come back here as plain tensors
+        # torch.tensor(data) fills a fresh tensor outside the dispatcher and hands it to lift_fresh: new, not foreign.
+        inputs_are_new = func in _LIFT_FRESH
+        for storage in _storages((args, kwargs)):
+            (self.tracker._allocated if inputs_are_new else self.tracker._seen)(storage)
         out = func(*args, **(kwargs or {}))
-        for t in _plain_tensors(out):
-            self.tracker._allocated(t.untyped_storage())
+        for storage in _storages(out):
+            self.tracker._allocated(storage)
         return out
 
 
-def _plain_tensors(tree):
-    tensors = []
+_LIFT_FRESH = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def _storages(tree):
+    storages = []
     for t in tree_flatten(tree)[0]:
         if type(t) is torch.Tensor and t.device.type != "meta":
             try:
-                t.untyped_storage()
-            except RuntimeError:
+                storages.append(t.untyped_storage())
+            except RuntimeError:  # tensors without storage
                 continue
-            tensors.append(t)
-    return tensors
+    return storages

@@ -8,6 +8,7 @@ joins the process group the first one started.
 """
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -23,21 +24,40 @@ from twinkle_strategy.train.run import build_training  # noqa: E402
 STEPS = 2
 
 
+@contextlib.contextmanager
+def node_shape(nproc_per_node: int):
+    """The launch's ranks regrouped into nodes of ``nproc_per_node`` (torchrun's variables, as a launch of that
+    shape sets them): one launch of 4 ranks serves 2x2 and 1x4 configurations. Each strategy reads them anew."""
+    keys = ("LOCAL_WORLD_SIZE", "LOCAL_RANK", "GROUP_RANK")
+    saved = {k: os.environ.get(k) for k in keys}
+    rank = int(os.environ["RANK"])
+    os.environ.update(LOCAL_WORLD_SIZE=str(nproc_per_node), LOCAL_RANK=str(rank % nproc_per_node),
+                      GROUP_RANK=str(rank // nproc_per_node))
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def measure(overrides: list[str]) -> dict:
     start = time.monotonic()
     recipe = load_recipe(None, overrides)
     tracker = LiveBytes()
-    with tracker:
+    with node_shape(recipe.launch.nproc_per_node), tracker:
         trainer, strategy = build_training(recipe, print_summary=False)
         marks = {}
         original = trainer.training_step
 
         def training_step(step):
             if not marks:  # the init is over: wrapped, materialized, optimizer made
-                marks["init_peak"] = tracker.peak
+                marks["init_peak"], marks["init_at_peak"] = tracker.peak, tracker.at_peak[:8]
                 tracker.mark()
             result = original(step)
-            marks["step_peak"] = tracker.peak  # after each step: the final save's memory is not the step's
+            marks["step_peak"], marks["step_at_peak"] = tracker.peak, tracker.at_peak[:8]  # after each step: the final save's memory is not the step's
             return result
 
         trainer.training_step = training_step
@@ -45,6 +65,8 @@ def measure(overrides: list[str]) -> dict:
     report = strategy.init_report
     return {"init_peak": marks["init_peak"], "step_peak": marks["step_peak"],
             "is_source": bool(report and report.is_source),
+            "nodes": [strategy.topology.num_nodes, strategy.topology.local_world_size],
+            "init_at_peak": marks["init_at_peak"], "step_at_peak": marks["step_at_peak"],
             "init_shard_bytes": report.shard_bytes + report.buffer_bytes if report else None,
             "seconds": time.monotonic() - start}  # what each configuration adds to the launch
 
