@@ -5,9 +5,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Folder -> marker. The swift tier's folder is not `swift/`: this folder is on sys.path (above), and a `swift/`
-# in it would shadow ms-swift's own `swift` package for every test that imports it.
-TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift"}
+# Folder -> marker. The swift tier's folder is not `swift/` (nor the vllm tier's `vllm/`): this folder is on sys.path (above), and a `swift/`
+# in it would shadow ms-swift's own `swift` package (vLLM's `vllm`) for every test that imports it.
+TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift", "vllm_engine": "vllm"}
 
 
 def pytest_collection_modifyitems(items):
