@@ -4,9 +4,10 @@ Started by the destination trainer rank (tests/workers/vllm_sync.py) with its li
 checkpoint: it starts the engine from that checkpoint at once (while the trainer trains), then serves commands:
 ("before",) the greedy outputs of the prompts; ("export", model_type) one export received (serve_export) into the
 engine through VLLMReceiver, then the outputs again; ("fresh", path) the outputs of a new engine started from
-``path``; ("quit",).
+``path``, which then receives the next export; ("quit",).
 """
 
+import gc
 import os
 import sys
 import time
@@ -50,9 +51,14 @@ def main(address: str, authkey: str, path: str) -> None:
             seconds = time.perf_counter() - start
             connection.send(("ok", {"buckets": buckets, "loaded": len(receiver.loaded), "seconds": seconds,
                                     "outputs": greedy(llm)}))
-        elif command[0] == "fresh":
+            del receiver  # (it holds the engine: "fresh" must be able to free it)
+        elif command[0] == "fresh":  # the new engine replaces the old one (the next export goes into it)
+            # The old engine torn down first (nothing may still hold it): its finalizer destroys vLLM's
+            # process-wide parallel groups, which the new engine would be using if the collector ran it later.
             del llm
-            connection.send(("ok", {"outputs": greedy(engine(command[1]))}))
+            gc.collect()
+            llm = engine(command[1])
+            connection.send(("ok", {"outputs": greedy(llm)}))
         else:
             connection.send(("ok", None))
             return

@@ -4,7 +4,8 @@ Every rank trains a tiny Qwen3-MoE 3 steps at ep=2; rank 0, the destination, sta
 (vllm_engine.py, in the vllm virtualenv) from the original checkpoint first, so the engine starts while the ranks
 train. The export goes into that engine (VLLMReceiver through ProcessSender), the strategy saves the same step's
 checkpoint, and the engine process answers with the greedy outputs before the sync, after it, and of a fresh
-engine started from the saved checkpoint.
+engine started from the saved checkpoint. With --lora: then LoRA (attention and experts) on the original
+checkpoint, 3 steps, the merged export into that fresh engine, and a fresh engine from save_merged's checkpoint.
 """
 
 import argparse
@@ -46,37 +47,62 @@ class Engine:
         return reply[1]
 
 
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt", required=True)
-    parser.add_argument("--vllm-python", required=True)
-    args = parser.parse_args()
-    rank = worker_common.rank()
-    engine = Engine(args.vllm_python, args.ckpt) if rank == 0 else None
-
+def trained(path: str, lora: bool):
+    """``path`` wrapped at ep=2 (LoRA on attention and experts added when ``lora``), trained 3 steps."""
     strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True, timeout_s=600)
-    model = strategy.from_pretrained(args.ckpt)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model = strategy.from_pretrained(path)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(7)
+        model = get_peft_model(model, LoraConfig(
+            r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"], init_lora_weights=False,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     model, optimizer = strategy.wrap_model(model, optimizer)
-    generator = torch.Generator().manual_seed(100 + rank)
+    generator = torch.Generator().manual_seed(100 + strategy.rank)
     for _ in range(3):
         ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=generator)
         model(input_ids=ids, labels=ids).loss.backward()
         optimizer.step()
         optimizer.zero_grad()
+    return strategy, model
 
-    result = {}
+
+def export(strategy, model, engine) -> dict:
+    """The export into the engine process; what it answers (rank 0), with the export's bucket count."""
     if engine is not None:
-        result["before"] = engine.command("before")
         engine.connection.send(("export", model.config.model_type))
     report = strategy.export_weights(model, dtype=torch.float32, bucket_bytes=64 << 10).send_to(
         ProcessSender(engine.connection, name="the vLLM engine process") if engine is not None else None)
+    return {**engine.connection.recv()[1], "export_buckets": report.buckets} if engine is not None else {}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--vllm-python", required=True)
+    parser.add_argument("--lora", action="store_true")
+    args = parser.parse_args()
+    rank = worker_common.rank()
+    engine = Engine(args.vllm_python, args.ckpt) if rank == 0 else None
+
+    strategy, model = trained(args.ckpt, lora=False)
+    result = {"before": engine.command("before")} if engine is not None else {}
+    result["after"] = export(strategy, model, engine)
     saved = os.path.join(os.environ["TWINKLE_TEST_OUT"], "step3")
     strategy.save_pretrained(model, saved)
     if engine is not None:
-        result["after"] = engine.connection.recv()[1]
         result["fresh"] = engine.command("fresh", saved)
-        result["export_buckets"] = report.buckets
+    if args.lora:
+        del model
+        strategy, model = trained(args.ckpt, lora=True)
+        result["lora_after"] = export(strategy, model, engine)
+        merged = os.path.join(os.environ["TWINKLE_TEST_OUT"], "lora-merged")
+        strategy.save_merged(model, merged)  # (consumes the model: after the export)
+        if engine is not None:
+            result["lora_fresh"] = engine.command("fresh", merged)
+    if engine is not None:
         engine.command("quit")
         engine.process.wait(timeout=120)
     return result
