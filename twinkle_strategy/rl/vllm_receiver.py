@@ -26,28 +26,29 @@ def _start(worker) -> None:
 
     model = worker.model_runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
-        _forget_cpu_moe_kernels(model)
+        model.twinkle_dropped_moe_kernels = _forget_cpu_moe_kernels(model)
         initialize_layerwise_reload(model)
 
 
-def _forget_cpu_moe_kernels(model) -> int:
+def _forget_cpu_moe_kernels(model) -> dict:
     """vLLM 0.32's unquantized MoE method treats a reload as a weight update once its kernel is built: it copies
     the new weights into the kernel tensors and skips the experts' own ``process_weights_after_loading``. On CPU
     that step pads the intermediate size and prepacks the experts for the grouped GEMM, so the update would copy
     unpacked checkpoint values into packed storage (a shape error, or wrong rollouts where the shapes agree).
     Dropping the built kernel makes the reload take the first-load path (pad, prepack, a new kernel), whose result
-    the reload copies into the engine's own tensors. Returns the layers changed."""
+    the reload copies into the engine's own tensors. Returns each changed method's kernel: a layer no bucket
+    touches (an export of some tensors only) gets it back in ``_finish``."""
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
-        return 0
-    count = 0
+        return {}
+    dropped = {}
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if getattr(method, "moe_kernel", None) is not None:
+            dropped[method] = method.moe_kernel
             method.moe_kernel = None
-            count += 1
-    return count
+    return dropped
 
 
 def _load(worker, tensors) -> list[str]:
@@ -63,8 +64,14 @@ def _finish(worker) -> None:
     from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
     runner = worker.model_runner
+    model = runner.get_model()
     with set_current_vllm_config(worker.vllm_config):
-        finalize_layerwise_reload(runner.get_model(), worker.vllm_config.model_config)
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    # MoE layers the export did not touch kept their tensors: their kernels come back as they were.
+    for method, kernel in getattr(model, "twinkle_dropped_moe_kernels", {}).items():
+        if method.moe_kernel is None:
+            method.moe_kernel = kernel
+    model.twinkle_dropped_moe_kernels = {}
     # What reload_weights resets after a reload: state derived from the old weights.
     for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
         getattr(runner, reset, lambda: None)()
