@@ -139,7 +139,7 @@ class StrategyTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # A routing record in the batch (routed_experts): the forwards replay it (R2/R3); the backward, later,
         # recomputes checkpointed layers with it too (twinkle_strategy.rl.replay).
-        inputs, replay = self.strategy.replay_of_batch(inputs)
+        inputs, replay = self.replay_of_inputs(inputs)
         with replay as replayed:
             if self.global_aux_loss is None or not model.training:
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -154,6 +154,11 @@ class StrategyTrainerMixin:
                                               getattr(replayed, "used", None))
         loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def replay_of_inputs(self, inputs: dict):
+        """``(inputs without their routing record, the context replaying it)``; a trainer whose batches hold no
+        ``input_ids`` (GRPO's prompts and completions) says what the record aligns with."""
+        return self.strategy.replay_of_batch(inputs)
 
     # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
@@ -281,14 +286,28 @@ def prepare_for_trainer(strategy: NativeFSDPStrategy, model: nn.Module) -> nn.Mo
 _CLASSES: dict[tuple[type, type], type] = {}
 
 
-def with_strategy(trainer_class: type, *, mixin: type[StrategyTrainerMixin] = StrategyTrainerMixin) -> type:
+def with_strategy(trainer_class: type, *, mixin: type[StrategyTrainerMixin] | None = None) -> type:
     """``trainer_class`` (``transformers.Trainer`` or a subclass) training through a NativeFSDPStrategy:
     the returned class takes a ``strategy=`` keyword argument. The same class for the same input.
+    TRL's ``GRPOTrainer`` (and subclasses) gets :class:`~.grpo.StrategyGRPOTrainerMixin` (generation on every
+    rank, routing replay of its rollouts).
 
     ``mixin``: a subclass of :class:`StrategyTrainerMixin` adding a front-end's own hooks (the swift plugin's);
     the class is named after it (``StrategyTrainer``, ``TwinkleSeq2SeqTrainer``)."""
+    if mixin is None:
+        mixin = _grpo_mixin() if _is_trl_grpo(trainer_class) else StrategyTrainerMixin
     if (mixin, trainer_class) not in _CLASSES:
         check_trainer_overrides(mixin)  # a private hook transformers renamed would never run
         prefix = mixin.__name__.removesuffix("TrainerMixin")
         _CLASSES[mixin, trainer_class] = type(f"{prefix}{trainer_class.__name__}", (mixin, trainer_class), {})
     return _CLASSES[mixin, trainer_class]
+
+
+def _is_trl_grpo(trainer_class: type) -> bool:
+    return any(cls.__name__ == "GRPOTrainer" and cls.__module__.startswith("trl.") for cls in trainer_class.__mro__)
+
+
+def _grpo_mixin() -> type[StrategyTrainerMixin]:
+    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin  # (imports this module)
+
+    return StrategyGRPOTrainerMixin
