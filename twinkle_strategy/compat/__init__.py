@@ -19,11 +19,11 @@ and 5.24.0; torch 2.13.0; accelerate 1.15.0), and for torch 2.14.1 that its sour
 definitions. :func:`internals` lists them all; ``python -m twinkle_strategy.compat`` prints them.
 
 The wrappers live in :mod:`~twinkle_strategy.compat.transformers_internals` (transformers and
-accelerate) and :mod:`~twinkle_strategy.compat.torch_internals`. Neither imports transformers at
-import time.
+accelerate), :mod:`~twinkle_strategy.compat.torch_internals` and :mod:`~twinkle_strategy.compat.trl_internals`
+(the GRPOTrainer steps the GRPO mixin overrides). None imports transformers or TRL at import time.
 """
 
-from twinkle_strategy.compat import torch_internals, transformers_internals  # noqa: F401  (they declare them)
+from twinkle_strategy.compat import torch_internals, transformers_internals, trl_internals  # noqa: F401  (they declare them)
 from twinkle_strategy.compat.registry import Internal, declared
 
 

@@ -33,6 +33,7 @@ import contextlib
 
 import torch
 
+from twinkle_strategy.compat.trl_internals import grpo_parent
 from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pad_records
@@ -42,6 +43,8 @@ REPLAY_MODES = ("auto", "r3", "r2", "off")
 
 class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
     """Placed before TRL's ``GRPOTrainer``: generation on every rank, routing replay (R3/R2) of its rollouts."""
+
+    class_prefix = "Strategy"  # with_strategy(GRPOTrainer) is StrategyGRPOTrainer
 
     def __init__(self, *args, routing_replay: str = "auto", **kwargs) -> None:
         """``routing_replay``: ``"r3"`` replays the routing of the policy's own generation, ``"r2"`` the old policy
@@ -60,17 +63,21 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
             self.strategy._routing_hooks()  # raises the reason: the same model, so on every rank
         self.routing_replay = routing_replay
 
+    def _trl(self, step: str):
+        return grpo_parent(self, StrategyGRPOTrainerMixin, step)  # TRL's own step (an internal, checked)
+
     # -- generation: on every rank, with the record of what it routed (R3)
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         if self.use_vllm or self.use_transformers_continuous_batching or images is not None or multimodal_fields:
-            return super()._generate_single_turn(prompt_ids, images, multimodal_fields, num_generations,
-                                                 has_tool_images)
+            return self._trl("_generate_single_turn")(prompt_ids, images, multimodal_fields, num_generations,
+                                                      has_tool_images)
         from trl.models import unwrap_model_for_generation
         from trl.trainer.utils import pad
 
         device = self.accelerator.device
         prompts = [torch.tensor(ids) for ids in prompt_ids]
-        input_ids = pad(prompts, padding_value=self._tokenizer.pad_token_id, padding_side="left",
+        tokenizer = getattr(self.processing_class, "tokenizer", self.processing_class)  # a processor's, or itself
+        input_ids = pad(prompts, padding_value=tokenizer.pad_token_id, padding_side="left",
                         pad_to_multiple_of=self.pad_to_multiple_of).to(device)
         attention_mask = pad([torch.ones_like(p) for p in prompts], padding_value=0, padding_side="left",
                              pad_to_multiple_of=self.pad_to_multiple_of).to(device)
@@ -110,7 +117,7 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         self._batch_record = None
         self._record_old_policy = self.routing_replay == "r2" and self.model.training
         try:
-            output = super()._generate_and_score_completions(inputs)
+            output = self._trl("_generate_and_score_completions")(inputs)
             if self._batch_record is not None:
                 output[ROUTED_EXPERTS] = self._batch_record.to(output["prompt_ids"].device)
         finally:
@@ -121,11 +128,11 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
                                            **kwargs):
         if (model is not self.model or (self._batch_record is None and not self._record_old_policy)
                 or self._scores_the_reference()):
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+            return self._trl("_get_per_token_logps_and_entropies")(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, **kwargs)
         if any(value is not None for value in kwargs.values() if isinstance(value, torch.Tensor | list)):
             # (image inputs are cut per chunk by TRL; replay serves text models)
-            return super()._get_per_token_logps_and_entropies(model, input_ids, attention_mask, logits_to_keep,
+            return self._trl("_get_per_token_logps_and_entropies")(model, input_ids, attention_mask, logits_to_keep,
                                                               batch_size, **kwargs)
         recording, self._record_old_policy = self._record_old_policy, False
         batch_size = batch_size or input_ids.shape[0]
@@ -138,7 +145,7 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
             else:
                 context = self.strategy.routing_replay(self._batch_record[rows], input_ids=input_ids[rows])
             with context as recorder, self.strategy.routing.uncounted():
-                results.append(super()._get_per_token_logps_and_entropies(
+                results.append(self._trl("_get_per_token_logps_and_entropies")(
                     model, input_ids[rows], attention_mask[rows], logits_to_keep, None, **kwargs))
             if recording:
                 record = recorder.routed_experts(like=input_ids[rows])
@@ -170,7 +177,7 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         return inputs, self.strategy.routing_replay(record, input_ids=input_ids)
 
     def _prepare_inputs(self, generation_batch):
-        inputs = super()._prepare_inputs(generation_batch)
+        inputs = self._trl("_prepare_inputs")(generation_batch)
         if self.model.training:
             # The token count and the expert load of the log lines see prompts and completions without padding.
             inputs = {**inputs, "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}

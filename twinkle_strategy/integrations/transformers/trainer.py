@@ -59,6 +59,7 @@ from twinkle_strategy.compat.transformers_internals import (
     mark_accelerate_prepared,
     parent_save_checkpoint,
 )
+from twinkle_strategy.compat.trl_internals import check_grpo_overrides
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import CheckpointSaveError, ParallelConfigError, ResumeError
@@ -298,7 +299,9 @@ def with_strategy(trainer_class: type, *, mixin: type[StrategyTrainerMixin] | No
         mixin = _grpo_mixin() if _is_trl_grpo(trainer_class) else StrategyTrainerMixin
     if (mixin, trainer_class) not in _CLASSES:
         check_trainer_overrides(mixin)  # a private hook transformers renamed would never run
-        prefix = mixin.__name__.removesuffix("TrainerMixin")
+        if _is_trl_grpo(trainer_class):
+            check_grpo_overrides(mixin)  # (and a GRPOTrainer step TRL renamed)
+        prefix = vars(mixin).get("class_prefix", mixin.__name__.removesuffix("TrainerMixin"))
         _CLASSES[mixin, trainer_class] = type(f"{prefix}{trainer_class.__name__}", (mixin, trainer_class), {})
     return _CLASSES[mixin, trainer_class]
 
