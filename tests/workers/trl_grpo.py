@@ -6,6 +6,8 @@
   is the model with its adapter disabled), 3 steps, R3 from the policy's own sampled generation (the default),
   a checkpoint after step 1. Each rank writes the completions it generated (``rollouts-rank{r}.json``).
 * ``resume``: the same run resumed from step 1's checkpoint, fed the same completions: steps 2-3.
+* ``bf16``: full parameters, the model loaded in bf16 with ``mixed_precision="bf16"``, fed the ``lora`` run's
+  completions, 2 steps (``--mode plain``: the same in one process).
 * ``forced``: full parameters, the rollout record of each batch rotated on purpose (every recorded expert id + 1):
   hooks on every router count, in the update forwards, the experts used by the tokens the record covers against
   the record's counts.
@@ -130,7 +132,7 @@ def count_routing(model, count: dict):
 
 
 def run_grpo(a, name: str, *, lora: bool, replay: str = "auto", resume: str | None = None, rotate: bool = False,
-             feed: Rollouts | None = None, **overrides) -> dict:
+             feed: Rollouts | None = None, dtype=torch.float32, **overrides) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -144,11 +146,12 @@ def run_grpo(a, name: str, *, lora: bool, replay: str = "auto", resume: str | No
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     extra, keep, count = {}, [], {} if rotate else None
     if plain:
-        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
         base = GRPOTrainer
     else:
-        strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, mixed_precision="no", device_type="cpu")
-        model = strategy.from_pretrained(a.model, dtype=torch.float32)
+        strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, device_type="cpu",
+                                      mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
+        model = strategy.from_pretrained(a.model, dtype=dtype)
         base, extra = with_strategy(GRPOTrainer), {"strategy": strategy, "routing_replay": replay}
     trainer_class = grpo_class(base, feed=feed, keep=None if plain else keep, rotate=rotate, count=count)
     args = grpo_config(out, plain=plain, **overrides)
@@ -204,7 +207,7 @@ def main():
     p.add_argument("--mode", choices=["strategy", "plain"], required=True)
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
-    p.add_argument("--runs", default="lora,resume,forced,r2,dpo")
+    p.add_argument("--runs", default="lora,resume,bf16,forced,r2,dpo")
     p.add_argument("--rollouts", default=None, help="plain: the directory of the strategy's rollouts-lora-*.json")
     a = p.parse_args()
     runs = a.runs.split(",")
@@ -213,6 +216,9 @@ def main():
         if "lora" in runs:
             feed = Rollouts(glob.glob(os.path.join(a.rollouts, "rollouts-lora-rank*.json")))
             result.update(run_grpo(a, "lora", lora=True, feed=feed))
+        if "bf16" in runs:
+            feed = Rollouts(glob.glob(os.path.join(a.rollouts, "rollouts-lora-rank*.json")))
+            result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
         if "dpo" in runs:
             result.update(run_dpo(a))
         return result
@@ -223,6 +229,9 @@ def main():
         feed = Rollouts([os.path.join(a.out, f"rollouts-lora-rank{worker_common.rank()}.json")], from_step=1)
         result.update(run_grpo(a, "resume", lora=True, feed=feed, output_dir=os.path.join(a.out, "lora"),
                                resume=os.path.join(a.out, "lora", "checkpoint-1")))
+    if "bf16" in runs:
+        feed = Rollouts([os.path.join(a.out, f"rollouts-lora-rank{worker_common.rank()}.json")])
+        result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
     if "forced" in runs:
         result.update(run_grpo(a, "forced", lora=False, rotate=True, beta=0.0, max_steps=2))
     if "r2" in runs:

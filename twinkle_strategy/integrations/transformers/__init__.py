@@ -5,6 +5,7 @@ aux_loss.py      the model's (or TRL's) load-balancing loss counted over the glo
 step_metrics.py  tokens_per_second, moe_load_imbalance and mfu in HF's log lines
 refusals.py      settings that would shard the model a second time, refused in one line
 async_save.py    async_save=True: checkpoints staged at the save step, written in the background, renamed when complete
+grpo.py          TRL's GRPOTrainer: generation on every rank, routing replay (R3/R2) of its rollouts
 """
 
 from twinkle_strategy.integrations.transformers.refusals import (  # noqa: F401
