@@ -9,7 +9,7 @@
 Why a mixin, not a ``TrainingArguments`` switch: the trainer must answer a few of its own hooks
 differently (gradient clipping, saving, resuming), which only a subclass can do without patching
 transformers for the whole process; and a mixin placed first in the MRO composes with every
-``Trainer`` subclass without knowing it (TRL's, swift's, a user's). :func:`with_strategy` builds the
+``Trainer`` subclass without knowing it (TRL's, swift's, a user's). :func:`~.classes.with_strategy` builds the
 class for a given trainer class.
 
 What changes, and why:
@@ -54,12 +54,10 @@ from twinkle_strategy.checkpoint.training import (
     stage_weights,
 )
 from twinkle_strategy.compat.transformers_internals import (
-    check_trainer_overrides,
     file_size_bytes,
     mark_accelerate_prepared,
     parent_save_checkpoint,
 )
-from twinkle_strategy.compat.trl_internals import check_grpo_overrides
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import CheckpointSaveError, ParallelConfigError, ResumeError
@@ -282,35 +280,3 @@ def prepare_for_trainer(strategy: NativeFSDPStrategy, model: nn.Module) -> nn.Mo
     replay_in_transformers_checkpointing(model)
     mark_accelerate_prepared(model)  # accelerate must neither wrap it in DDP nor shard it again
     return model
-
-
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def with_strategy(trainer_class: type, *, mixin: type[StrategyTrainerMixin] | None = None) -> type:
-    """``trainer_class`` (``transformers.Trainer`` or a subclass) training through a NativeFSDPStrategy:
-    the returned class takes a ``strategy=`` keyword argument. The same class for the same input.
-    TRL's ``GRPOTrainer`` (and subclasses) gets :class:`~.grpo.StrategyGRPOTrainerMixin` (generation on every
-    rank, routing replay of its rollouts).
-
-    ``mixin``: a subclass of :class:`StrategyTrainerMixin` adding a front-end's own hooks (the swift plugin's);
-    the class is named after it (``StrategyTrainer``, ``TwinkleSeq2SeqTrainer``)."""
-    if mixin is None:
-        mixin = _grpo_mixin() if _is_trl_grpo(trainer_class) else StrategyTrainerMixin
-    if (mixin, trainer_class) not in _CLASSES:
-        check_trainer_overrides(mixin)  # a private hook transformers renamed would never run
-        if _is_trl_grpo(trainer_class):
-            check_grpo_overrides(mixin)  # (and a GRPOTrainer step TRL renamed)
-        prefix = vars(mixin).get("class_prefix", mixin.__name__.removesuffix("TrainerMixin"))
-        _CLASSES[mixin, trainer_class] = type(f"{prefix}{trainer_class.__name__}", (mixin, trainer_class), {})
-    return _CLASSES[mixin, trainer_class]
-
-
-def _is_trl_grpo(trainer_class: type) -> bool:
-    return any(cls.__name__ == "GRPOTrainer" and cls.__module__.startswith("trl.") for cls in trainer_class.__mro__)
-
-
-def _grpo_mixin() -> type[StrategyTrainerMixin]:
-    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin  # (imports this module)
-
-    return StrategyGRPOTrainerMixin
