@@ -27,6 +27,7 @@ from torch import nn
 from twinkle_strategy.compat import internals
 from twinkle_strategy.compat import torch_internals as th
 from twinkle_strategy.compat import transformers_internals as hf
+from twinkle_strategy.compat import trl_internals as trl_steps
 from twinkle_strategy.compat.transformers_internals import rule_class
 from twinkle_strategy.errors import InternalChangedError
 
@@ -99,7 +100,7 @@ def test_every_internal_has_a_check_and_a_wrapper():
     for internal in INTERNALS:
         assert internal.wrappers, f"{internal.name} has no wrapper"
         for name in internal.wrappers:
-            module = th if internal.owner == "torch" else hf
+            module = {"torch": th, "trl": trl_steps}.get(internal.owner, hf)
             doc = getattr(module, name).__doc__
             assert internal.checked in doc and internal.replacement in doc, (name, doc)
 
@@ -501,6 +502,24 @@ def _trainer_hooks(tiny):
     assert calls == [("model", None)]
 
 
+@checks(*(f"GRPOTrainer.{name}" for name in trl_steps.GRPO_STEPS))
+def _grpo_steps(tiny):
+    """TRL's GRPOTrainer still has each step the GRPO mixin overrides, taking the parameters the override passes on
+    first, and grpo_parent reaches TRL's own."""
+    from trl import GRPOTrainer
+
+    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin
+
+    trl_steps.check_grpo_overrides(StrategyGRPOTrainerMixin)
+    for name in trl_steps.GRPO_STEPS:
+        ours = list(inspect.signature(vars(StrategyGRPOTrainerMixin)[name]).parameters)[1:]
+        assert ours[:len(trl_steps.GRPO_PARAMETERS[name])] == trl_steps.GRPO_PARAMETERS[name], (name, ours)
+    trainer = type("Built", (StrategyGRPOTrainerMixin, GRPOTrainer), {}).__new__(
+        type("Built", (StrategyGRPOTrainerMixin, GRPOTrainer), {}))
+    step = trl_steps.grpo_parent(trainer, StrategyGRPOTrainerMixin, "_generate_single_turn")
+    assert step.__func__ is GRPOTrainer._generate_single_turn
+
+
 @checks("Trainer._save_rng_state")
 def _trainer_save_rng_state(tiny):
     """It writes this process's RNG state (rng_state.pth on one process) into a directory it creates, so an
@@ -777,6 +796,11 @@ def test_the_strategy_trainers_override_only_registered_hooks():
     ours = {"_wrap_with_strategy"}
     private = {n for n in vars(StrategyTrainerMixin) if n.startswith("_") and not n.startswith("__")}
     assert private - ours == set(hf.TRAINER_HOOKS)
+    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin
+
+    grpo_own = {"_trl", "_padded_record", "_scores_the_reference"}
+    private = {n for n in vars(StrategyGRPOTrainerMixin) if n.startswith("_") and not n.startswith("__")}
+    assert private - grpo_own == set(trl_steps.GRPO_STEPS)
     swift_own = {"_save_model", "_compute_acc"}  # swift's trainer mixin, not transformers'
     private = {n for n in vars(TwinkleTrainerMixin) if n.startswith("_") and not n.startswith("__")}
     assert private - swift_own <= set(hf.TRAINER_HOOKS)

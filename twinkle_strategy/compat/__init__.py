@@ -21,12 +21,13 @@ definitions. :func:`internals` lists them all; ``python -m twinkle_strategy.comp
 registry.py              :class:`Internal`, the declaration, and the list of those declared
 transformers_internals/  the wrappers of transformers and accelerate, one module per area (its own map)
 torch_internals.py       the wrappers of torch
+trl_internals.py         the GRPOTrainer steps the GRPO mixin overrides (TRL)
 __main__.py              ``python -m twinkle_strategy.compat``: the list, with the installed versions
 
-Neither kind of wrapper imports transformers at import time.
+None of the wrappers imports transformers or TRL at import time.
 """
 
-from twinkle_strategy.compat import torch_internals, transformers_internals  # noqa: F401  (they declare them)
+from twinkle_strategy.compat import torch_internals, transformers_internals, trl_internals  # noqa: F401  (they declare them)
 from twinkle_strategy.compat.registry import Internal, declared
 
 

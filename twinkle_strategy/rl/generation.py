@@ -11,6 +11,9 @@ synchronised steps, and returns zero sequences.
 
 PEFT's ``generate`` calls its base model's, past the PEFT wrapper that FSDP2 made the root: the root's
 parameters (embeddings, final norm, head) would stay sharded. So the root is unsharded for the whole call.
+And FSDP2 settles which module is its root on the first forward: one that starts below the root (PEFT's
+``generate`` before any training forward, as in GRPO's first step) would make every layer a root of its own,
+and the root's first forward would then fail. So before a root has run forward, it runs one on a single token.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ def generate(model: nn.Module, hooks: RoutingHooks | None, *, input_ids: torch.T
     if return_routing and hooks is None:
         raise ValueError("generate(return_routing=True) needs a model whose routing can be recorded")
     recording = hooks.recording() if return_routing else contextlib.nullcontext()
+    _settle_fsdp_root(model, ids[:1, :1])
     with recording as recorder, _root_unsharded(model):
         out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
@@ -62,6 +66,14 @@ def generate(model: nn.Module, hooks: RoutingHooks | None, *, input_ids: torch.T
     if not return_routing:
         return out
     return out, recorder.generated(sequences)
+
+
+def _settle_fsdp_root(model: nn.Module, token: torch.Tensor) -> None:
+    if not isinstance(model, FSDPModule) or getattr(model, "_twinkle_root_settled", False):
+        return
+    with torch.no_grad():
+        model(input_ids=token, attention_mask=torch.ones_like(token))  # collective: every rank generates
+    object.__setattr__(model, "_twinkle_root_settled", True)
 
 
 @contextlib.contextmanager

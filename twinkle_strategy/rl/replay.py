@@ -177,6 +177,16 @@ class RoutingHooks:
         current = _CURRENT.get()
         return current if current is not None and current.hooks is self else _Routing(self)
 
+    @contextlib.contextmanager
+    def uncounted(self):
+        """Replays inside stay out of :meth:`take_agreement` (scoring forwards: the reference policy routes otherwise
+        by design, and the telemetry is of the forwards that train)."""
+        saved, self._agree = self._agree, None
+        try:
+            yield
+        finally:
+            self._agree = saved
+
     def take_agreement(self, *, reduce: bool = True) -> list[float] | None:
         """Per MoE layer, the share of replayed tokens whose recorded top-k set equals the router's own choice,
         since the last call (summed over ranks when ``reduce``: collective); None if nothing was replayed."""

@@ -1,12 +1,15 @@
 """NativeFSDPStrategy inside ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``, ms-swift's).
 
-trainer.py       the mixin and :func:`with_strategy`: loading, wrapping, clipping, saving and resuming
+trainer.py       the mixin: loading, wrapping, clipping, saving and resuming
+classes.py       :func:`with_strategy`: the trainer class with the strategy's mixin first (GRPO's for GRPOTrainer)
 aux_loss.py      the model's (or TRL's) load-balancing loss counted over the global batch
 step_metrics.py  tokens_per_second, moe_load_imbalance and mfu in HF's log lines
 refusals.py      settings that would shard the model a second time, refused in one line
 async_save.py    async_save=True: checkpoints staged at the save step, written in the background, renamed when complete
+grpo.py          TRL's GRPOTrainer: generation on every rank, routing replay (R3/R2) of its rollouts
 """
 
+from twinkle_strategy.integrations.transformers.classes import with_strategy  # noqa: F401
 from twinkle_strategy.integrations.transformers.refusals import (  # noqa: F401
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
@@ -14,5 +17,4 @@ from twinkle_strategy.integrations.transformers.refusals import (  # noqa: F401
 from twinkle_strategy.integrations.transformers.trainer import (  # noqa: F401
     StrategyTrainerMixin,
     prepare_for_trainer,
-    with_strategy,
 )

@@ -9,7 +9,7 @@
 Why a mixin, not a ``TrainingArguments`` switch: the trainer must answer a few of its own hooks
 differently (gradient clipping, saving, resuming), which only a subclass can do without patching
 transformers for the whole process; and a mixin placed first in the MRO composes with every
-``Trainer`` subclass without knowing it (TRL's, swift's, a user's). :func:`with_strategy` builds the
+``Trainer`` subclass without knowing it (TRL's, swift's, a user's). :func:`~.classes.with_strategy` builds the
 class for a given trainer class.
 
 What changes, and why:
@@ -54,7 +54,6 @@ from twinkle_strategy.checkpoint.training import (
     stage_weights,
 )
 from twinkle_strategy.compat.transformers_internals import (
-    check_trainer_overrides,
     file_size_bytes,
     mark_accelerate_prepared,
     parent_save_checkpoint,
@@ -139,7 +138,7 @@ class StrategyTrainerMixin:
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         # A routing record in the batch (routed_experts): the forwards replay it (R2/R3); the backward, later,
         # recomputes checkpointed layers with it too (twinkle_strategy.rl.replay).
-        inputs, replay = self.strategy.replay_of_batch(inputs)
+        inputs, replay = self.replay_of_inputs(inputs)
         with replay as replayed:
             if self.global_aux_loss is None or not model.training:
                 return super().compute_loss(model, inputs, return_outputs=return_outputs,
@@ -154,6 +153,11 @@ class StrategyTrainerMixin:
                                               getattr(replayed, "used", None))
         loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
+
+    def replay_of_inputs(self, inputs: dict):
+        """``(inputs without their routing record, the context replaying it)``; a trainer whose batches hold no
+        ``input_ids`` (GRPO's prompts and completions) says what the record aligns with."""
+        return self.strategy.replay_of_batch(inputs)
 
     # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
@@ -276,19 +280,3 @@ def prepare_for_trainer(strategy: NativeFSDPStrategy, model: nn.Module) -> nn.Mo
     replay_in_transformers_checkpointing(model)
     mark_accelerate_prepared(model)  # accelerate must neither wrap it in DDP nor shard it again
     return model
-
-
-_CLASSES: dict[tuple[type, type], type] = {}
-
-
-def with_strategy(trainer_class: type, *, mixin: type[StrategyTrainerMixin] = StrategyTrainerMixin) -> type:
-    """``trainer_class`` (``transformers.Trainer`` or a subclass) training through a NativeFSDPStrategy:
-    the returned class takes a ``strategy=`` keyword argument. The same class for the same input.
-
-    ``mixin``: a subclass of :class:`StrategyTrainerMixin` adding a front-end's own hooks (the swift plugin's);
-    the class is named after it (``StrategyTrainer``, ``TwinkleSeq2SeqTrainer``)."""
-    if (mixin, trainer_class) not in _CLASSES:
-        check_trainer_overrides(mixin)  # a private hook transformers renamed would never run
-        prefix = mixin.__name__.removesuffix("TrainerMixin")
-        _CLASSES[mixin, trainer_class] = type(f"{prefix}{trainer_class.__name__}", (mixin, trainer_class), {})
-    return _CLASSES[mixin, trainer_class]
