@@ -31,7 +31,13 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.checkpoint import is_peft_model, trainable_names
-from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
+from twinkle_strategy.checkpoint.directories import (
+    abandon_pending,
+    check_shared_directory,
+    pending_path,
+    publish_pending,
+    start_pending,
+)
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import CheckpointLayout
 from twinkle_strategy.checkpoint.merged_export import (
@@ -42,7 +48,6 @@ from twinkle_strategy.checkpoint.merged_export import (
 )
 from twinkle_strategy.checkpoint.model_files import plan_model_files, save_model_config, save_model_files
 from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import QuantizedBase, StrategyConfig
 from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
@@ -402,7 +407,7 @@ class NativeFSDPStrategy(RoutingMethods):
         ``save_pretrained`` of PEFT does. Any rank's error (disk full...) is raised on every rank.
 
         Crash-safe: the files are written into ``directory + ".tmp"``, fsynced, and renamed to
-        ``directory`` once complete (:mod:`twinkle_strategy.checkpoint.durable`); a directory that
+        ``directory`` once complete (:mod:`twinkle_strategy.checkpoint.directories`); a directory that
         already holds other files gets the new ones moved in, under a marker loaders refuse until the end.
         """
 
@@ -412,9 +417,9 @@ class NativeFSDPStrategy(RoutingMethods):
                                what="the directory given to save_pretrained")
 
         step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError,
-                                  cleanup=lambda: abandon_staging(directory))  # the final name was never touched
-        step_done(on_rank0(lambda: start_staging(directory)), "creating the directory")
-        staging = staging_path(directory)
+                                  cleanup=lambda: abandon_pending(directory))  # the final name was never touched
+        step_done(on_rank0(lambda: start_pending(directory)), "creating the directory")
+        staging = pending_path(directory)
         if is_peft_model(model):
             state = self.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
             step_done(on_rank0(lambda: model.save_pretrained(staging, state_dict=state)), "adapter")
@@ -425,7 +430,7 @@ class NativeFSDPStrategy(RoutingMethods):
             step_done(on_rank0(lambda: save_model_config(staging, model)), "config")
         if tokenizer is not None:
             step_done(on_rank0(lambda: tokenizer.save_pretrained(staging)), "tokenizer")
-        step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
+        step_done(on_rank0(lambda: publish_pending(directory)), "finalising")
 
     def save_merged(self, model: nn.Module, directory: str, *, merged_format: MergedFormat | str = MergedFormat.BF16,
                     release: str | None = None, max_shard_size: int | str = "5GB") -> list[str]:
@@ -454,9 +459,9 @@ class NativeFSDPStrategy(RoutingMethods):
         directory = os.path.normpath(directory)
         check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_merged")
         step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError,
-                                  cleanup=lambda: abandon_staging(directory))
-        step_done(on_rank0(lambda: start_staging(directory)), "creating the directory")
-        staging = staging_path(directory)
+                                  cleanup=lambda: abandon_pending(directory))
+        step_done(on_rank0(lambda: start_pending(directory)), "creating the directory")
+        staging = pending_path(directory)
         merged_dir = os.path.join(staging, ".merged-weights")
         step_done(on_rank0(lambda: os.makedirs(merged_dir)), "creating the directory")
         save_model_files(merged_dir, merged.model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
@@ -479,7 +484,7 @@ class NativeFSDPStrategy(RoutingMethods):
             shutil.rmtree(merged_dir)
 
         step_done(on_rank0(assemble), "the release's files")
-        step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
+        step_done(on_rank0(lambda: publish_pending(directory)), "finalising")
         return modules
 
     def export_weights(self, model: nn.Module, *, bucket_bytes: int = 256 * 2**20, changed_only: bool = False,

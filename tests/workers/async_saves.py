@@ -239,7 +239,7 @@ def compare(args):
     dist.barrier()
     result["preempted"]["left"] = sorted(os.listdir(f"{out}/preempted"))
     result["failing"] = failing_run(args, f"{out}/failing")
-    dist.barrier()  # rank 0 removed the staging directory before it raised
+    dist.barrier()  # rank 0 removed the pending directory before it raised
     result["failing"]["left"] = sorted(os.listdir(f"{out}/failing"))
     return result
 

@@ -5,7 +5,7 @@ The trainer's side of :mod:`twinkle_strategy.checkpoint.training`, as torchtitan
 the manager owns ``<folder>/checkpoint-{step}``, the interval, rotation
 (``save_total_limit``) and the choice of the checkpoint to resume from, the newest
 complete one. A checkpoint counts once its ``trainer_state.json`` is written and it
-carries no incomplete marker (see :mod:`twinkle_strategy.checkpoint.durable`), so a
+carries no incomplete marker (see :mod:`twinkle_strategy.checkpoint.directories`), so a
 save killed midway is never resumed from and never counts towards the limit.
 """
 
@@ -21,9 +21,8 @@ from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from twinkle_strategy.checkpoint.async_saves import AsyncSaves
-from twinkle_strategy.checkpoint.background import BackgroundWrite, InFlightSave
-from twinkle_strategy.checkpoint.durable import is_incomplete
+from twinkle_strategy.checkpoint.background import AsyncSaves, BackgroundWrite, InFlightSave
+from twinkle_strategy.checkpoint.directories import is_incomplete
 from twinkle_strategy.checkpoint.model_files import DEFAULT_MAX_FILE_BYTES
 from twinkle_strategy.checkpoint.training import (
     CHUNK_BYTES,

@@ -16,7 +16,7 @@ Layout (like ms-swift / transformers):
 * ``trainer_state.json``, written last.
 
 Every checkpoint is written to ``checkpoint-{step}.tmp``, fsynced and renamed
-once all ranks have finished (:mod:`twinkle_strategy.checkpoint.durable`), so a
+once all ranks have finished (:mod:`twinkle_strategy.checkpoint.directories`), so a
 crash mid-save never leaves a directory that resume would take for a checkpoint;
 older checkpoints are rotated away only after that rename is durable.
 """
@@ -37,17 +37,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.checkpoint.durable import (
-    abandon_staging,
+from twinkle_strategy.checkpoint.directories import (
+    abandon_pending,
     fsync_path,
     mark_incomplete,
-    prepare_staging,
+    pending_path,
+    prepare_pending,
     publish,
     raise_if_incomplete,
-    staging_path,
-    start_staging,
+    start_pending,
 )
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.host_copies import HostCopies
 from twinkle_strategy.checkpoint.model_files import (
     DEFAULT_MAX_FILE_BYTES,
     read_model_files,
@@ -62,7 +63,6 @@ from twinkle_strategy.checkpoint.optimizer_files import (
     read_trainable_files,
 )
 from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
-from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.writer import ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import FoldedSteps, on_rank0, step_reporter
 from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
@@ -136,15 +136,15 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
     mid-save leaves only ``.tmp``, which resume ignores.
 
     An asynchronous save stages instead: :func:`stage_checkpoint`, then :func:`commit_checkpoint` on rank 0
-    (:mod:`twinkle_strategy.checkpoint.async_saves`).
+    (:mod:`twinkle_strategy.checkpoint.background`).
     """
-    tmp = staging_path(path)
+    tmp = pending_path(path)
     measure = _SaveMeasure()
     step_done = step_reporter(f"saving {os.path.basename(path)}", error_class=CheckpointSaveError,
                               advice="previous checkpoints are untouched",
-                              cleanup=lambda: abandon_staging(path))
+                              cleanup=lambda: abandon_pending(path))
 
-    step_done(on_rank0(lambda: start_staging(path)), "creating the directory")
+    step_done(on_rank0(lambda: start_pending(path)), "creating the directory")
     peft = is_peft_model(model)
     if peft:
         # The adapter is small: gathered on rank 0 and saved by PEFT, as plain PEFT loads it (all experts).
@@ -171,18 +171,18 @@ def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
 
 
 def stage_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
-                     staging: HostStaging, tokenizer=None, save_optimizer: bool = True,
+                     staging: HostCopies, tokenizer=None, save_optimizer: bool = True,
                      max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES) -> SaveReport:
     """An asynchronous save's part at the save step (collective): ``path``'s files as :func:`save_checkpoint`
     writes them, staged in host memory or deferred to the background writers; the report's ``seconds`` is the
     time this took.
 
-    Rank 0 creates the empty staging directory; nothing else touches the disk. The steps' errors are checked
+    Rank 0 creates the empty pending directory; nothing else touches the disk. The steps' errors are checked
     once, together, at the end (:class:`FoldedSteps`): the steps write nothing a later step reads. An adapter is
     written by rank 0 at the commit, read back whole from the trainable weights every rank wrote its rows of
     (:func:`stage_weights`): no gather while training waits.
     """
-    tmp = staging_path(path)
+    tmp = pending_path(path)
     measure = _SaveMeasure()
     steps = begin_staged_directory(path, staging)
     stage_weights(tmp, model, strategy, staging=staging, step_done=steps, stats=measure.stats,
@@ -197,22 +197,22 @@ def stage_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy
     return measure.report(path, model, background=True)
 
 
-def begin_staged_directory(path: str, staging: HostStaging) -> FoldedSteps:
-    """An asynchronous save's start (collective): rank 0 makes the empty staging directory of ``path`` and leaves
+def begin_staged_directory(path: str, staging: HostCopies) -> FoldedSteps:
+    """An asynchronous save's start (collective): rank 0 makes the empty pending directory of ``path`` and leaves
     its incomplete marker to its writer (its first write); returns the steps' folded fail-together check, whose
     :meth:`~FoldedSteps.finish` every rank calls once everything is staged."""
     steps = FoldedSteps(step_reporter(f"saving {os.path.basename(path)}", error_class=CheckpointSaveError,
                                       advice="previous checkpoints are untouched",
-                                      cleanup=lambda: abandon_staging(path)),
+                                      cleanup=lambda: abandon_pending(path)),
                         "staging the files")
-    steps(on_rank0(lambda: prepare_staging(path)), "creating the directory")
+    steps(on_rank0(lambda: prepare_pending(path)), "creating the directory")
     if global_rank() == 0:
-        tmp = staging_path(path)
+        tmp = pending_path(path)
         staging.defer(f"the incomplete marker of {tmp}", lambda: mark_incomplete(tmp))
     return steps
 
 
-def stage_weights(directory: str, model: nn.Module, strategy: CheckpointedStrategy, *, staging: HostStaging,
+def stage_weights(directory: str, model: nn.Module, strategy: CheckpointedStrategy, *, staging: HostCopies,
                   step_done, stats: IOStats, max_file_bytes: int, chunk_bytes: int,
                   write_adapter: Callable[[dict[str, torch.Tensor]], None] | None,
                   adapter_from_trainable_files: bool = True) -> None:
@@ -276,12 +276,12 @@ class _SaveMeasure:
 
 
 def commit_checkpoint(path: str, trainer_state: dict) -> None:
-    """Write ``trainer_state.json`` into the finished staging directory of ``path``, make it durable and give it
+    """Write ``trainer_state.json`` into the finished pending directory of ``path``, make it durable and give it
     its final name (one process, once every rank has written its files)."""
-    with open(os.path.join(staging_path(path), STATE_FILE), "w") as f:
+    with open(os.path.join(pending_path(path), STATE_FILE), "w") as f:
         json.dump(trainer_state, f, indent=2)
     # The rename is the commit point: before it, resume never sees this checkpoint.
-    publish(staging_path(path), path)
+    publish(pending_path(path), path)
 
 
 def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,
@@ -314,7 +314,7 @@ def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
 
 def save_trainer_state(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, *, optimizer, scheduler,
                        step_done, stats: IOStats | None = None, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                       chunk_bytes: int = CHUNK_BYTES, staging: HostStaging | None = None) -> None:
+                       chunk_bytes: int = CHUNK_BYTES, staging: HostCopies | None = None) -> None:
     """``directory/trainer_state/``: what resume needs beyond the saved model, readable by any layout (collective).
 
     The optimizer state by full tensor, an adapter run's trainable weights, the scheduler and each rank's RNG.

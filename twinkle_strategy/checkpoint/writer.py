@@ -170,7 +170,7 @@ class ParallelFileWriter:
 
 
 # Makes the writer a save puts its rows through: ParallelFileWriter itself, or one that stages them in host
-# memory for a background writer (twinkle_strategy.checkpoint.staging).
+# memory for a background writer (twinkle_strategy.checkpoint.host_copies).
 OpenWriter = Callable[[str, FilePlan], ParallelFileWriter]
 
 

@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.checkpoint import CheckpointManager, is_peft_model
-from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
+from twinkle_strategy.checkpoint.directories import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.distributed.fatal_errors import one_line, stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard

@@ -10,7 +10,7 @@ what a synchronous save of the mixin writes into ``checkpoint-N.tmp``: the model
 rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
 Trainer's own files taken now and written later (``training_args.bin``, ``rng_state_<i>.pth``, the trainer
 class's small files; ``trainer_state.json`` at the commit). Then training goes on while a thread per rank
-writes them (:mod:`twinkle_strategy.checkpoint.async_saves`). This module is also a ``TrainerCallback``:
+writes them (:mod:`twinkle_strategy.checkpoint.background`). This module is also a ``TrainerCallback``:
 
 * ``on_step_end``: the collective poll, on every rank at every optimizer step: a failed background write
   raises :class:`~twinkle_strategy.errors.CheckpointSaveError` there on every rank; once every rank has
@@ -34,10 +34,10 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from twinkle_strategy.checkpoint.async_saves import AsyncSaves
-from twinkle_strategy.checkpoint.durable import STAGING_SUFFIX, publish, raise_if_incomplete, staging_path
+from twinkle_strategy.checkpoint.background import AsyncSaves
+from twinkle_strategy.checkpoint.directories import PENDING_SUFFIX, pending_path, publish, raise_if_incomplete
+from twinkle_strategy.checkpoint.host_copies import HostCopies
 from twinkle_strategy.checkpoint.manager import rotate_checkpoints
-from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.training import STATE_FILE, begin_staged_directory, save_trainer_state
 from twinkle_strategy.compat.transformers_internals import save_rng_state
 from twinkle_strategy.errors import CheckpointError, ResumeError
@@ -69,7 +69,7 @@ class AsyncCheckpoints(TrainerCallback):
         trainer.store_flos()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         staging = self.saves.begin(path)
-        tmp = staging_path(path)
+        tmp = pending_path(path)
         steps = begin_staged_directory(path, staging)
         with_trainer_state = not args.save_only_model
         trainer.stage_model_files(tmp, staging=staging, step_done=steps,
@@ -136,7 +136,7 @@ def write_file(directory: str, name: str, data: bytes) -> None:
         f.write(data)
 
 
-def defer_files(staging: HostStaging, directory: str, files: dict[str, bytes]) -> None:
+def defer_files(staging: HostCopies, directory: str, files: dict[str, bytes]) -> None:
     """Leave ``files`` (taken now) to this rank's background writer."""
     for name, data in files.items():
         staging.defer(os.path.join(directory, name), functools.partial(write_file, directory, name, data))
@@ -144,8 +144,8 @@ def defer_files(staging: HostStaging, directory: str, files: dict[str, bytes]) -
 
 def refuse_incomplete(checkpoint: str) -> None:
     """A ``checkpoint-N.tmp`` directory, or one holding the incomplete marker, is a save that never finished. (A
-    staging directory holds the marker only once its writer has begun: its name alone says it is not complete.)"""
-    if os.path.basename(os.path.normpath(checkpoint)).endswith(STAGING_SUFFIX):
+    pending directory holds the marker only once its writer has begun: its name alone says it is not complete.)"""
+    if os.path.basename(os.path.normpath(checkpoint)).endswith(PENDING_SUFFIX):
         raise ResumeError(f"{checkpoint} is an incomplete save (killed, or still being written, before it was "
                           f"renamed to its final name): resume from a complete checkpoint-N next to it instead")
     raise_if_incomplete(checkpoint, ResumeError)

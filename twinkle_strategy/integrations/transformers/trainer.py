@@ -45,8 +45,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from twinkle_strategy.checkpoint.host_copies import HostCopies
 from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.checkpoint.staging import HostStaging
 from twinkle_strategy.checkpoint.training import (
     load_trained_weights,
     load_trainer_state,
@@ -216,7 +216,7 @@ class StrategyTrainerMixin:
             return parent_save_checkpoint(self, StrategyTrainerMixin, model, trial)
         self.async_checkpoints.save_checkpoint()
 
-    def stage_model_files(self, directory: str, *, staging: HostStaging, step_done,
+    def stage_model_files(self, directory: str, *, staging: HostCopies, step_done,
                           adapter_from_trainable_files: bool) -> None:
         """Asynchronous saves: what :meth:`save_model` writes into checkpoint ``directory``, staged in host memory or
         taken now and left to the background writers (collective; see
