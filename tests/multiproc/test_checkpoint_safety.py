@@ -163,7 +163,7 @@ def test_resume_and_rotation_ignore_incomplete_checkpoints(tmp_path):
 def test_the_manager_names_rotates_and_resumes_from_the_newest_complete_checkpoint(tmp_path):
     from types import SimpleNamespace
 
-    from twinkle_strategy.checkpoint import CheckpointManager
+    from twinkle_strategy.checkpoint import CheckpointManager, CheckpointPolicy
 
     run = str(tmp_path / "run")
     for step in (2, 4, 10):
@@ -171,7 +171,7 @@ def test_the_manager_names_rotates_and_resumes_from_the_newest_complete_checkpoi
     _checkpoint(run, 12, marked=True)
     _checkpoint(run, 14, complete=False)
     one_process = SimpleNamespace(is_main_process=True)
-    manager = CheckpointManager(run, model=None, strategy=one_process, interval=2)
+    manager = CheckpointManager(run, model=None, strategy=one_process, policy=CheckpointPolicy(interval=2))
     assert manager.path(4) == os.path.join(run, "checkpoint-4")
     assert manager.steps() == [2, 4, 10]  # by step, not by name; nothing incomplete
     assert [step for step in range(1, 9) if manager.should_save(step)] == [2, 4, 6, 8]

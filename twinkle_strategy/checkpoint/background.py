@@ -197,9 +197,10 @@ class InFlightSave:
         """
         main = global_rank() == 0
         failed = self.write.error is not None or (main and self._commit_error is not None)
+        distributed = dist.is_initialized()  # (one process without a process group: nothing to agree on)
         counts = torch.tensor([not self.write.finished.is_set(), failed, main and not self._committed.is_set()],
-                              dtype=torch.int64, device=collective_device())
-        if dist.is_initialized():
+                              dtype=torch.int64, device=collective_device() if distributed else "cpu")
+        if distributed:
             dist.all_reduce(counts)
         unwritten, failures, uncommitted = counts.tolist()
         if failures:
@@ -281,14 +282,18 @@ class AsyncSaves:
         self.finished: list[InFlightSave] = []
         self.waits: list[Wait] = []
         self._started: float | None = None
+        self._room_for: str | None = None  # the save whose predecessor was waited for (make_room)
 
     @property
     def finished_writes(self) -> list[BackgroundWrite]:
         return [save.write for save in self.finished]
 
-    def begin(self, path: str) -> HostCopies:
-        """Collective: wait for the save in flight (logged when there was one), then start copying ``path``."""
-        self._started = time.time()
+    def make_room(self, path: str) -> None:
+        """Collective: wait for the save in flight (logged when there was one) before ``path`` is declared (a
+        front-end whose items read what the previous save publishes calls it first; :meth:`begin` otherwise)."""
+        if self._room_for == path:
+            return
+        self._room_for, self._started = path, time.time()
         previous = self.in_flight.name if self.in_flight is not None else None
         waited = self.wait()
         if previous is not None:
@@ -296,6 +301,10 @@ class AsyncSaves:
             if global_rank() == 0:
                 logger.info("waited %.2fs for %s to finish writing before saving %s", waited, previous,
                             os.path.basename(path))
+
+    def begin(self, path: str) -> HostCopies:
+        """Collective: :meth:`make_room` for ``path``, then start copying it into host memory."""
+        self.make_room(path)
         if self.host_copies.group is None and dist.is_initialized() and dist.get_world_size() > 1:
             # Collective, once: the background writers' own group, on the host, never used by training (as torch
             # DCP's async_save keeps its own gloo group): their exchanges cannot interleave with training's.
@@ -309,6 +318,7 @@ class AsyncSaves:
         writer; ``commit`` is what rank 0 runs once every rank's writer has written its share."""
         self.host_copies.end()
         self.in_flight = InFlightSave(path, self.host_copies, commit=commit, started=self._started)
+        self._room_for = None
 
     def poll(self) -> None:
         """Collective, at a step boundary: note a finished save; raise a failed one on every rank."""
