@@ -64,7 +64,7 @@ def plan_model_files(model: nn.Module, ep_plan: ExpertParallelPlan | None, max_f
 
 def create_model_files(directory: str, plan: FilePlan, open_writer: OpenWriter = ParallelFileWriter) -> None:
     """Headers and final sizes of every file, and the index (one rank, before any rank writes; an asynchronous
-    save's ``open_writer`` stages them for its background writer instead)."""
+    save's ``open_writer`` copies them for its background writer instead)."""
     writer = open_writer(directory, plan)
     writer.create_files()
     write_index(writer)
@@ -172,7 +172,7 @@ class OptimizerFiles:
 
     def create(self, directory: str, open_writer: OpenWriter = ParallelFileWriter) -> None:
         """Headers, sizes, index and the JSON of scalars and hyper-parameters as of now (one rank; an asynchronous
-        save's ``open_writer`` stages them for its background writer)."""
+        save's ``open_writer`` copies them for its background writer)."""
         writer = open_writer(directory, self.plan)
         writer.create_files()
         write_index(writer, prefix=OPTIMIZER_PREFIX)

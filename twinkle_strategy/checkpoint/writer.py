@@ -169,7 +169,7 @@ class ParallelFileWriter:
         return error
 
 
-# Makes the writer a save puts its rows through: ParallelFileWriter itself, or one that stages them in host
+# Makes the writer a save puts its rows through: ParallelFileWriter itself, or one that copies them into host
 # memory for a background writer (twinkle_strategy.checkpoint.host_copies).
 OpenWriter = Callable[[str, FilePlan], ParallelFileWriter]
 

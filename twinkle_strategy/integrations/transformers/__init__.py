@@ -4,7 +4,8 @@ trainer.py       the mixin and :func:`with_strategy`: loading, wrapping, clippin
 aux_loss.py      the model's (or TRL's) load-balancing loss counted over the global batch
 step_metrics.py  tokens_per_second, moe_load_imbalance and mfu in HF's log lines
 refusals.py      settings that would shard the model a second time, refused in one line
-async_save.py    async_save=True: checkpoints staged at the save step, written in the background, renamed when complete
+async_save.py    async_save=True: checkpoints copied into host memory at the save step, written in the
+                 background, renamed when complete
 """
 
 from twinkle_strategy.integrations.transformers.refusals import (  # noqa: F401

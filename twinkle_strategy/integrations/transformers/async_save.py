@@ -6,9 +6,9 @@ A keyword of the trainer, next to ``strategy=``, not a ``TrainingArguments`` fie
 cannot take fields it does not know, and TRL's and swift's argument classes are theirs.
 
 At a save step (:meth:`AsyncCheckpoints.save_checkpoint`, the mixin's ``_save_checkpoint``) every rank declares
-what a synchronous save of the mixin writes, as save items (:mod:`twinkle_strategy.checkpoint.save_plan`), and the
-save executor copies them into host memory for the pending directory ``checkpoint-N.tmp``: the model's rows (or, for an adapter,
-rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
+what a synchronous save of the mixin writes, as save items (:mod:`twinkle_strategy.checkpoint.save_plan`), and
+the save executor copies them into host memory for the pending directory ``checkpoint-N.tmp``: the model's rows
+(or, for an adapter, rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
 Trainer's own files taken now and written later (``training_args.bin``, ``rng_state_<i>.pth``, the trainer
 class's small files; ``trainer_state.json`` at the commit). Then training goes on while a thread per rank
 writes them (:mod:`twinkle_strategy.checkpoint.background`). This module is also a ``TrainerCallback``:
