@@ -185,3 +185,24 @@ def test_in_place_writes_into_the_callers_directory_and_is_synchronous_only(full
     with pytest.raises(ValueError, match="IN_PLACE is synchronous"):
         execute_save(SavePlan(str(directory), (), publish=Publish.IN_PLACE), model=model, ep_plan=None,
                      background=AsyncSaves(pin_memory=False))
+
+
+def test_the_executor_alone_runs_a_saves_directory_and_checkpoint_stays_small():
+    """Front-ends declare items; none spells a save out again (the pending directory's life: the executor's)."""
+    import re
+    from pathlib import Path
+
+    package = Path(__file__).resolve().parents[2] / "twinkle_strategy"
+    lifecycle = re.compile(r"\b(start_pending|prepare_pending|publish_pending|abandon_pending|save_model_files|"
+                           r"step_reporter)\(")
+    owners = {"checkpoint/save_plan.py", "checkpoint/directories.py", "checkpoint/tensor_files.py",
+              "checkpoint/background.py", "distributed/fail_together.py"}
+    spelled_out = {str(p.relative_to(package)): sorted(set(lifecycle.findall(p.read_text())))
+                   for p in package.rglob("*.py") if str(p.relative_to(package)) not in owners}
+    assert not {k: v for k, v in spelled_out.items() if v}, spelled_out
+    modules = sorted(p.name for p in (package / "checkpoint").glob("*.py"))
+    assert len(modules) <= 14 and "staging.py" not in modules, modules  # 15 before saves became data
+    assert not (package / "init" / "staging.py").exists()  # the init's buffers are its send pool
+    long = {p.name: n for p in [*(package / "checkpoint").glob("*.py"), package / "strategy.py"]
+            if (n := len(p.read_text().splitlines())) >= 400}
+    assert not long, long
