@@ -207,18 +207,20 @@ class Tokenizer:
 class FrontEndFiles:
     """Files a front-end's own code writes into the save's directory (``write(directory)``): transformers'
     ``training_args.bin``, swift's ``_save``, the HF Trainer's RNG state. Whatever ``write`` reads must be
-    taken when the item is declared: an asynchronous save runs it later, in its background writer."""
+    taken when the item is declared: an asynchronous save runs it later, in its background writer.
+
+    ``every_rank``: each rank writes its own (else rank 0); ``here``: whether this rank writes it at all (the HF
+    Trainer's ``should_save``). Every rank declares the item either way: a synchronous save checks each item's
+    step on every rank."""
 
     what: str
     write_files: Callable[[str], None]
-    every_rank: bool = False  # each rank writes its own (else rank 0)
+    every_rank: bool = False
+    here: bool = True
 
     def write(self, ctx: SaveContext) -> None:
-        action = lambda: self.write_files(ctx.directory)  # noqa: E731 - the same action in both modes
-        if self.every_rank:
-            ctx.on_every_rank(self.what, action)
-        else:
-            ctx.on_rank0(self.what, action)
+        action = (lambda: self.write_files(ctx.directory)) if self.here else (lambda: None)
+        (ctx.on_every_rank if self.every_rank else ctx.on_rank0)(self.what, action)
 
 
 def write_bytes(directory: str, name: str, data: bytes) -> None:

@@ -46,10 +46,18 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.checkpoint.save_plan import Adapter, FrontEndFiles, SaveItem, pretrained_items, save_items
+from twinkle_strategy.checkpoint.save_plan import (
+    Adapter,
+    FrontEndFiles,
+    SaveItem,
+    pretrained_items,
+    save_items,
+    save_pretrained,
+)
 from twinkle_strategy.checkpoint.training import TrainerStateFiles, load_trained_weights, load_trainer_state
 from twinkle_strategy.compat.transformers_internals import (
     check_trainer_overrides,
+    file_size_bytes,
     mark_accelerate_prepared,
     parent_save_checkpoint,
 )
@@ -195,11 +203,11 @@ class StrategyTrainerMixin:
     # -- saving: every rank writes its own rows; no gather of the model
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        self.strategy.save_pretrained(self.model, output_dir, max_shard_size=SAVE_PRETRAINED_SHARD_SIZE,
-                                      tokenizer=tokenizer)
-        if self.args.should_save:
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        # The items an asynchronous checkpoint copies too (the adapter gathered: a synchronous save does).
+        save_pretrained(self.model, output_dir, ep_plan=self.strategy.ep_plan,
+                        max_file_bytes=file_size_bytes(self.checkpoint_shard_size),
+                        chunk_bytes=self.strategy.init_bucket_bytes,
+                        items=self.checkpoint_model_items(adapter_from_trainable_files=False))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
@@ -219,10 +227,10 @@ class StrategyTrainerMixin:
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
         items = pretrained_items(self.model, tokenizer=tokenizer,
                                  adapter=Adapter(from_trainable_files=adapter_from_trainable_files))
-        if self.args.should_save:
-            args = self.args
-            items.append(FrontEndFiles("training_args.bin", every_rank=True, write_files=lambda directory: torch.save(
-                args, os.path.join(directory, "training_args.bin"))))
+        args = self.args
+        items.append(FrontEndFiles("training_args.bin", every_rank=True, here=args.should_save,
+                                   write_files=lambda directory: torch.save(args, os.path.join(directory,
+                                                                                               "training_args.bin"))))
         return items
 
     def checkpoint_committed(self, path: str) -> None:

@@ -131,9 +131,8 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
         should_save = self.args.should_save
         if self.args.tuner_type == "full":
             items: list[SaveItem] = [ModelWeights(), ModelConfig()]
-            if should_save:  # (asynchronous: only the background writers of these ranks run it)
-                items.append(FrontEndFiles("swift's files", every_rank=True,
-                                           write_files=lambda directory: trainer_save(self, directory, state_dict=None)))
+            items.append(FrontEndFiles("swift's files", every_rank=True, here=should_save,
+                                       write_files=lambda directory: trainer_save(self, directory, state_dict=None)))
             return items
 
         def write_adapter(directory: str, state: dict) -> None:  # as save_model: PEFT's adapter files, then swift's
