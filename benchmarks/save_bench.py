@@ -253,7 +253,7 @@ def training_run(model_path: str, out: str, *, lora: bool, async_save: bool) -> 
         for entry, done in zip(saves, background.finished, strict=True):
             entry.update(writer=done.write.finished_at - done.write.started_at, commit=done.commit_seconds,
                          durable_after=None if done.durable_at is None else done.durable_at - done.started)
-        result["staging_bytes"] = background.staging.allocated_bytes
+        result["staging_bytes"] = background.host_copies.allocated_bytes
     return result
 
 

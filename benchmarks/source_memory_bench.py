@@ -8,7 +8,7 @@ synthetic hub-layout Qwen3-MoE checkpoint, gloo on CPU, one simulated node) with
 alternating, ``--repeat`` times each. For each it reports the median of:
 
 * (source - receiver) peak RSS / model: ``ru_maxrss`` of the node's source minus the largest of its
-  receivers, over the checkpoint size (what the source holds beyond its shards: staging buffers,
+  receivers, over the checkpoint size (what the source holds beyond its shards: send pool buffers,
   chunks being read; the shards themselves are the same size on every rank);
 * init s: ``from_pretrained`` + ``wrap_model`` on the slowest rank; distribute s: the transfer alone.
 

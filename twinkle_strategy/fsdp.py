@@ -164,3 +164,17 @@ def _mixed_message(name: str, module: nn.Module, kept: set[int]) -> str:
             f"({kept_names}) beside others ({dtypes}) in one module, and FSDP2 shards a module's parameters as one "
             "unit with one dtype. Load the model with dtype=torch.float32 and mixed_precision='no', or keep "
             "this module out of training")
+
+
+def rebind_optimizer(optimizer, names_by_param: dict[int, str], model: nn.Module):
+    """Point ``optimizer`` at ``model``'s sharded parameters (``names_by_param``: id of each parameter it was built
+    with -> its name): its class, hyper-parameters and groups stay as the user built them."""
+    if len(optimizer.state) > 0:
+        raise ValueError(
+            "wrap_model got an optimizer that has already stepped; its state belongs to the unsharded "
+            "parameters. Create the optimizer before training, or load its state after wrap_model"
+        )
+    params_by_name = dict(model.named_parameters())
+    for group in optimizer.param_groups:
+        group["params"] = [params_by_name[names_by_param[id(p)]] for p in group["params"]]
+    return optimizer

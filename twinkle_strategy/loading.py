@@ -28,7 +28,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from twinkle_strategy.checkpoint.durable import is_incomplete, raise_if_incomplete
+from twinkle_strategy.checkpoint.directories import is_incomplete, raise_if_incomplete
 from twinkle_strategy.checkpoint.files import SafetensorsIndex, checkpoint_files
 from twinkle_strategy.checkpoint.layout import CheckpointLayout, Problem, raise_for_problems
 from twinkle_strategy.compat.transformers_internals import set_weight_conversions, weight_conversions

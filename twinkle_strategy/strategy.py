@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,33 +29,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.checkpoint import is_peft_model, trainable_names
-from twinkle_strategy.checkpoint.durable import abandon_staging, commit_staging, staging_path, start_staging
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
-from twinkle_strategy.checkpoint.layout import CheckpointLayout
-from twinkle_strategy.checkpoint.merged_export import (
-    MergedFormat,
-    assemble_release_format,
-    merge_adapters,
-    release_keys_of,
-)
-from twinkle_strategy.checkpoint.model_files import plan_model_files, save_model_config, save_model_files
-from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
+from twinkle_strategy.checkpoint.merged_export import MergedFormat, save_merged
+from twinkle_strategy.checkpoint.save_plan import save_pretrained
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import QuantizedBase, StrategyConfig
-from twinkle_strategy.distributed.fail_together import collectively, on_rank0, step_reporter
+from twinkle_strategy.distributed.fail_together import collectively
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
 from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
 from twinkle_strategy.distributed.runtime import current_device, init_distributed, install_error_report
-from twinkle_strategy.errors import CheckpointSaveError, DistributedInitError
-from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
+from twinkle_strategy.errors import DistributedInitError
+from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy, rebind_optimizer
 from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
 from twinkle_strategy.init.engine import InitReport, distribute
 from twinkle_strategy.loading import (
     config_from_text,
-    load_config,
     load_pretrained_strict,
     open_on_this_rank,
     read_config_text,
@@ -65,7 +52,6 @@ from twinkle_strategy.loading import (
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.planning import PlanRequest, parse_size, plan_memory
-from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
 from twinkle_strategy.rl import weight_export
 from twinkle_strategy.rl.export_plan import EngineExperts, OneReceiver
 from twinkle_strategy.rl.replay import RoutingHooks, routing_hooks
@@ -119,13 +105,10 @@ class NativeFSDPStrategy(RoutingMethods):
                                                       timeout_s=self.timeout_s)
         self.device = current_device(self.device_type)
         self.topology: NodeTopology = discover_topology(self.env)
-        self.dims = ParallelDims(
-            world_size=self.env.world_size,
-            ep_size=self.ep_size,
-            ep_fsdp_size=self.config.ep_fsdp_size,
-            local_world_size=self.topology.local_world_size,
-            sp_size=self.config.sequence_parallel_size,
-        )
+        self.dims = ParallelDims(world_size=self.env.world_size, ep_size=self.ep_size,
+                                 ep_fsdp_size=self.config.ep_fsdp_size,
+                                 local_world_size=self.topology.local_world_size,
+                                 sp_size=self.config.sequence_parallel_size)
         self.meshes: Meshes = build_meshes(self.dims, self.device_type)
         self.node_group = (build_node_groups(self.topology, self.device, self.timeout_s)
                            if self.memory_efficient_init else None)
@@ -271,13 +254,8 @@ class NativeFSDPStrategy(RoutingMethods):
         if self.dims.ep_enabled:
             self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, ep_group=self.meshes.ep_group)
             experts_modules = [model.get_submodule(name) for name in self.ep_plan.experts_modules]
-        apply_fsdp(
-            model,
-            self.meshes,
-            experts_modules,
-            mixed_precision_policy(self.config.mixed_precision),
-            reshard_after_forward=self.config.reshard_after_forward,
-        )
+        apply_fsdp(model, self.meshes, experts_modules, mixed_precision_policy(self.config.mixed_precision),
+                   reshard_after_forward=self.config.reshard_after_forward)
         if self.memory_efficient_init:
             self._materialize(model, capture)
         if self.dims.sp_enabled:
@@ -285,7 +263,7 @@ class NativeFSDPStrategy(RoutingMethods):
             refuse_generation(model, self.dims.sp_size)
         self.routing = routing_hooks(model)
         if optimizer is not None:
-            optimizer = self._rebind_optimizer(optimizer, names_by_param, model)
+            optimizer = rebind_optimizer(optimizer, names_by_param, model)
         return model, optimizer
 
     def _materialize(self, model: nn.Module, capture) -> None:
@@ -304,20 +282,6 @@ class NativeFSDPStrategy(RoutingMethods):
                 capture.release()
         if self.is_main_process:
             logger.info(self.init_report.log_line())
-
-    @staticmethod
-    def _rebind_optimizer(optimizer, names_by_param, model: nn.Module):
-        # Swap the parameters inside the existing optimizer: its class, hyper-
-        # parameters and groups stay as the user built them.
-        if len(optimizer.state) > 0:
-            raise ValueError(
-                "wrap_model got an optimizer that has already stepped; its state belongs to the unsharded "
-                "parameters. Create the optimizer before training, or load its state after wrap_model"
-            )
-        params_by_name = dict(model.named_parameters())
-        for group in optimizer.param_groups:
-            group["params"] = [params_by_name[names_by_param[id(p)]] for p in group["params"]]
-        return optimizer
 
     # --------------------------------------------------------------- training
     @property
@@ -394,92 +358,25 @@ class NativeFSDPStrategy(RoutingMethods):
 
     def save_pretrained(self, model: nn.Module, directory: str, max_shard_size: int | str = "5GB",
                         tokenizer=None) -> None:
-        """Save ``model`` as a Hugging Face checkpoint in ``directory`` (collective), without gathering it.
-
-        Every rank writes the rows it keeps straight into the final safetensors files, in the key
-        layout of the checkpoint the model was loaded from (per-expert hub keys, renames): plain
-        ``from_pretrained`` reads the result. A PEFT model saves its adapter (all experts), as
-        ``save_pretrained`` of PEFT does. Any rank's error (disk full...) is raised on every rank.
-
-        Crash-safe: the files are written into ``directory + ".tmp"``, fsynced, and renamed to
-        ``directory`` once complete (:mod:`twinkle_strategy.checkpoint.durable`); a directory that
-        already holds other files gets the new ones moved in, under a marker loaders refuse until the end.
-        """
-
+        """Save ``model`` as a Hugging Face checkpoint in ``directory`` (collective), without gathering it: every
+        rank writes its rows into the final files, in the key layout of the checkpoint the model was loaded from
+        (plain ``from_pretrained`` reads it); a PEFT model saves its whole adapter, as PEFT does. Crash-safe, any
+        rank's error raised on every rank: :func:`twinkle_strategy.checkpoint.save_plan.save_pretrained`."""
         self.setup()
-        directory = os.path.normpath(directory)
-        check_shared_directory(os.path.dirname(os.path.abspath(directory)),
-                               what="the directory given to save_pretrained")
-
-        step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError,
-                                  cleanup=lambda: abandon_staging(directory))  # the final name was never touched
-        step_done(on_rank0(lambda: start_staging(directory)), "creating the directory")
-        staging = staging_path(directory)
-        if is_peft_model(model):
-            state = self.full_state_dict(model, rank0_only=True, keys=trainable_names(model))
-            step_done(on_rank0(lambda: model.save_pretrained(staging, state_dict=state)), "adapter")
-        else:
-            save_model_files(staging, model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
-                             max_file_bytes=file_size_bytes(max_shard_size),
-                             chunk_bytes=self.init_bucket_bytes)
-            step_done(on_rank0(lambda: save_model_config(staging, model)), "config")
-        if tokenizer is not None:
-            step_done(on_rank0(lambda: tokenizer.save_pretrained(staging)), "tokenizer")
-        step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
+        save_pretrained(model, directory, ep_plan=self.ep_plan, max_file_bytes=file_size_bytes(max_shard_size),
+                        chunk_bytes=self.init_bucket_bytes, tokenizer=tokenizer)
 
     def save_merged(self, model: nn.Module, directory: str, *, merged_format: MergedFormat | str = MergedFormat.BF16,
                     release: str | None = None, max_shard_size: int | str = "5GB") -> list[str]:
         """Merge a PEFT model's adapters into its base and save the result in ``directory`` (collective):
-        ``merge_lora``. Consumes the model (:mod:`twinkle_strategy.checkpoint.merged_export`); works on a
-        ``quantized_base: keep`` run without writing its kept weights.
-
-        ``merged_format=bf16``: a plain checkpoint in the model's dtype. ``release``: the quantized release the
-        model was loaded from (``release`` is its local directory), its files byte for byte for every weight no
-        adapter touched and the merged weights in the model's dtype. Returns the merged modules (release, rank 0).
-        """
+        ``merge_lora``. Consumes the model; works on a ``quantized_base: keep`` run. ``merged_format=bf16``: a plain
+        checkpoint in the model's dtype; ``release`` (with ``release=`` the quantized release's local directory): its
+        files byte for byte for every weight no adapter touched. Returns the merged modules (release, rank 0);
+        :func:`twinkle_strategy.checkpoint.merged_export.save_merged`."""
         self.setup()
-        merged_format = MergedFormat(merged_format)
-        if merged_format == MergedFormat.RELEASE and (release is None or not os.path.isfile(
-                os.path.join(release, "config.json"))):
-            raise ValueError(f"save_merged(merged_format='release') needs release= the local directory of the "
-                             f"quantized release the model was loaded from (got {release!r})")
-        if not is_peft_model(model):
-            raise ValueError("save_merged takes a PEFT model (its adapters are what is merged); "
-                             "save a full model with save_pretrained")
-        merged = merge_adapters(model, self.ep_plan)
-        self.ep_plan = merged.ep_plan  # the model the strategy wraps is now the merged one, under its own names
-        if merged_format == MergedFormat.BF16:
-            self.save_pretrained(merged.model, directory, max_shard_size=max_shard_size)
-            return []
-        directory = os.path.normpath(directory)
-        check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_merged")
-        step_done = step_reporter(f"saving {directory}", error_class=CheckpointSaveError,
-                                  cleanup=lambda: abandon_staging(directory))
-        step_done(on_rank0(lambda: start_staging(directory)), "creating the directory")
-        staging = staging_path(directory)
-        merged_dir = os.path.join(staging, ".merged-weights")
-        step_done(on_rank0(lambda: os.makedirs(merged_dir)), "creating the directory")
-        save_model_files(merged_dir, merged.model, ep_plan=self.ep_plan, stats=IOStats(), step_done=step_done,
-                         max_file_bytes=file_size_bytes(max_shard_size), chunk_bytes=self.init_bucket_bytes,
-                         names=merged.merged)
-        modules: list[str] = []
-
-        def assemble():
-            index = QuantizedIndex(SafetensorsIndex.from_directory(release), quant_format(load_config(release)),
-                                   merged.model)
-            try:
-                save_layout = plan_model_files(merged.model, self.ep_plan, names=merged.merged)[0]
-                release_layout = CheckpointLayout(index, merged.model, release,
-                                                  model_tensors=save_layout.model_tensors)
-                keys = release_keys_of(save_layout, release_layout, merged.merged)
-                modules.extend(assemble_release_format(release, merged_dir, staging, quantized_index=index,
-                                                       release_keys=keys))
-            finally:
-                index.close()
-            shutil.rmtree(merged_dir)
-
-        step_done(on_rank0(assemble), "the release's files")
-        step_done(on_rank0(lambda: commit_staging(directory)), "finalising")
+        modules, self.ep_plan = save_merged(  # the strategy now wraps the merged model, under its own names
+            model, directory, ep_plan=self.ep_plan, merged_format=merged_format, release=release,
+            max_file_bytes=file_size_bytes(max_shard_size), chunk_bytes=self.init_bucket_bytes)
         return modules
 
     def export_weights(self, model: nn.Module, *, bucket_bytes: int = 256 * 2**20, changed_only: bool = False,

@@ -82,7 +82,7 @@ def test_a_failed_background_write_stops_every_rank_naming_it(compared):
 def test_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_with_the_same_losses(demo_model, compared,
                                                                                          tmp_path):
     from twinkle_strategy.checkpoint import latest_checkpoint
-    from twinkle_strategy.checkpoint.durable import INCOMPLETE_MARKER
+    from twinkle_strategy.checkpoint.directories import INCOMPLETE_MARKER
 
     out = tmp_path / "out"
     args = ["--model", demo_model, "--dataset", DATASET, "--output-dir", str(out)]
@@ -104,26 +104,26 @@ def test_killed_mid_write_leaves_the_previous_checkpoint_and_resumes_with_the_sa
     assert not (out / "checkpoint-2").exists()  # rotated away once checkpoint-4 was durable
 
 
-def test_host_staging_reuses_one_snapshot_of_buffers():
+def test_host_copies_reuse_one_snapshot_of_buffers():
     import torch
 
-    from twinkle_strategy.checkpoint.staging import HostStaging
+    from twinkle_strategy.checkpoint.host_copies import HostCopies
 
-    staging = HostStaging(pin_memory=False)
+    host_copies = HostCopies(pin_memory=False)
     rows = [torch.arange(12, dtype=torch.float32), torch.ones(3, dtype=torch.bfloat16)]
     saves = []
     for _ in range(2):  # two saves of the same model
-        staging.begin()
+        host_copies.begin()
         for i, row in enumerate(rows):
-            staging.stage("f", 8 * i, row.view(torch.uint8))
-        saves.append(list(staging.end()))
+            host_copies.put("f", 8 * i, row.view(torch.uint8))
+        saves.append(list(host_copies.end()))
     assert all(a.data is b.data for a, b in zip(*saves, strict=True))  # the same host buffers, reused
-    rows[0].add_(1)  # training changes the parameters after the save staged them
-    assert torch.equal(staging.pieces[0].data.view(torch.float32), torch.arange(12, dtype=torch.float32))
-    staging.begin()
-    staging.stage("f", 0, rows[1].view(torch.uint8))
-    staging.end()
-    assert staging.staged_bytes == staging.allocated_bytes == 6  # no more than this save's snapshot stays
+    rows[0].add_(1)  # training changes the parameters after the save copied them
+    assert torch.equal(host_copies.pieces[0].data.view(torch.float32), torch.arange(12, dtype=torch.float32))
+    host_copies.begin()
+    host_copies.put("f", 0, rows[1].view(torch.uint8))
+    host_copies.end()
+    assert host_copies.copied_bytes == host_copies.allocated_bytes == 6  # no more than this save's snapshot stays
 
 
 def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrupted_losses(demo_model, tmp_path):

@@ -120,7 +120,7 @@ def test_killed_mid_save_keeps_previous_checkpoint_and_resume_uses_it(demo_model
 def test_save_pretrained_exists_under_its_name_only_when_complete(demo_model, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from twinkle_strategy.checkpoint.durable import INCOMPLETE_MARKER
+    from twinkle_strategy.checkpoint.directories import INCOMPLETE_MARKER
     from twinkle_strategy.checkpoint.files import SafetensorsIndex
     from twinkle_strategy.errors import CheckpointError
     from twinkle_strategy.loading import checkpoint_files_problem
@@ -134,7 +134,7 @@ def test_save_pretrained_exists_under_its_name_only_when_complete(demo_model, tm
     saves = result.rank_results()[0]
     assert saves["second_save"] == {**saves["first_save"], "notes.txt": saves["second_save"]["notes.txt"]}
     assert AutoModelForCausalLM.from_pretrained(out / "model") is not None
-    # Killed mid-save: nothing under the final name; the staging directory is refused by every loader.
+    # Killed mid-save: nothing under the final name; the pending directory is refused by every loader.
     assert not (out / "fresh").exists()
     staging = out / "fresh.tmp"
     assert (staging / INCOMPLETE_MARKER).is_file()

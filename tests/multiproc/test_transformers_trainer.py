@@ -88,7 +88,7 @@ def test_hf_trainer_async_save_overlaps_training_and_writes_the_synchronous_file
         written = run["writes"]["checkpoint-2"]
         assert written and run["step_starts"]["3"] < min(t["durable"] for t in written.values()), (rank, run)
         assert list(run["writes"]) == ["checkpoint-2", "checkpoint-3"], rank  # the final save, awaited in train()
-        # save_total_limit=1: checkpoint-2 went once checkpoint-3 was durable; no staging directory is left.
+        # save_total_limit=1: checkpoint-2 went once checkpoint-3 was durable; no pending directory is left.
         assert run["left"] == ["checkpoint-3"], (rank, run["left"])
     run = runs["strategy"][0]["lora_async"]
     assert run["different"] == [] and run["compared"] > 10, run  # adapter, trainer_state/, RNG, arguments

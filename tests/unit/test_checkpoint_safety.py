@@ -10,14 +10,14 @@ from header_edit import corrupt_copy, read_header, write_with_header
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from twinkle_strategy.checkpoint.durable import (
+from twinkle_strategy.checkpoint.directories import (
     INCOMPLETE_MARKER,
-    commit_staging,
     is_incomplete,
+    pending_path,
     publish,
+    publish_pending,
     raise_if_incomplete,
-    staging_path,
-    start_staging,
+    start_pending,
 )
 from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.errors import CheckpointError, ResumeError
@@ -103,8 +103,8 @@ def _save(directory, files: dict[str, str]) -> None:
 
 def test_a_staged_directory_gets_its_name_only_when_committed(tmp_path):
     final = str(tmp_path / "model")
-    staging = start_staging(final)
-    assert staging == staging_path(final) == final + ".tmp" and is_incomplete(staging)
+    staging = start_pending(final)
+    assert staging == pending_path(final) == final + ".tmp" and is_incomplete(staging)
     _save(staging, {"model.safetensors": "new", "config.json": "{}"})
     assert not os.path.exists(final)  # a kill now leaves no directory under the final name
     for error in (CheckpointError, ResumeError):
@@ -112,7 +112,7 @@ def test_a_staged_directory_gets_its_name_only_when_committed(tmp_path):
             raise_if_incomplete(staging, error)
     with pytest.raises(CheckpointError, match="is an incomplete save"):
         resolve_model_path(staging)
-    commit_staging(final)
+    publish_pending(final)
     assert sorted(os.listdir(final)) == ["config.json", "model.safetensors"] and not os.path.exists(staging)
     assert resolve_model_path(final) == final
 
@@ -122,12 +122,12 @@ def test_publish_replaces_and_commit_merges_into_a_directory_with_other_files(tm
     os.makedirs(final)
     _save(final, {"model-00001-of-00002.safetensors": "old", "model-00002-of-00002.safetensors": "old",
                   "model.safetensors.index.json": "old", "notes.txt": "the user's"})
-    staging = start_staging(final)
+    staging = start_pending(final)
     _save(staging, {"model.safetensors": "new", "config.json": "{}"})
-    commit_staging(final)  # merged: the user's file stays, the earlier save's weight files go
+    publish_pending(final)  # merged: the user's file stays, the earlier save's weight files go
     assert sorted(os.listdir(final)) == ["config.json", "model.safetensors", "notes.txt"]
     assert not os.path.exists(os.path.join(final, INCOMPLETE_MARKER))
-    staging = start_staging(final)
+    staging = start_pending(final)
     _save(staging, {"trainer_state.json": "{}"})
     publish(staging, final)  # a training checkpoint is replaced whole
     assert os.listdir(final) == ["trainer_state.json"] and not os.path.exists(final + ".old")
@@ -163,7 +163,7 @@ def test_resume_and_rotation_ignore_incomplete_checkpoints(tmp_path):
 def test_the_manager_names_rotates_and_resumes_from_the_newest_complete_checkpoint(tmp_path):
     from types import SimpleNamespace
 
-    from twinkle_strategy.checkpoint import CheckpointManager
+    from twinkle_strategy.checkpoint import CheckpointManager, CheckpointPolicy
 
     run = str(tmp_path / "run")
     for step in (2, 4, 10):
@@ -171,7 +171,7 @@ def test_the_manager_names_rotates_and_resumes_from_the_newest_complete_checkpoi
     _checkpoint(run, 12, marked=True)
     _checkpoint(run, 14, complete=False)
     one_process = SimpleNamespace(is_main_process=True)
-    manager = CheckpointManager(run, model=None, strategy=one_process, interval=2)
+    manager = CheckpointManager(run, model=None, strategy=one_process, policy=CheckpointPolicy(interval=2))
     assert manager.path(4) == os.path.join(run, "checkpoint-4")
     assert manager.steps() == [2, 4, 10]  # by step, not by name; nothing incomplete
     assert [step for step in range(1, 9) if manager.should_save(step)] == [2, 4, 6, 8]

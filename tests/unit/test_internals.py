@@ -173,7 +173,7 @@ def _prefix_change(tiny):
 @checks("core_model_loading.MergeModulelist")
 def _merge_module_list(tiny):
     """Per-expert keys are stacked on dim 0: experts a..b-1 alone give rows [a, b) of the fused tensor."""
-    from twinkle_strategy.checkpoint.layout import convert_pieces
+    from twinkle_strategy.checkpoint.conversions import convert_pieces
 
     model = tiny.model("qwen3_moe")
     rule, experts, inter, hidden = _expert_rules(model)
@@ -201,10 +201,10 @@ def _split_module_list(tiny):
 
 def _rows_commute(op, inputs: dict, source_patterns, target_patterns, shapes=None):
     """``op`` gives rows [1, 3) of its output from rows [1, 3) of its inputs (as layout reads them)."""
-    from twinkle_strategy.checkpoint.layout import _ShapeOnlyModel
+    from twinkle_strategy.checkpoint.conversions import ShapeOnlyModel
 
     def run(rows):
-        model = _ShapeOnlyModel(None, shapes or {}, None if rows is None else rows[1] - rows[0])
+        model = ShapeOnlyModel(None, shapes or {}, None if rows is None else rows[1] - rows[0])
         given = {k: [t if rows is None else t[rows[0]:rows[1]] for t in v] for k, v in inputs.items()}
         out = op.convert(given, source_patterns=source_patterns, target_patterns=target_patterns,
                          full_layer_name="layer.first", model=model, config=None)

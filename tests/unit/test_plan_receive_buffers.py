@@ -4,7 +4,7 @@ import itertools
 
 import pytest
 
-from twinkle_strategy.init.staging import FLAG_BYTES
+from twinkle_strategy.init.send_pool import FLAG_BYTES
 from twinkle_strategy.init.transport import bucket_sizes
 from twinkle_strategy.planning.plan import receive_buffers
 

@@ -1,4 +1,4 @@
-"""The init's transport without processes: backend devices, no object collectives, the staging pool."""
+"""The init's transport without processes: backend devices, no object collectives, the send pool."""
 
 import pathlib
 import re
@@ -28,10 +28,10 @@ def test_the_library_uses_no_object_collective():
     assert offenders == []
 
 
-def test_staging_pool_is_reused_in_order_and_bounded():
-    from twinkle_strategy.init.staging import ABORT, OK, FilledBuckets, StagingPool
+def test_send_pool_is_reused_in_order_and_bounded():
+    from twinkle_strategy.init.send_pool import ABORT, OK, FilledBuckets, SendPool
 
-    pool = StagingPool(3, bucket_bytes=8, device=torch.device("cpu"))
+    pool = SendPool(3, bucket_bytes=8, device=torch.device("cpu"))
     schedule = [(peer, size) for peer in (1, 2, 3) for size in (8, 8, 5)]
     held, most_held, lock = set(), [0], threading.Lock()
 
@@ -56,9 +56,9 @@ def test_staging_pool_is_reused_in_order_and_bounded():
 
 
 def test_a_read_error_reaches_the_sender():
-    from twinkle_strategy.init.staging import FilledBuckets, StagingPool
+    from twinkle_strategy.init.send_pool import FilledBuckets, SendPool
 
-    pool = StagingPool(2, bucket_bytes=4, device=torch.device("cpu"))
+    pool = SendPool(2, bucket_bytes=4, device=torch.device("cpu"))
 
     def fill(host, peer, size):
         if peer == 2:

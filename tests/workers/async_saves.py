@@ -137,7 +137,6 @@ class Records(logging.Handler):
 def waiting_bf16_run(args, out, pause_dir):
     """The asynchronous bf16 LoRA run: checkpoint-2's writer pauses mid-file while steps 3 and 4 train, and is
     released 0.5 s after the save of step 4 began, which must wait for it."""
-    from twinkle_strategy.checkpoint import async_saves
     from twinkle_strategy.train.trainer import Trainer
 
     os.makedirs(pause_dir, exist_ok=True)
@@ -156,7 +155,7 @@ def waiting_bf16_run(args, out, pause_dir):
 
     Trainer.training_step, Trainer.save = timed_step, late_release
     try:
-        with Records(async_saves.__name__) as records:
+        with Records(background.__name__) as records:
             trainer = make_trainer(args, out, async_save=True, lora=True, dtype=torch.bfloat16)
             history = trainer.train()
     finally:
@@ -239,7 +238,7 @@ def compare(args):
     dist.barrier()
     result["preempted"]["left"] = sorted(os.listdir(f"{out}/preempted"))
     result["failing"] = failing_run(args, f"{out}/failing")
-    dist.barrier()  # rank 0 removed the staging directory before it raised
+    dist.barrier()  # rank 0 removed the pending directory before it raised
     result["failing"]["left"] = sorted(os.listdir(f"{out}/failing"))
     return result
 

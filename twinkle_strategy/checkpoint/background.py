@@ -1,7 +1,14 @@
-"""An asynchronous save in flight: a thread writes the staged bytes while training goes on.
+"""Asynchronous saves: a thread writes the host copies while training goes on; one save in flight at a time.
 
-Once every rank has staged its share (:mod:`twinkle_strategy.checkpoint.staging`)
-for the checkpoint's staging directory (created empty, nothing else yet), each rank
+What the trainers share (twinkle's own :class:`~twinkle_strategy.checkpoint.manager.CheckpointManager`, and the
+``transformers.Trainer`` mixin that HF Trainer, TRL and ms-swift use) is :class:`AsyncSaves`: the save executor
+(:func:`~twinkle_strategy.checkpoint.save_plan.execute_save`) calls :meth:`AsyncSaves.begin`, copies the save's
+items into the returned :class:`~twinkle_strategy.checkpoint.host_copies.HostCopies`, then :meth:`AsyncSaves.start`
+with what rank 0 does to commit; the training loop calls :meth:`AsyncSaves.poll` at every step boundary
+(collective: a failed background write raises there on every rank) and :meth:`AsyncSaves.wait` before it ends.
+
+Once every rank has copied its share (:mod:`twinkle_strategy.checkpoint.host_copies`)
+for the checkpoint's pending directory (created empty, nothing else yet), each rank
 starts a :class:`BackgroundWrite`: a thread that first exchanges the tensors written whole by their owner
 (expert LoRA's ``lora_B`` and its optimizer state: from host copies, on a gloo group of the save's own, as torch
 DCP's ``async_save`` coordinates on one, so that nothing interleaves with training's collectives), then writes its
@@ -11,28 +18,29 @@ writers never wait for one another otherwise; instead, at every step boundary th
 
 * a rank whose thread failed (disk full, permissions) makes every rank stop its
   thread and raise the same :class:`~twinkle_strategy.errors.CheckpointSaveError`,
-  naming that rank and file; the staging directory is removed;
+  naming that rank and file; the pending directory is removed;
 * once every rank has written its share, rank 0 commits in a thread of its own:
   what needs every rank's files (an adapter read back from the trainable weights
   all ranks wrote), ``trainer_state.json``, fsync of the whole directory, the
-  rename to its final name (:mod:`twinkle_strategy.checkpoint.durable`), then rotation;
+  rename to its final name (:mod:`twinkle_strategy.checkpoint.directories`), then rotation;
 * once rank 0 has committed, the save is over.
 
-A process killed at any point leaves at most the staging directory, which
+A process killed at any point leaves at most the pending directory, which
 resume never takes for a checkpoint.
 
 Why not torch DCP's ``async_save``: its storage writers write DCP's own files
 (per-rank ``.distcp`` files, or ``HuggingFaceStorageWriter``'s per-rank shards
 that a consolidation then reads back whole); this package writes the final
 Hugging Face files in place, each rank its rows. What ``async_save`` adds on
-top, staging in pinned host memory and a background thread whose only
-collective happens at the end, is what this module and ``staging.py`` do for
+top, host copies in pinned memory and a background thread whose only
+collective happens at the end, is what this module and ``host_copies.py`` do for
 these files.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 import threading
@@ -42,8 +50,8 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy.checkpoint.durable import abandon_staging
-from twinkle_strategy.checkpoint.staging import DeferredWrite, HostStaging, StagedPiece
+from twinkle_strategy.checkpoint.directories import abandon_pending
+from twinkle_strategy.checkpoint.host_copies import CopiedPiece, DeferredWrite, HostCopies
 from twinkle_strategy.checkpoint.writer import write_at
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.distributed.messages import collective_device
@@ -71,12 +79,12 @@ class FileTimes:
 class BackgroundWrite:
     """One rank's share of one checkpoint, written from host memory by a thread of its own.
 
-    First the deferred whole files, then the staged pieces, file by file: each file (and its directory) is
-    created by whichever rank's writer gets there first, never truncated, and the rank that staged its
+    First the deferred whole files, then the copied pieces, file by file: each file (and its directory) is
+    created by whichever rank's writer gets there first, never truncated, and the rank that copied its
     header gives it its final size; each writer fsyncs what it wrote.
     """
 
-    def __init__(self, name: str, pieces: list[StagedPiece], deferred: list[DeferredWrite] = (),
+    def __init__(self, name: str, pieces: list[CopiedPiece], deferred: list[DeferredWrite] = (),
                  sizes: dict[str, int] | None = None, exchanges: list[DeferredWrite] = ()) -> None:
         self.name = name
         self.pieces, self.deferred, self.sizes = pieces, list(deferred), dict(sizes or {})
@@ -105,7 +113,7 @@ class BackgroundWrite:
             for deferred in self.deferred:
                 path = deferred.what
                 deferred.action()
-            by_file: dict[str, list[StagedPiece]] = {}  # a file's pieces may be staged between another's
+            by_file: dict[str, list[CopiedPiece]] = {}  # a file's pieces may be copied between another's
             for piece in self.pieces:
                 by_file.setdefault(piece.path, []).append(piece)
             for path, pieces in by_file.items():
@@ -115,7 +123,7 @@ class BackgroundWrite:
         except Exception as exc:  # noqa: BLE001 - reported on every rank at the next step boundary
             self.error = f"writing {path}: {type(exc).__name__}: {exc}"
         finally:
-            # The buffers belong to the staging pool: the next save reuses them.
+            # The buffers belong to the host copies: the next save reuses them.
             self.pieces, self.deferred, self.exchanges = [], [], []
             self.finished_at = time.time()
             self.finished.set()
@@ -132,7 +140,7 @@ class BackgroundWrite:
         if failure is not None:
             raise failure
 
-    def _write_file(self, path: str, pieces: list[StagedPiece]) -> None:
+    def _write_file(self, path: str, pieces: list[CopiedPiece]) -> None:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         # Not truncated: another rank's writer may have written its rows into it already.
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
@@ -153,28 +161,29 @@ class BackgroundWrite:
             os.close(fd)
 
 
-def write_piece(fd: int, piece: StagedPiece) -> None:
+def write_piece(fd: int, piece: CopiedPiece) -> None:
     """The one place the background writer writes bytes (tests inject disk-full errors here)."""
     write_at(fd, piece.data.numpy(), piece.offset)
 
 
 class InFlightSave:
-    """An asynchronous save after staging: this rank's writer thread, then rank 0's commit (collective polls).
+    """An asynchronous save after its host copies: this rank's writer thread, then rank 0's commit (collective polls).
 
     ``commit``: what makes the checkpoint durable under its final name once every rank has written its
     share, then rotates; rank 0 alone runs it, in a thread of its own.
     """
 
-    def __init__(self, path: str, staging: HostStaging, *, commit: Callable[[], None],
+    def __init__(self, path: str, host_copies: HostCopies, *, commit: Callable[[], None],
                  started: float | None = None) -> None:
         """``started``: ``time.time()`` when the save began (training's blocked part included); default now."""
         self.path = path
         self.name = os.path.basename(path)
-        self.write = BackgroundWrite(self.name, staging.pieces, staging.deferred, staging.sizes, staging.exchanges)
+        self.write = BackgroundWrite(self.name, host_copies.pieces, host_copies.deferred, host_copies.sizes,
+                                     host_copies.exchanges)
         self.started = started if started is not None else time.time()
         self.commit_seconds: float | None = None  # rank 0: the commit's duration (its actions, fsync, rename)
         self.durable_at: float | None = None  # rank 0: time.time() once the checkpoint has its final name
-        self._at_commit = list(staging.at_commit)
+        self._at_commit = list(host_copies.at_commit)
         self._commit = commit
         self._commit_thread: threading.Thread | None = None
         self._commit_error: str | None = None
@@ -188,9 +197,10 @@ class InFlightSave:
         """
         main = global_rank() == 0
         failed = self.write.error is not None or (main and self._commit_error is not None)
+        distributed = dist.is_initialized()  # (one process without a process group: nothing to agree on)
         counts = torch.tensor([not self.write.finished.is_set(), failed, main and not self._committed.is_set()],
-                              dtype=torch.int64, device=collective_device())
-        if dist.is_initialized():
+                              dtype=torch.int64, device=collective_device() if distributed else "cpu")
+        if distributed:
             dist.all_reduce(counts)
         unwritten, failures, uncommitted = counts.tolist()
         if failures:
@@ -230,8 +240,8 @@ class InFlightSave:
         error = self.write.error or self._commit_error
         step_done = step_reporter(f"saving {self.name} in the background", error_class=CheckpointSaveError,
                                   advice="previous checkpoints are untouched",
-                                  cleanup=lambda: abandon_staging(self.path))
-        step_done(error, "writing the staged files")
+                                  cleanup=lambda: abandon_pending(self.path))
+        step_done(error, "writing the copied files")
         raise AssertionError("unreachable: a rank reported a failure")  # step_done raised on every rank
 
 
@@ -247,3 +257,85 @@ def _pause_if_asked(name: str) -> None:
     deadline = time.monotonic() + PAUSE_LIMIT_S
     while not os.path.exists(os.path.join(directory, "release")) and time.monotonic() < deadline:
         time.sleep(0.01)
+
+
+@dataclasses.dataclass(frozen=True)
+class Wait:
+    """A save that came while the previous one was still being written, and how long it waited for it."""
+
+    previous: str
+    saving: str
+    seconds: float
+
+
+class AsyncSaves:
+    """A run's asynchronous saves (every rank holds one; its collective methods are called on every rank)."""
+
+    def __init__(self, *, pin_memory: bool, timeout_s: float | None = None) -> None:
+        """``pin_memory``: copy into pinned host memory (GPUs and NPUs). ``timeout_s``: of the background writers'
+        exchanges (a peer that died mid-exchange), default torch's."""
+        self.host_copies = HostCopies(pin_memory=pin_memory)
+        self.timeout_s = timeout_s
+        self.in_flight: InFlightSave | None = None
+        # This run's finished saves, oldest first (their buffers are back in the host copies): file names and
+        # times of each rank's writer, and, on rank 0, how long its commit took.
+        self.finished: list[InFlightSave] = []
+        self.waits: list[Wait] = []
+        self._started: float | None = None
+        self._room_for: str | None = None  # the save whose predecessor was waited for (make_room)
+
+    @property
+    def finished_writes(self) -> list[BackgroundWrite]:
+        return [save.write for save in self.finished]
+
+    def make_room(self, path: str) -> None:
+        """Collective: wait for the save in flight (logged when there was one) before ``path`` is declared (a
+        front-end whose items read what the previous save publishes calls it first; :meth:`begin` otherwise)."""
+        if self._room_for == path:
+            return
+        self._room_for, self._started = path, time.time()
+        previous = self.in_flight.name if self.in_flight is not None else None
+        waited = self.wait()
+        if previous is not None:
+            self.waits.append(Wait(previous, os.path.basename(path), waited))
+            if global_rank() == 0:
+                logger.info("waited %.2fs for %s to finish writing before saving %s", waited, previous,
+                            os.path.basename(path))
+
+    def begin(self, path: str) -> HostCopies:
+        """Collective: :meth:`make_room` for ``path``, then start copying it into host memory."""
+        self.make_room(path)
+        if self.host_copies.group is None and dist.is_initialized() and dist.get_world_size() > 1:
+            # Collective, once: the background writers' own group, on the host, never used by training (as torch
+            # DCP's async_save keeps its own gloo group): their exchanges cannot interleave with training's.
+            timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
+            self.host_copies.group = dist.new_group(backend="gloo", timeout=timeout)
+        self.host_copies.begin()
+        return self.host_copies
+
+    def start(self, path: str, *, commit: Callable[[], None]) -> None:
+        """Once every rank has copied ``path`` (the caller's fail-together check passed): start this rank's
+        writer; ``commit`` is what rank 0 runs once every rank's writer has written its share."""
+        self.host_copies.end()
+        self.in_flight = InFlightSave(path, self.host_copies, commit=commit, started=self._started)
+        self._room_for = None
+
+    def poll(self) -> None:
+        """Collective, at a step boundary: note a finished save; raise a failed one on every rank."""
+        if self.in_flight is not None and self.in_flight.poll():
+            self._finished()
+
+    def wait(self) -> float:
+        """Collective: wait until the save in flight (if any) is durable under its final name; the seconds waited."""
+        if self.in_flight is None:
+            return 0.0
+        waited = self.in_flight.wait()
+        self._finished()
+        return waited
+
+    def _finished(self) -> None:
+        done, self.in_flight = self.in_flight, None
+        self.finished.append(done)
+        if global_rank() == 0:
+            logger.info("%s is complete: durable under its final name %.2fs after its save began", done.path,
+                        (done.durable_at or time.time()) - done.started)

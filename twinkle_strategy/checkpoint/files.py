@@ -28,7 +28,7 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from twinkle_strategy.checkpoint.durable import raise_if_incomplete
+from twinkle_strategy.checkpoint.directories import raise_if_incomplete
 from twinkle_strategy.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
 from twinkle_strategy.errors import CheckpointError, shorten
 

@@ -5,35 +5,30 @@ The trainer's side of :mod:`twinkle_strategy.checkpoint.training`, as torchtitan
 the manager owns ``<folder>/checkpoint-{step}``, the interval, rotation
 (``save_total_limit``) and the choice of the checkpoint to resume from, the newest
 complete one. A checkpoint counts once its ``trainer_state.json`` is written and it
-carries no incomplete marker (see :mod:`twinkle_strategy.checkpoint.durable`), so a
+carries no incomplete marker (see :mod:`twinkle_strategy.checkpoint.directories`), so a
 save killed midway is never resumed from and never counts towards the limit.
 """
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 import logging
 import os
 import re
 import shutil
-import time
 from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from twinkle_strategy.checkpoint.async_saves import AsyncSaves
-from twinkle_strategy.checkpoint.background import BackgroundWrite, InFlightSave
-from twinkle_strategy.checkpoint.durable import is_incomplete
-from twinkle_strategy.checkpoint.model_files import DEFAULT_MAX_FILE_BYTES
+from twinkle_strategy.checkpoint.background import AsyncSaves, BackgroundWrite, InFlightSave
+from twinkle_strategy.checkpoint.directories import is_incomplete
+from twinkle_strategy.checkpoint.save_plan import CHUNK_BYTES, SavePlan, SaveReport, execute_save
+from twinkle_strategy.checkpoint.tensor_files import DEFAULT_MAX_FILE_BYTES
 from twinkle_strategy.checkpoint.training import (
-    CHUNK_BYTES,
     STATE_FILE,
     CheckpointedStrategy,
-    SaveReport,
-    commit_checkpoint,
+    checkpoint_items,
     load_checkpoint,
-    save_checkpoint,
-    stage_checkpoint,
 )
 from twinkle_strategy.distributed.messages import broadcast_object
 
@@ -88,31 +83,43 @@ def rotate_checkpoints(folder: str, keep: int | None, *, best: str | None = None
             logger.warning("could not remove the old checkpoint %s: %s", path, exc)
 
 
-class CheckpointManager:
-    """Saves ``checkpoint-{step}`` under ``folder``, keeps the newest ``keep_latest``, finds what to resume from.
+@dataclasses.dataclass(frozen=True)
+class CheckpointPolicy:
+    """When and how a run saves (what :class:`CheckpointManager` takes besides the objects it saves).
 
     ``interval``: save every that many steps (0: only when the trainer asks, e.g. at the end).
-    ``save_optimizer=False`` writes the weights only (smaller, but a run cannot resume from it).
-    ``save`` and ``resume_path`` are collective: every rank calls them.
+    ``keep_latest``: complete checkpoints kept (None: all). ``save_optimizer=False`` writes the weights only
+    (smaller, but a run cannot resume from it). ``max_file_bytes``: of each safetensors file. ``chunk_bytes``:
+    rows written at a time. ``async_save``: written in the background (see :class:`CheckpointManager`);
+    ``pin_memory``: its host copies in pinned memory (GPUs and NPUs).
+    """
 
-    ``async_save``: ``save`` returns once every rank has copied its share into host memory; a background
+    interval: int = 0
+    keep_latest: int | None = None
+    save_optimizer: bool = True
+    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES
+    chunk_bytes: int = CHUNK_BYTES
+    async_save: bool = False
+    pin_memory: bool = False
+
+
+class CheckpointManager:
+    """Saves ``checkpoint-{step}`` under ``folder``, keeps the newest ``policy.keep_latest``, finds what to resume
+    from. ``save`` and ``resume_path`` are collective: every rank calls them.
+
+    ``policy.async_save``: ``save`` returns once every rank has copied its share into host memory; a background
     thread writes the files (:mod:`twinkle_strategy.checkpoint.background`). The caller then calls
     :meth:`poll` at every step boundary (collective; it raises a failed background write on every rank)
     and :meth:`wait` before it exits. One save is in flight at a time: the next waits for it.
     """
 
     def __init__(self, folder: str, *, model: nn.Module, strategy: CheckpointedStrategy, optimizer=None,
-                 scheduler=None, tokenizer=None, interval: int = 0, keep_latest: int | None = None,
-                 save_optimizer: bool = True, max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
-                 chunk_bytes: int = CHUNK_BYTES, async_save: bool = False, pin_memory: bool = False) -> None:
-        """``pin_memory``: stage asynchronous saves in pinned host memory (GPUs and NPUs)."""
+                 scheduler=None, tokenizer=None, policy: CheckpointPolicy = CheckpointPolicy()) -> None:
         self.folder = folder
         self.model, self.strategy, self.optimizer, self.scheduler = model, strategy, optimizer, scheduler
-        self.tokenizer = tokenizer
-        self.interval, self.keep_latest, self.save_optimizer = interval, keep_latest, save_optimizer
-        self.max_file_bytes, self.chunk_bytes = max_file_bytes, chunk_bytes
-        self.async_saves = (AsyncSaves(pin_memory=pin_memory, timeout_s=getattr(strategy, "timeout_s", None))
-                            if async_save else None)
+        self.tokenizer, self.policy = tokenizer, policy
+        self.async_saves = (AsyncSaves(pin_memory=policy.pin_memory, timeout_s=getattr(strategy, "timeout_s", None))
+                            if policy.async_save else None)
 
     @property
     def in_flight(self) -> InFlightSave | None:
@@ -131,35 +138,21 @@ class CheckpointManager:
         return [step for step, _ in complete_checkpoints(self.folder)]
 
     def should_save(self, step: int) -> bool:
-        return self.interval > 0 and step % self.interval == 0
+        return self.policy.interval > 0 and step % self.policy.interval == 0
 
     def save(self, step: int, trainer_state: dict) -> SaveReport:
         """Write ``checkpoint-{step}`` (atomically, every rank its share), then rotate; this rank's report.
 
-        Asynchronous: wait for the save in flight, stage this one and start writing it in the background;
-        the report's ``seconds`` is the time training was blocked (the wait included).
+        Asynchronous: wait for the save in flight, copy this one into host memory and start writing it in the
+        background; the report's ``seconds`` is the time training was blocked (the wait included).
         """
-        path = self.path(step)
-        options = dict(optimizer=self.optimizer, scheduler=self.scheduler, tokenizer=self.tokenizer,
-                       save_optimizer=self.save_optimizer, max_file_bytes=self.max_file_bytes,
-                       chunk_bytes=self.chunk_bytes)
-        if self.async_saves is None:
-            report = save_checkpoint(path, self.model, self.strategy, trainer_state=trainer_state, **options)
-            if self.strategy.is_main_process:
-                rotate_checkpoints(self.folder, self.keep_latest)
-            return report
-        start = time.perf_counter()
-        staging = self.async_saves.begin(path)
-        report = stage_checkpoint(path, self.model, self.strategy, staging=staging, **options)
-        trainer_state = copy.deepcopy(trainer_state)  # as of this step: training goes on appending to its log
-
-        def commit() -> None:  # rank 0, once every rank has written its share
-            commit_checkpoint(path, trainer_state)
-            rotate_checkpoints(self.folder, self.keep_latest)  # only now that the new one is durable
-
-        self.async_saves.start(path, commit=commit)
-        report.seconds = time.perf_counter() - start
-        return report
+        policy = self.policy
+        items = checkpoint_items(self.model, optimizer=self.optimizer, scheduler=self.scheduler,
+                                 trainer_state=trainer_state, tokenizer=self.tokenizer,
+                                 save_optimizer=policy.save_optimizer)
+        plan = SavePlan(self.path(step), items, max_file_bytes=policy.max_file_bytes, chunk_bytes=policy.chunk_bytes,
+                        after_publish=lambda: rotate_checkpoints(self.folder, policy.keep_latest))
+        return execute_save(plan, model=self.model, ep_plan=self.strategy.ep_plan, background=self.async_saves)
 
     def poll(self) -> None:
         """Collective, at a step boundary: note a finished background save; raise a failed one on every rank."""

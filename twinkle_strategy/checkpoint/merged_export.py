@@ -11,8 +11,7 @@ KeptWeight`, which refuses writes. So the merge here goes one FSDP2 unit at a ti
 
 Then PEFT's ``unload`` gives back the transformers model (the LoRA layers replaced by their base layers, the
 parameters the same FSDP2 ones), each merged weight's shard becomes its merged rows, and
-:meth:`NativeFSDPStrategy.save_pretrained <twinkle_strategy.strategy.NativeFSDPStrategy.save_pretrained>`
-writes it in the checkpoint's key layout, every rank its own rows. The frozen weights no adapter touched are
+:func:`~twinkle_strategy.checkpoint.save_plan.save_pretrained` writes it in the checkpoint's key layout, every rank its own rows. The frozen weights no adapter touched are
 written as they are held (a kept one decoded): a plain checkpoint in the model's dtype (``MergedFormat.BF16``).
 
 ``MergedFormat.RELEASE`` saves only the merged weights that way, then one process assembles the directory from
@@ -36,8 +35,23 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from twinkle_strategy.checkpoint.directories import check_shared_directory
+from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.save_plan import (
+    CHUNK_BYTES,
+    ModelWeights,
+    Publish,
+    SaveContext,
+    SavePlan,
+    execute_save,
+    is_peft_model,
+    save_pretrained,
+)
+from twinkle_strategy.checkpoint.tensor_files import DEFAULT_MAX_FILE_BYTES, plan_model_files
 from twinkle_strategy.compat.torch_internals import replace_local_tensor
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex, quant_format
 
 
 class MergedFormat(str, enum.Enum):
@@ -57,6 +71,68 @@ class MergedModel:
     model: nn.Module
     ep_plan: ExpertParallelPlan | None  # the strategy's plan under the model's own names (PEFT's prefixes gone)
     merged: set[str]  # the model's names of the weights an adapter was merged into
+
+
+MERGED_WEIGHTS_DIR = ".merged-weights"  # the merged weights, before the release's files are assembled around them
+
+
+def save_merged(model: nn.Module, directory: str, *, ep_plan: ExpertParallelPlan | None,
+                merged_format: MergedFormat | str = MergedFormat.BF16, release: str | None = None,
+                max_file_bytes: int = DEFAULT_MAX_FILE_BYTES,
+                chunk_bytes: int = CHUNK_BYTES) -> tuple[list[str], ExpertParallelPlan | None]:
+    """A PEFT model's adapters merged into its base, saved in ``directory`` (collective;
+    ``NativeFSDPStrategy.save_merged``, which documents the formats). Consumes the model. Returns the merged
+    modules (release, rank 0) and the expert-parallel plan under the merged model's own names."""
+    merged_format = MergedFormat(merged_format)
+    if merged_format == MergedFormat.RELEASE and (release is None or not os.path.isfile(
+            os.path.join(release, "config.json"))):
+        raise ValueError(f"save_merged(merged_format='release') needs release= the local directory of the "
+                         f"quantized release the model was loaded from (got {release!r})")
+    if not is_peft_model(model):
+        raise ValueError("save_merged takes a PEFT model (its adapters are what is merged); "
+                         "save a full model with save_pretrained")
+    merged = merge_adapters(model, ep_plan)
+    if merged_format == MergedFormat.BF16:
+        save_pretrained(merged.model, directory, ep_plan=merged.ep_plan, max_file_bytes=max_file_bytes,
+                        chunk_bytes=chunk_bytes)
+        return [], merged.ep_plan
+    directory = os.path.normpath(directory)
+    check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_merged")
+    from transformers import AutoConfig  # (the release's config loaded already: from_pretrained read it)
+
+    release_files = ReleaseFiles(release, quant_format(AutoConfig.from_pretrained(release)), merged)
+    items = (ModelWeights(names=frozenset(merged.merged), subdirectory=MERGED_WEIGHTS_DIR), release_files)
+    execute_save(SavePlan(directory, items, publish=Publish.MERGE, max_file_bytes=max_file_bytes,
+                          chunk_bytes=chunk_bytes, subject=f"saving {directory}", advice="", report=False),
+                 model=merged.model, ep_plan=merged.ep_plan)
+    return release_files.modules, merged.ep_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class ReleaseFiles:
+    """A save item (rank 0): the release's own files around the merged weights :class:`ModelWeights` wrote into
+    :data:`MERGED_WEIGHTS_DIR`, every untouched tensor byte for byte; the merged modules noted in ``modules``."""
+
+    release: str
+    release_format: QuantFormat | None
+    merged: MergedModel
+    modules: list[str] = dataclasses.field(default_factory=list)
+
+    def write(self, ctx: SaveContext) -> None:
+        ctx.on_rank0("the release's files", lambda: self._assemble(ctx.directory))
+
+    def _assemble(self, directory: str) -> None:
+        merged, merged_dir = self.merged, os.path.join(directory, MERGED_WEIGHTS_DIR)
+        index = QuantizedIndex(SafetensorsIndex.from_directory(self.release), self.release_format, merged.model)
+        try:
+            save_layout = plan_model_files(merged.model, merged.ep_plan, names=merged.merged)[0]
+            release_layout = CheckpointLayout(index, merged.model, self.release, model_tensors=save_layout.model_tensors)
+            keys = release_keys_of(save_layout, release_layout, merged.merged)
+            self.modules.extend(assemble_release_format(self.release, merged_dir, directory, quantized_index=index,
+                                                        release_keys=keys))
+        finally:
+            index.close()
+        shutil.rmtree(merged_dir)
 
 
 def merge_adapters(peft_model: nn.Module, ep_plan: ExpertParallelPlan | None) -> MergedModel:

@@ -133,15 +133,15 @@ def write_regions(regions: list[Region], layout, writer: ParallelFileWriter, *, 
     if whole:
         # Every rank sends its region to the tensor's owner, which writes it whole.
         locals_ = [local_of(r) if local_of is not None else r.local for r in whole]
-        staging = getattr(writer, "staging", None)
-        if staging is not None and staging.group is not None:
+        host_copies = getattr(writer, "host_copies", None)
+        if host_copies is not None and host_copies.group is not None:
             # An asynchronous save: host copies now; the exchange (on the save's own group) and the owner's
             # writes by the background writers.
-            copies = [staging.copy(local) for local in locals_]
+            copies = [host_copies.copy(local) for local in locals_]
             direct = ParallelFileWriter(writer.directory, writer.plan, create=True)
             stats.gathered.extend(key_of(r.name) for r in whole if not r.need.is_buffer)
-            staging.exchange(f"the tensors written whole into {writer.directory}", functools.partial(
-                _exchange_and_write, whole, copies, direct, layout, ep_plan=ep_plan, group=staging.group,
+            host_copies.exchange(f"the tensors written whole into {writer.directory}", functools.partial(
+                _exchange_and_write, whole, copies, direct, layout, ep_plan=ep_plan, group=host_copies.group,
                 key_of=key_of))
         else:
             gather_and_write(whole, locals_, ep_plan=ep_plan, stats=stats, key_of=key_of, write=write)

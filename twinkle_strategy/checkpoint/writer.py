@@ -169,8 +169,8 @@ class ParallelFileWriter:
         return error
 
 
-# Makes the writer a save puts its rows through: ParallelFileWriter itself, or one that stages them in host
-# memory for a background writer (twinkle_strategy.checkpoint.staging).
+# Makes the writer a save puts its rows through: ParallelFileWriter itself, or one that copies them into host
+# memory for a background writer (twinkle_strategy.checkpoint.host_copies).
 OpenWriter = Callable[[str, FilePlan], ParallelFileWriter]
 
 

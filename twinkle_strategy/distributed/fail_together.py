@@ -101,7 +101,7 @@ def step_reporter(subject: str, *, error_class: type[RanksFailedError] = RanksFa
 class FoldedSteps:
     """A :data:`StepDone` that only notes each step's error; :meth:`finish` is the one fail-together check of all.
 
-    For a sequence of steps that never needs a peer's result before the next (an asynchronous save's staging:
+    For a sequence of steps that never needs a peer's result before the next (an asynchronous save's host copies:
     copies into host memory, collectives every rank runs whatever its own errors): one collective instead of
     one per step. The first error is the one reported, prefixed by its step.
     """

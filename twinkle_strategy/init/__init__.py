@@ -3,7 +3,7 @@
 skeleton.py   the model built on meta, with placeholders for the weights a streaming source reads later
 capture.py    the source's pre-EP tensors, by reference; turning a model into meta without breaking ties
 streams.py    a rank's regions as one byte stream: read on the source, written into its shards on the receiver
-staging.py    the source's fixed pool of staging buffers (bounded memory whatever the ranks per node)
+send_pool.py  the source's send pool: a fixed pool of buffers (bounded memory whatever the ranks per node)
 transport.py  the weights on the wire: bucketed streams from a node's source to its ranks (p2p or scatter)
 engine.py     the steps in order (plan, transfer, agree)
 report.py     the InitReport: what the init did on a rank, its bytes counted, the line it logs

@@ -26,7 +26,7 @@ from twinkle_strategy.errors import DistributedInitError
 from twinkle_strategy.init import transport
 from twinkle_strategy.init.capture import Capture
 from twinkle_strategy.init.report import InitReport, decoded_bytes, frozen_bytes, progress_postfix
-from twinkle_strategy.init.staging import READ_CHUNKS_PER_BUCKET
+from twinkle_strategy.init.send_pool import READ_CHUNKS_PER_BUCKET
 from twinkle_strategy.init.streams import StreamReader, StreamWriter, as_bytes
 from twinkle_strategy.init.verify import verify_regions
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
@@ -276,7 +276,7 @@ def _reader(needs: list[Need], forms: list, *, capture: Capture, ep_plan: Expert
             chunk_bytes: int) -> StreamReader:
     """A rank's stream: each region's values, or as stored where its wire form says so.
 
-    No read-ahead thread per stream: the transport reads every stream in one thread, into its staging pool.
+    No read-ahead thread per stream: the transport reads every stream in one thread, into its send pool.
     """
     regions = [(lambda need=need: capture.region_chunks(need, ep_plan, chunk_bytes)) if form is None
                else (lambda need=need, form=form: capture.wire_chunks(need, form))

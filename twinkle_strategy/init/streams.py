@@ -26,7 +26,7 @@ class StreamReader:
     ``regions[i]()`` returns an iterator of tensors whose bytes, end to end,
     are region ``i`` (``sizes[i]`` bytes). Only the chunk being copied is
     alive; reading overlaps sending because the transport reads in a thread
-    of its own (:mod:`twinkle_strategy.init.staging`).
+    of its own (:mod:`twinkle_strategy.init.send_pool`).
     """
 
     def __init__(self, regions: list[Callable[[], Iterator[torch.Tensor]]], sizes: list[int]):

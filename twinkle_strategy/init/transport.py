@@ -20,7 +20,7 @@ import torch.distributed as dist
 from twinkle_strategy.config import INIT_TRANSPORTS, InitTransport
 from twinkle_strategy.distributed import messages
 from twinkle_strategy.distributed.node import NodeLink, max_over_node
-from twinkle_strategy.init import staging
+from twinkle_strategy.init import send_pool
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
 
 
@@ -66,7 +66,7 @@ def move_streams(
     the source after about ``n`` bytes were staged for sending, to do about that
     much of its own copying meanwhile.
 
-    The source stages through a fixed pool of buffers (:mod:`staging`), so its
+    The source stages through a fixed pool of buffers (:mod:`send_pool`), so its
     memory beyond its shards stays a few buckets whatever the ranks per node.
     If its reading fails (a file cut short or removed, a bad tensor), it flags
     the next message each receiver waits for as an abort and stops; the error
@@ -112,15 +112,15 @@ def _move_p2p(readers, writer, *, node: NodeLink, bucket_bytes, stats, progress,
 
 
 def _send_p2p(readers, topology, *, bucket_bytes, device, stats, progress, between_rounds) -> Outcome:
-    """Every receiver's buckets, through the staging pool, a few receivers at a time; a read error aborts."""
+    """Every receiver's buckets, through the send pool, a few receivers at a time; a read error aborts."""
     node_ranks = topology.node_ranks[topology.node_index]
     plans = {rank: bucket_sizes(readers[i].total, bucket_bytes)
              for i, rank in enumerate(node_ranks) if rank != topology.source_rank}
-    schedule = interleaved(plans, window=staging.STAGING_BUFFERS)
-    pool = staging.StagingPool(staging.STAGING_BUFFERS, bucket_bytes, device)
+    schedule = interleaved(plans, window=send_pool.SEND_BUFFERS)
+    pool = send_pool.SendPool(send_pool.SEND_BUFFERS, bucket_bytes, device)
     sent = dict.fromkeys(plans, 0)  # buckets sent to each receiver
     in_flight: collections.deque = collections.deque()
-    buckets = staging.FilledBuckets(schedule, _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)}),
+    buckets = send_pool.FilledBuckets(schedule, _fill_from(readers, {rank: i for i, rank in enumerate(node_ranks)}),
                                     pool, between_rounds)
     filled = iter(buckets)
     try:
@@ -169,25 +169,25 @@ def interleaved(plans: dict[int, list[int]], window: int) -> list[tuple[int, int
     return order
 
 
-def _release_oldest(in_flight: collections.deque, pool: staging.StagingPool) -> None:
+def _release_oldest(in_flight: collections.deque, pool: send_pool.SendPool) -> None:
     works, slot = in_flight.popleft()
     messages.wait_all(works)
     pool.release(slot)
 
 
-def _send_aborts(plans: dict[int, list[int]], sent: dict[int, int], slot: staging.StagingSlot) -> None:
+def _send_aborts(plans: dict[int, list[int]], sent: dict[int, int], slot: send_pool.SendSlot) -> None:
     """Each receiver that still expects bytes gets its next message (and the one it posted ahead) as ABORT."""
     for rank, sizes in plans.items():
         for size in sizes[sent[rank]:sent[rank] + 2]:
             slot.host_free()[:size].zero_()
-            messages.wait_all(send_bucket(slot.message(size, staging.ABORT), rank))
+            messages.wait_all(send_bucket(slot.message(size, send_pool.ABORT), rank))
 
 
 def _receive_p2p(writer, source, *, bucket_bytes, device, stats) -> Outcome:
     """One ``irecv`` per bucket; the next is posted before this one is unpacked (so at most two buckets)."""
     pending = None
     for size in bucket_sizes(writer.total, bucket_bytes):
-        message = torch.empty(size + staging.FLAG_BYTES, dtype=torch.uint8, device=device)
+        message = torch.empty(size + send_pool.FLAG_BYTES, dtype=torch.uint8, device=device)
         works = dist.batch_isend_irecv([dist.P2POp(dist.irecv, message, source)])
         if pending is not None and not _unpack(pending, writer, stats):
             messages.wait_all(works)  # the source sends the message posted ahead too, flagged: nothing is left pending
@@ -202,8 +202,8 @@ def _unpack(pending, writer: StreamWriter, stats: TransferStats) -> bool:
     """Write a received bucket into the shards; False if the source flagged it as an abort."""
     works, message = pending
     messages.wait_all(works)
-    size = message.numel() - staging.FLAG_BYTES
-    if int(message[size].item()) == staging.ABORT:
+    size = message.numel() - send_pool.FLAG_BYTES
+    if int(message[size].item()) == send_pool.ABORT:
         return False
     writer.write(message[:size])
     stats.bytes_received += size
@@ -220,10 +220,10 @@ def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progr
     stats.collective_calls += 1
     receivers = topology.local_world_size - 1
     share = max(bucket_bytes // receivers, 1)
-    slot = staging.StagingSlot(receivers * (share + staging.FLAG_BYTES), device) if is_source else None
+    slot = send_pool.SendSlot(receivers * (share + send_pool.FLAG_BYTES), device) if is_source else None
     error = None
     for size in bucket_sizes(total, share):
-        out = torch.empty(size + staging.FLAG_BYTES, dtype=torch.uint8, device=device)
+        out = torch.empty(size + send_pool.FLAG_BYTES, dtype=torch.uint8, device=device)
         buckets = None
         if is_source:
             buckets, error = _stage_round(readers, slot, size, me, out, error)
@@ -238,7 +238,7 @@ def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progr
                 error = exc
         work.wait()
         stats.collective_calls += 1
-        if int(out[size].item()) == staging.ABORT:
+        if int(out[size].item()) == send_pool.ABORT:
             return Outcome(aborted=True, error=error)
         stats.buckets += 1
         if not is_source:
@@ -250,7 +250,7 @@ def _move_scatter(readers, writer, *, node: NodeLink, bucket_bytes, stats, progr
 def _stage_round(readers, slot, size, me, own_out, error):
     """The scatter list of one round, each receiver's slice read into the slot (flagged ABORT on an error)."""
     host = slot.host_free()
-    views, width = [], size + staging.FLAG_BYTES
+    views, width = [], size + send_pool.FLAG_BYTES
     for i, reader in enumerate(readers):
         if i == me:
             continue
@@ -261,10 +261,10 @@ def _stage_round(readers, slot, size, me, own_out, error):
             except Exception as exc:  # noqa: BLE001 - every rank learns it from the flag, then fails together
                 error = exc
         views.append(view)
-    flag = staging.OK if error is None else staging.ABORT
+    flag = send_pool.OK if error is None else send_pool.ABORT
     for view in views:
         view[size] = flag
     own_out[size] = flag
-    staged = slot.message(len(views) * width - staging.FLAG_BYTES, flag)  # the whole round, one copy
+    staged = slot.message(len(views) * width - send_pool.FLAG_BYTES, flag)  # the whole round, one copy
     slices = iter(staged[k * width:(k + 1) * width] for k in range(len(views)))
     return [own_out if i == me else next(slices) for i in range(len(readers))], error

@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable
 
 from twinkle_strategy.dtypes import FLOAT_DTYPES
-from twinkle_strategy.init.staging import FLAG_BYTES, STAGING_BUFFERS
+from twinkle_strategy.init.send_pool import FLAG_BYTES, SEND_BUFFERS
 from twinkle_strategy.planning.activations import ActivationPeak, measure_activations
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel, build_planned_model
@@ -75,7 +75,7 @@ class StepPeak:
 class InitMemory:
     """memory_efficient_init: host RAM of a node's source and of a receiver, device memory after wrapping."""
 
-    source_host: int  # its shards and buffers, its staging buckets and the bytes it reads ahead
+    source_host: int  # its shards and buffers, its send pool's buckets and the bytes it reads ahead
     receiver_host: int  # its shards and buffers, and its receive buffers beside them (buckets land in them)
     device_after_wrap: int  # shards and buffers on the device, every rank
 
@@ -180,14 +180,14 @@ def _init_memory(states: ModelStates, request: PlanRequest) -> InitMemory:
         # Every rank loads the whole model on the CPU in the model's dtype, then keeps its shards.
         whole = states.total_params * FLOAT_DTYPES[request.dtype].itemsize
         return InitMemory(source_host=whole + held, receiver_host=whole + held, device_after_wrap=held)
-    # The source stages through STAGING_BUFFERS buckets of init_bucket_mb (each with its flag byte) and
-    # reads about half a bucket ahead (init.staging).
+    # The source sends through SEND_BUFFERS buckets of init_bucket_mb (each with its flag byte) and
+    # reads about half a bucket ahead (init.send_pool).
     # With quantized_base=keep every shard is first allocated in the model's dtype (to_empty), then the kept
     # weights' stored bytes replace theirs before any bucket arrives: the larger of the two is a peak.
     allocated = max(held, states.params_as_values + states.buffers)
     bucket = request.strategy.init_bucket_bytes
     node_stream = held * (request.nproc_per_node - 1)
-    source = allocated + STAGING_BUFFERS * (bucket + FLAG_BYTES) + min(bucket // 2, node_stream)
+    source = allocated + SEND_BUFFERS * (bucket + FLAG_BYTES) + min(bucket // 2, node_stream)
     receiving = receive_buffers(held, bucket_bytes=bucket, transport=request.strategy.init_transport,
                                 receivers=request.nproc_per_node - 1)
     return InitMemory(source_host=source, receiver_host=max(allocated, held + receiving), device_after_wrap=held)

@@ -21,7 +21,7 @@ import enum
 import os
 import re
 
-from twinkle_strategy.checkpoint.durable import raise_if_incomplete
+from twinkle_strategy.checkpoint.directories import raise_if_incomplete
 from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.sources.demo import DEMO_MODEL_ID, demo_model_path
 

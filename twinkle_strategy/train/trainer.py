@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.checkpoint import CheckpointManager, is_peft_model
-from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
+from twinkle_strategy.checkpoint import CheckpointManager, CheckpointPolicy, is_peft_model
+from twinkle_strategy.checkpoint.directories import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.distributed.fatal_errors import one_line, stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard
@@ -197,12 +197,13 @@ class Trainer:
 
     def _checkpoint_manager(self, run_dir: str) -> CheckpointManager:
         args = self.args
-        return CheckpointManager(
-            run_dir, model=self.model, strategy=self.strategy, optimizer=self.optimizer, scheduler=self.scheduler,
-            tokenizer=self.processing_class, interval=args.save_steps, keep_latest=args.save_total_limit,
-            save_optimizer=not args.save_only_model, max_file_bytes=file_size_bytes(args.max_shard_size),
-            chunk_bytes=self.strategy.init_bucket_bytes, async_save=args.async_save,
-            pin_memory=self.strategy.device.type != "cpu")
+        policy = CheckpointPolicy(interval=args.save_steps, keep_latest=args.save_total_limit,
+                                  save_optimizer=not args.save_only_model,
+                                  max_file_bytes=file_size_bytes(args.max_shard_size),
+                                  chunk_bytes=self.strategy.init_bucket_bytes, async_save=args.async_save,
+                                  pin_memory=self.strategy.device.type != "cpu")
+        return CheckpointManager(run_dir, model=self.model, strategy=self.strategy, optimizer=self.optimizer,
+                                 scheduler=self.scheduler, tokenizer=self.processing_class, policy=policy)
 
     def _resume(self, state: TrainState, path: str, *, same_run: bool) -> None:
         saved = self.checkpoints.load(path, expect={"global_batch": state.global_batch,

@@ -5,7 +5,8 @@ classes.py       :func:`with_strategy`: the trainer class with the strategy's mi
 aux_loss.py      the model's (or TRL's) load-balancing loss counted over the global batch
 step_metrics.py  tokens_per_second, moe_load_imbalance and mfu in HF's log lines
 refusals.py      settings that would shard the model a second time, refused in one line
-async_save.py    async_save=True: checkpoints staged at the save step, written in the background, renamed when complete
+async_save.py    async_save=True: checkpoints copied into host memory at the save step, written in the
+                 background, renamed when complete
 grpo.py          TRL's GRPOTrainer: generation on every rank, routing replay (R3/R2) of its rollouts
 """
 

@@ -5,12 +5,13 @@
 A keyword of the trainer, next to ``strategy=``, not a ``TrainingArguments`` field: transformers' arguments
 cannot take fields it does not know, and TRL's and swift's argument classes are theirs.
 
-At a save step (:meth:`AsyncCheckpoints.save_checkpoint`, the mixin's ``_save_checkpoint``) every rank stages
-what a synchronous save of the mixin writes into ``checkpoint-N.tmp``: the model's rows (or, for an adapter,
-rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
+At a save step (:meth:`AsyncCheckpoints.save_checkpoint`, the mixin's ``_save_checkpoint``) every rank declares
+what a synchronous save of the mixin writes, as save items (:mod:`twinkle_strategy.checkpoint.save_plan`), and
+the save executor copies them into host memory for the pending directory ``checkpoint-N.tmp``: the model's rows
+(or, for an adapter, rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
 Trainer's own files taken now and written later (``training_args.bin``, ``rng_state_<i>.pth``, the trainer
 class's small files; ``trainer_state.json`` at the commit). Then training goes on while a thread per rank
-writes them (:mod:`twinkle_strategy.checkpoint.async_saves`). This module is also a ``TrainerCallback``:
+writes them (:mod:`twinkle_strategy.checkpoint.background`). This module is also a ``TrainerCallback``:
 
 * ``on_step_end``: the collective poll, on every rank at every optimizer step: a failed background write
   raises :class:`~twinkle_strategy.errors.CheckpointSaveError` there on every rank; once every rank has
@@ -34,12 +35,12 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
-from twinkle_strategy.checkpoint.async_saves import AsyncSaves
-from twinkle_strategy.checkpoint.durable import STAGING_SUFFIX, publish, raise_if_incomplete, staging_path
+from twinkle_strategy.checkpoint.background import AsyncSaves
+from twinkle_strategy.checkpoint.directories import PENDING_SUFFIX, raise_if_incomplete
 from twinkle_strategy.checkpoint.manager import rotate_checkpoints
-from twinkle_strategy.checkpoint.staging import HostStaging
-from twinkle_strategy.checkpoint.training import STATE_FILE, begin_staged_directory, save_trainer_state
-from twinkle_strategy.compat.transformers_internals import save_rng_state
+from twinkle_strategy.checkpoint.save_plan import FrontEndFiles, SavePlan, execute_save, write_bytes
+from twinkle_strategy.checkpoint.training import STATE_FILE, TrainerStateFiles, TrainerStateJson
+from twinkle_strategy.compat.transformers_internals import file_size_bytes, save_rng_state
 from twinkle_strategy.errors import CheckpointError, ResumeError
 
 
@@ -63,35 +64,32 @@ class AsyncCheckpoints(TrainerCallback):
 
     # -- the save
     def save_checkpoint(self) -> None:
-        """The trainer's ``checkpoint-{global_step}``, staged; written in the background (collective)."""
+        """The trainer's ``checkpoint-{global_step}``, declared as save items and copied into host memory; written
+        in the background (collective)."""
         trainer = self.trainer
         args, state = trainer.args, trainer.state
         trainer.store_flos()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
-        staging = self.saves.begin(path)
-        tmp = staging_path(path)
-        steps = begin_staged_directory(path, staging)
+        self.saves.make_room(path)  # the previous save is durable: the best checkpoint noted below may be it
         with_trainer_state = not args.save_only_model
-        trainer.stage_model_files(tmp, staging=staging, step_done=steps,
-                                  adapter_from_trainable_files=with_trainer_state)
+        items = trainer.checkpoint_model_items(adapter_from_trainable_files=with_trainer_state)
         self._note_best_checkpoint(path)
         if with_trainer_state:
-            save_trainer_state(tmp, trainer.model, trainer.strategy.ep_plan, optimizer=trainer.optimizer,
-                               scheduler=trainer.lr_scheduler, step_done=steps, staging=staging)
-            defer_files(staging, tmp, files_written_by(functools.partial(save_rng_state, trainer)))
-        trainer_state = self._trainer_state_json() if args.should_save else None
-        steps.finish()
+            rng_files = files_written_by(functools.partial(save_rng_state, trainer))  # taken now, written later
+            items += [TrainerStateFiles(trainer.optimizer, trainer.lr_scheduler),
+                      FrontEndFiles("the RNG state", functools.partial(write_files, files=rng_files), every_rank=True)]
+        if args.should_save:
+            items.append(TrainerStateJson(self._trainer_state_json()))
         best = state.best_model_checkpoint
 
-        def commit() -> None:  # rank 0, once every rank has written its share
-            if trainer_state is not None:
-                write_file(tmp, STATE_FILE, trainer_state)
-            publish(tmp, path)  # fsync of every file and directory, then the rename: durable from here
+        def after_publish() -> None:  # rank 0, once the checkpoint is durable under its final name
             if args.should_save:
-                rotate_checkpoints(args.output_dir, args.save_total_limit, best=best)  # only now: it is durable
+                rotate_checkpoints(args.output_dir, args.save_total_limit, best=best)
                 trainer.checkpoint_committed(path)
 
-        self.saves.start(path, commit=commit)
+        plan = SavePlan(path, tuple(items), max_file_bytes=file_size_bytes(trainer.checkpoint_shard_size),
+                        chunk_bytes=trainer.strategy.init_bucket_bytes, after_publish=after_publish, report=False)
+        execute_save(plan, model=trainer.model, ep_plan=trainer.strategy.ep_plan, background=self.saves)
         if trainer.control.should_training_stop:  # the last save of the run: durable before train() goes on
             self.saves.wait()
 
@@ -130,22 +128,16 @@ def files_written_by(write) -> dict[str, bytes]:
         return files
 
 
-def write_file(directory: str, name: str, data: bytes) -> None:
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, name), "wb") as f:
-        f.write(data)
-
-
-def defer_files(staging: HostStaging, directory: str, files: dict[str, bytes]) -> None:
-    """Leave ``files`` (taken now) to this rank's background writer."""
+def write_files(directory: str, *, files: dict[str, bytes]) -> None:
+    """``files`` (taken at the save step) into ``directory``."""
     for name, data in files.items():
-        staging.defer(os.path.join(directory, name), functools.partial(write_file, directory, name, data))
+        write_bytes(directory, name, data)
 
 
 def refuse_incomplete(checkpoint: str) -> None:
     """A ``checkpoint-N.tmp`` directory, or one holding the incomplete marker, is a save that never finished. (A
-    staging directory holds the marker only once its writer has begun: its name alone says it is not complete.)"""
-    if os.path.basename(os.path.normpath(checkpoint)).endswith(STAGING_SUFFIX):
+    pending directory holds the marker only once its writer has begun: its name alone says it is not complete.)"""
+    if os.path.basename(os.path.normpath(checkpoint)).endswith(PENDING_SUFFIX):
         raise ResumeError(f"{checkpoint} is an incomplete save (killed, or still being written, before it was "
                           f"renamed to its final name): resume from a complete checkpoint-N next to it instead")
     raise_if_incomplete(checkpoint, ResumeError)

@@ -33,7 +33,8 @@ What changes, and why:
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
   adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
   number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`). With
-  ``async_save=True`` they are written in the background while training goes on (:mod:`.async_save`).
+  ``async_save=True`` they are written in the background while training goes on (:mod:`.async_save`): the
+  same save items (:mod:`twinkle_strategy.checkpoint.save_plan`), carried out by the same executor.
 """
 
 from __future__ import annotations
@@ -45,22 +46,21 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.checkpoint.staging import HostStaging
-from twinkle_strategy.checkpoint.training import (
-    load_trained_weights,
-    load_trainer_state,
-    save_trainer_state,
-    stage_weights,
+from twinkle_strategy.checkpoint.save_plan import (
+    Adapter,
+    FrontEndFiles,
+    SaveItem,
+    pretrained_items,
+    save_items,
+    save_pretrained,
 )
+from twinkle_strategy.checkpoint.training import TrainerStateFiles, load_trained_weights, load_trainer_state
 from twinkle_strategy.compat.transformers_internals import (
     file_size_bytes,
     mark_accelerate_prepared,
     parent_save_checkpoint,
 )
-from twinkle_strategy.distributed.fail_together import step_reporter
-from twinkle_strategy.distributed.runtime import global_rank
-from twinkle_strategy.errors import CheckpointSaveError, ParallelConfigError, ResumeError
+from twinkle_strategy.errors import ParallelConfigError, ResumeError
 from twinkle_strategy.integrations.transformers.async_save import (
     AsyncCheckpoints,
     refuse_incomplete,
@@ -207,11 +207,11 @@ class StrategyTrainerMixin:
     # -- saving: every rank writes its own rows; no gather of the model
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        self.strategy.save_pretrained(self.model, output_dir, max_shard_size=SAVE_PRETRAINED_SHARD_SIZE,
-                                      tokenizer=tokenizer)
-        if self.args.should_save:
-            torch.save(self.args, os.path.join(output_dir, "training_args.bin"))
+        # The items an asynchronous checkpoint copies too (the adapter gathered: a synchronous save does).
+        save_pretrained(self.model, output_dir, ep_plan=self.strategy.ep_plan,
+                        max_file_bytes=file_size_bytes(self.checkpoint_shard_size),
+                        chunk_bytes=self.strategy.init_bucket_bytes,
+                        items=self.checkpoint_model_items(adapter_from_trainable_files=False))
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
@@ -220,31 +220,30 @@ class StrategyTrainerMixin:
             return parent_save_checkpoint(self, StrategyTrainerMixin, model, trial)
         self.async_checkpoints.save_checkpoint()
 
-    def stage_model_files(self, directory: str, *, staging: HostStaging, step_done,
-                          adapter_from_trainable_files: bool) -> None:
-        """Asynchronous saves: what :meth:`save_model` writes into checkpoint ``directory``, staged in host memory or
-        taken now and left to the background writers (collective; see
-        :func:`~twinkle_strategy.checkpoint.training.stage_weights`)."""
-        stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done, stats=IOStats(),
-                      max_file_bytes=file_size_bytes(SAVE_PRETRAINED_SHARD_SIZE),
-                      chunk_bytes=self.strategy.init_bucket_bytes,
-                      write_adapter=lambda state: self.model.save_pretrained(directory, state_dict=state),
-                      adapter_from_trainable_files=adapter_from_trainable_files)
+    # What save_model writes into a checkpoint, declared for asynchronous saves (.async_save): the same items.
+    checkpoint_shard_size = SAVE_PRETRAINED_SHARD_SIZE
+
+    def checkpoint_model_items(self, *, adapter_from_trainable_files: bool) -> list[SaveItem]:
+        """Asynchronous saves: what :meth:`save_model` writes into a checkpoint, as save items
+        (:mod:`twinkle_strategy.checkpoint.save_plan`); every rank declares them, at the save step.
+        ``adapter_from_trainable_files``: the save writes ``trainer_state/`` too, from which rank 0 reads the
+        adapter back at the commit (nothing gathered while training waits)."""
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        if tokenizer is not None and global_rank() == 0:
-            staging.defer(f"the tokenizer into {directory}", lambda: tokenizer.save_pretrained(directory))
-        if self.args.should_save:
-            args_file = os.path.join(directory, "training_args.bin")
-            staging.defer(args_file, lambda: torch.save(self.args, args_file))
+        items = pretrained_items(self.model, tokenizer=tokenizer,
+                                 adapter=Adapter(from_trainable_files=adapter_from_trainable_files))
+        args = self.args
+        items.append(FrontEndFiles("training_args.bin", every_rank=True, here=args.should_save,
+                                   write_files=lambda directory: torch.save(args, os.path.join(directory,
+                                                                                               "training_args.bin"))))
+        return items
 
     def checkpoint_committed(self, path: str) -> None:
         """Asynchronous saves: called on process zero once ``path`` is durable under its final name (and rotation
         is done), from the commit's thread; nothing here (swift's trainer points its ``last-checkpoint`` link)."""
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        step_done = step_reporter(f"saving the trainer state into {output_dir}", error_class=CheckpointSaveError)
-        save_trainer_state(output_dir, self.model, self.strategy.ep_plan, optimizer=self.optimizer,
-                           scheduler=self.lr_scheduler, step_done=step_done)
+        save_items([TrainerStateFiles(self.optimizer, self.lr_scheduler)], output_dir, model=self.model,
+                   ep_plan=self.strategy.ep_plan, subject=f"saving the trainer state into {output_dir}")
 
     # -- resuming: each rank reads its rows, whatever layout saved them
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

@@ -14,13 +14,8 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint import ResumeError
-from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.checkpoint.training import stage_weights
-from twinkle_strategy.compat.transformers_internals import (
-    file_size_bytes,
-    scheduler_file_name,
-    trainer_save,
-)
+from twinkle_strategy.checkpoint.save_plan import Adapter, FrontEndFiles, ModelConfig, ModelWeights, SaveItem
+from twinkle_strategy.compat.transformers_internals import scheduler_file_name, trainer_save
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.integrations.swift.parts.options import trainer_options
 from twinkle_strategy.integrations.swift.parts.sequence import chunk_accuracy_inputs, serve_chunks
@@ -120,10 +115,14 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
-    def stage_model_files(self, directory: str, *, staging, step_done, adapter_from_trainable_files: bool) -> None:
-        """Asynchronous saves: what :meth:`save_model` writes, staged; swift's own files (``_save``: its arguments,
-        tokenizer, the adapter through PEFT) written by process zero's background writer, or, for an adapter,
-        at the commit once every rank has written the trainable weights it is read back from."""
+    @property
+    def checkpoint_shard_size(self):
+        return self.args.max_shard_size  # swift's --max_shard_size
+
+    def checkpoint_model_items(self, *, adapter_from_trainable_files: bool) -> list[SaveItem]:
+        """Asynchronous saves: what :meth:`save_model` writes, as save items; swift's own files (``_save``: its
+        arguments, tokenizer, the adapter through PEFT) written by process zero's background writer, or, for an
+        adapter, at the commit once every rank has written the trainable weights it is read back from."""
         # What swift's own _save_checkpoint notes first (its bookkeeping after train() reads it).
         self.state.last_model_checkpoint = os.path.join(self.args.output_dir,
                                                         f"checkpoint-{self.state.global_step}")
@@ -131,22 +130,17 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
                     self.state.last_model_checkpoint)
         should_save = self.args.should_save
         if self.args.tuner_type == "full":
-            stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done,
-                          stats=IOStats(), max_file_bytes=file_size_bytes(self.args.max_shard_size),
-                          chunk_bytes=self.strategy.init_bucket_bytes, write_adapter=None)
-            if should_save:
-                staging.defer(f"swift's files into {directory}", lambda: trainer_save(self, directory, state_dict=None))
-            return
+            items: list[SaveItem] = [ModelWeights(), ModelConfig()]
+            items.append(FrontEndFiles("swift's files", every_rank=True, here=should_save,
+                                       write_files=lambda directory: trainer_save(self, directory, state_dict=None)))
+            return items
 
-        def write_adapter(state: dict) -> None:  # as save_model: PEFT's adapter files, then swift's own (_save)
+        def write_adapter(directory: str, state: dict) -> None:  # as save_model: PEFT's adapter files, then swift's
             self.model.save_pretrained(directory, state_dict=state)
             if should_save:
                 trainer_save(self, directory, state_dict=None)
 
-        stage_weights(directory, self.model, self.strategy, staging=staging, step_done=step_done, stats=IOStats(),
-                      max_file_bytes=file_size_bytes(self.args.max_shard_size),
-                      chunk_bytes=self.strategy.init_bucket_bytes, write_adapter=write_adapter,
-                      adapter_from_trainable_files=adapter_from_trainable_files)
+        return [Adapter(write_files=write_adapter, from_trainable_files=adapter_from_trainable_files)]
 
     def checkpoint_committed(self, path: str) -> None:
         # swift >= 4.6 points <output_dir>/last-checkpoint at a checkpoint once it is fully written.

@@ -1,8 +1,8 @@
-"""The source's staging buffers: a small fixed pool, reused for every peer and every round.
+"""The source's send pool: a small fixed pool of buffers, reused for every peer and every round.
 
-A source sends each of its node's ranks its stream, bucket by bucket. Staging
+A source sends each of its node's ranks its stream, bucket by bucket. Holding
 one bucket per peer per round would make its memory grow with the ranks per
-node (8 GPUs, 16 NPUs); a pool of :data:`STAGING_BUFFERS` buffers, filled in
+node (8 GPUs, 16 NPUs); a pool of :data:`SEND_BUFFERS` buffers, filled in
 turn by one read thread, keeps it constant. On an accelerator each slot is a
 pinned host buffer (what the read thread fills) plus a device buffer (what the
 backend sends): the copy between them is asynchronous, and an event says when
@@ -26,7 +26,7 @@ import torch
 # read thread's chunks (at most about half a bucket while one is read, plus the unsent rest of one chunk
 # per receiver served at a time: see transport.interleaved), a source holds at most 4 buckets beyond its
 # shards, host and device alike, whatever the ranks per node.
-STAGING_BUFFERS = 3
+SEND_BUFFERS = 3
 # The read thread reads a stream in chunks of this fraction of a bucket (at least one row): with the
 # conversions of a hub checkpoint (per-expert pieces merged) a chunk costs up to about 4 chunks while read.
 READ_CHUNKS_PER_BUCKET = 8
@@ -35,8 +35,8 @@ OK, ABORT = 0, 1
 FLAG_BYTES = 1
 
 
-class StagingSlot:
-    """One staging buffer: host bytes the read thread fills, device bytes the backend sends."""
+class SendSlot:
+    """One buffer of the send pool: host bytes the read thread fills, device bytes the backend sends."""
 
     def __init__(self, nbytes: int, device: torch.device):
         on_accelerator = device.type != "cpu"
@@ -64,16 +64,16 @@ class StagingSlot:
         return self.device[:size + FLAG_BYTES]
 
 
-class StagingPool:
+class SendPool:
     """A fixed set of slots; the read thread takes free ones, the sender gives them back once sent."""
 
     def __init__(self, count: int, bucket_bytes: int, device: torch.device):
-        self.slots = [StagingSlot(bucket_bytes + FLAG_BYTES, device) for _ in range(count)]
+        self.slots = [SendSlot(bucket_bytes + FLAG_BYTES, device) for _ in range(count)]
         self._free: queue.Queue = queue.Queue()
         for slot in self.slots:
             self._free.put(slot)
 
-    def acquire(self, stop: threading.Event) -> StagingSlot | None:
+    def acquire(self, stop: threading.Event) -> SendSlot | None:
         while not stop.is_set():
             try:
                 return self._free.get(timeout=0.1)
@@ -81,7 +81,7 @@ class StagingPool:
                 continue
         return None
 
-    def release(self, slot: StagingSlot) -> None:
+    def release(self, slot: SendSlot) -> None:
         self._free.put(slot)
 
 
@@ -95,7 +95,7 @@ class FilledBuckets:
     """
 
     def __init__(self, schedule: list[tuple[int, int]], fill: Callable[[torch.Tensor, int, int], None],
-                 pool: StagingPool, after_each: Callable[[int], None] | None = None):
+                 pool: SendPool, after_each: Callable[[int], None] | None = None):
         self.schedule, self.fill, self.pool, self.after_each = schedule, fill, pool, after_each
         self.error: BaseException | None = None
         self._ready: queue.Queue = queue.Queue()
@@ -115,7 +115,7 @@ class FilledBuckets:
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which fails together
             self._ready.put(exc)
 
-    def __iter__(self) -> Iterator[tuple[StagingSlot, int, int]]:
+    def __iter__(self) -> Iterator[tuple[SendSlot, int, int]]:
         thread = threading.Thread(target=self._produce, name="twinkle-init-read", daemon=True)
         thread.start()
         try:

@@ -1,21 +1,22 @@
 """Host copies of what a save writes: the only part of an asynchronous save that training waits for.
 
-An asynchronous save runs the synchronous save's own code (the same plan, the
-same conversions to the hub layout, the same gathers of tensors written whole)
-with a writer that, instead of writing each piece into its file, copies it into
-a host buffer and notes where it goes (:class:`StagingFileWriter`). The bytes
+An asynchronous save runs the synchronous save's own code (the same items, the
+same plan, the same conversions to the hub layout, the same gathers of tensors
+written whole: :mod:`twinkle_strategy.checkpoint.save_plan`) with a writer that,
+instead of writing each piece into its file, copies it into a host buffer and
+notes where it goes (:class:`HostCopyWriter`). The bytes
 are therefore those a synchronous save writes; a background thread
 (:mod:`twinkle_strategy.checkpoint.background`) writes them later.
 
-Nothing is created on disk while training waits: the files' headers are staged
+Nothing is created on disk while training waits: the files' headers are copied
 like their rows (by the rank that would create them), and the background writers
 create each file and its directories as they first write into it
-(:class:`StagingFileWriter`), so an asynchronous save does no file I/O at the
+(:class:`HostCopyWriter`), so an asynchronous save does no file I/O at the
 save step beyond one ``mkdir``.
 
 The buffers are reused from one save to the next: the i-th piece of every save
 of the same model has the same size, so it goes into the same buffer. Host
-memory for staging is one snapshot of this rank's own share, allocated at the
+memory for the copies is one snapshot of this rank's own share, allocated at the
 first save; on GPUs and NPUs it is pinned so that the device-to-host copies
 run at full speed without a bounce buffer.
 
@@ -40,7 +41,7 @@ from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter
 
 
 @dataclasses.dataclass(frozen=True)
-class StagedPiece:
+class CopiedPiece:
     """Bytes waiting in host memory to be written at ``offset`` of the file ``path``."""
 
     path: str
@@ -56,8 +57,8 @@ class DeferredWrite:
     action: Callable[[], None]
 
 
-class HostStaging:
-    """This rank's staged pieces of one save, in buffers kept for the next save."""
+class HostCopies:
+    """This rank's host copies of one save's pieces, in buffers kept for the next save."""
 
     def __init__(self, *, pin_memory: bool, group=None) -> None:
         """``group``: a process group of every rank (gloo, on the host) the background writers exchange on; without
@@ -65,11 +66,11 @@ class HostStaging:
         self.pin_memory, self.group = pin_memory, group
         self._pool: list[torch.Tensor] = []
         self._used = 0  # buffers of the pool this save holds
-        self.pieces: list[StagedPiece] = []
+        self.pieces: list[CopiedPiece] = []
         self.exchanges: list[DeferredWrite] = []
         self.deferred: list[DeferredWrite] = []
         self.at_commit: list[DeferredWrite] = []
-        self.sizes: dict[str, int] = {}  # file -> its final size, for the files whose header this rank staged
+        self.sizes: dict[str, int] = {}  # file -> its final size, for the files whose header this rank copied
         # What a save planned that the next save of the same model can reuse (file plans, this rank's regions):
         # they follow from names, shapes and dtypes only. Kept across saves, keyed by what they depend on.
         self.plans: dict = {}
@@ -82,7 +83,7 @@ class HostStaging:
     def exchange(self, what: str, action: Callable[[], None]) -> None:
         """Leave ``action``, a collective on :attr:`group` (tensors written whole by their owner, from host copies
         taken with :meth:`copy`), to the background writer. Every rank's writer runs every exchange, in the order
-        they were staged (the same on every rank), before anything else and whatever fails."""
+        they were copied (the same on every rank), before anything else and whatever fails."""
         self.exchanges.append(DeferredWrite(what, action))
 
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -94,7 +95,7 @@ class HostStaging:
 
     def defer(self, what: str, action: Callable[[], None]) -> None:
         """Leave ``action`` (a whole file written from host data this save already owns: a config, the scheduler's
-        state taken now) to the background writer, which runs it before writing the staged pieces; ``what``
+        state taken now) to the background writer, which runs it before writing the copied pieces; ``what``
         names it in an error. It must create the directories it writes into (no order between ranks' writers)."""
         self.deferred.append(DeferredWrite(what, action))
 
@@ -104,14 +105,14 @@ class HostStaging:
         the trainable weights every rank wrote its rows of."""
         self.at_commit.append(DeferredWrite(what, action))
 
-    def stage(self, path: str, offset: int, data: torch.Tensor) -> None:
+    def put(self, path: str, offset: int, data: torch.Tensor) -> None:
         """Copy ``data`` (uint8, any device) into the next buffer, to be written at ``offset`` of ``path``."""
         buffer = self._take(data.numel())
         buffer.copy_(data, non_blocking=self.pin_memory and data.device.type != "cpu")
-        self.pieces.append(StagedPiece(path, offset, buffer))
+        self.pieces.append(CopiedPiece(path, offset, buffer))
 
-    def end(self) -> list[StagedPiece]:
-        """Wait for the device-to-host copies; the pieces of this save, in the order they were staged."""
+    def end(self) -> list[CopiedPiece]:
+        """Wait for the device-to-host copies; the pieces of this save, in the order they were copied."""
         if self.pin_memory and torch.accelerator.is_available():
             torch.accelerator.synchronize()
         del self._pool[self._used:]  # no more than this save's snapshot stays allocated
@@ -128,43 +129,43 @@ class HostStaging:
         return self._pool[i]
 
     @property
-    def staged_bytes(self) -> int:
+    def copied_bytes(self) -> int:
         """Host bytes this save's pieces and exchange copies hold."""
         return sum(buffer.numel() for buffer in self._pool[:self._used])
 
     @property
     def allocated_bytes(self) -> int:
-        """Host memory held for staging: after a save, exactly what that save staged (one snapshot)."""
+        """Host memory held for the copies: after a save, exactly what that save copied (one snapshot)."""
         return sum(buffer.numel() for buffer in self._pool)
 
-    def open_writer(self, directory: str, plan: FilePlan) -> StagingFileWriter:
+    def open_writer(self, directory: str, plan: FilePlan) -> HostCopyWriter:
         """A writer for :data:`~twinkle_strategy.checkpoint.writer.OpenWriter`: the save's rows land here."""
-        return StagingFileWriter(directory, plan, self)
+        return HostCopyWriter(directory, plan, self)
 
     def _new_buffer(self, size: int) -> torch.Tensor:
         return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
 
 
-class StagingFileWriter(ParallelFileWriter):
+class HostCopyWriter(ParallelFileWriter):
     """A :class:`ParallelFileWriter` whose rows go to host buffers, to be written by the background writer."""
 
-    def __init__(self, directory: str, plan: FilePlan, staging: HostStaging) -> None:
+    def __init__(self, directory: str, plan: FilePlan, host_copies: HostCopies) -> None:
         super().__init__(directory, plan)
-        self.staging = staging
+        self.host_copies = host_copies
 
     def create_files(self) -> None:
         """Stage every header, and note every file's final size: the background writer creates the files."""
         for name, header in self.plan.headers.items():
             path = os.path.join(self.directory, name)
-            self.staging.stage(path, 0, torch.frombuffer(bytearray(header), dtype=torch.uint8))
-            self.staging.sizes[path] = self.plan.sizes[name]
+            self.host_copies.put(path, 0, torch.frombuffer(bytearray(header), dtype=torch.uint8))
+            self.host_copies.sizes[path] = self.plan.sizes[name]
 
     def write_text(self, name: str, text: str) -> None:
         """Deferred to the background writer (the text is taken now)."""
-        self.staging.defer(os.path.join(self.directory, name), functools.partial(write_text, self.directory, name, text))
+        self.host_copies.defer(os.path.join(self.directory, name), functools.partial(write_text, self.directory, name, text))
 
     def _put(self, name: str, offset: int, data: torch.Tensor) -> None:
-        self.staging.stage(os.path.join(self.directory, name), offset, data)
+        self.host_copies.put(os.path.join(self.directory, name), offset, data)
 
     def finish(self) -> OSError | None:
         return None  # nothing was opened: the background writer opens, writes and fsyncs the files
