@@ -12,12 +12,8 @@ result does not depend on how the batch is split across ranks.
 
 from __future__ import annotations
 
-import contextlib
-import datetime
 import logging
 import math
-import os
-import sys
 import time
 
 import torch
@@ -29,7 +25,6 @@ from twinkle_strategy.checkpoint.shared_directory import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.distributed.fatal_errors import one_line, stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard
-from twinkle_strategy.distributed.runtime import peak_rss_bytes
 from twinkle_strategy.errors import TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, correction_biases, update_correction_bias
@@ -39,6 +34,7 @@ from twinkle_strategy.step import StepBatches, StepPolicy, TrainingStep, all_red
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import StepSampler
+from twinkle_strategy.train.log_lines import lines_above, log_entry, print_line
 from twinkle_strategy.train.metrics import StepWindow
 from twinkle_strategy.train.packing import DataCollatorForPacking, prepare_for_packed_batches
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
@@ -49,10 +45,6 @@ from twinkle_strategy.train.state import TrainState
 __all__ = ["Trainer", "TrainingArguments", "TrainState"]
 
 logger = logging.getLogger(__name__)
-
-
-def _format_seconds(s: float) -> str:
-    return str(datetime.timedelta(seconds=int(s)))
 
 
 class Trainer:
@@ -270,7 +262,7 @@ class Trainer:
         self._board = StatusBoard("train")
         self._preemption = PreemptionFlag()
         try:
-            with _lines_above(progress):
+            with lines_above(progress):
                 final = self._run_steps(state, window, progress)
         finally:
             self._preemption.restore()
@@ -330,34 +322,15 @@ class Trainer:
 
     def _log(self, window: StepWindow, start_time: float) -> dict:
         state = self.state
-        step = state.global_step
         fields, counts = window.take()
         if counts is not None:
-            state.expert_load_history.append((step, counts.tolist()))
-        elapsed = time.time() - start_time
-        speed = elapsed / max(step - state.start_step, 1)
-        if self.strategy.device.type == "cuda":
-            memory = torch.cuda.max_memory_allocated() / 2**30
-        else:
-            memory = peak_rss_bytes() / 2**30
-        entry = {
-            "loss": round(fields["loss"], 6),
-            "grad_norm": round(fields["grad_norm"], 6),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "epoch": round(state.epoch, 4),
-            "global_step/max_steps": f"{step}/{state.max_steps}",
-            "percentage": f"{100 * step / state.max_steps:.2f}%",
-            "elapsed_time": _format_seconds(elapsed),
-            "remaining_time": _format_seconds(speed * (state.max_steps - step)),
-            "memory(GiB)": round(memory, 3),
-            **_planned_memory(),  # the launcher's memory plan, beside the measured peak above
-            "train_speed(s/it)": round(speed, 6),
-            **kept_weight_log(self.strategy.init_report),  # quantized_base=keep: frozen bytes, decoded peak
-            **fields["extra"],
-        }
-        state.log(step, entry)
+            state.expert_load_history.append((state.global_step, counts.tolist()))
+        entry = log_entry(state, fields, elapsed=time.time() - start_time, device=self.strategy.device,
+                          learning_rate=self.scheduler.get_last_lr()[0],
+                          kept=kept_weight_log(self.strategy.init_report))  # quantized_base=keep: frozen bytes
+        state.log(state.global_step, entry)
         if self.strategy.is_main_process:
-            _print_line(str(entry))
+            print_line(str(entry))
             append_log(self.run_dir, entry)
         return entry
 
@@ -385,33 +358,3 @@ class Trainer:
         out = plot_expert_load(self.run_dir, [s for s, _ in load], [c for _, c in load])
         if out:
             print(f"expert load: {out}", flush=True)
-
-
-# The step peak twinkle-sft's memory plan gave before launch (it sets this for its workers when it checked the fit).
-PLANNED_PEAK_ENV = "TWINKLE_PLANNED_PEAK_BYTES"
-
-
-def _planned_memory() -> dict:
-    """The step peak the memory plan gave before launch (twinkle-sft sets it when it checked the fit)."""
-    planned = os.environ.get(PLANNED_PEAK_ENV)
-    return {"planned_memory(GiB)": round(int(planned) / 2**30, 6)} if planned else {}
-
-
-def _print_line(text: str) -> None:
-    """``text`` on stdout, on its own line above the progress bar (which is redrawn below it)."""
-    from tqdm.auto import tqdm
-
-    tqdm.write(text)
-    sys.stdout.flush()
-
-
-@contextlib.contextmanager
-def _lines_above(progress):
-    """While the progress bar shows, the package's log lines go above it, as :func:`_print_line` does."""
-    if progress is None:
-        yield
-        return
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm([logging.getLogger("twinkle_strategy")]):
-        yield
