@@ -34,7 +34,8 @@ def main():
     per_step = train.per_device_train_batch_size * strategy.data_parallel_size * train.gradient_accumulation_steps
     sampler = StepSampler(len(dataset), per_step=per_step, seed=train.seed)
     order = [i for step in range(train.max_steps) for i in sampler.rows(step)]
-    index_of = {tuple(dataset[i]["input_ids"]): i for i in set(order)}
+    # An example by its tokens (the demo data repeats some): one index for equal examples.
+    index_of = {tuple(dataset[i]["input_ids"]): i for i in sorted(set(order))}
     collated: list[list[int]] = []
 
     def recording_collator(features):
@@ -58,7 +59,8 @@ def main():
     steps = train.max_steps * train.gradient_accumulation_steps  # (the dataloader may collate one batch ahead)
     return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
             "micro_batches": collated[:steps], "dp_rank": strategy.data_parallel_rank,
-            "step_rows": [sampler.rows(step) for step in range(train.max_steps)]}
+            "step_rows": [[index_of[tuple(dataset[i]["input_ids"])] for i in sampler.rows(step)]
+                          for step in range(train.max_steps)]}
 
 
 if __name__ == "__main__":
