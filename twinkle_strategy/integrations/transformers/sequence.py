@@ -114,8 +114,9 @@ def share_examples_in_groups(dataloader, strategy):
             sampler.num_processes, sampler.process_index = dp_size, dp_rank
             return dataloader
         if hasattr(sampler, "tp_size") and hasattr(sampler, "total_samples"):  # swift's: rank // tp_size share
-            sampler.tp_size = sp  # (set before total_samples: its world_size reads tp_size)
-            sampler.total_samples = len(dataloader.dataset) // sampler.world_size
+            rows = sampler.total_samples * sampler.world_size  # the rows an epoch draws from, as without SP
+            sampler.tp_size *= sp  # its world_size and rank read tp_size: the data-parallel ones
+            sampler.total_samples = rows // sampler.world_size
             return dataloader
         sampler = getattr(sampler, "batch_sampler", None)  # accelerate's SkipBatchSampler (a resumed epoch)
     raise ParallelConfigError(
