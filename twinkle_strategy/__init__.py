@@ -25,6 +25,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "NativeFSDPStrategy": "twinkle_strategy.strategy",
     "StrategyConfig": "twinkle_strategy.config",
+    # The two front-ends users train with (no TYPE_CHECKING import above: the library imports no front-end).
+    "Trainer": "twinkle_strategy.train.trainer",
+    "with_strategy": "twinkle_strategy.integrations.transformers.trainer",
     "ParallelDims": "twinkle_strategy.parallel",
     "apply_expert_parallel": "twinkle_strategy.moe.expert_parallel",
     "TwinkleError": "twinkle_strategy.errors",
@@ -38,6 +41,8 @@ _EXPORTS = {
 __all__ = [
     "NativeFSDPStrategy",
     "StrategyConfig",
+    "Trainer",
+    "with_strategy",
     "ParallelDims",
     "apply_expert_parallel",
     "TwinkleError",

@@ -69,7 +69,9 @@ class StrategyConfig:
                                              "value) world_size / ep_size")
     sequence_parallel_size: int = _option(1, "ranks that split each sequence into contiguous chunks (Ulysses: "
                                              "attention exchanges heads for sequence by all-to-all); divides the "
-                                             "world size and the attention heads; those ranks get the same examples")
+                                             "world size and the attention heads; those ranks share their examples, in every "
+                                             "front-end: global batch = per-device batch x gradient accumulation "
+                                             "x world size / sequence_parallel_size")
     mixed_precision: str = _option("bf16", "bf16 | fp16 | no: FSDP2 compute dtype; gradients are reduced in "
                                            "fp32 and fp32-kept modules stay fp32")
     reshard_after_forward: bool = _option(True, "free gathered parameters after each forward (FSDP2's "

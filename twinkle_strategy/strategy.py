@@ -65,6 +65,7 @@ from twinkle_strategy.sequence import (
 )
 from twinkle_strategy.shards.gather import gather_full_state_dict
 from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention, resolve_model_path
+from twinkle_strategy.step import all_reduce_sum
 
 logger = logging.getLogger(__name__)
 
@@ -338,10 +339,7 @@ class NativeFSDPStrategy(RoutingMethods):
 
     def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         self.setup()
-        value = value.to(self.device)  # collectives need the backend's device (NCCL, HCCL)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value
+        return all_reduce_sum(value.to(self.device))  # collectives need the backend's device (NCCL, HCCL)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a scalar over all ranks (for logging losses)."""

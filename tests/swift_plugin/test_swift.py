@@ -342,12 +342,15 @@ def test_swift_sft_packing_with_sequence_parallel_logs_the_losses_of_the_run_wit
     """`--packing true --sequence_parallel_size 2` on the demo model (LoRA on attention and experts, EP=2, 2 ranks):
     swift packs the rows (sdpa, no flash attention), the strategy's Ulysses splits them (swift's own sequence
     parallelism is never built), and every step logs the loss and gradient norm of the same run without
-    --sequence_parallel_size (fp32). Long answers, so that rows are cut where the first label of a chunk counts."""
+    --sequence_parallel_size (fp32). The two ranks of the group share their examples (one data-parallel rank, as in
+    swift's own SP): 2 packs per device there, 1 in the run without SP, the same global batch. Long answers, so that
+    rows are cut where the first label of a chunk counts."""
     common = [*LORA_ARGS, "--packing", "true", "--max_length", "96", "--max_steps", "3", "--save_steps", "3",
               "--gradient_accumulation_steps", "2"]
     dataset = long_answers(tmp_path / "long_answers.jsonl")
     runs = {}
-    for name, extra in (("sp", ["--sequence_parallel_size", "2"]), ("ref", [])):
+    for name, extra in (("sp", ["--sequence_parallel_size", "2", "--per_device_train_batch_size", "2"]),
+                        ("ref", ["--per_device_train_batch_size", "1"])):
         (tmp_path / name).mkdir()
         returncodes, log, logs = launch_swift_sft(swift_bin, tiny_model, tmp_path / name, [*common, *extra],
                                                   {"TWINKLE_EP_SIZE": "2"}, probe=False, dataset=dataset)

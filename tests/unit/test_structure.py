@@ -208,6 +208,11 @@ def test_the_package_exports_what_it_lists():
     assert set(twinkle_strategy.__all__) == set(twinkle_strategy._EXPORTS)
     for name in twinkle_strategy.__all__:
         assert getattr(twinkle_strategy, name).__name__ == name
+    # What users train with sits next to the strategy: twinkle's Trainer and the transformers.Trainer mixin.
+    from twinkle_strategy.integrations.transformers import with_strategy
+    from twinkle_strategy.train.trainer import Trainer
+
+    assert twinkle_strategy.Trainer is Trainer and twinkle_strategy.with_strategy is with_strategy
     with pytest.raises(AttributeError, match="no attribute 'NativeFSDP'"):
         twinkle_strategy.NativeFSDP  # noqa: B018
 

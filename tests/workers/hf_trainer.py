@@ -110,8 +110,8 @@ def run(mode: str, base: str, out: str, lora: bool, world: int, aux: bool = Fals
         args = training_args(os.path.join(out, name), micro * world * 2, accumulation=1)
     elif async_save:  # checkpoint-2 goes once checkpoint-3 is durable
         args = training_args(os.path.join(out, name), micro, save_total_limit=1)
-    else:
-        args = training_args(os.path.join(out, name), micro if mode == "strategy" else micro * world)
+    else:  # a sequence-parallel group shares its examples (world / sp data-parallel ranks): sp times the rows
+        args = training_args(os.path.join(out, name), micro * sp if mode == "strategy" else micro * world)
     if mode == "strategy":
         strategy = NativeFSDPStrategy(ep_size=2, sequence_parallel_size=sp, memory_efficient_init=True,
                                       mixed_precision="no", device_type="cpu")

@@ -85,7 +85,7 @@ def aux_case(args, dataset, collator, tokenizer) -> dict:
     trainer = make_trainer(args, dataset, collator, tokenizer, lora=False, gradient_accumulation_steps=2,
                            router_aux_loss_coef=COEF)
     result = trainer.compute_gradients(0)
-    counts = trainer.expert_load.take_global()
+    counts = trainer.step_core.take_expert_counts()
     strategy = trainer.strategy
     grads = {n: gather_full_tensor(n, p.grad, strategy.ep_plan)
              for n, p in trainer.model.named_parameters()}

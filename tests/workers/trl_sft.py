@@ -3,7 +3,8 @@
 ``--mode plain``: plain SFTTrainer on one process, the whole global batch per optimizer step.
 ``--mode strategy``: ``with_strategy(SFTTrainer)`` with NativeFSDPStrategy(ep_size=--ep, memory_efficient_init),
 each rank its part of every global batch; ``--resume DIR`` resumes from a checkpoint another layout saved;
-``--sp N``: sequence_parallel_size N (each rank a chunk of every micro-batch of its group, the same global batch).
+``--sp N``: sequence_parallel_size N (the ranks of a group share their examples, each a chunk of every row: the
+per-device batch is N times larger, so that the global batch stays the same).
 Two runs (one with --resume): ``lora`` with TRL's MoE aux loss off (router_aux_loss_coef=0), saving a checkpoint;
 ``aux`` with it on (a coefficient large enough that a per-rank aux loss would show), where the plain process
 takes the whole global batch in one micro-batch, so that TRL's own aux loss there is the global batch's: the
@@ -47,7 +48,7 @@ def train(a, *, aux: bool) -> dict:
     ranks = 4  # the global batch is the same on 1 and 4 processes
     accumulation = GLOBAL_BATCH // (MICRO * ranks)
     if a.mode == "strategy":
-        micro = MICRO
+        micro = MICRO * a.sp  # a sequence-parallel group shares its examples: world / sp data-parallel ranks
     elif aux:  # one micro-batch of the global batch: TRL's own aux loss is then the global batch's
         micro, accumulation = GLOBAL_BATCH, 1
     else:

@@ -3,14 +3,17 @@
 The library (``twinkle_strategy`` outside this package) never imports from here; a test checks it.
 
 recipe.py       the typed YAML recipe (omegaconf structured config) and its overrides
-cli.py          ``twinkle-sft``: recipes or swift-style flags, checks before launch, the torchrun re-launch
+cli.py          ``twinkle-sft``: checks before launch, the torchrun re-launch, one rank's entry point
+flags.py        twinkle-sft's command line: swift-style flags and key=value overrides read into a Recipe
 launcher.py     torchrun commands, per-node logging of the launched processes
 ports.py        master ports: picked free, picked again when another process takes one first (EADDRINUSE)
 errors.py       the application's own errors: recipe, dataset, preflight, a stopped run
 preflight.py    dataset, model and output checks run on the launching machine
 fit_check.py    the memory plan before launch (twinkle-sft plan, launch.device_memory / --skip_plan)
 run.py          one rank's job: recipe -> model, data, strategy, Trainer
-trainer.py      the training loop: set-up, steps, log lines, saves (through checkpoint.manager), resume
+trainer.py      the training loop: set-up, steps (through the library's step core, twinkle_strategy.step), saves
+                (through checkpoint.manager), resume
+log_lines.py    the log line after each logging window (logging.jsonl and the console, swift's field names)
 arguments.py    TrainingArguments
 state.py        TrainState: where the run stands (integer steps, log history), saved in every checkpoint
 run_dir.py      the run directory: v{N}-{time}, the one a torchrun restart continues, args.json, logging.jsonl

@@ -16,9 +16,9 @@ from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.planning import LoraShape, MemoryPlan, PlanRequest, parse_size, plan_memory, table, to_json
 from twinkle_strategy.planning.report import gib
 from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, cached_model_path
+from twinkle_strategy.train.log_lines import PLANNED_PEAK_ENV
 from twinkle_strategy.train.recipe import Recipe, TunerType
 from twinkle_strategy.train.run import prepare_model_path
-from twinkle_strategy.train.trainer import PLANNED_PEAK_ENV
 
 
 def local_model_dir(path: str) -> str:

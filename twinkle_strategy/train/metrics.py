@@ -10,15 +10,15 @@ import time
 
 import torch
 
-from twinkle_strategy.moe.flops import FlopsModel, throughput
 from twinkle_strategy.moe.load import load_imbalance
+from twinkle_strategy.step import TrainingStep
 
 
 class StepWindow:
     """Step results since the last log line: mean loss, last grad norm, expert load, throughput."""
 
-    def __init__(self, flops: FlopsModel, *, world_size: int, peak_tflops: float | None, with_aux: bool) -> None:
-        self.flops, self.world_size, self.peak_tflops, self.with_aux = flops, world_size, peak_tflops, with_aux
+    def __init__(self, step_core: TrainingStep, *, with_aux: bool) -> None:
+        self.step_core, self.with_aux = step_core, with_aux
         self._reset()
 
     def _reset(self) -> None:
@@ -52,7 +52,6 @@ class StepWindow:
             extra["routing_agreement"] = [round(a, 4) for a in agreement]
         tokens = sum(s["tokens"] for s in steps)
         seq_len = sum(s["seq_len"] for s in steps) / len(steps)
-        extra.update(throughput(self.flops, tokens=tokens, seq_len=seq_len, seconds=seconds,
-                                world_size=self.world_size, peak_tflops=self.peak_tflops))
+        extra.update(self.step_core.throughput(tokens=tokens, seq_len=seq_len, seconds=seconds))
         self._reset()
         return {**fields, "extra": extra}, counts

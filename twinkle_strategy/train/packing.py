@@ -42,6 +42,9 @@ from twinkle_strategy.sequence.packed import (  # noqa: F401
     check_packable,
 )
 
+# A batch's token counts are the step core's (shared with every front-end); named here for the recipe's tests.
+from twinkle_strategy.step import attention_length, real_token_count  # noqa: F401
+
 # The library names packed batches; the application names the recipe keys and twinkle-sft flags that ask for them.
 RECIPE_PACKING = PackingOption(name="data.packing / data.padding_free",
                                turn_off="set data.packing=false and data.padding_free=false "
@@ -133,20 +136,3 @@ def describe_layout(layout: BatchLayout, items: list, *, max_length: int) -> str
                 "full), one row per micro-batch; each example attends only to itself")
     return ("data.padding_free: each micro-batch's examples concatenated into one row without padding; each example "
             "attends only to itself")
-
-
-def real_token_count(batch: dict[str, torch.Tensor]) -> int:
-    """Non-padding tokens of a collated batch (a flattened batch has no padding)."""
-    mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-
-
-def attention_length(batch: dict[str, torch.Tensor]) -> float:
-    """The sequence length a token attends over on average, for the attention FLOPs: the padded length, or,
-    in a flattened batch, each example's length weighted by its tokens (sum of squares / tokens)."""
-    positions = batch.get("position_ids")
-    if positions is None or "attention_mask" in batch:
-        return float(batch["input_ids"].shape[1])
-    starts = (positions.reshape(-1) == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
-    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    return sum(n * n for n in lengths) / max(sum(lengths), 1)

@@ -12,17 +12,11 @@ result does not depend on how the batch is split across ranks.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
-import datetime
 import logging
 import math
-import os
-import sys
 import time
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
@@ -31,26 +25,18 @@ from twinkle_strategy.checkpoint.directories import check_shared_directory
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.distributed.fatal_errors import one_line, stopped_by_peer
 from twinkle_strategy.distributed.liveness import StatusBoard
-from twinkle_strategy.distributed.runtime import peak_rss_bytes
-from twinkle_strategy.errors import ModelStructureError, TrainingAbortedError
+from twinkle_strategy.errors import TrainingAbortedError
 from twinkle_strategy.fsdp import find_decoder_layers
 from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, correction_biases, update_correction_bias
-from twinkle_strategy.moe.discovery import find_moe_blocks
-from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops
-from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
-from twinkle_strategy.sequence import loss_tokens
+from twinkle_strategy.step import StepBatches, StepPolicy, TrainingStep, all_reduce_sum
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.data import StepSampler
+from twinkle_strategy.train.log_lines import lines_above, log_entry, print_line
 from twinkle_strategy.train.metrics import StepWindow
-from twinkle_strategy.train.packing import (
-    DataCollatorForPacking,
-    attention_length,
-    prepare_for_packed_batches,
-    real_token_count,
-)
+from twinkle_strategy.train.packing import DataCollatorForPacking, prepare_for_packed_batches
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag
 from twinkle_strategy.train.run_dir import append_log, open_run_dir, rewrite_log
@@ -59,34 +45,6 @@ from twinkle_strategy.train.state import TrainState
 __all__ = ["Trainer", "TrainingArguments", "TrainState"]
 
 logger = logging.getLogger(__name__)
-
-
-def _all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
-
-
-def _expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
-    """Expert-load counting for an MoE model whose experts call we know; None otherwise (dense models, and
-    families EP refuses, which still train with ep_size=1 but log no moe_load_imbalance)."""
-    try:
-        return ExpertLoad(model, ep_size=ep_size) if find_moe_blocks(model) else None
-    except ModelStructureError as exc:
-        logger.warning("no expert-load statistics: %s", exc)
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class StepBatches:
-    """This rank's micro-batches of one optimizer step, and the length their tokens attend over (for the FLOPs)."""
-
-    tensors: list[dict[str, torch.Tensor]]  # as the model takes them (under sequence parallelism: the rank's chunks)
-    attention_length: float  # mean over the micro-batches, measured on whole rows (see packing.attention_length)
-
-
-def _format_seconds(s: float) -> str:
-    return str(datetime.timedelta(seconds=int(s)))
 
 
 class Trainer:
@@ -115,8 +73,7 @@ class Trainer:
         self.scheduler = None
         self.checkpoints: CheckpointManager | None = None
         self.sampler: StepSampler | None = None
-        self.flops: FlopsModel | None = None
-        self.expert_load: ExpertLoad | None = None
+        self.step_core: TrainingStep | None = None  # the step every front-end takes (split, tokens, aux, clipping)
         self.balancing: GlobalBatchAuxLoss | None = None
         self.correction_biases: list = []
         self.save_report = None  # of this rank's last save
@@ -164,7 +121,6 @@ class Trainer:
         self._prepare_moe_training(ep_size=self.strategy.ep_size if wrapped else 1)
         if not wrapped:
             self.model, _ = self.strategy.wrap_model(self.model)
-        self.flops = FlopsModel.of(self.model, ep_size=self.strategy.ep_size)
 
     def _make_optimizer(self) -> None:
         args = self.args
@@ -217,9 +173,10 @@ class Trainer:
     def _prepare_moe_training(self, *, ep_size: int) -> None:
         """Expert-load counting, the global-batch balancing loss, aux-loss-free biases, activation checkpointing."""
         args, model = self.args, self.model
-        self.expert_load = _expert_load_or_none(model, ep_size=ep_size)
         self.balancing = (GlobalBatchAuxLoss.replacing_model_term(model, coef=args.router_aux_loss_coef)
                           if args.router_aux_loss_coef > 0 else None)
+        self.step_core = TrainingStep(self.strategy, model, balancing=self.balancing, ep_size=ep_size,
+                                      policy=StepPolicy(max_grad_norm=args.max_grad_norm, peak_tflops=args.peak_tflops))
         self.correction_biases = correction_biases(model) if args.load_balance_coeff > 0 else []
         if args.load_balance_coeff > 0 and not self.correction_biases:
             raise ValueError("load_balance_coeff > 0 needs routers with an e_score_correction_bias (DeepSeek-V3 "
@@ -241,24 +198,21 @@ class Trainer:
         args, rank = self.args, self.strategy.data_parallel_rank
         per_device = args.per_device_train_batch_size
         rows = self.sampler.rows(step)
-        tensors, lengths = [], []
+        batches = []
         for micro in range(args.gradient_accumulation_steps):
             begin = (micro * self.strategy.data_parallel_size + rank) * per_device
-            batch = self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]])
-            # Before the split: a chunk's tokens attend over the whole row (and, packed, over their example).
-            lengths.append(attention_length(batch))
-            tensors.append(self.strategy.split_sequence(batch))
-        return StepBatches(tensors=tensors, attention_length=sum(lengths) / len(lengths))
+            batches.append(self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]]))
+        return self.step_core.split(batches)
 
     # ---------------------------------------------------------------- training
     def training_step(self, step: int) -> dict:
         """One optimizer step: the global batch's mean loss per response token, grad norm, and statistics."""
         result = self.compute_gradients(step)
-        result["grad_norm"] = float(self.strategy.clip_grad_norm_(self.model, self.args.max_grad_norm))
+        result["grad_norm"] = float(self.step_core.clip(self.model))
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        result["expert_counts"] = self.expert_load.take_global() if self.expert_load is not None else None
+        result["expert_counts"] = self.step_core.take_expert_counts()
         result["routing_agreement"] = self.strategy.take_routing_agreement()  # None unless a record was replayed
         if self.correction_biases:
             update_correction_bias(self.correction_biases, result["expert_counts"], self.args.load_balance_coeff)
@@ -266,47 +220,36 @@ class Trainer:
 
     def compute_gradients(self, step: int) -> dict:
         """Forward and backward of every micro-batch of step ``step``; global loss, aux loss and token sums."""
-        device = self.strategy.device
+        device, core = self.strategy.device, self.step_core
         step_batches = self._step_batches(step)
         batches = step_batches.tensors
-        sizes = torch.tensor([sum(loss_tokens(b) for b in batches),
-                              sum(real_token_count(b) for b in batches)], device=device)
-        global_tokens, input_tokens = _all_reduce_sum(sizes)
-        self.model.train()
+        tokens = core.global_tokens(batches)
         # Several micro-batches: their global router counts must be known before the first backward.
-        router = self._router_prepass(batches) if self.balancing is not None and len(batches) > 1 else None
+        router = core.router_prepass(self.model, batches)
+        self.model.train()
         sums = torch.zeros(3, device=device)  # loss, aux loss, ranks asked to stop (SIGTERM)
         for batch in batches:
-            loss, aux, router = self._forward_backward(batch, global_tokens, router)
+            loss, aux, router = self._forward_backward(batch, tokens.loss, router)
             sums[:2] += torch.stack([loss, aux])
         sums[2] = float(self._preemption is not None and self._preemption.requested)
-        loss, aux, preempted = _all_reduce_sum(sums).tolist()
-        return {"loss": loss, "aux_loss": aux, "tokens": float(input_tokens),
+        loss, aux, preempted = all_reduce_sum(sums).tolist()
+        return {"loss": loss, "aux_loss": aux, "tokens": float(tokens.inputs),
                 "seq_len": step_batches.attention_length, "preempted": preempted > 0}
 
     def _forward_backward(self, batch: dict, global_tokens: torch.Tensor, router):
         """One micro-batch; returns (its loss share, its aux-loss share, the global router statistics)."""
-        batch = {k: v.to(self.strategy.device) for k, v in batch.items()}
-        if self.expert_load is not None:
-            self.expert_load.token_mask = batch.get("attention_mask")
+        self.step_core.count_tokens_of(batch)
         extra = {"output_router_logits": True} if self.balancing is not None else {}
         batch, replay = self.strategy.replay_of_batch(batch)  # a routing record (routed_experts): R2/R3
         with replay as replayed:
             out = self.model(**batch, num_items_in_batch=global_tokens, **extra)
-        # Sum of this rank's token losses / all tokens of the step; FSDP averages gradients over
-        # ranks, so scaling by the world size makes the result the global per-token mean.
+        # Sum of this rank's token losses / all tokens of the step, scaled for FSDP's average over ranks.
         loss, aux = out.loss, torch.zeros((), device=out.loss.device)
         if self.balancing is not None:
             aux, router = self.balancing.share(out, batch.get("attention_mask"), router,
                                                getattr(replayed, "used", None))
-        ((loss + self.args.router_aux_loss_coef * aux) * self.strategy.world_size).backward()
+        ((loss + self.args.router_aux_loss_coef * aux) * self.step_core.loss_scale).backward()
         return loss.detach(), aux.detach(), router
-
-    def _router_prepass(self, batches: list[dict]):
-        """Global router statistics of the step's micro-batches (:meth:`GlobalBatchAuxLoss.prepass`)."""
-        device = self.strategy.device
-        return self.balancing.prepass(self.model, ({k: v.to(device) for k, v in batch.items()} for batch in batches),
-                                      expert_load=self.expert_load, replay_of=self.strategy.replay_of_batch)
 
     def train(self) -> list[dict]:
         state = self.setup()
@@ -316,13 +259,11 @@ class Trainer:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=state.max_steps, initial=state.start_step, desc="Train", dynamic_ncols=True)
-        peak = args.peak_tflops or device_peak_tflops(strategy.device)
-        window = StepWindow(self.flops, world_size=strategy.world_size, peak_tflops=peak,
-                            with_aux=self.balancing is not None)
+        window = StepWindow(self.step_core, with_aux=self.balancing is not None)
         self._board = StatusBoard("train")
         self._preemption = PreemptionFlag()
         try:
-            with _lines_above(progress):
+            with lines_above(progress):
                 final = self._run_steps(state, window, progress)
         finally:
             self._preemption.restore()
@@ -382,34 +323,15 @@ class Trainer:
 
     def _log(self, window: StepWindow, start_time: float) -> dict:
         state = self.state
-        step = state.global_step
         fields, counts = window.take()
         if counts is not None:
-            state.expert_load_history.append((step, counts.tolist()))
-        elapsed = time.time() - start_time
-        speed = elapsed / max(step - state.start_step, 1)
-        if self.strategy.device.type == "cuda":
-            memory = torch.cuda.max_memory_allocated() / 2**30
-        else:
-            memory = peak_rss_bytes() / 2**30
-        entry = {
-            "loss": round(fields["loss"], 6),
-            "grad_norm": round(fields["grad_norm"], 6),
-            "learning_rate": self.scheduler.get_last_lr()[0],
-            "epoch": round(state.epoch, 4),
-            "global_step/max_steps": f"{step}/{state.max_steps}",
-            "percentage": f"{100 * step / state.max_steps:.2f}%",
-            "elapsed_time": _format_seconds(elapsed),
-            "remaining_time": _format_seconds(speed * (state.max_steps - step)),
-            "memory(GiB)": round(memory, 3),
-            **_planned_memory(),  # the launcher's memory plan, beside the measured peak above
-            "train_speed(s/it)": round(speed, 6),
-            **kept_weight_log(self.strategy.init_report),  # quantized_base=keep: frozen bytes, decoded peak
-            **fields["extra"],
-        }
-        state.log(step, entry)
+            state.expert_load_history.append((state.global_step, counts.tolist()))
+        entry = log_entry(state, fields, elapsed=time.time() - start_time, device=self.strategy.device,
+                          learning_rate=self.scheduler.get_last_lr()[0],
+                          kept=kept_weight_log(self.strategy.init_report))  # quantized_base=keep: frozen bytes
+        state.log(state.global_step, entry)
         if self.strategy.is_main_process:
-            _print_line(str(entry))
+            print_line(str(entry))
             append_log(self.run_dir, entry)
         return entry
 
@@ -437,33 +359,3 @@ class Trainer:
         out = plot_expert_load(self.run_dir, [s for s, _ in load], [c for _, c in load])
         if out:
             print(f"expert load: {out}", flush=True)
-
-
-# The step peak twinkle-sft's memory plan gave before launch (it sets this for its workers when it checked the fit).
-PLANNED_PEAK_ENV = "TWINKLE_PLANNED_PEAK_BYTES"
-
-
-def _planned_memory() -> dict:
-    """The step peak the memory plan gave before launch (twinkle-sft sets it when it checked the fit)."""
-    planned = os.environ.get(PLANNED_PEAK_ENV)
-    return {"planned_memory(GiB)": round(int(planned) / 2**30, 6)} if planned else {}
-
-
-def _print_line(text: str) -> None:
-    """``text`` on stdout, on its own line above the progress bar (which is redrawn below it)."""
-    from tqdm.auto import tqdm
-
-    tqdm.write(text)
-    sys.stdout.flush()
-
-
-@contextlib.contextmanager
-def _lines_above(progress):
-    """While the progress bar shows, the package's log lines go above it, as :func:`_print_line` does."""
-    if progress is None:
-        yield
-        return
-    from tqdm.contrib.logging import logging_redirect_tqdm
-
-    with logging_redirect_tqdm([logging.getLogger("twinkle_strategy")]):
-        yield

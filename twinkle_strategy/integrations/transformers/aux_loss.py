@@ -9,7 +9,8 @@ process computes on the concatenated batch.
 
 TRL's fused forwards return no router logits, so they are read where every forward produces them:
 from the output of the model's backbone (``base_model``), the first forward of each ``compute_loss``
-(TRL's later forwards there are gradient-free, for metrics).
+(TRL's later forwards there are gradient-free, for metrics). The step's router pre-pass is the step core's
+(:meth:`~twinkle_strategy.step.TrainingStep.router_prepass`).
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ from collections.abc import Iterator
 
 from torch import nn
 
-from twinkle_strategy.compat.transformers_internals import trainer_prepare_inputs
-from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
+from twinkle_strategy.moe.balance import GlobalBatchAuxLoss
 
 
 def take_over_aux_loss(trainer, model: nn.Module) -> GlobalBatchAuxLoss | None:
@@ -67,22 +67,11 @@ def first_forward_routing(model: nn.Module, aux_loss: GlobalBatchAuxLoss) -> Ite
             handle.remove()
 
 
-def router_prepass(trainer, batch_samples: list[dict], *, prepared: bool = False) -> RouterStats:
-    """The router statistics of a step's micro-batches over every rank (one gradient-free forward each), so that
-    the first micro-batch's backward already sees the global batch's expert fractions. ``prepared``: the batches
-    are already on the device as the forward takes them (sequence parallelism's chunks), else the trainer
-    prepares each as its training step will."""
-    trainer.model.train()
-    return trainer.global_aux_loss.prepass(
-        trainer.model, (batch if prepared else trainer_prepare_inputs(trainer, batch) for batch in batch_samples),
-        expert_load=trainer.step_metrics.expert_load, replay_of=trainer.strategy.replay_of_batch)
-
-
 def share_scale(trainer, num_items_in_batch) -> int:
     """What a (rank, micro-batch) share of the global loss is multiplied by: the shares add up over ranks and
     micro-batches to the global loss, FSDP averages gradients over the ranks, and ``training_step`` divides the
     loss by the accumulation steps unless it is already scaled for them (transformers' own rule)."""
-    scale = trainer.strategy.world_size
+    scale = trainer.step_core.loss_scale
     scaled_for_accumulation = getattr(trainer, "loss_is_scaled_for_ga", None)
     if scaled_for_accumulation is None:
         scaled_for_accumulation = (trainer.model_accepts_loss_kwargs and num_items_in_batch is not None) \

@@ -8,79 +8,53 @@ peak is unknown (CPU).
 
 from __future__ import annotations
 
-import logging
 import time
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from twinkle_strategy.errors import ModelStructureError
-from twinkle_strategy.moe.discovery import find_moe_blocks
-from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops, throughput
-from twinkle_strategy.moe.load import ExpertLoad, load_imbalance
-
-logger = logging.getLogger(__name__)
+from twinkle_strategy.moe.load import load_imbalance
+from twinkle_strategy.step import TrainingStep, all_reduce_sum
 
 
 class StepMetrics:
-    """Counts tokens and expert load between two HF log lines (``observe`` each training micro-batch)."""
+    """Counts tokens and expert load between two HF log lines (``observe`` each training micro-batch, whole rows)."""
 
-    def __init__(self, model: nn.Module, *, ep_size: int, device: torch.device) -> None:
-        self.device = device
-        self.expert_load = _expert_load_or_none(model, ep_size=ep_size)
-        self.flops = FlopsModel.of(model, ep_size=ep_size) if self.expert_load is not None else None
-        self.peak_tflops = device_peak_tflops(device)
-        self.tokens = 0
-        self.sequences = 0
+    def __init__(self, step_core: TrainingStep) -> None:
+        self.step_core = step_core
+        self.device = step_core.strategy.device
+        # Under sequence parallelism the ranks of a group observe the same rows: each counts its share of them.
+        self.share = 1.0 / step_core.sequence_parallel
+        self.tokens = 0.0
+        self.sequences = 0.0
         self.since = time.perf_counter()
 
     def observe(self, inputs: dict) -> None:
-        """Before a training forward: count its tokens, and keep padding out of the expert load."""
+        """A training micro-batch as collated (whole rows): count its tokens and sequences."""
         mask = inputs.get("attention_mask")
         ids = inputs.get("input_ids")
-        if self.expert_load is not None:
-            self.expert_load.token_mask = mask
         if mask is not None:
-            self.tokens += int(mask.sum())
-            self.sequences += mask.shape[0]
+            self.tokens += int(mask.sum()) * self.share
+            self.sequences += mask.shape[0] * self.share
         elif ids is not None:
-            self.tokens += ids.numel()
+            self.tokens += ids.numel() * self.share
             positions = inputs.get("position_ids")
             # A packed row holds one sequence per restart of its positions (the attention FLOPs' length).
-            self.sequences += int((positions == 0).sum()) if positions is not None else ids.shape[0]
-
-    def mask_tokens(self, mask) -> None:
-        """Before a forward of another shape than the observed batch (a sequence-parallel chunk): its padding mask."""
-        if self.expert_load is not None:
-            self.expert_load.token_mask = mask
+            self.sequences += (int((positions == 0).sum()) if positions is not None else ids.shape[0]) * self.share
 
     def take(self) -> dict[str, float]:
         """The fields since the last call, over every rank (collective); resets."""
-        totals = torch.tensor([self.tokens, self.sequences], dtype=torch.float64, device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(totals)
+        totals = all_reduce_sum(torch.tensor([self.tokens, self.sequences], dtype=torch.float64, device=self.device))
         tokens, sequences = totals.tolist()
         seconds = time.perf_counter() - self.since
         fields: dict[str, float] = {}
-        if self.flops is not None and sequences:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            fields.update(throughput(self.flops, tokens=tokens, seq_len=tokens / sequences, seconds=seconds,
-                                     world_size=world, peak_tflops=self.peak_tflops))
+        core = self.step_core
+        if core.expert_load is not None and sequences:
+            fields.update(core.throughput(tokens=tokens, seq_len=tokens / sequences, seconds=seconds))
         else:
             fields["tokens_per_second"] = round(tokens / max(seconds, 1e-9), 3)
-        if self.expert_load is not None:
-            counts = self.expert_load.take_global()
-            if counts.sum() > 0:
-                fields["moe_load_imbalance"] = round(load_imbalance(counts), 6)
-        self.tokens = self.sequences = 0
+        counts = core.take_expert_counts()
+        if counts is not None and counts.sum() > 0:
+            fields["moe_load_imbalance"] = round(load_imbalance(counts), 6)
+        self.tokens = self.sequences = 0.0
         self.since = time.perf_counter()
         return fields
-
-
-def _expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
-    try:
-        return ExpertLoad(model, ep_size=ep_size) if find_moe_blocks(model) else None
-    except ModelStructureError as exc:
-        logger.warning("no expert-load statistics: %s", exc)
-        return None

@@ -19,15 +19,18 @@ What changes, and why:
   TRL's ``peft_config`` is applied to the whole, un-split model first.
 * accelerate sees a prepared model: no DDP, no FSDP plugin, no ``cpu_ram_efficient_loading``
   broadcast from rank 0. Settings that would shard again are refused in one line
-  (:mod:`.refusals`). The data stays accelerate's: each rank its own part of every global batch.
+  (:mod:`.refusals`). The data stays accelerate's: each data-parallel rank its own part of every global batch.
 * Gradient norms and clipping span the expert and non-expert meshes.
 * Where the model adds its own load-balancing loss (``output_router_logits`` and
   ``router_aux_loss_coef > 0``), or TRL's trainers add it (on by default, with the model's
   coefficient), its token fractions are counted over the global batch (every rank, every
   micro-batch of the step), as twinkle's own Trainer does (:mod:`.aux_loss`).
+* The step is the one every front-end takes (:class:`~twinkle_strategy.step.TrainingStep`): the sequence
+  split, the global token count, the router pre-pass, the loss scale, clipping, the expert load.
 * Packed rows (``DataCollatorWithFlattening``, TRL's ``padding_free``) keep each example's attention to itself,
-  and ``strategy.sequence_parallel_size`` splits every sequence over a group of ranks, as twinkle's own Trainer
-  does; what cannot be served so is refused in one line (:mod:`.sequence`).
+  and ``strategy.sequence_parallel_size`` splits every sequence over a group of ranks that share their examples,
+  as twinkle's own Trainer does: the global batch is ``per_device_train_batch_size x gradient_accumulation_steps x
+  world / sequence_parallel_size``; what cannot be served so is refused in one line (:mod:`.sequence`).
 * Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
   (:mod:`.step_metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
@@ -59,6 +62,7 @@ from twinkle_strategy.compat.transformers_internals import (
     file_size_bytes,
     mark_accelerate_prepared,
     parent_save_checkpoint,
+    trainer_prepare_inputs,
 )
 from twinkle_strategy.errors import ParallelConfigError, ResumeError
 from twinkle_strategy.integrations.transformers.async_save import (
@@ -68,7 +72,6 @@ from twinkle_strategy.integrations.transformers.async_save import (
 )
 from twinkle_strategy.integrations.transformers.aux_loss import (
     first_forward_routing,
-    router_prepass,
     share_scale,
     take_over_aux_loss,
 )
@@ -76,10 +79,11 @@ from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
-from twinkle_strategy.integrations.transformers.sequence import serve_sequences
+from twinkle_strategy.integrations.transformers.sequence import serve_sequences, share_examples_in_groups
 from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
 from twinkle_strategy.moe.balance import RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
+from twinkle_strategy.step import StepPolicy, TrainingStep
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
 logger = logging.getLogger(__name__)
@@ -105,7 +109,7 @@ class StrategyTrainerMixin:
         self.strategy = strategy
         super().__init__(*args, **kwargs)
         # Packed rows and sequence parallelism (.sequence): refusals before any rank receives its weights.
-        self.sequence_batches = serve_sequences(self, strategy)
+        self.packed_rows = serve_sequences(self, strategy)
         self._wrap_with_strategy()
         self.async_checkpoints = None
         if async_save:
@@ -115,24 +119,39 @@ class StrategyTrainerMixin:
     def _wrap_with_strategy(self) -> None:
         prepare_for_trainer(self.strategy, self.model)  # in place: the trainer's references stay valid
         self.model_wrapped = self.model
-        self.step_metrics = StepMetrics(self.model, ep_size=self.strategy.ep_size, device=self.strategy.device)
         # The model's (or TRL's) load-balancing loss, counted over the global batch instead (.aux_loss).
         self.global_aux_loss = take_over_aux_loss(self, self.model) if self.replaces_model_aux_loss else None
+        self.step_core = TrainingStep(self.strategy, self.model, balancing=self.global_aux_loss,
+                                      policy=StepPolicy(max_grad_norm=self.args.max_grad_norm))
+        self.step_metrics = StepMetrics(self.step_core)
         self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
+
+    @property
+    def sequence_parallel(self) -> bool:
+        """Whether each rank trains on its chunk of rows its sequence-parallel group shares."""
+        return self.strategy.dims.sp_enabled
+
+    # -- the data: under sequence parallelism a group's ranks draw the same examples
+    def get_train_dataloader(self, *args, **kwargs):
+        dataloader = super().get_train_dataloader(*args, **kwargs)
+        return share_examples_in_groups(dataloader, self.strategy) if self.sequence_parallel else dataloader
 
     # -- the model's load-balancing loss over the global batch
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         for batch in batch_samples:
-            self.sequence_batches.prepare(self.model, batch)
+            self.packed_rows.prepare(self.model, batch)
+            self.step_metrics.observe(batch)  # whole rows, before the split
         self._step_router_stats = None
-        # Under sequence parallelism every micro-batch of the group is exchanged once here, for the whole step.
-        forwards = (self.sequence_batches.step(batch_samples, num_items_in_batch) if self.sequence_batches.enabled
-                    else None)
-        if self.global_aux_loss is not None and len(forwards or batch_samples) > 1:
+        if self.sequence_parallel:  # this rank's chunk of each shared micro-batch; the tokens over every chunk
+            batch_samples = self.step_core.split(batch_samples).tensors
+            if num_items_in_batch is not None:
+                num_items_in_batch = self.step_core.global_tokens(batch_samples).loss
+        if self.global_aux_loss is not None and len(batch_samples) > 1:
             # Several forwards: the global counts must be known before the first one's backward.
-            self._step_router_stats = router_prepass(self, batch_samples if forwards is None else forwards,
-                                                     prepared=forwards is not None)
+            forwards = batch_samples if self.sequence_parallel else [trainer_prepare_inputs(self, batch)
+                                                                     for batch in batch_samples]
+            self._step_router_stats = self.step_core.router_prepass(self.model, forwards)
         return batch_samples, num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
@@ -161,20 +180,11 @@ class StrategyTrainerMixin:
 
     # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
-        self.step_metrics.observe(inputs)
-        self.sequence_batches.prepare(self.model, inputs)
-        if not self.sequence_batches.enabled:
-            return super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
-        # This rank's chunk of every group member's micro-batch, one forward and backward each (see .sequence).
-        loss = None
-        for chunk, count in self.sequence_batches.forwards(inputs, num_items_in_batch):
-            self.step_metrics.mask_tokens(chunk.get("attention_mask"))
-            part = super().training_step(model, chunk, count, *args, **kwargs)
-            loss = part if loss is None else loss + part
-        return loss
+        self.step_core.count_tokens_of(inputs)  # padding stays out of the expert load
+        return super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
 
     def prediction_step(self, *args, **kwargs):
-        if self.sequence_batches.enabled:
+        if self.sequence_parallel:
             raise ParallelConfigError(f"sequence_parallel_size={self.strategy.dims.sp_size}: evaluation is not split "
                                       "along the sequence yet; evaluate with sequence_parallel_size=1")
         return super().prediction_step(*args, **kwargs)
@@ -197,11 +207,11 @@ class StrategyTrainerMixin:
 
     def clip_grad_norm(self, model) -> torch.Tensor:
         """Clip to ``max_grad_norm`` over every mesh; the norm before clipping."""
-        return self.strategy.clip_grad_norm_(model, self.args.max_grad_norm)
+        return self.step_core.clip(model, self.args.max_grad_norm)
 
     def _get_grad_norm(self, model, grad_norm=None):
         if grad_norm is None:
-            grad_norm = self.strategy.clip_grad_norm_(model, float("inf"))
+            grad_norm = self.step_core.clip(model, float("inf"))
         return grad_norm.item() if isinstance(grad_norm, torch.Tensor) else grad_norm
 
     # -- saving: every rank writes its own rows; no gather of the model

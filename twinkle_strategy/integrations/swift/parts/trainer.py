@@ -84,11 +84,11 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
         async_save = trainer_options(STATE.fsdp_options)["async_save"]
         super().__init__(*args, strategy=get_strategy(), async_save=async_save, **kwargs)
         self._legacy_state_of: tuple[str, dict | None] | None = None  # (checkpoint, its older per-rank state)
-        if self.sequence_batches.enabled:  # swift's loss on the strategy's chunks (.sequence)
+        if self.sequence_parallel:  # swift's loss on the strategy's chunks (.sequence)
             serve_chunks(self)
 
     def _compute_acc(self, outputs, labels, cu_seqlens=None) -> None:
-        if self.sequence_batches.enabled:  # a chunk's labels are shifted already
+        if self.sequence_parallel:  # a chunk's labels are shifted already
             outputs, labels = chunk_accuracy_inputs(outputs, labels)
         return super()._compute_acc(outputs, labels, cu_seqlens=cu_seqlens)
 

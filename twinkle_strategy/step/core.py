@@ -1,0 +1,213 @@
+"""One training step, the same for every front-end: twinkle's ``Trainer``, the ``transformers.Trainer`` mixin (and so
+TRL's trainers and the ms-swift plugin).
+
+A front-end hands over the micro-batches of one optimizer step as its data path collated them; :class:`TrainingStep`
+then owns what makes the step's gradient the one a single process would compute on the whole global batch:
+
+* **the split** (:meth:`TrainingStep.split`): under sequence parallelism every rank of a group holds the same
+  micro-batches (the ecosystem's meaning, as accelerate's context parallelism, ms-swift and torchtitan: data-parallel
+  size = world / sequence_parallel_size) and keeps its chunk of every row; packed rows stay one row, cut the same way.
+  The length a token attends over (the attention FLOPs) is measured on the whole rows, before the cut;
+* **the global token count** (:meth:`TrainingStep.global_tokens`): the loss tokens of every rank's chunks, each token
+  counted once, the ``num_items_in_batch`` every forward divides its token-loss sum by;
+* **the router pre-pass** (:meth:`TrainingStep.router_prepass`): with several forwards per step, the global-batch
+  load-balancing loss needs the whole step's router counts before the first backward;
+* **backward scaling** (:attr:`TrainingStep.loss_scale`): FSDP averages gradients over every rank, so each rank's
+  share (its token-loss sum / the global count) is multiplied by the world size;
+* **clipping** (:meth:`TrainingStep.clip`) over the expert and the non-expert meshes;
+* **metrics**: the expert load (:attr:`TrainingStep.expert_load`) and the throughput fields
+  (:meth:`TrainingStep.throughput`).
+
+How a front-end runs its forwards (its own loss hooks, logging and saving) stays the front-end's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from twinkle_strategy.errors import ModelStructureError, ParallelConfigError
+from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
+from twinkle_strategy.moe.discovery import find_moe_blocks
+from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops, throughput
+from twinkle_strategy.moe.load import ExpertLoad
+from twinkle_strategy.sequence.batch import ROUTED_EXPERTS, loss_tokens
+
+logger = logging.getLogger(__name__)
+
+# What the sequence split cuts (sequence.split_batch; it adds the shifted labels).
+SPLIT_KEYS = frozenset({"input_ids", "labels", "attention_mask", "position_ids", ROUTED_EXPERTS})
+# What flattening collators add to describe the whole row for flash attention (TRL, transformers): not a chunk's.
+# The Ulysses attention finds the examples from the gathered global position ids instead.
+WHOLE_ROW_KEYS = frozenset({"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"})
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class StepPolicy:
+    """How every front-end takes a step. ``max_grad_norm``: the clipping threshold (``inf``: measure, never clip).
+    ``peak_tflops``: the device's peak for ``mfu`` (None: the known peak of the device, if any)."""
+
+    max_grad_norm: float
+    peak_tflops: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatches:
+    """This rank's micro-batches of one optimizer step, and the length their tokens attend over (for the FLOPs)."""
+
+    tensors: list[dict[str, torch.Tensor]]  # as the model takes them (under sequence parallelism: the rank's chunks)
+    attention_length: float  # mean over the micro-batches, measured on whole rows (see attention_length)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCounts:
+    """A step's tokens over every rank: those its loss is taken over, and the non-padding input tokens."""
+
+    loss: torch.Tensor  # int64 on the device: pass as num_items_in_batch
+    inputs: int
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over every rank, in place (itself without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
+    """Expert-load counting for an MoE model whose experts call we know; None otherwise (dense models, and
+    families EP refuses, which still train with ep_size=1 but log no moe_load_imbalance)."""
+    try:
+        return ExpertLoad(model, ep_size=ep_size) if find_moe_blocks(model) else None
+    except ModelStructureError as exc:
+        logger.warning("no expert-load statistics: %s", exc)
+        return None
+
+
+def real_token_count(batch: dict[str, torch.Tensor]) -> int:
+    """Non-padding tokens of a collated batch (a flattened batch has no padding)."""
+    mask = batch.get("attention_mask")
+    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+
+
+def attention_length(batch: dict[str, torch.Tensor]) -> float:
+    """The sequence length a token attends over on average, for the attention FLOPs: the padded length, or,
+    in a flattened batch, each example's length weighted by its tokens (sum of squares / tokens)."""
+    positions = batch.get("position_ids")
+    if positions is None or "attention_mask" in batch:
+        return float(batch["input_ids"].shape[1])
+    starts = (positions.reshape(-1) == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
+    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
+    return sum(n * n for n in lengths) / max(sum(lengths), 1)
+
+
+def left_padded(batch: dict) -> bool:
+    """Whether a row of ``batch`` has padding before a real token (its attention mask rises again after a 0)."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.dim() != 2:
+        return False
+    return bool((mask[:, 1:] > mask[:, :-1]).any())
+
+
+class TrainingStep:
+    """The step core of one model trained through ``strategy`` (wrapped or about to be: the counters hook the
+    experts' modules, which wrapping keeps). ``balancing``: the global-batch load-balancing loss, if any."""
+
+    def __init__(self, strategy, model: nn.Module, *, policy: StepPolicy,
+                 balancing: GlobalBatchAuxLoss | None = None, ep_size: int | None = None) -> None:
+        strategy.setup()
+        self.strategy = strategy
+        self.policy = policy
+        self.balancing = balancing
+        ep_size = strategy.ep_size if ep_size is None else ep_size
+        self.expert_load = expert_load_or_none(model, ep_size=ep_size)
+        self._model = model
+        self.peak_tflops = policy.peak_tflops or device_peak_tflops(strategy.device)
+
+    @functools.cached_property
+    def flops(self) -> FlopsModel:
+        """The model's FLOPs per token, as wrapped (on first use: the model may be wrapped after the core is built)."""
+        return FlopsModel.of(self._model, ep_size=self.strategy.ep_size)
+
+    @property
+    def sequence_parallel(self) -> int:
+        return self.strategy.dims.sp_size
+
+    @property
+    def loss_scale(self) -> int:
+        """What each rank's loss share is multiplied by before backward: FSDP averages gradients over every rank,
+        and the shares (token-loss sums / the global count) add up over ranks to the global per-token mean."""
+        return self.strategy.world_size
+
+    def split(self, batches: list[dict]) -> StepBatches:
+        """This rank's chunk of each of the step's micro-batches (each itself without sequence parallelism), on the
+        device. Under sequence parallelism the group's ranks pass the same batches (refusals: on every rank alike)."""
+        lengths = [attention_length(batch) for batch in batches]  # before the cut: a chunk attends over its row
+        if self.sequence_parallel > 1:
+            self._refuse_unsplittable(batches)
+        device = self.strategy.device
+        tensors = []
+        for batch in batches:
+            batch = {k: torch.as_tensor(v).to(device) for k, v in batch.items()
+                     if v is not None and not (self.sequence_parallel > 1 and k in WHOLE_ROW_KEYS)}
+            tensors.append(self.strategy.split_sequence(batch))
+        return StepBatches(tensors=tensors, attention_length=sum(lengths) / max(len(lengths), 1))
+
+    def _refuse_unsplittable(self, batches: list[dict]) -> None:
+        sp = self.sequence_parallel
+        unknown = sorted({k for batch in batches for k, v in batch.items() if v is not None} - SPLIT_KEYS
+                         - WHOLE_ROW_KEYS)
+        if unknown:  # the same keys on the group's ranks (the same batches): each raises here, before a collective
+            raise ParallelConfigError(
+                f"sequence_parallel_size={sp} cannot split the batch key(s) {unknown} along the sequence (it splits "
+                f"{sorted(SPLIT_KEYS)}); drop them from the data collator's output, or use sequence_parallel_size=1")
+        # Rows padded on the left would let real tokens attend to the padding before them (the split keeps
+        # attention causal, with no padding mask): refused on every rank at once, whichever rank holds one.
+        left = torch.tensor(float(any(left_padded(batch) for batch in batches)), device=self.strategy.device)
+        if dist.is_initialized():
+            dist.all_reduce(left, op=dist.ReduceOp.MAX)
+        if left.item():
+            raise ParallelConfigError(f"sequence_parallel_size={sp} needs rows padded on the right; a batch of this "
+                                      "step is padded on the left: set the tokenizer's padding_side='right' (or the "
+                                      "data collator's), or use sequence_parallel_size=1")
+
+    def global_tokens(self, chunks: list[dict]) -> TokenCounts:
+        """The step's loss and input tokens over every rank (collective): each token once, whichever rank's chunk
+        holds it."""
+        sizes = torch.tensor([sum(loss_tokens(b) for b in chunks), sum(real_token_count(b) for b in chunks)],
+                             dtype=torch.long, device=self.strategy.device)  # int64: exact past 2**24 tokens
+        loss, inputs = all_reduce_sum(sizes)
+        return TokenCounts(loss=loss, inputs=int(inputs))
+
+    def router_prepass(self, model: nn.Module, chunks: list[dict]) -> RouterStats | None:
+        """The global router statistics of the step's forwards (collective, one gradient-free forward each), or None
+        when the first forward's own statistics serve (one forward per step) or no global aux loss is taken."""
+        if self.balancing is None or len(chunks) <= 1:
+            return None
+        model.train()
+        return self.balancing.prepass(model, iter(chunks), expert_load=self.expert_load,
+                                      replay_of=self.strategy.replay_of_batch)
+
+    def clip(self, model: nn.Module, max_norm: float | None = None) -> torch.Tensor:
+        """Clip every gradient to ``max_norm`` (the policy's by default) over every mesh; the norm before."""
+        return self.strategy.clip_grad_norm_(model, self.policy.max_grad_norm if max_norm is None else max_norm)
+
+    def count_tokens_of(self, batch: dict) -> None:
+        """Before a training forward: keep padding out of the expert load."""
+        if self.expert_load is not None:
+            self.expert_load.token_mask = batch.get("attention_mask")
+
+    def take_expert_counts(self) -> torch.Tensor | None:
+        """The [layers, experts] router choices since the last call, over every rank (collective); None: not MoE."""
+        return self.expert_load.take_global() if self.expert_load is not None else None
+
+    def throughput(self, *, tokens: float, seq_len: float, seconds: float) -> dict[str, float]:
+        """tokens_per_second, tflops_per_device and (on a device with a known peak) mfu, for ``tokens`` global
+        non-padding tokens trained in ``seconds``."""
+        return throughput(self.flops, tokens=tokens, seq_len=seq_len, seconds=seconds,
+                          world_size=self.strategy.world_size, peak_tflops=self.peak_tflops)
