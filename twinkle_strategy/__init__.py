@@ -27,7 +27,7 @@ _EXPORTS = {
     "StrategyConfig": "twinkle_strategy.config",
     # The two front-ends users train with (no TYPE_CHECKING import above: the library imports no front-end).
     "Trainer": "twinkle_strategy.train.trainer",
-    "with_strategy": "twinkle_strategy.integrations.transformers.trainer",
+    "with_strategy": "twinkle_strategy.integrations.transformers.classes",
     "ParallelDims": "twinkle_strategy.parallel",
     "apply_expert_parallel": "twinkle_strategy.moe.expert_parallel",
     "TwinkleError": "twinkle_strategy.errors",

@@ -127,7 +127,7 @@ def test_split_batch_keeps_global_positions_and_shifts_labels_on_the_whole_row()
 
 def test_left_padded_rows_are_found_for_the_trainers_refusal():
     """The transformers layer refuses a step with a row padded on the left (real tokens would attend to it)."""
-    from twinkle_strategy.integrations.transformers.sequence import left_padded
+    from twinkle_strategy.step.core import left_padded
 
     right = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
     assert not left_padded({"attention_mask": right}) and not left_padded({"position_ids": right})
