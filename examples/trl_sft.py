@@ -61,16 +61,11 @@ def train(args) -> None:
 def demo() -> None:
     """Run this script on the tiny demo model as 2 simulated nodes x 2 ranks on this machine."""
     sys.path.insert(0, ROOT)
-    from twinkle_strategy import demo_model_path
-    from twinkle_strategy.train.launcher import run_simulated_nodes
+    from twinkle_strategy.train.launcher import run_demo
 
     dataset = os.path.join(ROOT, "examples", "data", "demo_sft.jsonl")
-    demo_model_path()  # built once here, not by the 4 ranks at once
-    result = run_simulated_nodes([os.path.abspath(__file__), "--model", "tiny://demo", "--dataset", dataset,
-                                  "--max-steps", "5", "--output-dir", os.path.join(ROOT, "output", "trl_sft")],
-                                 nnodes=2, nproc_per_node=2, timeout=600,
-                                 env={"OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT})
-    sys.exit(0 if all(rc == 0 for rc in result.returncodes) else 1)
+    run_demo(__file__, ["--model", "tiny://demo", "--dataset", dataset, "--max-steps", "5",
+                        "--output-dir", os.path.join(ROOT, "output", "trl_sft")], repo_root=ROOT)
 
 
 def main() -> None:

@@ -210,8 +210,8 @@ def load_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy,
         trainer_state = json.load(f)
     state_dir = os.path.join(path, STATE_DIR)
     if not os.path.isfile(os.path.join(state_dir, "optimizer.json")) and optimizer is not None:
-        raise ResumeError(f"{path} has no optimizer state ({STATE_DIR}/optimizer.json): it was saved with "
-                          "save_only_model, or by an older version; start a new run from its weights instead")
+        raise ResumeError(f"{path} has no optimizer state ({STATE_DIR}/optimizer.json): it was saved "
+                          "with its weights only, or by an older version; start a new run from its weights instead")
     for key, value in expect.items():
         if trainer_state.get(key) != value:
             raise ResumeError(f"checkpoint {path} was saved with {key}={trainer_state.get(key)}, this run has "
@@ -251,8 +251,8 @@ def load_trainer_state(path: str, model: nn.Module, ep_plan: ExpertParallelPlan 
 
 
 _EXPECT_HINTS = {
-    "global_batch": ("The samples of each step depend on the global batch (per_device_train_batch_size x "
-                     "gradient_accumulation_steps x data-parallel ranks): keep it, e.g. double "
-                     "per_device_train_batch_size on half the ranks."),
+    "global_batch": ("The samples of each step depend on the global batch (micro-batch size x gradient "
+                     "accumulation steps x data-parallel ranks): keep it, e.g. double the micro-batch size on half "
+                     "the ranks."),
     "peft": "Resume a LoRA run with the same LoRA configuration, and a full run without one.",
 }

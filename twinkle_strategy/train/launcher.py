@@ -375,3 +375,15 @@ def run_agents(commands: list[list[str]], env: dict[str, str] | list[dict[str, s
     finally:
         stopper.kill_all()
         stopper.restore()
+
+
+def run_demo(script: str, args: list[str], *, repo_root: str) -> None:
+    """An example's ``--demo``: ``script`` with ``args`` as 2 simulated nodes x 2 ranks on this machine, on the
+    tiny demo model; exits with 0 when every node did. The model is built here first, once, not by four ranks at
+    once; the ranks import this checkout's package (``repo_root`` on their PYTHONPATH)."""
+    from twinkle_strategy.sources.demo import demo_model_path
+
+    demo_model_path()
+    result = run_simulated_nodes([os.path.abspath(script), *args], nnodes=2, nproc_per_node=2, timeout=600,
+                                 env={"OMP_NUM_THREADS": "1", "PYTHONPATH": repo_root})
+    sys.exit(0 if all(rc == 0 for rc in result.returncodes) else 1)
