@@ -1,0 +1,46 @@
+"""Trainer/rollout mismatch telemetry (twinkle_strategy/rl/mismatch.py), one process: the logprob gap, the k3 KL and
+the routing disagreement against figures computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from twinkle_strategy.rl.mismatch import logprob_mismatch, routing_disagreement
+
+
+def test_logprob_mismatch_is_the_mean_gap_and_the_k3_kl_over_completion_tokens():
+    trainer = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -9.0, -9.0]])
+    rollout = torch.tensor([[-1.5, -2.0, -2.0], [-0.25, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])  # the padding's huge gaps are not counted
+    mismatch = logprob_mismatch(trainer, rollout, mask=mask)
+    log_ratios = [0.5, 0.0, -1.0, -0.25]
+    assert mismatch.tokens == 4
+    assert mismatch.mean_abs == pytest.approx(sum(abs(r) for r in log_ratios) / 4)
+    assert mismatch.kl_k3 == pytest.approx(sum(math.exp(r) - 1 - r for r in log_ratios) / 4)
+
+
+def test_the_k3_kl_is_zero_for_the_same_policy_and_positive_otherwise():
+    logps = torch.log_softmax(torch.randn(4, 6, generator=torch.Generator().manual_seed(0)), dim=-1)
+    same = logprob_mismatch(logps, logps.clone())
+    assert same.mean_abs == 0.0 and same.kl_k3 == 0.0
+    assert logprob_mismatch(logps, logps + 0.1).kl_k3 > 0
+
+
+def test_logprob_mismatch_with_nothing_to_compare_or_shapes_that_differ():
+    assert logprob_mismatch(torch.zeros(2, 3), torch.zeros(2, 3), mask=torch.zeros(2, 3)) is None
+    with pytest.raises(ValueError, match=r"trainer logprobs \[2, 3\] and rollout logprobs \[2, 4\]"):
+        logprob_mismatch(torch.zeros(2, 3), torch.zeros(2, 4))
+
+
+def test_routing_disagreement_counts_token_layer_decisions_whose_sets_differ():
+    # [tokens=3, layers=2, top_k=2]
+    reference = torch.tensor([[[0, 1], [2, 3]], [[4, 5], [6, 7]], [[0, 2], [1, 3]]])
+    routed = torch.tensor([[[1, 0], [2, 3]],   # the same sets in another order: agree
+                           [[4, 6], [6, 7]],   # layer 0 differs
+                           [[-1, -1], [0, 3]]])  # layer 0 not recorded (not compared), layer 1 differs
+    assert routing_disagreement(reference, routed) == pytest.approx(2 / 5)
+    assert routing_disagreement(reference, routed, mask=torch.tensor([1, 0, 0])) == 0.0
+    assert routing_disagreement(reference, torch.full_like(reference, -1)) is None
