@@ -44,3 +44,40 @@ def test_routing_disagreement_counts_token_layer_decisions_whose_sets_differ():
     assert routing_disagreement(reference, routed) == pytest.approx(2 / 5)
     assert routing_disagreement(reference, routed, mask=torch.tensor([1, 0, 0])) == 0.0
     assert routing_disagreement(reference, torch.full_like(reference, -1)) is None
+
+
+class _LossForward:
+    """In place of TRL's GRPOTrainer under the mixin: its compute_loss runs the policy's logprob forward through
+    ``_get_per_token_logps_and_entropies`` (as TRL's ``_compute_loss`` does), which answers ``trainer_logps``."""
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        logps, _, _ = self._get_per_token_logps_and_entropies(model, inputs["completion_ids"], None, 3)
+        return -logps.mean()
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           **kwargs):
+        return self.trainer_logps, None, None
+
+
+@pytest.mark.parametrize("key", ["sampling_per_token_logps", "rollout_logprobs"])
+def test_the_grpo_mixin_logs_the_rollout_logprob_mismatch_of_each_loss_forward(key):
+    import collections
+    import contextlib
+    import types
+
+    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin
+
+    trainer = object.__new__(type("Trainer", (StrategyGRPOTrainerMixin, _LossForward), {}))
+    trainer.model = types.SimpleNamespace(training=True)
+    trainer.strategy = types.SimpleNamespace(replay_of_batch=lambda batch: (batch, contextlib.nullcontext()))
+    trainer.global_aux_loss, trainer._batch_record, trainer._record_old_policy = None, None, False
+    trainer._training_logps, trainer._metrics = None, {"train": collections.defaultdict(list)}
+    trainer.trainer_logps = torch.tensor([[-1.0, -2.0, -3.0]])
+    inputs = {"completion_ids": torch.zeros(1, 3, dtype=torch.long), "completion_mask": torch.tensor([[1, 1, 0]]),
+              key: torch.tensor([[-1.5, -2.0, 0.0]])}
+    trainer.compute_loss(trainer.model, inputs)
+    metrics = trainer._metrics["train"]
+    assert metrics["rollout/logprob_abs_diff"] == [pytest.approx(0.25)]
+    assert metrics["rollout/kl_k3"] == [pytest.approx((math.exp(0.5) - 1 - 0.5) / 2)]
+    trainer.compute_loss(trainer.model, {k: v for k, v in inputs.items() if k != key})  # no rollout logprobs
+    assert len(metrics["rollout/kl_k3"]) == 1 and trainer._training_logps is None
