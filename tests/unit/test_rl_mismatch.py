@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from twinkle_strategy.rl.mismatch import logprob_mismatch, routing_disagreement
+from twinkle_strategy.rl.mismatch import LogprobMismatch, logprob_mismatch, routing_disagreement
 
 
 def test_logprob_mismatch_is_the_mean_gap_and_the_k3_kl_over_completion_tokens():
@@ -61,23 +61,26 @@ class _LossForward:
 
 @pytest.mark.parametrize("key", ["sampling_per_token_logps", "rollout_logprobs"])
 def test_the_grpo_mixin_logs_the_rollout_logprob_mismatch_of_each_loss_forward(key):
-    import collections
     import contextlib
     import types
 
-    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin
+    from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin, rollout_mismatch_logs
 
     trainer = object.__new__(type("Trainer", (StrategyGRPOTrainerMixin, _LossForward), {}))
     trainer.model = types.SimpleNamespace(training=True)
     trainer.strategy = types.SimpleNamespace(replay_of_batch=lambda batch: (batch, contextlib.nullcontext()))
     trainer.global_aux_loss, trainer._batch_record, trainer._record_old_policy = None, None, False
-    trainer._training_logps, trainer._metrics = None, {"train": collections.defaultdict(list)}
+    trainer._training_logps, trainer._rollout_mismatches = None, []
     trainer.trainer_logps = torch.tensor([[-1.0, -2.0, -3.0]])
     inputs = {"completion_ids": torch.zeros(1, 3, dtype=torch.long), "completion_mask": torch.tensor([[1, 1, 0]]),
               key: torch.tensor([[-1.5, -2.0, 0.0]])}
     trainer.compute_loss(trainer.model, inputs)
-    metrics = trainer._metrics["train"]
-    assert metrics["rollout/logprob_abs_diff"] == [pytest.approx(0.25)]
-    assert metrics["rollout/kl_k3"] == [pytest.approx((math.exp(0.5) - 1 - 0.5) / 2)]
     trainer.compute_loss(trainer.model, {k: v for k, v in inputs.items() if k != key})  # no rollout logprobs
-    assert len(metrics["rollout/kl_k3"]) == 1 and trainer._training_logps is None
+    (mismatch,) = trainer._rollout_mismatches
+    assert trainer._training_logps is None and mismatch.tokens == 2
+    assert mismatch.mean_abs == pytest.approx(0.25) and mismatch.kl_k3 == pytest.approx((math.exp(0.5) - 1.5) / 2)
+    # A log line's figures: the steps since the last line, weighted by their tokens.
+    other = LogprobMismatch(mean_abs=1.0, kl_k3=0.5, tokens=6)
+    assert rollout_mismatch_logs([mismatch, other]) == {
+        "rollout/logprob_abs_diff": pytest.approx((0.25 * 2 + 6) / 8),
+        "rollout/kl_k3": pytest.approx((mismatch.kl_k3 * 2 + 3) / 8)}

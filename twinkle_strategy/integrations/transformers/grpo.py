@@ -39,7 +39,7 @@ import torch
 from twinkle_strategy.compat.trl_internals import grpo_parent
 from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
-from twinkle_strategy.rl.mismatch import logprob_mismatch
+from twinkle_strategy.rl.mismatch import LogprobMismatch, logprob_mismatch
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pad_records
 
 REPLAY_MODES = ("auto", "r3", "r2", "off")
@@ -62,6 +62,7 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         self._batch_record: torch.Tensor | None = None  # the record of the sequences being scored, [B, S, layers, k]
         self._record_old_policy = False  # R2: the next policy forward of the scored batch records
         self._training_logps: list[torch.Tensor] | None = None  # set while a loss forward's logprobs are kept
+        self._rollout_mismatches: list[LogprobMismatch] = []  # the training steps' since the last log line
         super().__init__(*args, **kwargs)
         routing = self.strategy.routing
         served = routing is not None and routing.refusal is None
@@ -208,13 +209,17 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
             loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         finally:
             kept, self._training_logps = self._training_logps, None
-        if len(kept) == 1:  # (collective: the same key on every rank, from the same generation path)
+        if len(kept) == 1 and self.model.training:  # (collective: the same key on every rank, same generation path)
             mismatch = logprob_mismatch(kept[0], inputs[key], mask=inputs["completion_mask"])
             if mismatch is not None:
-                metrics = self._metrics["train" if self.model.training else "eval"]
-                metrics["rollout/logprob_abs_diff"].append(mismatch.mean_abs)
-                metrics["rollout/kl_k3"].append(mismatch.kl_k3)
+                self._rollout_mismatches.append(mismatch)
         return loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._rollout_mismatches:  # a training line: the steps since the last one
+            logs = {**logs, **rollout_mismatch_logs(self._rollout_mismatches)}
+            self._rollout_mismatches = []
+        super().log(logs, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         # GRPO's inputs are prompts until _prepare_inputs generates: observed there, not here.
@@ -223,3 +228,10 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
                                       "generated on each rank and not split along the sequence; train GRPO with "
                                       "sequence_parallel_size=1")
         return super(StrategyTrainerMixin, self).training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+
+
+def rollout_mismatch_logs(mismatches: list[LogprobMismatch]) -> dict[str, float]:
+    """A log line's figures from its steps' mismatches, weighted by their tokens."""
+    tokens = sum(m.tokens for m in mismatches)
+    return {"rollout/logprob_abs_diff": sum(m.mean_abs * m.tokens for m in mismatches) / tokens,
+            "rollout/kl_k3": sum(m.kl_k3 * m.tokens for m in mismatches) / tokens}
