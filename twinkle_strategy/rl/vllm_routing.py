@@ -41,7 +41,7 @@ def _routers(model) -> list:
     ``select_experts`` on)."""
     routers = []
     for module in model.modules():
-        for holder in (module, getattr(module, "runner", None), getattr(module, "_runner", None)):
+        for holder in (module, getattr(module, "runner", None)):
             router = getattr(holder, "router", None) if holder is not None else None
             if router is not None and hasattr(router, "select_experts") and router not in routers:
                 routers.append(router)

@@ -135,12 +135,13 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):
-        result = self._scored(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
+        result = self._replayed_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
         if self._training_logps is not None:  # the loss forward: its logprobs are compared with the rollout's
             self._training_logps.append(result[0].detach())
         return result
 
-    def _scored(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
+    def _replayed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
+        """TRL's logprob forward of the policy, replaying (R3) or recording (R2) the batch's routing."""
         if (model is not self.model or (self._batch_record is None and not self._record_old_policy)
                 or self._scores_the_reference()):
             return self._trl("_get_per_token_logps_and_entropies")(model, input_ids, attention_mask, logits_to_keep,
