@@ -111,6 +111,10 @@ def test_r2_replays_the_old_policy_routing_in_the_updates(runs):
         # record after an update moved the routers: replay keeps the old routing, and the telemetry shows it.
         assert r2["routing_agreement_min"][0] == 1.0, (rank, r2)
         assert r2["routing_agreement_mean"][1] is not None and r2["routing_agreement_mean"][1] < 1.0, (rank, r2)
+        # The old policy's logprobs, carried as rollout_logprobs: step 1's update forward computes them again
+        # (no mismatch), step 2's after an update (a mismatch, logged).
+        gap, kl = r2["rollout/logprob_abs_diff"], r2["rollout/kl_k3"]
+        assert gap[0] <= 1e-5 and kl[0] <= 1e-8 and gap[1] > 1e-3 and kl[1] > 0, (rank, r2)
 
 
 def test_dpo_trainer_matches_one_process(runs):

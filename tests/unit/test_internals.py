@@ -798,7 +798,7 @@ def test_the_strategy_trainers_override_only_registered_hooks():
     assert private - ours == set(hf.TRAINER_HOOKS)
     from twinkle_strategy.integrations.transformers.grpo import StrategyGRPOTrainerMixin
 
-    grpo_own = {"_trl", "_padded_record", "_scores_the_reference"}
+    grpo_own = {"_trl", "_padded_record", "_scores_the_reference", "_replayed_logps"}
     private = {n for n in vars(StrategyGRPOTrainerMixin) if n.startswith("_") and not n.startswith("__")}
     assert private - grpo_own == set(trl_steps.GRPO_STEPS)
     swift_own = {"_save_model", "_compute_acc"}  # swift's trainer mixin, not transformers'

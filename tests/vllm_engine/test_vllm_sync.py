@@ -5,7 +5,10 @@ started from the original checkpoint (tests/workers/vllm_sync.py; the engine run
 tests/workers/vllm_engine.py, with the vllm env's python, and the receiver, VLLMReceiver, in the engine's
 process). The engine's greedy outputs for 8 prompts then equal a fresh engine's started from the checkpoint the
 strategy saved at the same step, and differ from the engine's before the sync. Then LoRA (attention and
-experts) 3 steps: the merged export into that engine equals a fresh engine from save_merged's checkpoint.
+experts) 3 steps: the merged export into that engine equals a fresh engine from save_merged's checkpoint. Last,
+replay closes a real mismatch (tests/workers/vllm_routes.py): a bf16 engine's rollouts, with the routing captured in
+vLLM's routers (the CPU stand-in for ``enable_return_routed_experts``), forwarded by the bf16 trainer at ep=2 (this
+launch's 1x2 shape) without and with R3.
 
 The env is built on first use (about 10 minutes, once per machine; scripts/_venvs.sh caches it).
 """
@@ -35,7 +38,7 @@ def synced(vllm_python, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("vllm-ckpt") / "qwen3_moe"
     save_tiny_checkpoint("qwen3_moe", str(ckpt), **QWEN)
     out = tmp_path_factory.mktemp("vllm-sync")
-    result = launch("vllm_sync.py", ["--ckpt", str(ckpt), "--vllm-python", vllm_python, "--lora"], out, nnodes=1,
+    result = launch("vllm_sync.py", ["--ckpt", str(ckpt), "--vllm-python", vllm_python, "--lora", "--routes"], out, nnodes=1,
                     nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
     return result.rank_results()[0]
@@ -58,3 +61,14 @@ def test_lora_merged_export_generates_as_the_merged_checkpoint(synced):
     after, fresh = synced["lora_after"]["outputs"], synced["lora_fresh"]["outputs"]
     assert after == fresh, f"engine after the merged LoRA export {after} != fresh engine from save_merged {fresh}"
     assert after != synced["fresh"]["outputs"], "the LoRA export changed nothing in the engine"
+
+
+def test_r3_replays_the_vllm_rollouts_routing_and_shrinks_the_logprob_gap(synced):
+    routes = synced["routes"]
+    free, r3 = routes["free"], routes["r3"]
+    print(f"vLLM bf16 rollouts vs the bf16 trainer over {routes['decisions']} (token, layer) decisions: {free} "
+          f"without replay, {r3} with R3")
+    assert routes["decisions"] > 0 and free["tokens"] == r3["tokens"] > 0
+    assert r3["routing_disagreement"] == 0.0, f"R3 dispatched other experts than the engine's record: {r3}"
+    assert free["routing_disagreement"] > 0, f"the free forward routed exactly as vLLM: no mismatch measured {free}"
+    assert r3["logprob_abs_gap"] < free["logprob_abs_gap"], f"R3 did not shrink the logprob gap: {free} -> {r3}"

@@ -12,6 +12,8 @@
   hooks on every router count, in the update forwards, the experts used by the tokens the record covers against
   the record's counts.
 * ``r2``: LoRA, ``routing_replay="r2"``, ``num_iterations=2``: the old policy's forward records, the updates replay.
+  Its batches also carry the old policy's logprobs as ``rollout_logprobs`` (standing in for a rollout engine's):
+  the mixin logs their mismatch with each update forward's.
 * ``dpo``: ``with_strategy(DPOTrainer)``, LoRA, 2 steps.
 
 ``--mode plain`` (one process, plain TRL trainers): ``lora`` fed the completions the strategy's ranks generated
@@ -60,7 +62,8 @@ def grpo_config(out: str, *, plain: bool, **overrides):
     return GRPOConfig(**{**base, **overrides})
 
 
-def logged(trainer, keys=("loss", "reward", "grad_norm", "routing_agreement_min", "routing_agreement_mean")) -> dict:
+def logged(trainer, keys=("loss", "reward", "grad_norm", "routing_agreement_min", "routing_agreement_mean",
+                          "rollout/logprob_abs_diff", "rollout/kl_k3")) -> dict:
     lines = [h for h in trainer.state.log_history if "loss" in h]
     return {"steps": [h["step"] for h in lines], **{k: [h.get(k) for h in lines] for k in keys}}
 
@@ -79,10 +82,11 @@ class Rollouts:
 
 
 def grpo_class(base, *, feed: Rollouts | None = None, keep: list | None = None, rotate: bool = False,
-               count: dict | None = None):
+               count: dict | None = None, rollout_logprobs: bool = False):
     """``base`` (a GRPO trainer class), fed completions from ``feed``, keeping what it generated in ``keep``,
     rotating each rollout record (``rotate``) and counting per MoE layer the experts the update forwards use on
-    recorded tokens against the record's (``count``)."""
+    recorded tokens against the record's (``count``), giving each batch the old policy's logprobs as
+    ``rollout_logprobs`` (``rollout_logprobs``)."""
 
     class TestGRPOTrainer(base):
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
@@ -97,6 +101,12 @@ def grpo_class(base, *, feed: Rollouts | None = None, keep: list | None = None, 
                 record = self._batch_record
                 self._batch_record = torch.where(record >= 0, (record + 1) % self.strategy.routing.num_experts, record)
             return completions, logprobs
+
+        def _generate_and_score_completions(self, inputs):
+            output = super()._generate_and_score_completions(inputs)
+            if rollout_logprobs:
+                output["rollout_logprobs"] = output["old_per_token_logps"]
+            return output
 
         def replay_of_inputs(self, inputs):
             if count is not None:
@@ -132,7 +142,7 @@ def count_routing(model, count: dict):
 
 
 def run_grpo(a, name: str, *, lora: bool, replay: str = "auto", resume: str | None = None, rotate: bool = False,
-             feed: Rollouts | None = None, dtype=torch.float32, **overrides) -> dict:
+             feed: Rollouts | None = None, dtype=torch.float32, rollout_logprobs: bool = False, **overrides) -> dict:
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -153,7 +163,8 @@ def run_grpo(a, name: str, *, lora: bool, replay: str = "auto", resume: str | No
                                       mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
         model = strategy.from_pretrained(a.model, dtype=dtype)
         base, extra = with_strategy(GRPOTrainer), {"strategy": strategy, "routing_replay": replay}
-    trainer_class = grpo_class(base, feed=feed, keep=None if plain else keep, rotate=rotate, count=count)
+    trainer_class = grpo_class(base, feed=feed, keep=None if plain else keep, rotate=rotate, count=count,
+                               rollout_logprobs=rollout_logprobs)
     args = grpo_config(out, plain=plain, **overrides)
     torch.manual_seed(0)  # the same fresh adapter in every run
     lora_config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, **LORA_TARGETS) if lora else None
@@ -235,7 +246,7 @@ def main():
     if "forced" in runs:
         result.update(run_grpo(a, "forced", lora=False, rotate=True, beta=0.0, max_steps=2))
     if "r2" in runs:
-        result.update(run_grpo(a, "r2", lora=True, replay="r2", num_iterations=2, max_steps=2))
+        result.update(run_grpo(a, "r2", lora=True, replay="r2", num_iterations=2, max_steps=2, rollout_logprobs=True))
     if "dpo" in runs:
         result.update(run_dpo(a))
     return result

@@ -4,7 +4,9 @@ Started by the destination trainer rank (tests/workers/vllm_sync.py) with its li
 checkpoint: it starts the engine from that checkpoint at once (while the trainer trains), then serves commands:
 ("before",) the greedy outputs of the prompts; ("export", model_type) one export received (serve_export) into the
 engine through VLLMReceiver, then the outputs again; ("fresh", path) the outputs of a new engine started from
-``path``, which then receives the next export; ("quit",).
+``path``, which then receives the next export; ("routes", path, dtype, prompts, max_tokens) a new engine from ``path``
+in ``dtype`` (prefix caching off) generating ``prompts`` one at a time with their logprobs and the routing its MoE
+layers captured (twinkle_strategy.rl.vllm_routing: the CPU stand-in for ``enable_return_routed_experts``); ("quit",).
 """
 
 import gc
@@ -15,14 +17,16 @@ from multiprocessing.connection import Client
 
 from twinkle_strategy.rl.receivers import serve_export
 from twinkle_strategy.rl.vllm_receiver import VLLMReceiver
+from twinkle_strategy.rl.vllm_routing import generate_with_routing
 
 PROMPTS = [[1, 2, 3, 4 + i, 9 * i % 128] for i in range(8)]
 
 
-def engine(path: str):
+def engine(path: str, dtype: str = "float32", **options):
     from vllm import LLM
 
-    return LLM(model=path, skip_tokenizer_init=True, dtype="float32", enforce_eager=True, max_model_len=64, seed=0)
+    return LLM(model=path, skip_tokenizer_init=True, dtype=dtype, enforce_eager=True, max_model_len=64, seed=0,
+               **options)
 
 
 def greedy(llm) -> list[list[int]]:
@@ -59,6 +63,14 @@ def main(address: str, authkey: str, path: str) -> None:
             gc.collect()
             llm = engine(command[1])
             connection.send(("ok", {"outputs": greedy(llm)}))
+        elif command[0] == "routes":  # (the last command before "quit": it replaces the engine)
+            path, dtype, prompts, max_tokens = command[1:]
+            del llm
+            gc.collect()
+            llm = engine(path, dtype, enable_prefix_caching=False)
+            completions = generate_with_routing(llm, prompts, max_tokens=max_tokens)
+            connection.send(("ok", [{"completion_ids": c.completion_ids, "logprobs": c.logprobs,
+                                     "routed_experts": c.routed_experts.tolist()} for c in completions]))
         else:
             connection.send(("ok", None))
             return

@@ -19,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import torch  # noqa: E402
 import worker_common  # noqa: E402
+from vllm_routes import replay_closes_the_mismatch  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.rl.receivers import ProcessSender  # noqa: E402
@@ -83,6 +84,7 @@ def main():
     parser.add_argument("--ckpt", required=True)
     parser.add_argument("--vllm-python", required=True)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--routes", action="store_true")
     args = parser.parse_args()
     rank = worker_common.rank()
     engine = Engine(args.vllm_python, args.ckpt) if rank == 0 else None
@@ -102,6 +104,8 @@ def main():
         strategy.save_merged(model, merged)  # (consumes the model: after the export)
         if engine is not None:
             result["lora_fresh"] = engine.command("fresh", merged)
+    if args.routes:  # (replaces the engine: last)
+        result["routes"] = replay_closes_the_mismatch(engine, saved)
     if engine is not None:
         engine.command("quit")
         engine.process.wait(timeout=120)

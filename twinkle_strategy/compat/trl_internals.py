@@ -25,7 +25,8 @@ GRPO_STEPS = {internal.name.split(".", 1)[1]: internal for internal in (
                                         "steps, the PEFT root unsharded) and record what they routed (R3)"),
     _grpo_step("_generate_and_score_completions", "carry the rollouts' routing record with the batch they score"),
     _grpo_step("_get_per_token_logps_and_entropies", "replay (R3) or record (R2) the routing in the old policy's "
-                                                     "logprob forwards, chunk by chunk"),
+                                                     "logprob forwards, chunk by chunk; keep the loss forward's "
+                                                     "logprobs for the rollout mismatch telemetry"),
     _grpo_step("_prepare_inputs", "count the generated batch's tokens and mask its padding in the expert load"),
 )}
 GRPO_PARAMETERS = {

@@ -3,7 +3,9 @@
 record.py          the routing record's layout (vLLM/SGLang ``routed_experts``: [tokens, layers, top_k]), padded,
                    packed and checked against a batch
 routers.py         how each router family weights the experts it is told to use
-replay.py          the router wrappers that replay a record or take one, and the mismatch telemetry
+replay.py          the router wrappers that replay a record or take one, and the routing agreement telemetry
+mismatch.py        trainer/rollout mismatch: the logprob gap and k3 KL, the share of routing decisions that differ
+vllm_routing.py    CPU stand-in for vLLM's ``enable_return_routed_experts``: the record taken in vLLM's routers
 generation.py      ``generate`` on every rank (synced steps, empty ranks), returning what it routed
 strategy_methods.py  the routing methods NativeFSDPStrategy gains
 export_plan.py     pure: which rank assembles which rows of which tensor, in which bucket

@@ -21,7 +21,10 @@
 * **Telemetry:** each log line carries ``routing_agreement_min`` and ``routing_agreement_mean``, the share of
   replayed tokens (per MoE layer: the least and the mean) whose recorded experts are those the trainer's router
   would have chosen itself (:class:`~.trainer.StrategyTrainerMixin`), in the update forwards (the scoring
-  forwards are left out: the reference, LoRA's base model, routes otherwise by design).
+  forwards are left out: the reference, LoRA's base model, routes otherwise by design). When the batch carries
+  the rollout engine's logprobs (TRL's ``sampling_per_token_logps``, from vLLM, or a ``rollout_logprobs`` key),
+  each step also logs ``rollout/logprob_abs_diff`` and ``rollout/kl_k3``: the mean absolute difference and the k3
+  KL between them and the training forward's logprobs over the completion tokens (:mod:`twinkle_strategy.rl.mismatch`).
 
 Rollouts from vLLM (``use_vllm=True``), TRL's continuous batching, tool calls and images keep TRL's path and carry
 no record.
@@ -36,9 +39,13 @@ import torch
 from twinkle_strategy.compat.trl_internals import grpo_parent
 from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
+from twinkle_strategy.rl.mismatch import LogprobMismatch, logprob_mismatch
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pad_records
 
 REPLAY_MODES = ("auto", "r3", "r2", "off")
+# Where a batch carries the rollout engine's per-token logprobs [batch, completion]: TRL's own key (vLLM rollouts),
+# then the generic one.
+ROLLOUT_LOGPROB_KEYS = ("sampling_per_token_logps", "rollout_logprobs")
 
 
 class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
@@ -54,6 +61,8 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
             raise ValueError(f"routing_replay is one of {REPLAY_MODES}, not {routing_replay!r}")
         self._batch_record: torch.Tensor | None = None  # the record of the sequences being scored, [B, S, layers, k]
         self._record_old_policy = False  # R2: the next policy forward of the scored batch records
+        self._training_logps: list[torch.Tensor] | None = None  # set while a loss forward's logprobs are kept
+        self._rollout_mismatches: list[LogprobMismatch] = []  # the training steps' since the last log line
         super().__init__(*args, **kwargs)
         routing = self.strategy.routing
         served = routing is not None and routing.refusal is None
@@ -126,6 +135,13 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            **kwargs):
+        result = self._replayed_logps(model, input_ids, attention_mask, logits_to_keep, batch_size, **kwargs)
+        if self._training_logps is not None:  # the loss forward: its logprobs are compared with the rollout's
+            self._training_logps.append(result[0].detach())
+        return result
+
+    def _replayed_logps(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None, **kwargs):
+        """TRL's logprob forward of the policy, replaying (R3) or recording (R2) the batch's routing."""
         if (model is not self.model or (self._batch_record is None and not self._record_old_policy)
                 or self._scores_the_reference()):
             return self._trl("_get_per_token_logps_and_entropies")(model, input_ids, attention_mask, logits_to_keep,
@@ -187,6 +203,28 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
             self.step_core.count_tokens_of(inputs)  # padding stays out of the expert load
         return inputs
 
+    # -- mismatch telemetry: the rollout engine's logprobs against the training forward's
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        key = next((key for key in ROLLOUT_LOGPROB_KEYS if inputs.get(key) is not None), None)
+        if key is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        self._training_logps = []
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            kept, self._training_logps = self._training_logps, None
+        if len(kept) == 1 and self.model.training:  # (collective: the same key on every rank, same generation path)
+            mismatch = logprob_mismatch(kept[0], inputs[key], mask=inputs["completion_mask"])
+            if mismatch is not None:
+                self._rollout_mismatches.append(mismatch)
+        return loss
+
+    def log(self, logs: dict[str, float], *args, **kwargs) -> None:
+        if "loss" in logs and self._rollout_mismatches:  # a training line: the steps since the last one
+            logs = {**logs, **rollout_mismatch_logs(self._rollout_mismatches)}
+            self._rollout_mismatches = []
+        super().log(logs, *args, **kwargs)
+
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         # GRPO's inputs are prompts until _prepare_inputs generates: observed there, not here.
         if self.sequence_parallel:
@@ -194,3 +232,10 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
                                       "generated on each rank and not split along the sequence; train GRPO with "
                                       "sequence_parallel_size=1")
         return super(StrategyTrainerMixin, self).training_step(model, inputs, num_items_in_batch, *args, **kwargs)
+
+
+def rollout_mismatch_logs(mismatches: list[LogprobMismatch]) -> dict[str, float]:
+    """A log line's figures from its steps' mismatches, weighted by their tokens."""
+    tokens = sum(m.tokens for m in mismatches)
+    return {"rollout/logprob_abs_diff": sum(m.mean_abs * m.tokens for m in mismatches) / tokens,
+            "rollout/kl_k3": sum(m.kl_k3 * m.tokens for m in mismatches) / tokens}
