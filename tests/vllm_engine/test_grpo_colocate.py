@@ -16,10 +16,13 @@ from twinkle_strategy.sources.demo import demo_conversations
 from twinkle_strategy.sources.tiny import prepare_tiny_model
 
 REPO = Path(__file__).resolve().parents[2]
-# Both sides compute in fp32 (the checkpoint's dtype; the engine keeps it): what is left is the order of the
-# reductions (vLLM's fused MoE and attention against transformers' loops), ~1e-6 relative on logprobs of a few units.
-# A sync that is missing or wrong moves them by 1e-2 or more (LoRA at lr 5e-2, init_lora_weights=False).
-TOLERANCE = 1e-3
+# TRL starts the engine in vLLM's default dtype for this fp32 checkpoint on CPU, bf16 (asserted below), so the export
+# is cast to bf16 and the engine computes in bf16 against the trainer's fp32: bf16 keeps 8 bits of mantissa (a
+# relative error of 2**-9 per weight and activation), which over 2 layers and logprobs of 5-10 units leaves about
+# 0.05 (measured: 0.037-0.050 on both ranks). A training step moves the engine's logprobs by 1 to 3 units, so an
+# engine left a step behind, or given the base weights without the merged adapter, is far outside TOLERANCE.
+TOLERANCE = 0.1
+MOVED = 0.5  # the least a step must change the engine's logprobs by (measured: 1.2 and 3.0)
 
 
 @pytest.fixture(scope="module")
@@ -40,12 +43,13 @@ def colocated(vllm_python, tmp_path_factory):
                     nproc_per_node=2, timeout=900, python=vllm_python,
                     env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"})
     assert result.ok(), result.describe()
-    return result.rank_results()
+    results = result.rank_results()
+    return [results[rank] for rank in sorted(results)]
 
 
 def test_each_sync_leaves_every_engine_scoring_as_the_trainer(colocated):
     for rank, result in enumerate(colocated):
-        assert result["steps"] == 2 and result["engine_dtype"] == "torch.float32", (rank, result["engine_dtype"])
+        assert result["steps"] == 2 and result["engine_dtype"] == "torch.bfloat16", (rank, result["engine_dtype"])
         scored = result["scored"]
         assert [s["step"] for s in scored] == [0, 1, 2], (rank, [s["when"] for s in scored])
         for s in scored:
@@ -55,7 +59,7 @@ def test_each_sync_leaves_every_engine_scoring_as_the_trainer(colocated):
         for before, after in zip(scored, scored[1:], strict=False):
             moved = max(abs(x - y) for rx, ry in zip(before["engine"], after["engine"], strict=True)
                         for x, y in zip(rx, ry, strict=True))
-            assert moved > 10 * TOLERANCE, f"rank {rank}: the engine did not change from {before['when']} to {after['when']}"
+            assert moved > MOVED, f"rank {rank}: the engine did not change from {before['when']} to {after['when']}"
 
 
 def test_trls_own_sync_never_ran(colocated):
