@@ -190,7 +190,7 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         # GRPO's inputs are prompts until _prepare_inputs generates: observed there, not here.
-        if self.sequence_parallel:
+        if self.sequence_batches.enabled:
             raise ParallelConfigError(f"sequence_parallel_size={self.strategy.dims.sp_size}: GRPO's batches are "
                                       "generated on each rank and not split along the sequence; train GRPO with "
                                       "sequence_parallel_size=1")

@@ -140,8 +140,6 @@ class StrategyTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
         for batch in batch_samples:
-            if not isinstance(batch, dict):  # GRPO's prompts, before generation (its _prepare_inputs observes them)
-                continue
             self.packed_rows.prepare(self.model, batch)
             self.step_metrics.observe(batch)  # whole rows, before the split
         self._step_router_stats = None
