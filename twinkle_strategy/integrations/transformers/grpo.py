@@ -180,17 +180,20 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         return inputs, self.strategy.routing_replay(record, input_ids=input_ids)
 
+    batches_are_model_inputs = False  # prompts: the model's inputs exist once _prepare_inputs has generated
+
     def _prepare_inputs(self, generation_batch):
         inputs = self._trl("_prepare_inputs")(generation_batch)
         if self.model.training:
             # The token count and the expert load of the log lines see prompts and completions without padding.
             inputs = {**inputs, "attention_mask": torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)}
             self.step_metrics.observe(inputs)
+            self.step_core.count_tokens_of(inputs)  # padding stays out of the expert load
         return inputs
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
         # GRPO's inputs are prompts until _prepare_inputs generates: observed there, not here.
-        if self.sequence_batches.enabled:
+        if self.sequence_parallel:
             raise ParallelConfigError(f"sequence_parallel_size={self.strategy.dims.sp_size}: GRPO's batches are "
                                       "generated on each rank and not split along the sequence; train GRPO with "
                                       "sequence_parallel_size=1")

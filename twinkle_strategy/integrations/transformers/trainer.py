@@ -126,6 +126,10 @@ class StrategyTrainerMixin:
         self.step_metrics = StepMetrics(self.step_core)
         self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
 
+    # Whether the dataloader's batches are the model's inputs. GRPO's are prompts, turned into model inputs by its
+    # own _prepare_inputs (generation), which observes them there (integrations/transformers/grpo.py).
+    batches_are_model_inputs = True
+
     @property
     def sequence_parallel(self) -> bool:
         """Whether each rank trains on its chunk of rows its sequence-parallel group shares."""
@@ -139,9 +143,10 @@ class StrategyTrainerMixin:
     # -- the model's load-balancing loss over the global batch
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         batch_samples, num_items_in_batch = super().get_batch_samples(epoch_iterator, num_batches, device)
-        for batch in batch_samples:
-            self.packed_rows.prepare(self.model, batch)
-            self.step_metrics.observe(batch)  # whole rows, before the split
+        if self.batches_are_model_inputs:
+            for batch in batch_samples:
+                self.packed_rows.prepare(self.model, batch)
+                self.step_metrics.observe(batch)  # whole rows, before the split
         self._step_router_stats = None
         if self.sequence_parallel:  # this rank's chunk of each shared micro-batch; the tokens over every chunk
             batch_samples = self.step_core.split(batch_samples).tensors
