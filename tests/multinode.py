@@ -45,7 +45,7 @@ class LaunchResult:
 
 def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_per_node: int | list[int] = 2,
            timeout: float = 300.0, env: dict[str, str] | None = None,
-           node_env: list[dict[str, str]] | None = None) -> LaunchResult:
+           node_env: list[dict[str, str]] | None = None, python: str | None = None) -> LaunchResult:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     full_env = {
@@ -59,6 +59,7 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
     shape = "+".join(map(str, nproc_per_node)) if isinstance(nproc_per_node, list) else f"{nnodes}x{nproc_per_node}"
     with launch_group(f"{worker} {shape}"):  # the launch table's row (tests/launch_log.py)
         result = run_simulated_nodes([str(WORKERS / worker), *args], nnodes=nnodes, nproc_per_node=nproc_per_node,
-                                     timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env)
+                                     timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env,
+                                     python=python)
     logs = [p.read_text(errors="replace") for p in result.log_paths]
     return LaunchResult(result.returncodes, result.timed_out, logs, out_dir, result.seconds)

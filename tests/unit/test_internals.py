@@ -520,6 +520,26 @@ def _grpo_steps(tiny):
     assert step.__func__ is GRPOTrainer._generate_single_turn
 
 
+@checks("VLLMGeneration.sync_weights", "VLLMGeneration.llm", "VLLMGeneration._llm_weights_sleeping")
+def _vllm_generation(tiny):
+    """TRL's vLLM backend (read without vLLM: its source) starts its colocated engine as ``llm``, tracks sleeping
+    weights in ``_llm_weights_sleeping``, and syncs only through ``sync_weights`` (GRPOTrainer's calls and its own
+    wake-up path), so an instance's replacement is what runs; replace_vllm_sync installs it."""
+    from trl import GRPOTrainer
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    assert "self.llm = LLM(" in inspect.getsource(VLLMGeneration._init_vllm)
+    assert "self._llm_weights_sleeping = " in inspect.getsource(VLLMGeneration._init_vllm)
+    assert "self.sync_weights()" in inspect.getsource(VLLMGeneration.generate)
+    assert "self.vllm_generation.sync_weights()" in inspect.getsource(GRPOTrainer._generate_single_turn)
+    generation, calls = VLLMGeneration.__new__(VLLMGeneration), []
+    trl_steps.replace_vllm_sync(generation, lambda: calls.append("ours"))
+    generation.sync_weights()
+    generation.llm, generation.enable_sleep_mode = "engine", False
+    trl_steps.wake_colocated_weights(generation)  # not sleeping: nothing to wake
+    assert calls == ["ours"] and trl_steps.colocated_engine(generation) == "engine"
+
+
 @checks("Trainer._save_rng_state")
 def _trainer_save_rng_state(tiny):
     """It writes this process's RNG state (rng_state.pth on one process) into a directory it creates, so an

@@ -3,7 +3,9 @@
 TRL has no public hook for how ``GRPOTrainer`` generates (``use_vllm=False``), scores and prepares its batches;
 :class:`~twinkle_strategy.integrations.transformers.grpo.StrategyGRPOTrainerMixin` overrides those steps and
 calls TRL's own through :func:`grpo_parent`. :func:`check_grpo_overrides` runs when the trainer class is built: an
-override of a renamed step would silently never run. Each is checked in ``tests/unit/test_internals.py``.
+override of a renamed step would silently never run. With ``use_vllm=True`` (colocate),
+:mod:`~twinkle_strategy.integrations.transformers.grpo_vllm` replaces TRL's ``VLLMGeneration.sync_weights`` and
+reads its engine. Each is checked in ``tests/unit/test_internals.py``.
 Nothing here imports TRL at import time.
 """
 
@@ -62,3 +64,41 @@ def grpo_parent(trainer, mixin: type, name: str):
 for _internal in GRPO_STEPS.values():
     _internal.wrapper(check_grpo_overrides)
     _internal.wrapper(grpo_parent)
+
+
+# -- TRL's vLLM backend (GRPOTrainer(use_vllm=True)): its colocated engine and the weight sync replaced
+_VLLM_GENERATION = "none: GRPOTrainer takes no weight-sync callback for its vLLM backend"
+VLLM_SYNC = Internal("VLLMGeneration.sync_weights", "trl", checked=_CHECKED, replacement=_VLLM_GENERATION,
+                     used_for="replace the colocated engine's weight sync (a bare load_weights per parameter, wrong "
+                              "for MoE after the first sync) with strategy.export_weights into vLLM's reload")
+VLLM_ENGINE = Internal("VLLMGeneration.llm", "trl", checked=_CHECKED, replacement=_VLLM_GENERATION,
+                       used_for="reach the vLLM engine TRL's colocate mode holds on each rank, to load the export")
+VLLM_SLEEPING = Internal("VLLMGeneration._llm_weights_sleeping", "trl", checked=_CHECKED, replacement=_VLLM_GENERATION,
+                         used_for="wake a sleeping colocated engine's weights before the sync, as TRL's own does")
+
+
+def replace_vllm_sync(generation, sync) -> None:
+    """Make ``generation`` (TRL's ``VLLMGeneration``) call ``sync()`` wherever it would sync its engine's weights
+    (TRL calls ``vllm_generation.sync_weights()`` before generating at a new step, and from ``generate`` after
+    sleep mode dropped the weights)."""
+    if not callable(getattr(type(generation), "sync_weights", None)):
+        raise VLLM_SYNC.changed()
+    generation.sync_weights = sync  # the instance's attribute: every caller goes through it
+
+
+def colocated_engine(generation):
+    """The ``vllm.LLM`` TRL's colocate mode started on this rank."""
+    return VLLM_ENGINE.attribute(generation, "llm")
+
+
+def wake_colocated_weights(generation) -> None:
+    """What TRL's own sync does first under ``vllm_enable_sleep_mode``: map the engine's weights back in."""
+    if getattr(generation, "enable_sleep_mode", False):
+        VLLM_SLEEPING.attribute(generation, "_llm_weights_sleeping")
+        colocated_engine(generation).wake_up(tags=["weights"])
+        generation._llm_weights_sleeping = False
+
+
+VLLM_SYNC.wrapper(replace_vllm_sync)
+VLLM_ENGINE.wrapper(colocated_engine)
+VLLM_SLEEPING.wrapper(wake_colocated_weights)

@@ -84,9 +84,10 @@ class AgentsResult:
 
 
 def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int, *,
-                     max_restarts: int = 0, master_addr: str = "127.0.0.1") -> list[str]:
+                     max_restarts: int = 0, master_addr: str = "127.0.0.1", python: str | None = None) -> list[str]:
     """One node's torchrun; ``max_restarts``: times torchrun restarts the workers after a failure (the
-    trainer of a restarted worker resumes from its run's newest complete checkpoint).
+    trainer of a restarted worker resumes from its run's newest complete checkpoint). ``python``: the interpreter
+    that runs torchrun and its workers (another virtualenv's); this one's by default.
 
     Restarts use the c10d rendezvous: when one node's workers fail, every node's agent sees the new
     rendezvous round and restarts its workers too. The static one (``--master_addr``) restarts each node
@@ -103,7 +104,7 @@ def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, np
     else:
         where = ["--node_rank", str(node_rank), "--master_addr", master_addr, "--master_port", str(port)]
     return [
-        sys.executable, "-m", "torch.distributed.run",
+        python or sys.executable, "-m", "torch.distributed.run",
         "--nnodes", str(nnodes), "--nproc_per_node", str(nproc), *where,
         *script_and_args,
     ]
@@ -118,12 +119,14 @@ def run_simulated_nodes(
     log_dir: Path | None = None,
     cwd: str | None = None,
     node_env: list[dict[str, str]] | None = None,
+    python: str | None = None,
 ) -> AgentsResult:
     """Run ``script_and_args`` under ``nnodes`` torchrun agents and wait for all of them.
 
     With ``log_dir`` each agent's output goes to ``node{i}.log``; otherwise to
     this process's stdout. Past ``timeout`` seconds every agent and worker is killed.
     ``node_env[i]`` adds to node i's environment what differs between real nodes (e.g. a local disk).
+    ``python``: the interpreter of the agents and workers (see :func:`torchrun_command`).
     """
     per_node = nproc_per_node if isinstance(nproc_per_node, list) else [nproc_per_node] * nnodes
     log_paths = [None if log_dir is None else Path(log_dir) / f"node{node}.log" for node in range(nnodes)]
@@ -132,7 +135,8 @@ def run_simulated_nodes(
     envs = [{**env, **(node_env[node] if node_env else {})} for node in range(nnodes)]
 
     def launch(port: int, retry_if_taken: bool) -> tuple[list[int | None], bool]:
-        commands = [torchrun_command(script_and_args, nnodes, node, per_node[node], port) for node in range(nnodes)]
+        commands = [torchrun_command(script_and_args, nnodes, node, per_node[node], port, python=python)
+                    for node in range(nnodes)]
         return run_agents(commands, envs, log_paths, timeout=timeout, cwd=cwd, retry_if_port_taken=retry_if_taken)
 
     returncodes, timed_out = on_a_free_port(launch)

@@ -27,7 +27,8 @@
   KL between them and the training forward's logprobs over the completion tokens (:mod:`twinkle_strategy.rl.mismatch`).
 
 Rollouts from vLLM (``use_vllm=True``), TRL's continuous batching, tool calls and images keep TRL's path and carry
-no record.
+no record. With ``use_vllm=True`` and ``vllm_mode="colocate"``, each rank's engine gets the weights through
+``strategy.export_weights`` (:mod:`.grpo_vllm`); ``vllm_mode="server"`` is refused.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ import torch
 
 from twinkle_strategy.compat.trl_internals import grpo_parent
 from twinkle_strategy.errors import ParallelConfigError
+from twinkle_strategy.integrations.transformers.grpo_vllm import install_colocated_sync, refuse_vllm_server
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
 from twinkle_strategy.rl.mismatch import LogprobMismatch, logprob_mismatch
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pad_records
@@ -63,7 +65,9 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         self._record_old_policy = False  # R2: the next policy forward of the scored batch records
         self._training_logps: list[torch.Tensor] | None = None  # set while a loss forward's logprobs are kept
         self._rollout_mismatches: list[LogprobMismatch] = []  # the training steps' since the last log line
+        refuse_vllm_server(kwargs.get("args", args[2] if len(args) > 2 else None))
         super().__init__(*args, **kwargs)
+        install_colocated_sync(self)
         routing = self.strategy.routing
         served = routing is not None and routing.refusal is None
         if routing_replay == "auto":
