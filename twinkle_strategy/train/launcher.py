@@ -21,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from twinkle_strategy.checkpoint import latest_checkpoint
+from twinkle_strategy.sources.demo import demo_model_path
 from twinkle_strategy.train.errors import RunStoppedError
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
 from twinkle_strategy.train.ports import free_port as free_port  # re-exported: launches import it from here
@@ -385,8 +386,6 @@ def run_demo(script: str, args: list[str], *, repo_root: str) -> None:
     """An example's ``--demo``: ``script`` with ``args`` as 2 simulated nodes x 2 ranks on this machine, on the
     tiny demo model; exits with 0 when every node did. The model is built here first, once, not by four ranks at
     once; the ranks import this checkout's package (``repo_root`` on their PYTHONPATH)."""
-    from twinkle_strategy.sources.demo import demo_model_path
-
     demo_model_path()
     result = run_simulated_nodes([os.path.abspath(script), *args], nnodes=2, nproc_per_node=2, timeout=600,
                                  env={"OMP_NUM_THREADS": "1", "PYTHONPATH": repo_root})
