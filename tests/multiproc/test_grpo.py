@@ -7,7 +7,8 @@ One launch, 2 simulated nodes x 2 ranks, ep=2, fp32, and one plain process:
   equal plain ``GRPOTrainer`` on one process fed the same completions (one process cannot draw the 4 ranks'
   samples), and the trainer's routing agrees with every replayed token and layer (a record misaligned with TRL's
   padded prompts and completions would not).
-* The run resumed from its step-1 checkpoint gives steps 2 and 3 again.
+* The run resumed from its step-1 checkpoint gives steps 2 and 3 again, and so does a second launch resuming it on
+  another layout (1 node x 4 ranks, ep=4: other expert shards, other FSDP shards, one node).
 * bf16 (full parameters), fed the same completions: 2 steps within bf16 rounding of one process.
 * A record rotated on purpose (full parameters): in every MoE layer the update forwards dispatch the recorded
   experts (per-expert counts equal the record's), and the logged agreement shows the mismatch.
@@ -51,7 +52,23 @@ def runs(tmp_path_factory) -> dict:
                             "--out", str(root / "plain"), "--rollouts", str(root / "2x2")],
                            env=env, capture_output=True, text=True, timeout=400)
     assert plain.returncode == 0, plain.stdout[-4000:] + plain.stderr[-4000:]
-    return {"2x2": two_nodes.rank_results(), "plain": json.loads((root / "plain" / "rank0.json").read_text())}
+    return {"2x2": two_nodes.rank_results(), "plain": json.loads((root / "plain" / "rank0.json").read_text()),
+            "root": root}
+
+
+@pytest.fixture(scope="module")
+def resumed_on_another_layout(runs) -> dict:
+    """The 2x2 ep=2 R3 run's step-1 checkpoint resumed by 1 node x 4 ranks with ep=4. The world size stays 4, so
+    GRPO's sampler gives rank r the same prompts as in the 2x2 run, and rank r is fed the completions rank r
+    generated there (sampling is not repeatable across layouts): the same global batch and completions."""
+    from twinkle_strategy import demo_model_path
+
+    root = runs["root"]
+    result = launch("trl_grpo.py", ["--mode", "strategy", "--model", demo_model_path(), "--out", str(root / "1x4"),
+                                    "--runs", "resume", "--ep", "4", "--resume-from", str(root / "2x2")],
+                    root / "1x4", nnodes=1, nproc_per_node=4, timeout=600)
+    assert result.ok(), result.describe()
+    return result.rank_results()
 
 
 def _assert_steps(result: dict, reference: dict, steps: list[int], keys: tuple[str, ...], what: str) -> None:
@@ -90,6 +107,16 @@ def test_grpo_resumes_from_its_checkpoint_with_the_same_steps(runs):
     for rank, result in runs["2x2"].items():
         _assert_steps(result["resume"], result["lora"], [2, 3], ("loss", "reward", "grad_norm"),
                       f"resumed at step 1, rank {rank}")
+
+
+def test_grpo_resumes_on_another_layout_with_the_same_steps(runs, resumed_on_another_layout):
+    assert set(resumed_on_another_layout) == set(runs["2x2"]), resumed_on_another_layout.keys()
+    for rank, result in resumed_on_another_layout.items():
+        resume = result["resume"]
+        assert resume["replay"] == "r3" and resume["steps"] == [2, 3], (rank, resume)
+        _assert_steps(resume, runs["2x2"][rank]["lora"], [2, 3], ("loss", "reward", "grad_norm"),
+                      f"2x2 ep=2 step 1 resumed at 1x4 ep=4, rank {rank}")
+        assert resume["routing_agreement_min"] == [1.0, 1.0], (rank, resume)
 
 
 def test_a_rollout_record_is_dispatched_by_every_moe_layer(runs):

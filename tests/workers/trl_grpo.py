@@ -5,7 +5,8 @@
 * ``lora``: ``with_strategy(GRPOTrainer)``, LoRA on attention and experts, a rule reward, beta > 0 (the reference
   is the model with its adapter disabled), 3 steps, R3 from the policy's own sampled generation (the default),
   a checkpoint after step 1. Each rank writes the completions it generated (``rollouts-rank{r}.json``).
-* ``resume``: the same run resumed from step 1's checkpoint, fed the same completions: steps 2-3.
+* ``resume``: the same run resumed from step 1's checkpoint, fed the same completions: steps 2-3. With
+  ``--resume-from DIR`` (another launch, e.g. 1 node x 4 with ``--ep 4``): ``DIR``'s checkpoint and completions.
 * ``bf16``: full parameters, the model loaded in bf16 with ``mixed_precision="bf16"``, fed the ``lora`` run's
   completions, 2 steps (``--mode plain``: the same in one process).
 * ``forced``: full parameters, the rollout record of each batch rotated on purpose (every recorded expert id + 1):
@@ -71,8 +72,11 @@ def logged(trainer, keys=("loss", "reward", "grad_norm", "routing_agreement_min"
 class Rollouts:
     """Completions by prompt, in the order they were generated: written by the strategy's ranks, fed to a run."""
 
-    def __init__(self, files: list[str], *, from_step: int = 0) -> None:
+    def __init__(self, files: list[str], *, from_step: int = 0, records: str | None = None) -> None:
         self.queue = collections.defaultdict(list)
+        # R3: the rollout records one rank kept by step (``records``, a rollouts-*-records-rank*.pt), replayed as if
+        # this run had generated the completions; without, a fed run has no record and routes by its router.
+        self.records = torch.load(records) if records else {}
         rows = [row for path in sorted(files) for row in json.load(open(path)) if row[0] >= from_step]
         for *_, prompt, completion in sorted(rows, key=lambda r: (r[0], r[1], r[2])):  # step, rank, row
             self.queue[tuple(prompt)].append(completion)
@@ -81,22 +85,26 @@ class Rollouts:
         return [self.queue[tuple(p)].pop(0) for p in prompt_ids]
 
 
-def grpo_class(base, *, feed: Rollouts | None = None, keep: list | None = None, rotate: bool = False,
-               count: dict | None = None, rollout_logprobs: bool = False):
-    """``base`` (a GRPO trainer class), fed completions from ``feed``, keeping what it generated in ``keep``,
+def grpo_class(base, *, feed: Rollouts | None = None, keep: list | None = None, kept_records: dict | None = None,
+               rotate: bool = False, count: dict | None = None, rollout_logprobs: bool = False):
+    """``base`` (a GRPO trainer class), fed completions (and R3 records) from ``feed``, keeping what it generated in
+    ``keep`` and its rollout records by step in ``kept_records``,
     rotating each rollout record (``rotate``) and counting per MoE layer the experts the update forwards use on
     recorded tokens against the record's (``count``), giving each batch the old policy's logprobs as
     ``rollout_logprobs`` (``rollout_logprobs``)."""
 
     class TestGRPOTrainer(base):
         def _generate_single_turn(self, prompt_ids, *args, **kwargs):
+            step = self.state.global_step
             if feed is not None:
+                self._batch_record = feed.records.get(step)
                 return feed.take(prompt_ids), None
             completions, logprobs = super()._generate_single_turn(prompt_ids, *args, **kwargs)
             if keep is not None:
-                step = self.state.global_step
                 keep.extend([step, worker_common.rank(), i, p, c] for i, (p, c) in
                             enumerate(zip(prompt_ids, completions, strict=True)))
+                if kept_records is not None and self._batch_record is not None:
+                    kept_records[step] = self._batch_record.clone()
             if rotate and self._batch_record is not None:
                 record = self._batch_record
                 self._batch_record = torch.where(record >= 0, (record + 1) % self.strategy.routing.num_experts, record)
@@ -154,16 +162,17 @@ def run_grpo(a, name: str, *, lora: bool, replay: str = "auto", resume: str | No
     plain = a.mode == "plain"
     out = os.path.join(a.out, name)
     tokenizer = AutoTokenizer.from_pretrained(a.model)
-    extra, keep, count = {}, [], {} if rotate else None
+    extra, keep, kept_records, count = {}, [], {}, {} if rotate else None
     if plain:
         model = AutoModelForCausalLM.from_pretrained(a.model, dtype=dtype)
         base = GRPOTrainer
     else:
-        strategy = NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, device_type="cpu",
+        strategy = NativeFSDPStrategy(ep_size=a.ep, memory_efficient_init=True, device_type="cpu",
                                       mixed_precision="bf16" if dtype == torch.bfloat16 else "no")
         model = strategy.from_pretrained(a.model, dtype=dtype)
         base, extra = with_strategy(GRPOTrainer), {"strategy": strategy, "routing_replay": replay}
-    trainer_class = grpo_class(base, feed=feed, keep=None if plain else keep, rotate=rotate, count=count,
+    trainer_class = grpo_class(base, feed=feed, keep=None if plain else keep,
+                               kept_records=None if plain else kept_records, rotate=rotate, count=count,
                                rollout_logprobs=rollout_logprobs)
     args = grpo_config(out, plain=plain, **overrides)
     torch.manual_seed(0)  # the same fresh adapter in every run
@@ -177,6 +186,7 @@ def run_grpo(a, name: str, *, lora: bool, replay: str = "auto", resume: str | No
     if not plain:
         with open(os.path.join(a.out, f"rollouts-{name}-rank{worker_common.rank()}.json"), "w") as f:
             json.dump(keep, f)
+        torch.save(kept_records, os.path.join(a.out, f"rollouts-{name}-records-rank{worker_common.rank()}.pt"))
         result["replay"] = trainer.routing_replay
     if count is not None:
         result["used"], result["recorded"] = count["used"].tolist(), count["recorded"].tolist()
@@ -220,6 +230,9 @@ def main():
     p.add_argument("--out", required=True)
     p.add_argument("--runs", default="lora,resume,bf16,forced,r2,dpo")
     p.add_argument("--rollouts", default=None, help="plain: the directory of the strategy's rollouts-lora-*.json")
+    p.add_argument("--ep", type=int, default=2, help="strategy: ep_size of the GRPO runs")
+    p.add_argument("--resume-from", default=None,
+                   help="strategy, resume: the --out of the launch whose lora run saved checkpoint-1 (default: --out)")
     a = p.parse_args()
     runs = a.runs.split(",")
     result = {}
@@ -236,10 +249,14 @@ def main():
     if "lora" in runs:
         result.update(run_grpo(a, "lora", lora=True, save_strategy="steps", save_steps=1))
     if "resume" in runs:
-        # Each rank its own completions (ranks holding completions of one prompt must not take each other's).
-        feed = Rollouts([os.path.join(a.out, f"rollouts-lora-rank{worker_common.rank()}.json")], from_step=1)
+        # Each rank its own completions (ranks holding completions of one prompt must not take each other's). The
+        # same world size (4) on another layout: GRPO's sampler gives rank r the same rows, so rank r's file fits.
+        source = a.resume_from or a.out
+        rank = worker_common.rank()
+        feed = Rollouts([os.path.join(source, f"rollouts-lora-rank{rank}.json")], from_step=1,
+                        records=os.path.join(source, f"rollouts-lora-records-rank{rank}.pt"))
         result.update(run_grpo(a, "resume", lora=True, feed=feed, output_dir=os.path.join(a.out, "lora"),
-                               resume=os.path.join(a.out, "lora", "checkpoint-1")))
+                               resume=os.path.join(source, "lora", "checkpoint-1")))
     if "bf16" in runs:
         feed = Rollouts([os.path.join(a.out, f"rollouts-lora-rank{worker_common.rank()}.json")])
         result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
