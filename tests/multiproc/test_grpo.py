@@ -113,10 +113,12 @@ def test_grpo_resumes_on_another_layout_with_the_same_steps(runs, resumed_on_ano
     assert set(resumed_on_another_layout) == set(runs["2x2"]), resumed_on_another_layout.keys()
     for rank, result in resumed_on_another_layout.items():
         resume = result["resume"]
-        assert resume["replay"] == "r3" and resume["steps"] == [2, 3], (rank, resume)
+        # The log history holds step 1 too (the checkpoint's trainer_state.json); steps 2 and 3 ran here.
+        assert resume["replay"] == "r3" and resume["steps"] == [1, 2, 3], (rank, resume)
         _assert_steps(resume, runs["2x2"][rank]["lora"], [2, 3], ("loss", "reward", "grad_norm"),
                       f"2x2 ep=2 step 1 resumed at 1x4 ep=4, rank {rank}")
-        assert resume["routing_agreement_min"] == [1.0, 1.0], (rank, resume)
+        # Its update forwards replayed the rollout records of the 2x2 run (fed with the completions).
+        assert resume["routing_agreement_min"][1:] == [1.0, 1.0], (rank, resume)
 
 
 def test_a_rollout_record_is_dispatched_by_every_moe_layer(runs):
