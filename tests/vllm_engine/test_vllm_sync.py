@@ -1,6 +1,6 @@
 """Trained weights into a real vLLM engine (vLLM's CPU build, its own virtualenv: scripts/vllm_env.sh).
 
-One launch (1 node x 2 ranks, ep=2, fp32) trains a tiny Qwen3-MoE 3 steps and exports it into a vLLM engine
+One launch (2 nodes x 2 ranks, ep=2, fp32) trains a tiny Qwen3-MoE 3 steps and exports it into a vLLM engine
 started from the original checkpoint (tests/workers/vllm_sync.py; the engine runs in its own process,
 tests/workers/vllm_engine.py, with the vllm env's python, and the receiver, VLLMReceiver, in the engine's
 process). The engine's greedy outputs for 8 prompts then equal a fresh engine's started from the checkpoint the
@@ -8,7 +8,7 @@ strategy saved at the same step, and differ from the engine's before the sync. T
 experts) 3 steps: the merged export into that engine equals a fresh engine from save_merged's checkpoint. Last,
 replay closes a real mismatch (tests/workers/vllm_routes.py): a bf16 engine's rollouts, with the routing captured in
 vLLM's routers (the CPU stand-in for ``enable_return_routed_experts``), forwarded by the bf16 trainer at ep=2 (this
-launch's 1x2 shape) without and with R3.
+launch's 2x2 shape) without and with R3.
 
 The env is built on first use (about 10 minutes, once per machine; scripts/_venvs.sh caches it).
 """
@@ -38,7 +38,7 @@ def synced(vllm_python, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("vllm-ckpt") / "qwen3_moe"
     save_tiny_checkpoint("qwen3_moe", str(ckpt), **QWEN)
     out = tmp_path_factory.mktemp("vllm-sync")
-    result = launch("vllm_sync.py", ["--ckpt", str(ckpt), "--vllm-python", vllm_python, "--lora", "--routes"], out, nnodes=1,
+    result = launch("vllm_sync.py", ["--ckpt", str(ckpt), "--vllm-python", vllm_python, "--lora", "--routes"], out, nnodes=2,
                     nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
     return result.rank_results()[0]

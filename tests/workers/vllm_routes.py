@@ -1,7 +1,6 @@
 """Replay closes a real mismatch: rollouts from vLLM (bf16, CPU), the trainer's forward over them without and with R3.
 
-A phase of tests/workers/vllm_sync.py's launch (1 node x 2 ranks, ep=2; the launch's shape, kept so the vllm tier
-adds no launch): the engine process starts a bf16 engine from the strategy's step-3 checkpoint and generates greedy
+A phase of tests/workers/vllm_sync.py's launch (2 nodes x 2 ranks, ep=2): the engine process starts a bf16 engine from the strategy's step-3 checkpoint and generates greedy
 completions one request at a time, with their logprobs and the routing captured in vLLM's own fused-MoE routers
 (twinkle_strategy.rl.vllm_routing: vLLM 0.32's CPU build refuses ``enable_return_routed_experts``, so this is the
 stand-in for the official array, in the same [tokens, layers, top_k] layout). Every rank loads that checkpoint in
