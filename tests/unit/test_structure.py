@@ -32,6 +32,7 @@ FIXTURES = "twinkle_strategy.testing"
 EXAMPLE_VALUES = {int: 2, float: 7.5, bool: True, str: None}
 EXAMPLE_STRINGS = {"mixed_precision": "fp16", "init_transport": "scatter", "device_type": "cpu", "backend": "gloo"}
 
+
 def _imported_modules(path: Path) -> set[str]:
     """Every module ``path`` imports, at the top or inside functions, as absolute names."""
     package = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts[:-1])
@@ -46,11 +47,14 @@ def _imported_modules(path: Path) -> set[str]:
             found.update([base] + [f"{base}.{alias.name}" for alias in node.names])
     return found
 
+
 def _files_outside(*packages: str) -> list[Path]:
     return [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in packages]
 
+
 def _library_files() -> list[Path]:
     return _files_outside("train", "testing")  # (the fixtures build on the demo model of the application)
+
 
 def _importers(files: list[Path], package: str) -> dict[str, list[str]]:
     found = {str(p.relative_to(PACKAGE.parent)): sorted(m for m in _imported_modules(p)
@@ -58,16 +62,19 @@ def _importers(files: list[Path], package: str) -> dict[str, list[str]]:
              for p in files}
     return {path: modules for path, modules in found.items() if modules}
 
+
 def test_library_never_imports_the_application():
     offenders = _importers(_library_files(), APPLICATION)
     assert not offenders, f"library modules import the application package: {offenders}"
     assert len(_library_files()) > 20  # the walk really saw the library
+
 
 def test_only_tests_benchmarks_and_scripts_import_the_fixtures():
     offenders = _importers(_files_outside("testing"), FIXTURES)
     assert not offenders, f"modules of the package import the test fixtures ({FIXTURES}): {offenders}"
     fixtures = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] == "testing"]
     assert len(fixtures) >= 4 and len(_files_outside("testing")) > 40  # the walk really saw both sides
+
 
 def test_the_check_sees_imports_inside_functions(tmp_path):
     # The direction check must catch a lazy import too, or it would pass while the rule is broken.
@@ -78,9 +85,11 @@ def test_the_check_sees_imports_inside_functions(tmp_path):
     finally:
         path.unlink()
 
+
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
 
 def _import_graph() -> dict[str, set[str]]:
     """Package module -> the package modules it imports, anywhere in its file. The root ``__init__`` (the
@@ -98,9 +107,11 @@ def _import_graph() -> dict[str, set[str]]:
                 graph[name].add(imported)
     return graph
 
+
 def _unit(module: str) -> str:
     """``twinkle_strategy.init.engine`` -> ``twinkle_strategy.init``: a subpackage, or a top-level module."""
     return ".".join(module.split(".")[:2])
+
 
 def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
     """One cycle of ``edges`` (a path that ends where it began), or None."""
@@ -124,6 +135,7 @@ def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
             return found
     return None
 
+
 def test_no_package_and_no_module_imports_itself_back():
     graph = _import_graph()
     units: dict[str, set[str]] = {}
@@ -137,6 +149,7 @@ def test_no_package_and_no_module_imports_itself_back():
     cycle = _cycle(graph)
     assert cycle is None, "modules import each other: " + " -> ".join(cycle)
 
+
 def test_compat_is_below_everything():
     """compat/ wraps other libraries' internals: it imports nothing of the package but errors."""
     graph = _import_graph()
@@ -144,6 +157,7 @@ def test_compat_is_below_everything():
     above = {module: sorted(t for t in targets if _unit(t) not in allowed)
              for module, targets in graph.items() if _unit(module) == "twinkle_strategy.compat"}
     assert len(above) >= 3 and not {m: t for m, t in above.items() if t}, above
+
 
 def test_distributed_is_the_lowest_layer():
     """distributed/ imports only itself, errors and the compat wrappers below it."""
@@ -153,13 +167,16 @@ def test_distributed_is_the_lowest_layer():
              for module, targets in graph.items() if _unit(module) == "twinkle_strategy.distributed"}
     assert len(above) > 5 and not {m: t for m, t in above.items() if t}, above
 
+
 def test_the_top_level_keeps_ten_modules():
     allowed = {"__init__", "config", "dtypes", "errors", "fsdp", "kept_dtypes", "loading", "log", "parallel", "strategy"}
     extra = sorted({p.stem for p in PACKAGE.glob("*.py")} - allowed)
     assert not extra, f"a new module belongs in a package (distributed/, moe/, checkpoint/ ...): {extra}"
 
+
 # Files whose imports of the package stay inside functions, and why.
 LATE_IMPORTS: dict[str, str] = {}
+
 
 def test_the_package_imports_its_own_modules_at_module_level():
     late = {}
@@ -173,6 +190,7 @@ def test_the_package_imports_its_own_modules_at_module_level():
                                                                        (node.module or "").startswith(PACKAGE.name))})
     assert not late, f"imports of the package inside functions (move them to the top of the file): {late}"
 
+
 def test_importing_one_module_does_not_load_the_library():
     code = ("import sys, twinkle_strategy.errors\n"
             "loaded = sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'twinkle_strategy.')))\n"
@@ -182,6 +200,7 @@ def test_importing_one_module_does_not_load_the_library():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "['twinkle_strategy.errors', 'twinkle_strategy.log']", result.stdout
+
 
 def test_the_package_exports_what_it_lists():
     import twinkle_strategy
@@ -197,6 +216,7 @@ def test_the_package_exports_what_it_lists():
     with pytest.raises(AttributeError, match="no attribute 'NativeFSDP'"):
         twinkle_strategy.NativeFSDP  # noqa: B018
 
+
 def _example(name: str):
     if name in EXAMPLE_STRINGS:
         return EXAMPLE_STRINGS[name]
@@ -204,6 +224,7 @@ def _example(name: str):
     value = (not config.option_default(name)) if kind is bool else EXAMPLE_VALUES[kind]
     assert value != config.option_default(name), f"pick another example value for {name}"
     return value
+
 
 def test_every_surface_accepts_exactly_the_strategy_options(monkeypatch):
     monkeypatch.setenv("NPROC_PER_NODE", "4")  # the recipe checks ep_size=2 x ep_fsdp_size=2 against the world
@@ -239,6 +260,7 @@ def test_every_surface_accepts_exactly_the_strategy_options(monkeypatch):
             assert plugin.resolve_options(None, {plugin.env_var(name): str(value)})[name] == value
             assert plugin.resolve_options({name: value}, {})[name] == value
 
+
 def test_a_bad_option_is_named_on_every_surface():
     from twinkle_strategy.errors import SwiftPluginError
     from twinkle_strategy.integrations.swift import plugin
@@ -257,6 +279,7 @@ def test_a_bad_option_is_named_on_every_surface():
     with pytest.raises(SwiftPluginError, match="TWINKLE_VERIFY_INIT"):
         plugin.resolve_options(None, {"TWINKLE_VERIFY_INIT": "maybe"})
 
+
 def test_config_is_frozen_and_normalises_spellings():
     cfg = StrategyConfig(mixed_precision="bfloat16")
     assert cfg.mixed_precision == "bf16"
@@ -265,6 +288,7 @@ def test_config_is_frozen_and_normalises_spellings():
         cfg.ep_size = 4
     strategy = NativeFSDPStrategy(cfg, ep_size=4)
     assert strategy.config == cfg.replace(ep_size=4) and strategy.ep_size == 4
+
 
 def test_every_exception_lives_in_errors_and_is_a_twinkle_error():
     """The library's in errors.py, the training application's own (recipe, dataset, preflight) in train/errors.py
@@ -289,11 +313,13 @@ def test_every_exception_lives_in_errors_and_is_a_twinkle_error():
     error = CheckpointSaveError("saving x failed on rank(s) [1]", [(1, "disk full")])
     assert str(error) == "saving x failed on rank(s) [1]" and error.failures == [(1, "disk full")]
 
+
 # Packages whose __init__ docstring is a map of their files (issue 36: checkpoint/'s map omitted two of 15).
 MAPPED_PACKAGES = ("checkpoint", "compat", "compat/transformers_internals", "distributed", "init", "shards", "quantized",
                    "testing", "train")
 # The library below the strategy: none of it may reach up to the application or the front-ends.
 LOWER_PACKAGES = ("sequence", "moe", "init", "checkpoint", "shards")
+
 
 def test_each_package_map_names_every_file_of_its_package():
     missing = {}
@@ -305,7 +331,9 @@ def test_each_package_map_names_every_file_of_its_package():
                        else {})
     assert missing == {}, f"files the package's __init__ map does not name: {missing}"
 
+
 MAX_MODULE_LINES = 400
+
 
 def test_no_module_is_over_400_lines():
     """Issue 36: a module over 400 lines holds more than one concept; split it by concept, not by size."""
@@ -314,12 +342,14 @@ def test_no_module_is_over_400_lines():
     over = {path: n for path, n in sorted(lines.items()) if n > MAX_MODULE_LINES}
     assert over == {}, f"modules over {MAX_MODULE_LINES} lines (split each by concept): {over}"
 
+
 def test_the_lower_library_imports_neither_the_application_nor_the_front_ends():
     files = [p for package in LOWER_PACKAGES for p in (PACKAGE / package).rglob("*.py")]
     assert len(files) > 30
     for upper in (APPLICATION, "twinkle_strategy.integrations"):
         offenders = _importers(files, upper)
         assert not offenders, f"{', '.join(LOWER_PACKAGES)} must not import {upper}: {offenders}"
+
 
 def _library_message_strings() -> list[tuple[str, int, str]]:
     """Every string literal of the library (outside train/, integrations/ and the fixtures) that is not a docstring:
@@ -342,6 +372,7 @@ def _library_message_strings() -> list[tuple[str, int, str]]:
             found.append((str(path.relative_to(PACKAGE.parent)), node.lineno, text))
     return found
 
+
 def _front_end_words(text: str) -> list[str]:
     """The twinkle-sft recipe keys (``data.packing``) and the twinkle-sft / swift sft flags (``--packing``) in
     ``text``. torchrun's and accelerate's own flags (``--nproc_per_node``, ``--use_fsdp``) are not front-ends'."""
@@ -361,6 +392,7 @@ def _front_end_words(text: str) -> list[str]:
     words += [f"{s}.{k}" for s, k in re.findall(r"(?<![\w.])([a-z]+)\.([a-z_]+)\b", text) if k in sections.get(s, ())]
     return words
 
+
 def test_library_messages_name_no_twinkle_sft_key_and_no_swift_flag():
     """Issue 36: an error raised in the library names the StrategyConfig field or the Python argument; each
     front-end (twinkle-sft, the swift plugin, the HF layer) translates it into its own keys and flags. sequence/
@@ -374,6 +406,7 @@ def test_library_messages_name_no_twinkle_sft_key_and_no_swift_flag():
                             "false); with twinkle-sft set launch.nproc_per_node; --use_hf true; strategy.wrap_model; "
                             "torchrun --nproc_per_node 2; model.safetensors") == \
         ["--packing", "--padding_free", "--use_hf", "data.packing", "data.padding_free", "launch.nproc_per_node"]
+
 
 def test_the_message_check_sees_f_strings_and_messages_over_several_lines():
     path = PACKAGE / "_probe_for_message_test.py"
