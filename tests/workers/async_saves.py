@@ -84,6 +84,25 @@ def same_files(a, b):
     return {"different": different, "files": files, "files_in_async": count}
 
 
+def release_once_every_rank_began_step_3(pause_dir: str) -> None:
+    """Each rank marks that it began step 3; rank 0 releases the paused writers once all have.
+
+    Releasing at rank 0's own start let another rank's writer finish a file before that rank began step 3
+    (CI saw it by 0.7 ms). Every rank writes its marker before step 3's first collective, so rank 0's wait
+    cannot deadlock.
+    """
+    open(os.path.join(pause_dir, f"began-step-3.rank{RANK}"), "w").close()
+    if RANK != 0:
+        return
+    deadline = time.time() + background.PAUSE_LIMIT_S
+    world = dist.get_world_size()
+    while len([n for n in os.listdir(pause_dir) if n.startswith("began-step-3.rank")]) < world:
+        if time.time() > deadline:
+            raise TimeoutError(f"not every rank began step 3 within {background.PAUSE_LIMIT_S}s")
+        time.sleep(0.01)
+    open(os.path.join(pause_dir, "release"), "w").close()
+
+
 def timed_async_run(args, out, pause_dir):
     """The asynchronous run whose writer pauses in checkpoint-2 until step 3 has begun."""
     from twinkle_strategy.train.trainer import Trainer
@@ -95,8 +114,8 @@ def timed_async_run(args, out, pause_dir):
 
     def timed_step(self, step):
         step_starts[step + 1] = time.time()
-        if step + 1 == 3 and RANK == 0:
-            open(os.path.join(pause_dir, "release"), "w").close()
+        if step + 1 == 3:
+            release_once_every_rank_began_step_3(pause_dir)
         return original(self, step)
 
     Trainer.training_step = timed_step
