@@ -73,6 +73,8 @@ VLLM_SYNC = Internal("VLLMGeneration.sync_weights", "trl", checked=_CHECKED, rep
                               "for MoE after the first sync) with strategy.export_weights into vLLM's reload")
 VLLM_ENGINE = Internal("VLLMGeneration.llm", "trl", checked=_CHECKED, replacement=_VLLM_GENERATION,
                        used_for="reach the vLLM engine TRL's colocate mode holds on each rank, to load the export")
+VLLM_CLIENT = Internal("VLLMGeneration.vllm_client", "trl", checked=_CHECKED, replacement=_VLLM_GENERATION,
+                       used_for="reach the VLLMClient TRL's server mode holds on the main process, to send the export")
 VLLM_SLEEPING = Internal("VLLMGeneration._llm_weights_sleeping", "trl", checked=_CHECKED, replacement=_VLLM_GENERATION,
                          used_for="wake a sleeping colocated engine's weights before the sync, as TRL's own does")
 
@@ -91,6 +93,11 @@ def colocated_engine(generation):
     return VLLM_ENGINE.attribute(generation, "llm")
 
 
+def server_client(generation):
+    """The ``VLLMClient`` TRL's server mode connected on the main process (its NCCL communicator initialised)."""
+    return VLLM_CLIENT.attribute(generation, "vllm_client")
+
+
 def wake_colocated_weights(generation) -> None:
     """What TRL's own sync does first under ``vllm_enable_sleep_mode``: map the engine's weights back in."""
     if getattr(generation, "enable_sleep_mode", False):
@@ -101,4 +108,5 @@ def wake_colocated_weights(generation) -> None:
 
 VLLM_SYNC.wrapper(replace_vllm_sync)
 VLLM_ENGINE.wrapper(colocated_engine)
+VLLM_CLIENT.wrapper(server_client)
 VLLM_SLEEPING.wrapper(wake_colocated_weights)

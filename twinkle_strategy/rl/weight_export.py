@@ -123,11 +123,13 @@ class WeightExport:
                 and layout.recipes[key].mode == RowMode.PER_EXPERT and all(r is not None for r in self.runs[i]))
 
     # ------------------------------------------------------------------ what a destination gets
-    def manifest(self) -> list[TensorMeta]:
-        """The checkpoint tensors this rank's buckets will hold, in order (no transfer: shapes only)."""
+    def manifest(self, *, rank: int | None = None) -> list[TensorMeta]:
+        """The checkpoint tensors the buckets of ``rank`` (default: this rank) will hold, in order (no transfer:
+        shapes only; every rank knows every destination's)."""
+        rank = self.rank if rank is None else rank
         out = []
         for plan in self.plan:
-            if plan.dest != self.rank:
+            if plan.dest != rank:
                 continue
             for item in plan.items:
                 t = self.tensors[item.tensor]

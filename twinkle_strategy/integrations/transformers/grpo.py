@@ -39,7 +39,7 @@ import torch
 
 from twinkle_strategy.compat.trl_internals import grpo_parent
 from twinkle_strategy.errors import ParallelConfigError
-from twinkle_strategy.integrations.transformers.grpo_vllm import install_colocated_sync, refuse_vllm_server
+from twinkle_strategy.integrations.transformers.grpo_vllm import install_vllm_sync, refuse_vllm_server
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
 from twinkle_strategy.rl.mismatch import LogprobMismatch, logprob_mismatch
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pad_records
@@ -67,7 +67,7 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         self._rollout_mismatches: list[LogprobMismatch] = []  # the training steps' since the last log line
         refuse_vllm_server(kwargs.get("args", args[2] if len(args) > 2 else None))
         super().__init__(*args, **kwargs)
-        install_colocated_sync(self)
+        install_vllm_sync(self)
         routing = self.strategy.routing
         served = routing is not None and routing.refusal is None
         if routing_replay == "auto":
