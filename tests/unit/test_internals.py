@@ -520,16 +520,20 @@ def _grpo_steps(tiny):
     assert step.__func__ is GRPOTrainer._generate_single_turn
 
 
-@checks("VLLMGeneration.sync_weights", "VLLMGeneration.llm", "VLLMGeneration._llm_weights_sleeping")
+@checks("VLLMGeneration.sync_weights", "VLLMGeneration.llm", "VLLMGeneration._llm_weights_sleeping",
+        "VLLMGeneration.vllm_client")
 def _vllm_generation(tiny):
-    """TRL's vLLM backend (read without vLLM: its source) starts its colocated engine as ``llm``, tracks sleeping
-    weights in ``_llm_weights_sleeping``, and syncs only through ``sync_weights`` (GRPOTrainer's calls and its own
+    """TRL's vLLM backend (read without vLLM: its source) starts its colocated engine as ``llm`` (server mode: its
+    client, communicator initialised, as ``vllm_client``), tracks sleeping weights in ``_llm_weights_sleeping``,
+    and syncs only through ``sync_weights`` (GRPOTrainer's calls and its own
     wake-up path), so an instance's replacement is what runs; replace_vllm_sync installs it."""
     from trl import GRPOTrainer
     from trl.generation.vllm_generation import VLLMGeneration
 
     assert "self.llm = LLM(" in inspect.getsource(VLLMGeneration._init_vllm)
     assert "self._llm_weights_sleeping = " in inspect.getsource(VLLMGeneration._init_vllm)
+    assert "self.vllm_client = VLLMClient(" in inspect.getsource(VLLMGeneration._init_vllm)
+    assert "self.vllm_client.init_communicator(" in inspect.getsource(VLLMGeneration._init_vllm)
     assert "self.sync_weights()" in inspect.getsource(VLLMGeneration.generate)
     assert "self.vllm_generation.sync_weights()" in inspect.getsource(GRPOTrainer._generate_single_turn)
     generation, calls = VLLMGeneration.__new__(VLLMGeneration), []
@@ -538,6 +542,8 @@ def _vllm_generation(tiny):
     generation.llm, generation.enable_sleep_mode = "engine", False
     trl_steps.wake_colocated_weights(generation)  # not sleeping: nothing to wake
     assert calls == ["ours"] and trl_steps.colocated_engine(generation) == "engine"
+    generation.vllm_client = "client"
+    assert trl_steps.server_client(generation) == "client"
 
 
 @checks("Trainer._save_rng_state")

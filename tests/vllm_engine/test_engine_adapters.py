@@ -7,7 +7,8 @@ Qwen3-MoE trained one step) checks, each against a reference export of the same 
   ``HTTPVLLMWeightSyncClient`` makes (to a local recording server) and the tensors it streams through vLLM's own
   metadata check into the packed NCCL producer, twice (the source is re-iterable);
 * that source against vLLM's ``ModuleSource`` over a plain transformers model that received the export;
-* ``VLLMClientReceiver`` with TRL's real ``VLLMClient``: its requests and the tensors of each batched update.
+* ``VLLMClientReceiver`` with TRL's real ``VLLMClient``: its requests and the tensors of each batched update,
+  alone and through ``sync_server_engine`` (``with_strategy(GRPOTrainer)``'s sync in ``vllm_mode="server"``).
 
 The one part replaced is the NCCL broadcast itself (vLLM's ``packed_nccl_broadcast_producer``, recorded): a NCCL
 communicator cannot exist on CPU. A GPU run of the same adapters against ``vllm serve`` is listed in docs/rl.md.
@@ -58,11 +59,13 @@ def test_source_equals_vllm_module_source_of_the_trained_weights(adapters):
     assert module["checked"] == module["moved"] == 25, module
 
 
-def test_trl_vllm_client_gets_each_bucket_in_one_weight_update(adapters):
+@pytest.mark.parametrize("case", ["receiver", "grpo_server_sync"])
+def test_trl_vllm_client_gets_each_bucket_in_one_weight_update(adapters, case):
     trl = adapters["trl_client"]
     buckets = trl["report_buckets"]
     assert buckets > 1 and trl["receiver_buckets"] == buckets, trl
-    assert trl["requests"] == (["start_weight_update"] + ["update_weights"] * buckets
-                               + ["finish_weight_update", "reset_prefix_cache"]), trl["requests"]
-    assert trl["updates_equal_buckets"], "a /update_weights call announced other tensors than its bucket"
-    assert trl["stream_equals_export"], "TRL's client streamed other tensors than the export's"
+    got = trl if case == "receiver" else trl["grpo"]
+    assert got["requests"] == (["start_weight_update"] + ["update_weights"] * buckets
+                               + ["finish_weight_update", "reset_prefix_cache"]), got["requests"]
+    assert got["updates_equal_buckets"], "a /update_weights call announced other tensors than its bucket"
+    assert got["stream_equals_export"], "TRL's client streamed other tensors than the export's"

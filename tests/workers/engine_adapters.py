@@ -9,7 +9,8 @@ tiny Qwen3-MoE and trains it one step; then
   part recorded instead (a NCCL communicator cannot exist on CPU). Twice: the source is re-iterable.
 * the same source against vLLM's ``ModuleSource`` of a plain transformers model holding the trainer's weights.
 * TRL's ``VLLMClient`` (real: its health check, model query, weight update and prefix-cache reset over HTTP to
-  that server) fed by ``VLLMClientReceiver``; its NCCL broadcast recorded likewise.
+  that server) fed by ``VLLMClientReceiver``; its NCCL broadcast recorded likewise. Then the same through
+  ``sync_server_engine``, what ``with_strategy(GRPOTrainer)`` runs in ``vllm_mode="server"``.
 
 Every recorded request and tensor is compared with a reference export of the same model, bucket by bucket.
 """
@@ -19,6 +20,7 @@ import json
 import os
 import sys
 import threading
+import types
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
@@ -28,6 +30,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
+from twinkle_strategy.integrations.transformers.grpo_vllm import sync_server_engine  # noqa: E402
 from twinkle_strategy.rl.engines.trl_client import VLLMClientReceiver  # noqa: E402
 from twinkle_strategy.rl.engines.vllm_server import export_weight_source  # noqa: E402
 
@@ -75,7 +78,7 @@ def reference(strategy, model) -> list[list[tuple[str, torch.Tensor]]]:
 
 def same(pairs, expected) -> bool:
     return ([k for k, _ in pairs] == [k for k, _ in expected]
-            and all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(pairs, expected)))
+            and all(a.dtype == b.dtype and torch.equal(a, b) for (_, a), (_, b) in zip(pairs, expected, strict=True)))
 
 
 def vllm_sender(strategy, model, buckets, server_url) -> dict:
@@ -113,8 +116,8 @@ def vllm_sender(strategy, model, buckets, server_url) -> dict:
 def against_module_source(strategy, model, buckets, ckpt) -> dict:
     """vLLM's ``ModuleSource`` over a plain transformers model given the trainer's weights by the export
     (``ModelReceiver``): its parameters (transformers' fused experts) rebuilt from the source's per-expert keys."""
-    from vllm.distributed.weight_transfer import ModuleSource
     from transformers import AutoModelForCausalLM
+    from vllm.distributed.weight_transfer import ModuleSource
 
     from twinkle_strategy.rl.receivers import ModelReceiver
 
@@ -124,7 +127,7 @@ def against_module_source(strategy, model, buckets, ckpt) -> dict:
     ours = dict(pair for bucket in buckets for pair in bucket)
     module = ModuleSource(plain)
     checked, moved, problems = 0, 0, []
-    for meta, (name, value) in zip(module.metadata(), module):
+    for meta, (name, value) in zip(module.metadata(), module, strict=True):
         if name in ours:
             expected = ours[name]
         elif name.endswith("mlp.experts.gate_up_proj"):
@@ -156,13 +159,27 @@ def trl_client(strategy, model, buckets, server_url) -> dict:
     Recorder.posts.clear()
     receiver = VLLMClientReceiver(client)
     report = strategy.export_weights(model, bucket_bytes=BUCKET).send_to(receiver)
+    out = {"receiver_buckets": receiver.buckets, "report_buckets": report.buckets}
+    out.update(client_round(streamed, buckets))
+    # GRPOTrainer(vllm_mode="server") under with_strategy: its sync (TRL's replaced) on the trainer's client
+    streamed.clear()
+    Recorder.posts.clear()
+    trainer = types.SimpleNamespace(model=model, strategy=strategy, weight_sync_reports=[],
+                                    accelerator=types.SimpleNamespace(unwrap_model=lambda m: m),
+                                    vllm_generation=types.SimpleNamespace(vllm_client=client),
+                                    state=types.SimpleNamespace(global_step=1))
+    sync_server_engine(trainer, bucket_bytes=BUCKET)
+    out["grpo"] = client_round(streamed, buckets)
+    return out
+
+
+def client_round(streamed, buckets) -> dict:
     paths = [p for p, _ in Recorder.posts]
     updates = [body["update_info"] for p, body in Recorder.posts if p == "update_weights"]
     expected = [{"names": [k for k, _ in b], "dtype_names": [str(v.dtype).removeprefix("torch.") for _, v in b],
                  "shapes": [list(v.shape) for _, v in b]} for b in buckets]
     return {"requests": paths, "updates_equal_buckets": [dict(u) for u in updates] == expected,
-            "stream_equals_export": same(streamed, [pair for bucket in buckets for pair in bucket]),
-            "receiver_buckets": receiver.buckets, "report_buckets": report.buckets}
+            "stream_equals_export": same(streamed, [pair for bucket in buckets for pair in bucket])}
 
 
 def main():
