@@ -113,9 +113,10 @@ def vllm_sender(strategy, model, buckets, server_url) -> dict:
     return out
 
 
-def against_module_source(strategy, model, buckets, ckpt) -> dict:
+def against_module_source(strategy, model, ckpt) -> dict:
     """vLLM's ``ModuleSource`` over a plain transformers model given the trainer's weights by the export
-    (``ModelReceiver``): its parameters (transformers' fused experts) rebuilt from the source's per-expert keys."""
+    (``ModelReceiver``) against a pass of ``export_weight_source``: its parameters (transformers' fused experts)
+    rebuilt from the source's per-expert keys."""
     from transformers import AutoModelForCausalLM
     from vllm.distributed.weight_transfer import ModuleSource
 
@@ -124,7 +125,7 @@ def against_module_source(strategy, model, buckets, ckpt) -> dict:
     plain = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)
     before = {n: p.detach().clone() for n, p in plain.named_parameters()}
     strategy.export_weights(model, bucket_bytes=BUCKET).send_to(ModelReceiver(plain))
-    ours = dict(pair for bucket in buckets for pair in bucket)
+    ours = {name: value.clone() for name, value in export_weight_source(strategy, model, bucket_bytes=BUCKET)}
     module = ModuleSource(plain)
     checked, moved, problems = 0, 0, []
     for meta, (name, value) in zip(module.metadata(), module, strict=True):
@@ -201,7 +202,7 @@ def main():
     threading.Thread(target=server.serve_forever, daemon=True).start()
     url = f"http://127.0.0.1:{server.server_address[1]}"
     result = {"vllm_sender": vllm_sender(strategy, model, buckets, url),
-              "module_source": against_module_source(strategy, model, buckets, args.ckpt),
+              "module_source": against_module_source(strategy, model, args.ckpt),
               "trl_client": trl_client(strategy, model, buckets, url)}
     server.shutdown()
     with open(args.out, "w") as f:

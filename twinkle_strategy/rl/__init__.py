@@ -13,6 +13,8 @@ export_sources.py  what an export sends: a full model, a LoRA model merged on th
 weight_export.py   the export walk: owners send their rows, a destination assembles checkpoint tensors per bucket
 export_report.py   bytes per rank, seconds blocked, peak extra memory, buckets
 receivers.py       engine adapters over the walk: a callable, a plain transformers model, a process outside the group
+vllm_receiver.py   a vLLM engine in the same process, through vLLM's layerwise reload
+engines/           engines elsewhere: vLLM as a server (vLLM's weight transfer), TRL's VLLMClient, SGLang
 """
 
 from twinkle_strategy.rl.record import NOT_RECORDED, ROUTED_EXPERTS, pack_records, pad_records
