@@ -34,6 +34,10 @@ import torch  # noqa: E402
 import worker_common  # noqa: E402
 
 RANKS, MICRO, GENERATIONS, STEPS = 4, 2, 4, 3  # each step: 2 prompts x 4 completions over the 4 ranks
+# The MoE load-balancing loss is on in every GRPO run (the demo model's own coefficient is 0.001; larger, so that it
+# weighs in the loss and the gradient): TRL's plain GRPOTrainer on one process adds it over its whole batch, the
+# global batch; with_strategy(GRPOTrainer) silences TRL's per-rank term and adds the global-batch one instead.
+AUX_COEF = 0.1
 LORA_TARGETS = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -59,12 +63,12 @@ def grpo_config(out: str, *, plain: bool, **overrides):
     base = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=MICRO * RANKS // ranks,
                 num_generations=GENERATIONS, max_completion_length=8, temperature=1.0, learning_rate=5e-2,
                 max_grad_norm=1.0, beta=0.04, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], seed=0,
-                bf16=False, disable_tqdm=True, router_aux_loss_coef=0.0, shuffle_dataset=False)
+                bf16=False, disable_tqdm=True, router_aux_loss_coef=AUX_COEF, shuffle_dataset=False)
     return GRPOConfig(**{**base, **overrides})
 
 
 def logged(trainer, keys=("loss", "reward", "grad_norm", "routing_agreement_min", "routing_agreement_mean",
-                          "rollout/logprob_abs_diff", "rollout/kl_k3")) -> dict:
+                          "rollout/logprob_abs_diff", "rollout/kl_k3", "aux_loss")) -> dict:
     lines = [h for h in trainer.state.log_history if "loss" in h]
     return {"steps": [h["step"] for h in lines], **{k: [h.get(k) for h in lines] for k in keys}}
 
