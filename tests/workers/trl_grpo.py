@@ -38,6 +38,10 @@ RANKS, MICRO, GENERATIONS, STEPS = 4, 2, 4, 3  # each step: 2 prompts x 4 comple
 # weighs in the loss and the gradient): TRL's plain GRPOTrainer on one process adds it over its whole batch, the
 # global batch; with_strategy(GRPOTrainer) silences TRL's per-rank term and adds the global-batch one instead.
 AUX_COEF = 0.1
+# bf16 (full parameters): Adam's first step moves every weight by about the learning rate whatever the gradient's
+# size, so bf16 rounding of a near-zero gradient moves a weight the other way. At 5e-2 (weights of about 0.02) step 2
+# then routed otherwise: its aux loss differed from one process by 2.4% and its gradient norm by 13 u; at 1e-3, 0.3%.
+BF16_LR = 1e-3
 LORA_TARGETS = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -246,7 +250,8 @@ def main():
             result.update(run_grpo(a, "lora", lora=True, feed=feed))
         if "bf16" in runs:
             feed = Rollouts(glob.glob(os.path.join(a.rollouts, "rollouts-lora-rank*.json")))
-            result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
+            result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2,
+                                   learning_rate=BF16_LR))
         if "dpo" in runs:
             result.update(run_dpo(a))
         return result
@@ -263,7 +268,8 @@ def main():
                                resume=os.path.join(source, "lora", "checkpoint-1")))
     if "bf16" in runs:
         feed = Rollouts([os.path.join(a.out, f"rollouts-lora-rank{worker_common.rank()}.json")])
-        result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
+        result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2,
+                                   learning_rate=BF16_LR))
     if "forced" in runs:
         result.update(run_grpo(a, "forced", lora=False, rotate=True, beta=0.0, max_steps=2))
     if "r2" in runs:
