@@ -5,7 +5,8 @@ sp=2, refusals, the bf16 rollout/trainer measurement) and 1 node x 4 at ep=4 (ge
 Generation: each rank has its own number of prompts (rank 3 none) and lengths, left-padded, its own
 max_new_tokens and a stop token its first prompt reaches at its own step; the tokens equal the same model
 generating the same prompts in one process (fp32 greedy and sampled with the same seed, LoRA on attention
-and experts). bf16 generation runs to the same stops; its equality with one process is reported, not
+and experts; greedy fp32 of gpt-oss, Mixtral and Qwen3-MoE with a sliding window of 4 tokens). bf16 generation
+runs to the same stops; its equality with one process is reported, not
 asserted: EP sums bf16 expert outputs of other matmul shapes (rounding, see tests/multiproc/test_bf16.py).
 """
 
@@ -19,6 +20,7 @@ from multinode import launch
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
 TOLERANCE = 1e-5
+SLIDING_WINDOW = 4
 
 
 @pytest.fixture(scope="module")
@@ -27,6 +29,11 @@ def checkpoints(tmp_path_factory):
     save_tiny_checkpoint("qwen3_moe", str(root / "qwen3_moe"), seed=0)
     # MLA attends with every head for keys (its tiny default of 2 KV heads breaks any attention mask).
     save_tiny_checkpoint("deepseek_v3", str(root / "deepseek_v3"), seed=0, num_key_value_heads=4)
+    # Sliding-window attention with a window of 4 tokens, shorter than most prompts (rl_moe.SLIDING_WINDOW_CHECKPOINTS).
+    save_tiny_checkpoint("gpt_oss", str(root / "gpt_oss_sw4"), seed=0, sliding_window=SLIDING_WINDOW)
+    save_tiny_checkpoint("mixtral", str(root / "mixtral_sw4"), seed=0, sliding_window=SLIDING_WINDOW)
+    save_tiny_checkpoint("qwen3_moe", str(root / "qwen3_moe_sw4"), seed=0, use_sliding_window=True,
+                         sliding_window=SLIDING_WINDOW)
     return root
 
 
@@ -67,6 +74,24 @@ def test_generation_under_ep_equals_one_process(shape, request):
                 stops.setdefault(case["family"], set()).add(case["stop_step"])
     # The stop tokens were hit at different steps on different ranks.
     assert all(len(steps - {None}) >= 2 for steps in stops.values()), stops
+
+
+@pytest.mark.parametrize("shape", ["two_by_two", "one_by_four"])
+def test_generation_with_sliding_window_caches_equals_one_process(shape, request):
+    """gpt-oss (sliding and full layers alternating), Mixtral and Qwen3-MoE (use_sliding_window: every layer), window
+    4: prompts longer than the window and generation past it, so transformers' sliding-window cache layers drop keys
+    in prefill and decoding; greedy fp32 under FSDP2 + EP equals one process."""
+    seen = {}
+    for rank, result in request.getfixturevalue(shape).items():
+        for case in result["generation"]:
+            if not case["family"].endswith("_sw4"):
+                continue
+            assert case["sliding_window"] == SLIDING_WINDOW and case["dtype"] == "torch.float32", case
+            assert case["same"], f"rank {rank} {case['family']}: {case['got']} != {case['expected']}"
+            seen.setdefault(case["family"], []).append(len(case["got"][0]) if case["got"] else 0)
+    assert sorted(seen) == ["gpt_oss_sw4", "mixtral_sw4", "qwen3_moe_sw4"], seen
+    # Ranks 0 and 2 (prompts of 6 and 7 tokens) end well past the window; rank 3 has no prompt.
+    assert all(max(lengths) > 3 * SLIDING_WINDOW for lengths in seen.values()), seen
 
 
 def test_replay_of_the_trainers_own_record_changes_nothing(two_by_two):

@@ -2,7 +2,8 @@
 
 --generate: greedy and sampled ``generate`` (KV cache) of Qwen3-MoE and DeepSeek-V3 with prompts of different
 lengths and numbers per rank, stop tokens hit at different steps on different ranks, one rank without a
-prompt; fp32 full and LoRA (attention and experts) against the same model in one process; bf16 run and compared.
+prompt; fp32 full and LoRA (attention and experts) against the same model in one process; bf16 run and compared;
+greedy fp32 of gpt-oss, Mixtral and Qwen3-MoE with a sliding window of 4 tokens (shorter than most prompts).
 --replay (ep=2, activation checkpointing): R3 with the trainer's own record equals no replay (padded and
 packed rows); a forced record is dispatched (expert loads) and the router's gradient equals one process
 replaying it; a record that does not fit on one rank is refused on every rank.
@@ -30,6 +31,10 @@ from twinkle_strategy.moe.recompute import apply_activation_checkpointing  # noq
 from twinkle_strategy.rl import NOT_RECORDED, ROUTED_EXPERTS, routing_hooks  # noqa: E402
 
 FAMILIES = ("qwen3_moe", "deepseek_v3")
+# Sliding-window attention, window 4 (tests/multiproc/test_rl.py saves them): gpt-oss alternates sliding and full
+# layers, Mixtral and Qwen3-MoE (use_sliding_window) slide in every layer. Most prompts are longer than the window and
+# generation runs past it, so the KV cache's sliding layers drop keys during prefill and decoding.
+SLIDING_WINDOW_CHECKPOINTS = ("gpt_oss_sw4", "mixtral_sw4", "qwen3_moe_sw4")
 PROMPT_LENGTHS = {0: [3, 6], 1: [5], 2: [4, 2, 7], 3: []}  # rank 3 has no prompt
 PAD = 0
 ROWS, SEQ = 2, 12
@@ -97,6 +102,7 @@ def generation_cases(strategy, path, family, rank, *, dtype, lora, sampled):
         hit = (got[0, ids.shape[1]:] == eos).nonzero()
         stop_step = int(hit[0]) if len(hit) else None
     return dict(family=family, dtype=str(dtype), lora=lora, sampled=sampled, prompts=int(ids.shape[0]),
+                sliding_window=getattr(reference.config, "sliding_window", None),
                 same=bool(same), got=got.tolist(), expected=None if expected is None else expected.tolist(),
                 stop_step=stop_step, record_shape=list(record.shape),
                 record_tail_unrecorded=bool((record[:, -1] == NOT_RECORDED).all()) if record.shape[0] else True)
@@ -294,6 +300,9 @@ def main():
                                           sampled=False))
         cases.append(generation_cases(strategy, os.path.join(args.ckpt_root, "qwen3_moe"), "qwen3_moe", rank,
                                       dtype=torch.float32, lora=True, sampled=False))
+        for name in SLIDING_WINDOW_CHECKPOINTS:  # greedy fp32: the KV cache of sliding-window layers
+            cases.append(generation_cases(strategy, os.path.join(args.ckpt_root, name), name, rank,
+                                          dtype=torch.float32, lora=False, sampled=False))
         out["generation"] = cases
     if args.replay:
         out["replay"] = {f: replay_cases(strategy, os.path.join(args.ckpt_root, f), f, rank, world) for f in FAMILIES}

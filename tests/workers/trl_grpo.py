@@ -34,6 +34,14 @@ import torch  # noqa: E402
 import worker_common  # noqa: E402
 
 RANKS, MICRO, GENERATIONS, STEPS = 4, 2, 4, 3  # each step: 2 prompts x 4 completions over the 4 ranks
+# The MoE load-balancing loss is on in every GRPO run (the demo model's own coefficient is 0.001; larger, so that it
+# weighs in the loss and the gradient): TRL's plain GRPOTrainer on one process adds it over its whole batch, the
+# global batch; with_strategy(GRPOTrainer) silences TRL's per-rank term and adds the global-batch one instead.
+AUX_COEF = 0.1
+# bf16 (full parameters): Adam's first step moves every weight by about the learning rate whatever the gradient's
+# size, so bf16 rounding of a near-zero gradient moves a weight the other way. At 5e-2 (weights of about 0.02) step 2
+# then routed otherwise: its aux loss differed from one process by 2.4% and its gradient norm by 13 u; at 1e-3, 0.3%.
+BF16_LR = 1e-3
 LORA_TARGETS = dict(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
 
@@ -59,12 +67,12 @@ def grpo_config(out: str, *, plain: bool, **overrides):
     base = dict(output_dir=out, max_steps=STEPS, per_device_train_batch_size=MICRO * RANKS // ranks,
                 num_generations=GENERATIONS, max_completion_length=8, temperature=1.0, learning_rate=5e-2,
                 max_grad_norm=1.0, beta=0.04, logging_steps=1, save_strategy="no", use_cpu=True, report_to=[], seed=0,
-                bf16=False, disable_tqdm=True, router_aux_loss_coef=0.0, shuffle_dataset=False)
+                bf16=False, disable_tqdm=True, router_aux_loss_coef=AUX_COEF, shuffle_dataset=False)
     return GRPOConfig(**{**base, **overrides})
 
 
 def logged(trainer, keys=("loss", "reward", "grad_norm", "routing_agreement_min", "routing_agreement_mean",
-                          "rollout/logprob_abs_diff", "rollout/kl_k3")) -> dict:
+                          "rollout/logprob_abs_diff", "rollout/kl_k3", "aux_loss")) -> dict:
     lines = [h for h in trainer.state.log_history if "loss" in h]
     return {"steps": [h["step"] for h in lines], **{k: [h.get(k) for h in lines] for k in keys}}
 
@@ -242,7 +250,8 @@ def main():
             result.update(run_grpo(a, "lora", lora=True, feed=feed))
         if "bf16" in runs:
             feed = Rollouts(glob.glob(os.path.join(a.rollouts, "rollouts-lora-rank*.json")))
-            result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
+            result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2,
+                                   learning_rate=BF16_LR))
         if "dpo" in runs:
             result.update(run_dpo(a))
         return result
@@ -259,7 +268,8 @@ def main():
                                resume=os.path.join(source, "lora", "checkpoint-1")))
     if "bf16" in runs:
         feed = Rollouts([os.path.join(a.out, f"rollouts-lora-rank{worker_common.rank()}.json")])
-        result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2))
+        result.update(run_grpo(a, "bf16", lora=False, feed=feed, dtype=torch.bfloat16, beta=0.0, max_steps=2,
+                                   learning_rate=BF16_LR))
     if "forced" in runs:
         result.update(run_grpo(a, "forced", lora=False, rotate=True, beta=0.0, max_steps=2))
     if "r2" in runs:
