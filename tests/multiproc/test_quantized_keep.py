@@ -253,6 +253,9 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     want = codec.decode([data, scale]).to(torch.bfloat16)
     assert torch.equal(kept.values(), want) and torch.equal(kept * 2, want * 2)
     assert torch.equal(kept.detach().view(-1).values(), want.view(-1))
+    # A weight export's rows (decoding only the chunks they lie in), past the region's end FSDP2's zero padding.
+    assert torch.equal(kept.rows(3, 17), want[3:17]) and torch.equal(kept.rows(18, 24)[:2], want[18:])
+    assert not kept.rows(18, 24)[2:].any() and kept.rows(18, 24).shape == (6, 32)
     padded = kept.new_zeros((24, 32))
     padded.narrow(0, 0, 20).copy_(kept)
     assert torch.equal(padded.values()[:20], want) and not padded.values()[20:].any()
