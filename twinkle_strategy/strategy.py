@@ -52,7 +52,7 @@ from twinkle_strategy.loading import (
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
 from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
 from twinkle_strategy.planning import PlanRequest, parse_size, plan_memory
-from twinkle_strategy.rl import weight_export
+from twinkle_strategy.rl import export_options, weight_export
 from twinkle_strategy.rl.export_plan import EngineExperts, OneReceiver
 from twinkle_strategy.rl.replay import RoutingHooks, routing_hooks
 from twinkle_strategy.rl.strategy_methods import RoutingMethods
@@ -379,14 +379,16 @@ class NativeFSDPStrategy(RoutingMethods):
 
     def export_weights(self, model: nn.Module, *, bucket_bytes: int = 256 * 2**20, changed_only: bool = False,
                        lora: str = "merged", dtype: torch.dtype | None = None,
-                       receivers: OneReceiver | EngineExperts | None = None) -> weight_export.WeightExport:
+                       receivers: OneReceiver | EngineExperts | None = None, merged_format: str = "bf16",
+                       release: str | None = None) -> weight_export.WeightExport:
         """The trained weights for a rollout engine, as buckets of ``(checkpoint key, tensor)`` in the checkpoint's
         own layout, each tensor sent by the ranks that keep it (collective; nobody gathers the model). Iterate the
         result on every rank or call ``.send_to(receiver)``; options and receivers: docs/rl.md and
-        :func:`twinkle_strategy.rl.weight_export.export_weights`."""
+        :func:`twinkle_strategy.rl.export_options.export_weights`."""
         self.setup()
-        return weight_export.export_weights(model, self.ep_plan, bucket_bytes=bucket_bytes, changed_only=changed_only,
-                                            lora=lora, dtype=dtype, receivers=receivers)
+        return export_options.export_weights(model, self.ep_plan, bucket_bytes=bucket_bytes,
+                                             changed_only=changed_only, lora=lora, dtype=dtype, receivers=receivers,
+                                             merged_format=merged_format, release=release)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

@@ -22,6 +22,7 @@ from twinkle_strategy.testing.releases import (
 )
 
 BLOCK = (16, 16)
+BUCKET = 1 << 14  # tests/workers/keep_export.py's bucket bytes
 SIZES = dict(hidden_size=64, intermediate_size=32)  # DeepSeek's kv_a_proj_with_mqa: 20 rows, a ragged last block
 # What keep holds of the quantized weights, against the same regions in bf16 (the issue's goals).
 GOALS = {"fp8_block": 0.55, "fp4_block": 0.3, "mxfp4": 0.3}
@@ -113,9 +114,43 @@ def check_merged_export(name: str, export: dict) -> None:
     assert {m for m in export["modules_to_not_convert"]} >= set(export["modules"]) and \
         any("experts" in m for m in export["modules"]) and any("attn" in m for m in export["modules"]), where
     assert export["reloaded_equal_bf16"], where
+    check_weight_export(name, export["weight_export"])
     if name == "deepseek_fp8":  # the independent oracle, from the adapter the "save" flag wrote
         assert export["attention_oracle"]["checked"] >= 6 and export["attention_oracle"]["mismatched"] == 0, \
             (where, export["attention_oracle"])
+
+
+def check_weight_export(name: str, export: dict) -> None:
+    """strategy.export_weights of the keep run (after the steps, to a plain process outside the group) against the
+    files save_merged wrote at the same step: bf16 merged, every tensor and dtype as save_merged(bf16) (the kept
+    base decoded, the adapters merged); in the release's format, every tensor as save_merged(release) (the
+    release's own bytes and scales, each merged weight in bf16 under the release's key); the adapter alone as
+    save_pretrained wrote it; changed_only, the merged weights only. Owners send their rows once, buckets bounded."""
+    where = (name, export["figures"]["bf16"]["ranks"][0])
+    assert export["bf16_differences"] == [] and export["bf16_keys"] > 20, (where, export["bf16_differences"])
+    assert export["release_differences"] == [] and export["release_keys"] > 20, (where, export["release_differences"])
+    assert export["modules_equal"], (where, export["figures"]["release"]["modules"])
+    # Quantized bytes and scales next to the bf16 merged weights (gpt-oss quantizes only its experts, which the
+    # adapters all modify: its release-format export is the bf16 one under the release's keys).
+    assert name == "gpt_oss_mxfp4" or len(export["release_stored_dtypes"]) > 2, (where, export["release_stored_dtypes"])
+    assert export["changed_differences"] == [] and len(export["changed_keys"]) == export["merged_count"] > 0, where
+    assert not any("norm" in key or "embed" in key for key in export["changed_keys"]), export["changed_keys"]
+    assert export["adapter_keys"] and all("lora_" in key for key in export["adapter_keys"]), where
+    if name == "deepseek_fp8":  # the adapter the "save" flag wrote, at the same step
+        assert export["adapter_differences"] == [], (where, export["adapter_differences"])
+    bf16 = export["figures"]["bf16"]
+    ranks = bf16["ranks"]
+    moved = sum(f["bytes_sent"] + f["bytes_kept"] for f in ranks)
+    assert bf16["bytes_total"] <= moved <= 1.01 * bf16["bytes_total"], (where, bf16)
+    # A rank that is not the destination sends its own rows once (a replicated tensor the destination keeps: not).
+    assert all(0 < f["bytes_sent"] <= f["shard_bytes"] and f["bytes_received"] == 0 for f in ranks[1:]), ranks
+    for figures in export["figures"].values():
+        assert figures["buckets"] == figures["received_buckets"] > 1, (where, figures)
+        assert figures["largest_bucket_bytes"] <= max(BUCKET, export["largest_tensor_bytes"]), (where, figures)
+        # A sender holds the rows it sends of one bucket (a kept weight's decoded rows), the destination the bucket.
+        held = [f["bytes_held"] for f in figures["ranks"]]
+        assert held[0] <= 2 * figures["largest_bucket_bytes"] and max(held[1:]) <= figures["largest_bucket_bytes"], \
+            (where, held, figures["largest_bucket_bytes"])
 
 
 def test_lora_over_kept_releases_equals_the_dequantized_run(releases, tmp_path):
@@ -218,6 +253,9 @@ def test_a_kept_weight_decodes_for_reads_and_refuses_writes():
     want = codec.decode([data, scale]).to(torch.bfloat16)
     assert torch.equal(kept.values(), want) and torch.equal(kept * 2, want * 2)
     assert torch.equal(kept.detach().view(-1).values(), want.view(-1))
+    # A weight export's rows (decoding only the chunks they lie in), past the region's end FSDP2's zero padding.
+    assert torch.equal(kept.rows(3, 17), want[3:17]) and torch.equal(kept.rows(18, 24)[:2], want[18:])
+    assert not kept.rows(18, 24)[2:].any() and kept.rows(18, 24).shape == (6, 32)
     padded = kept.new_zeros((24, 32))
     padded.narrow(0, 0, 20).copy_(kept)
     assert torch.equal(padded.values()[:20], want) and not padded.values()[20:].any()

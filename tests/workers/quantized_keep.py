@@ -18,6 +18,7 @@ import zlib
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import keep_export  # noqa: E402
 import torch  # noqa: E402
 import worker_common  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
@@ -260,6 +261,7 @@ def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dic
 
     release_dir, bf16_dir, reloaded_dir = (os.path.join(root, d) for d in ("merged-release", "merged-bf16",
                                                                             "reloaded"))
+    exports = keep_export.run_exports(keep["strategy"], keep["model"], path, os.path.join(root, "exports"))
     modules = keep["strategy"].save_merged(keep["model"], release_dir, merged_format="release", release=path)
     ref["strategy"].save_merged(ref["model"], bf16_dir)
     strategy = NativeFSDPStrategy(ep_size=keep["strategy"].config.ep_size, mixed_precision="bf16",
@@ -294,7 +296,10 @@ def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dic
                 merged_dtypes=sorted({str(exported[k].dtype) for k in merged_keys}),
                 merged_equal_dequantize=all(torch.equal(exported[k], by_release_key[k]) for k in merged_keys),
                 merged_differs_from_base=all(not torch.equal(exported[k], base[k]) for k in merged_keys),
-                attention_oracle=oracle, reloaded_equal_bf16=sorted(reloaded) == sorted(bf16)
+                attention_oracle=oracle, weight_export=keep_export.compare(
+                    exports, os.path.join(root, "exports"), release_dir=release_dir, bf16_dir=bf16_dir,
+                    adapter_dir=adapter_dir, modules=modules, checkpoint_tensors=checkpoint_tensors),
+                reloaded_equal_bf16=sorted(reloaded) == sorted(bf16)
                 and all(torch.equal(reloaded[k], bf16[k]) for k in bf16),
                 modules_to_not_convert=json.load(open(os.path.join(release_dir, "config.json")))
                 ["quantization_config"]["modules_to_not_convert"])

@@ -123,15 +123,9 @@ class ReleaseFiles:
 
     def _assemble(self, directory: str) -> None:
         merged, merged_dir = self.merged, os.path.join(directory, MERGED_WEIGHTS_DIR)
-        index = QuantizedIndex(SafetensorsIndex.from_directory(self.release), self.release_format, merged.model)
-        try:
-            save_layout = plan_model_files(merged.model, merged.ep_plan, names=merged.merged)[0]
-            release_layout = CheckpointLayout(index, merged.model, self.release, model_tensors=save_layout.model_tensors)
-            keys = release_keys_of(save_layout, release_layout, merged.merged)
-            self.modules.extend(assemble_release_format(self.release, merged_dir, directory, quantized_index=index,
-                                                        release_keys=keys))
-        finally:
-            index.close()
+        save_layout = plan_model_files(merged.model, merged.ep_plan, names=merged.merged)[0]
+        rewrite = release_rewrite(self.release, self.release_format, merged.model, save_layout, merged.merged)
+        self.modules.extend(assemble_release_format(self.release, merged_dir, directory, rewrite))
         shutil.rmtree(merged_dir)
 
 
@@ -228,25 +222,52 @@ def release_keys_of(save_layout, release_layout, names: set[str]) -> dict[str, s
     return out
 
 
-def assemble_release_format(release: str, merged_dir: str, directory: str, *, quantized_index,
-                            release_keys: dict[str, str]) -> list[str]:
+@dataclasses.dataclass(frozen=True)
+class ReleaseRewrite:
+    """What a merged export in the release's format changes in the release: the one rule of ``save_merged``'s
+    release format and of the weight export's (:mod:`twinkle_strategy.rl.export_release`)."""
+
+    release_keys: dict[str, str]  # each merged weight's checkpoint key as saved -> the release's key
+    dropped: frozenset[str]  # the release's stored tensors they replace: quantized data and its scale
+    modules: tuple[str, ...]  # the merged modules, for quantization_config.modules_to_not_convert
+
+
+def release_rewrite(release: str, release_format: QuantFormat | None, model: nn.Module, save_layout,
+                    names: set[str]) -> ReleaseRewrite:
+    """The :class:`ReleaseRewrite` of merging the model tensors ``names`` (``save_layout``: the layout they are
+    saved in) into ``release``, from the release's headers. The stored tensors of a merged key are named by a
+    :class:`~twinkle_strategy.quantized.formats.QuantizedIndex` of the release: a merged FP8 weight drops its
+    ``weight_scale_inv``, an MXFP4 one its ``_blocks`` and ``_scales``."""
+    index = QuantizedIndex(SafetensorsIndex.from_directory(release), release_format, model)
+    try:
+        release_layout = CheckpointLayout(index, model, release, model_tensors=save_layout.model_tensors)
+        keys = release_keys_of(save_layout, release_layout, names)
+        dropped = set()
+        for key in keys.values():
+            logical = index.tensors[key]
+            dropped |= {logical.data_key} | ({logical.scale_key} if logical.scale_key else set())
+    finally:
+        index.close()
+    return ReleaseRewrite(keys, frozenset(dropped), tuple(sorted({_module_of(key) for key in keys.values()})))
+
+
+def untouched_release_tensors(release: str, rewrite: ReleaseRewrite) -> dict[str, list[str]]:
+    """Each safetensors file of ``release`` and its tensors that no merged weight replaces, in the file's order."""
+    return {file: [key for key in keys if key not in rewrite.dropped] for file, keys in _files_of(release).items()}
+
+
+def assemble_release_format(release: str, merged_dir: str, directory: str, rewrite: ReleaseRewrite) -> list[str]:
     """Fill ``directory`` (one process) with ``release``'s files for every weight no adapter touched, byte for
     byte, and the merged weights saved in ``merged_dir`` (model dtype, checkpoint keys as saved, renamed by
-    ``release_keys`` to the release's) in place of theirs.
+    ``rewrite.release_keys`` to the release's) in place of theirs.
 
-    ``quantized_index`` (a :class:`~twinkle_strategy.quantized.formats.QuantizedIndex` of the release) names the
-    stored tensors of each checkpoint key: a merged FP8 weight drops its ``weight_scale_inv``, an MXFP4 one its
-    ``_blocks`` and ``_scales``. A release file that holds none of them is copied whole; one that does is
-    rewritten without them (its other tensors as stored). Returns the merged modules, which config.json lists in
+    A release file that holds none of ``rewrite.dropped`` is copied whole; one that does is rewritten without
+    them (its other tensors as stored). Returns the merged modules, which config.json lists in
     ``quantization_config.modules_to_not_convert`` (transformers' quantizers then load them as they are)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    merged_keys = [release_keys[key] for key in _index_keys(merged_dir)]
-    dropped = set()
-    for key in merged_keys:
-        logical = quantized_index.tensors[key]
-        dropped |= {logical.data_key} | ({logical.scale_key} if logical.scale_key else set())
+    release_keys, dropped = rewrite.release_keys, rewrite.dropped
     weight_map = {}
     for file, keys in _files_of(release).items():
         if not dropped & set(keys):
@@ -265,7 +286,7 @@ def assemble_release_format(release: str, merged_dir: str, directory: str, *, qu
         weight_map.update({release_keys[key]: renamed for key in keys})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as out:
         json.dump({"metadata": {}, "weight_map": dict(sorted(weight_map.items()))}, out, indent=2)
-    modules = sorted({_module_of(key) for key in merged_keys})
+    modules = list(rewrite.modules)
     with open(os.path.join(release, "config.json")) as source:
         config = json.load(source)
     spec = config["quantization_config"]

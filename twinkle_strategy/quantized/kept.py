@@ -85,19 +85,23 @@ class KeptRegion:
     def values_bytes(self) -> int:
         return math.prod(self.rows_shape) * self.form.dtype.itemsize
 
-    def dequantize(self) -> torch.Tensor:
-        """The region's values in the model's dtype, decoded chunk by chunk into a new tensor, on the device that
-        holds the stored bytes (elementwise ops only: nothing is copied to or read back from the host)."""
+    def dequantize(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """The region's values (its rows ``[a, b)`` only, if given) in the model's dtype, decoded chunk by chunk
+        into a new tensor (only the chunks those rows lie in), on the device that holds the stored bytes
+        (elementwise ops only: nothing is copied to or read back from the host)."""
         # No FP8/FP4 matmul kernel replaces this: torch's _scaled_mm / F.scaled_mm and transformers' finegrained-fp8
         # (Triton, DeepGEMM) multiply FP8 (or FP4) by FP8, so they quantize the bf16 activations (per token, per 128
         # columns), which dequantize-then-bf16-matmul does not: not exact. And FSDP2 gathers the unit's weights, and
         # PEFT adds the expert adapters to them (target_parameters), before any matmul sees them.
-        out = torch.empty(self.rows_shape, dtype=self.form.dtype, device=self.stored.device)
+        a, b = rows if rows is not None else (0, self.rows_shape[0])
+        out = torch.empty((b - a, *self.rows_shape[1:]), dtype=self.form.dtype, device=self.stored.device)
         at = 0
         for chunk in self.form.chunks:
-            values = self.form.decode(chunk, self.stored[at:at + chunk.nbytes], self.config)
-            target = out[chunk.rows[0]:chunk.rows[1]]
-            target.copy_(values.reshape(target.shape))
+            lo, hi = max(chunk.rows[0], a), min(chunk.rows[1], b)
+            if lo < hi:
+                values = self.form.decode(chunk, self.stored[at:at + chunk.nbytes], self.config)
+                values = values.reshape(chunk.rows[1] - chunk.rows[0], *self.rows_shape[1:])
+                out[lo - a:hi - a].copy_(values[lo - chunk.rows[0]:hi - chunk.rows[0]])
             at += chunk.nbytes
         return out
 
@@ -147,6 +151,18 @@ class KeptWeight(torch.Tensor):
         if flat.numel() < self.numel():
             flat = torch.cat([flat, flat.new_zeros(self.numel() - flat.numel())])
         return flat[:self.numel()].view(self.shape)
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows ``[start, stop)`` of this tensor's values (zero past the region's end: FSDP2's padding), decoding
+        only the stored chunks they lie in: what a weight export sends of it, a bucket at a time."""
+        region = self.holder.region
+        if region is None or tuple(self.shape[1:]) != region.rows_shape[1:]:  # a view of another shape
+            return self.values()[start:stop]
+        out = torch.zeros((stop - start, *self.shape[1:]), dtype=self.dtype, device=self.device)
+        end = min(stop, region.rows_shape[0])
+        if start < end:
+            out[:end - start].copy_(region.dequantize((start, end)))
+        return out
 
     # FSDP2's all-gather extension: what to gather (a decoded shard, padded as FSDP2 pads) and what it makes.
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):

@@ -11,6 +11,8 @@ strategy_methods.py  the routing methods NativeFSDPStrategy gains
 export_plan.py     pure: which rank assembles which rows of which tensor, in which bucket
 export_sources.py  what an export sends: a full model, a LoRA model merged on the fly, or its adapter alone
 weight_export.py   the export walk: owners send their rows, a destination assembles checkpoint tensors per bucket
+export_release.py  a merged export in a quantized release's own format, as save_merged(merged_format='release')
+export_options.py  strategy.export_weights's options turned into an export (and what changed_only leaves out)
 export_report.py   bytes per rank, seconds blocked, peak extra memory, buckets
 receivers.py       engine adapters over the walk: a callable, a plain transformers model, a process outside the group
 vllm_receiver.py   a vLLM engine in the same process, through vLLM's layerwise reload

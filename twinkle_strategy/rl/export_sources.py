@@ -53,6 +53,7 @@ class ExportSource:
     tensors: list[ExportTensor]
     layout: object  # a CheckpointLayout (model tensors -> checkpoint keys) or SameKeys (adapter keys as they are)
     changing: frozenset[str]  # keys whose values training changes between two exports
+    release: object = None  # a release-format export: its ReleaseTensors (twinkle_strategy.rl.export_release)
 
 
 _BASE_LAYER = re.compile(r"\.base_layer(?=\.)")

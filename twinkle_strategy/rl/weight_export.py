@@ -21,12 +21,10 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-import weakref
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from twinkle_strategy.checkpoint.layout import CheckpointLayout, RowMode
 from twinkle_strategy.distributed.fail_together import raise_together
@@ -34,6 +32,7 @@ from twinkle_strategy.distributed.messages import collective_device, wait_all
 from twinkle_strategy.distributed.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import WeightSyncError
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.quantized.kept import KeptWeight
 from twinkle_strategy.rl.export_plan import (
     BucketPlan,
     EngineExperts,
@@ -45,7 +44,7 @@ from twinkle_strategy.rl.export_plan import (
     plan_items,
 )
 from twinkle_strategy.rl.export_report import ExportReport, RankFigures, all_figures
-from twinkle_strategy.rl.export_sources import ExportSource, ExportTensor, LoraExport, export_source
+from twinkle_strategy.rl.export_sources import ExportSource, ExportTensor
 from twinkle_strategy.shards.plan import Need, checkpoint_runs
 from twinkle_strategy.shards.whole_tensors import WholeTensors
 
@@ -114,7 +113,11 @@ class WeightExport:
         self.dests = set(receivers.ranks)
         self.report: ExportReport | None = None
         self._on_done = on_done
-        self._shard_storages = {t.region.local.untyped_storage().data_ptr() for t in self.tensors}
+        # (a frozen weight kept as stored has no storage of values: the rows it sends are decoded, held copies)
+        self._shard_storages = {t.region.local.untyped_storage().data_ptr() for t in self.tensors
+                                if not isinstance(t.region.local, KeptWeight)}
+        self.release = source.release  # a release-format export: the release's untouched tensors, after the rest
+        self._renames = source.release.renames if source.release is not None else {}
 
     def _by_experts(self, i: int) -> bool:
         """Whether tensor ``i`` may be cut between buckets: rows of it are experts with keys of their own."""
@@ -134,8 +137,10 @@ class WeightExport:
             for item in plan.items:
                 t = self.tensors[item.tensor]
                 meta = torch.empty(_rows_shape(t.region.full_shape, item.rows), dtype=t.dtype, device="meta")
-                out += [TensorMeta(key, tuple(value.shape), value.dtype)
+                out += [TensorMeta(self._renames.get(key, key), tuple(value.shape), value.dtype)
                         for key, value, _ in self.source.layout.checkpoint_pieces(t.key, meta, item.rows)]
+        if self.release is not None and self.rank in self.dests:
+            out += [TensorMeta(key, shape, dtype) for bucket in self.release.buckets for key, shape, dtype in bucket]
         return out
 
     # ------------------------------------------------------------------ the walk
@@ -190,18 +195,43 @@ class WeightExport:
             # still holds the bucket (a caller that kept the tensors themselves keeps them).
             bucket.tensors.clear()
             del bucket
+        for n in range(self.release.count if self.release is not None else 0):  # the release's, as stored
+            self._agree(errors, counters)
+            bucket = self._release_bucket(n, counters)
+            tensors_received += len(bucket.tensors)
+            yield bucket
+            bucket.tensors.clear()
+            del bucket
         self._agree(errors, counters)
         mine = RankFigures(self.rank, counters.sent, counters.kept, counters.received, counters.blocked,
                            max(peak_rss_since_reset() - rss_before, device_peak()), self._shard_bytes(), counters.held)
-        total = torch.tensor([tensors_received], dtype=torch.int64, device=collective_device())
-        dist.all_reduce(total)
+        here = self.release is not None and self.rank in self.dests
+        release = [self.release.bucket_bytes(n) for n in range(self.release.count)] if here else []
+        total = torch.tensor([tensors_received, sum(release), max(release, default=0)], dtype=torch.int64,
+                             device=collective_device())
+        dist.all_reduce(total)  # (the release's buckets: on its one destination only)
+        tensors, release_bytes, largest_release = total.tolist()
         self.report = ExportReport(
-            buckets=len(self.plan), tensors=int(total.item()), bytes_total=sum(p.nbytes for p in self.plan),
-            largest_bucket_bytes=max((p.nbytes for p in self.plan), default=0),
+            buckets=len(self.plan) + (self.release.count if self.release is not None else 0), tensors=tensors,
+            bytes_total=sum(p.nbytes for p in self.plan) + release_bytes,
+            largest_bucket_bytes=max(max((p.nbytes for p in self.plan), default=0), largest_release),
             seconds=time.perf_counter() - start, ranks=all_figures(mine))
         if self.rank == min(self.dests):
             logger.info(self.report.log_line())
         self._on_done()
+
+    def _release_bucket(self, n: int, counters: _Counters) -> Bucket:
+        """The release's untouched tensors of bucket ``n``, read as stored by the destination (no transfer)."""
+        index, dest = len(self.plan) + n, next(iter(self.dests))
+        if self.rank not in self.dests:
+            return Bucket(index, dest, [], 0)
+        tensors = self.release.read(n)
+        nbytes = sum(value.numel() * value.element_size() for _, value in tensors)
+        counters.kept += nbytes
+        counters.held = max(counters.held, nbytes)
+        if n == self.release.count - 1:
+            self.release.close()
+        return Bucket(index, dest, tensors, nbytes)
 
     def _shard_bytes(self) -> int:
         return sum(t.region.local.numel() * t.dtype.itemsize for t in self.tensors)
@@ -235,10 +265,10 @@ class WeightExport:
                 for src, dst, count in overlaps(runs, rows):
                     nbytes = count * _row_bytes(t)
                     if sender == self.rank and here:
-                        chunks[n][dst:dst + count].copy_(_flat_rows(t.region.local, t)[src:src + count])
+                        chunks[n][dst:dst + count].copy_(_local_rows(t, src, src + count))
                         counters.kept += nbytes
                     elif sender == self.rank:
-                        piece = _flat_rows(t.region.local, t)[src:src + count].to(t.dtype).contiguous()
+                        piece = _local_rows(t, src, src + count).to(t.dtype).contiguous()
                         keep_alive.append(piece)
                         ops.append(dist.P2POp(dist.isend, piece, plan.dest, tag=_next(tags, sender)))
                         counters.sent += nbytes
@@ -262,7 +292,7 @@ class WeightExport:
         try:
             for n, item in enumerate(plan.items):
                 t = self.tensors[item.tensor]
-                out += [(key, value) for key, value, _ in
+                out += [(self._renames.get(key, key), value) for key, value, _ in
                         self.source.layout.checkpoint_pieces(t.key, chunks[n].reshape(
                             _rows_shape(t.region.full_shape, item.rows)), item.rows)]
         except Exception as exc:  # noqa: BLE001 - every rank raises at the next agreement
@@ -290,7 +320,7 @@ class WeightExport:
         if t.region.need.is_buffer:
             if self.rank == dest:
                 counters.kept += t.region.local.numel() * t.dtype.itemsize
-            return t.region.local.to(t.dtype) if self.rank == dest else None
+            return _values(t.region.local).to(t.dtype) if self.rank == dest else None
         for key, sender in table.senders(i).items():
             nbytes = _need_bytes(table.need_at(i, key), t.dtype)
             if sender == self.rank and self.rank != dest and key != table.keys[i][dest]:
@@ -298,7 +328,7 @@ class WeightExport:
             elif self.rank == dest:
                 counters.kept += nbytes if key == table.keys[i][dest] else 0
                 counters.received += nbytes if key != table.keys[i][dest] else 0
-        return table.gather(i, t.region.local.to(t.dtype))
+        return table.gather(i, _values(t.region.local).to(t.dtype))
 
 
 def _next(tags: dict[int, int], sender: int) -> int:
@@ -324,9 +354,17 @@ def _row_bytes(t: ExportTensor) -> int:
     return count * t.dtype.itemsize
 
 
-def _flat_rows(local: torch.Tensor, t: ExportTensor) -> torch.Tensor:
-    """The local region as rows of the full tensor (a scalar as one row)."""
-    return local.reshape(1) if not t.region.full_shape else local
+def _local_rows(t: ExportTensor, start: int, stop: int) -> torch.Tensor:
+    """Rows ``[start, stop)`` of this rank's region of ``t`` (a scalar as one row); of a frozen weight kept as
+    stored (``quantized_base: keep``), those rows decoded into a new tensor, as its forward would decode them."""
+    local = t.region.local
+    if isinstance(local, KeptWeight):
+        return local.rows(start, stop)
+    return (local.reshape(1) if not t.region.full_shape else local)[start:stop]
+
+
+def _values(local: torch.Tensor) -> torch.Tensor:
+    return local.values() if isinstance(local, KeptWeight) else local
 
 
 def _reset_device_peak() -> Callable[[], int]:
@@ -337,32 +375,3 @@ def _reset_device_peak() -> Callable[[], int]:
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
     return lambda: torch.cuda.max_memory_allocated() - before
-
-
-# ---------------------------------------------------------------------- the strategy's entry point
-_EXPORTED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the LoRA modes exported from it once
-
-
-def export_weights(model: nn.Module, ep_plan: ExpertParallelPlan | None, *, bucket_bytes: int,
-                   changed_only: bool = False, lora: LoraExport | str = LoraExport.MERGED,
-                   dtype: torch.dtype | None = None, receivers: OneReceiver | EngineExperts | None = None
-                   ) -> WeightExport:
-    """``model``'s weights for a rollout engine (collective; :meth:`NativeFSDPStrategy.export_weights`).
-
-    ``bucket_bytes``: the most a bucket holds (a single larger tensor: a bucket of its own). ``receivers``:
-    ``OneReceiver(rank)`` (default rank 0), or ``EngineExperts(ranks)`` for an expert-parallel engine (engine rank
-    j, fed by trainer rank ``ranks[j]``, gets its experts and every other tensor). ``changed_only``: after a first
-    complete export of this model, only what training changes (the trainable tensors; for LoRA the weights its
-    adapters modify). ``lora``: ``merged`` (the adapters added into their base weights, the model unchanged) or
-    ``adapter`` (the adapter alone, PEFT's keys). ``dtype``: the engine's dtype for floating tensors, each as
-    ``from_pretrained(dtype=...)`` gives it (fp32-kept routers stay fp32); None: as trained.
-    """
-    receivers = receivers or OneReceiver()
-    lora = LoraExport(lora)
-    source = export_source(model, ep_plan, lora=lora, dtype=dtype)
-    exported = _EXPORTED.setdefault(model, set())
-    if changed_only and lora in exported:
-        source = dataclasses.replace(source, tensors=[t for t in source.tensors if t.key in source.changing])
-    # Only a completed export counts as the base of the next changed_only one.
-    return WeightExport(source, ep_plan=ep_plan, bucket_bytes=bucket_bytes, receivers=receivers,
-                        on_done=lambda: exported.add(lora))
