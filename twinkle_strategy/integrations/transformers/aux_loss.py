@@ -12,8 +12,9 @@ from the output of the model's backbone (``base_model``), the first forward of e
 (TRL's later forwards there are gradient-free, for metrics). The step's router pre-pass is the step core's
 (:meth:`~twinkle_strategy.step.TrainingStep.router_prepass`).
 
-What a log line reports is that global loss too (:class:`GlobalAuxLossWindow`): TRL's trainers log the mean over ranks
-of each rank's own term, which is not what the step trained on.
+GRPO's log lines report that global loss as ``aux_loss`` (:class:`GlobalAuxLossWindow`, :mod:`.grpo`) where TRL would log
+the mean over ranks of each rank's own term, which is not what the step trained on (``SFTTrainer``'s line still
+carries TRL's).
 """
 
 from __future__ import annotations
