@@ -5,13 +5,14 @@ load-balancing loss (``router_aux_loss_coef`` 0.1): plain TRL on one process ove
 the global batch (each rank's share), so the two compute the same loss.
 
 * GRPO with LoRA on attention and experts, beta > 0, the global-batch aux loss, sampled generation by the policy on
-  every rank (KV cache, synced steps), R3 replaying each rollout's own routing record: 3 steps whose losses, rewards
-  and gradient norms equal plain ``GRPOTrainer`` on one process fed the same completions (one process cannot draw the
+  every rank (KV cache, synced steps), R3 replaying each rollout's own routing record: 3 steps whose losses, rewards,
+  gradient norms and logged aux losses (on every rank) equal plain ``GRPOTrainer`` on one process fed the same completions (one process cannot draw the
   4 ranks' samples), and the trainer's routing agrees with every replayed token and layer (a record misaligned with
   TRL's padded prompts and completions would not).
 * The run resumed from its step-1 checkpoint gives steps 2 and 3 again, and so does a second launch resuming it on
   another layout (1 node x 4 ranks, ep=4: other expert shards, other FSDP shards, one node).
-* bf16 (full parameters, the aux loss on), fed the same completions: 2 steps within bf16 rounding of one process.
+* bf16 (full parameters, the aux loss on), fed the same completions: 2 steps (loss, gradient norm, logged aux loss)
+  within bf16 rounding of one process.
 * A record rotated on purpose (full parameters): in every MoE layer the update forwards dispatch the recorded
   experts (per-expert counts equal the record's), and the logged agreement shows the mismatch.
 * R2 (``num_iterations=2``): the old policy's forward records, the update forwards replay it.
@@ -37,7 +38,8 @@ ATOL = 1e-5  # fp32, as one process
 # and 2 (one process's norm is itself a bf16 number: 0.7 u of spacing). The on-policy GRPO loss is -mean(advantage)
 # (ratio 1), about 0 in both; the loss is the aux term, 0.1 x the load-balancing loss of bf16 router logits, whose
 # top-k near-ties round to other experts (a flipped choice moves its expert counts): within 2 u relative,
-# measured 0.003% and 0.32% (0.8 u). A per-rank aux loss instead of the global batch's is 2.8% off at step 1.
+# measured 0.003% and 0.32% (0.8 u). A per-rank aux loss instead of the global batch's is 2.8% off at step 1. The
+# logged aux loss is that same load-balancing loss without the coefficient: within the same 2 u.
 # Rewards are of the same completions: equal.
 BF16_GRAD_NORM_RTOL = 8 * 2.0 ** -8
 BF16_LOSS_RTOL = 2 * 2.0 ** -8
@@ -89,13 +91,14 @@ def _assert_steps(result: dict, reference: dict, steps: list[int], keys: tuple[s
 def test_grpo_with_r3_matches_one_process_plain_grpo_trainer(runs):
     plain = runs["plain"]["lora"]
     assert plain["steps"] == [1, 2, 3]
-    # The load-balancing loss is on (0.1 x about 2.5 of a loss near 0.3): a per-rank one (the mean of the ranks' own,
-    # as TRL logs aux_loss under the strategy) differs from the global batch's by about 3% and fails the comparison.
+    # The load-balancing loss is on (0.1 x about 2.5 of a loss near 0.3): a per-rank one differs from the global
+    # batch's by about 3% and fails the comparison. The logged aux_loss is the global batch's on every rank (TRL's own
+    # under the strategy would be the mean of the ranks' own terms, 2.354 against 2.289 at step 1).
     assert all(aux > 1.0 for aux in plain["aux_loss"]), plain
     for rank, result in runs["2x2"].items():
         lora = result["lora"]
         assert lora["replay"] == "r3"  # the default for an MoE model whose routers replay serves
-        _assert_steps(lora, plain, [1, 2, 3], ("loss", "reward", "grad_norm"), f"2x2 ep=2 rank {rank}")
+        _assert_steps(lora, plain, [1, 2, 3], ("loss", "reward", "grad_norm", "aux_loss"), f"2x2 ep=2 rank {rank}")
         # Each update forward replayed its rollout's record, and routed every token as generation did.
         assert lora["routing_agreement_min"] == [1.0, 1.0, 1.0], (rank, lora)
 
@@ -109,14 +112,15 @@ def test_grpo_in_bf16_matches_one_process_within_bf16_rounding(runs):
         assert all(aux > 1.0 for aux in plain["aux_loss"]), plain  # the aux loss is on
         torch.testing.assert_close(bf16["loss"], plain["loss"], atol=1e-6, rtol=BF16_LOSS_RTOL)
         torch.testing.assert_close(bf16["grad_norm"], plain["grad_norm"], atol=0, rtol=BF16_GRAD_NORM_RTOL)
-    for key in ("grad_norm", "loss"):
+        torch.testing.assert_close(bf16["aux_loss"], plain["aux_loss"], atol=0, rtol=BF16_LOSS_RTOL)
+    for key in ("grad_norm", "loss", "aux_loss"):
         print(f"\nGRPO bf16 {key} against one process: " + ", ".join(
             f"{abs(a - b) / b / 2 ** -8:.2f} u" for a, b in zip(runs["2x2"][0]["bf16"][key], plain[key], strict=True)))
 
 
 def test_grpo_resumes_from_its_checkpoint_with_the_same_steps(runs):
     for rank, result in runs["2x2"].items():
-        _assert_steps(result["resume"], result["lora"], [2, 3], ("loss", "reward", "grad_norm"),
+        _assert_steps(result["resume"], result["lora"], [2, 3], ("loss", "reward", "grad_norm", "aux_loss"),
                       f"resumed at step 1, rank {rank}")
 
 
@@ -126,7 +130,7 @@ def test_grpo_resumes_on_another_layout_with_the_same_steps(runs, resumed_on_ano
         resume = result["resume"]
         # The log history holds step 1 too (the checkpoint's trainer_state.json); steps 2 and 3 ran here.
         assert resume["replay"] == "r3" and resume["steps"] == [1, 2, 3], (rank, resume)
-        _assert_steps(resume, runs["2x2"][rank]["lora"], [2, 3], ("loss", "reward", "grad_norm"),
+        _assert_steps(resume, runs["2x2"][rank]["lora"], [2, 3], ("loss", "reward", "grad_norm", "aux_loss"),
                       f"2x2 ep=2 step 1 resumed at 1x4 ep=4, rank {rank}")
         # Its update forwards replayed the rollout records of the 2x2 run (fed with the completions).
         assert resume["routing_agreement_min"][1:] == [1.0, 1.0], (rank, resume)

@@ -520,6 +520,37 @@ def _grpo_steps(tiny):
     assert step.__func__ is GRPOTrainer._generate_single_turn
 
 
+@checks("GRPOTrainer._metrics")
+def _grpo_metrics(tiny):
+    """GRPOTrainer collects the aux loss it logs in ``_metrics["train"]["aux_loss"]`` (each rank's own term, averaged
+    over ranks) and its log line averages each list of ``_metrics`` into the line, then clears them: the value
+    replace_logged_metric puts there is the one logged."""
+    import collections
+    import types
+
+    from trl import GRPOTrainer
+
+    assert 'self._metrics[mode]["aux_loss"].append(' in inspect.getsource(GRPOTrainer._compute_loss)
+    trainer = GRPOTrainer.__new__(GRPOTrainer)
+    trainer._metrics = {"train": collections.defaultdict(list), "eval": collections.defaultdict(list)}
+    trainer._metrics["train"]["aux_loss"] += [2.354, 2.4]  # TRL's: the ranks' own terms, two micro-batches
+    trl_steps.replace_logged_metric(trainer, "aux_loss", 2.289)
+    lines = []
+    trainer.model = types.SimpleNamespace(training=True)
+    trainer.accelerator = types.SimpleNamespace(is_main_process=False)
+    trainer.log_completions = False
+    with pytest.MonkeyPatch.context() as patch:  # transformers' Trainer.log: what reaches the log history
+        from transformers import Trainer
+
+        patch.setattr(Trainer, "log", lambda self, logs, start_time=None: lines.append(dict(logs)))
+        trainer.log({"loss": 0.3})
+    assert lines == [{"loss": 0.3, "aux_loss": 2.289}], lines
+    assert not trainer._metrics["train"]
+    trainer._metrics = None
+    with pytest.raises(InternalChangedError, match="GRPOTrainer._metrics is no longer a dict"):
+        trl_steps.replace_logged_metric(trainer, "aux_loss", 1.0)
+
+
 @checks("VLLMGeneration.sync_weights", "VLLMGeneration.llm", "VLLMGeneration._llm_weights_sleeping",
         "VLLMGeneration.vllm_client")
 def _vllm_generation(tiny):

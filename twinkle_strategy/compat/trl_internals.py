@@ -5,7 +5,8 @@ TRL has no public hook for how ``GRPOTrainer`` generates (``use_vllm=False``), s
 calls TRL's own through :func:`grpo_parent`. :func:`check_grpo_overrides` runs when the trainer class is built: an
 override of a renamed step would silently never run. With ``use_vllm=True`` (colocate),
 :mod:`~twinkle_strategy.integrations.transformers.grpo_vllm` replaces TRL's ``VLLMGeneration.sync_weights`` and
-reads its engine. Each is checked in ``tests/unit/test_internals.py``.
+reads its engine. Its log line's ``aux_loss`` is replaced through :func:`replace_logged_metric`. Each is checked in
+``tests/unit/test_internals.py``.
 Nothing here imports TRL at import time.
 """
 
@@ -64,6 +65,25 @@ def grpo_parent(trainer, mixin: type, name: str):
 for _internal in GRPO_STEPS.values():
     _internal.wrapper(check_grpo_overrides)
     _internal.wrapper(grpo_parent)
+
+
+# -- GRPOTrainer's log line: the metrics it collects while training, averaged into its next line
+GRPO_METRICS = Internal("GRPOTrainer._metrics", "trl", checked=_CHECKED,
+                        replacement="none: GRPOTrainer's log line averages its own lists, with no hook for a value",
+                        used_for="log the global-batch aux loss the step trained on as aux_loss, in place of TRL's "
+                                 "mean over ranks of each rank's own term")
+
+
+def replace_logged_metric(trainer, name: str, value: float) -> None:
+    """Make ``trainer``'s (TRL's ``GRPOTrainer``) next training log line carry ``value`` as ``name``, in place of
+    the values TRL collected for it since its last line (the line logs their mean)."""
+    metrics = GRPO_METRICS.attribute(trainer, "_metrics")
+    if not isinstance(metrics, dict) or "train" not in metrics:
+        raise GRPO_METRICS.changed("is no longer a dict of lists by mode ('train', 'eval')")
+    metrics["train"][name] = [value]
+
+
+GRPO_METRICS.wrapper(replace_logged_metric)
 
 
 # -- TRL's vLLM backend (GRPOTrainer(use_vllm=True)): its colocated engine and the weight sync replaced

@@ -11,17 +11,24 @@ TRL's fused forwards return no router logits, so they are read where every forwa
 from the output of the model's backbone (``base_model``), the first forward of each ``compute_loss``
 (TRL's later forwards there are gradient-free, for metrics). The step's router pre-pass is the step core's
 (:meth:`~twinkle_strategy.step.TrainingStep.router_prepass`).
+
+GRPO's log lines report that global loss as ``aux_loss`` (:class:`GlobalAuxLossWindow`, :mod:`.grpo`) where TRL would log
+the mean over ranks of each rank's own term, which is not what the step trained on (``SFTTrainer``'s line still
+carries TRL's).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fractions
 import types
 from collections.abc import Iterator
 
+import torch
 from torch import nn
 
 from twinkle_strategy.moe.balance import GlobalBatchAuxLoss
+from twinkle_strategy.step import all_reduce_sum
 
 
 def take_over_aux_loss(trainer, model: nn.Module) -> GlobalBatchAuxLoss | None:
@@ -29,7 +36,8 @@ def take_over_aux_loss(trainer, model: nn.Module) -> GlobalBatchAuxLoss | None:
     adds none."""
     if hasattr(trainer, "aux_loss_enabled") and hasattr(trainer, "router_aux_loss_coef"):
         # TRL's trainers: their coefficient (SFTConfig.router_aux_loss_coef; None takes the model's), and they add
-        # `coef * outputs.aux_loss` themselves. From here on they add zero; their logged aux_loss stays the local one.
+        # `coef * outputs.aux_loss` themselves. From here on they add zero; the
+        # aux_loss they log is their own (each rank's term): GlobalAuxLossWindow's replaces it where a mixin says so.
         if not trainer.aux_loss_enabled:
             return None
         coef = float(trainer.router_aux_loss_coef)
@@ -79,3 +87,29 @@ def share_scale(trainer, num_items_in_batch) -> int:
     if not scaled_for_accumulation:
         scale *= trainer.current_gradient_accumulation_steps
     return scale
+
+
+class GlobalAuxLossWindow:
+    """The global-batch aux loss the optimizer steps since the last log line trained on (its mean over those steps).
+
+    Each training forward adds its (rank, micro-batch) share: summed over ranks and the step's micro-batches, the
+    shares are the loss one process computes on the step's whole batch, so it is the same number on every rank."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.shares = torch.zeros((), dtype=torch.float64, device=device)  # this rank's, on the device: no sync
+        self.steps = fractions.Fraction(0)  # each forward is 1/(its step's micro-batches) of a step, exactly
+
+    def add(self, share: torch.Tensor, *, accumulation_steps: int) -> None:
+        """A training forward's share of its step's aux loss (without the coefficient); ``accumulation_steps``: the
+        micro-batches of that step."""
+        self.shares += share.detach().double()
+        self.steps += fractions.Fraction(1, accumulation_steps)
+
+    def take(self) -> float | None:
+        """The mean over the steps since the last call of their global aux loss, or None if none trained (every
+        rank saw the same forwards: collective on all or on none); resets."""
+        if not self.steps:
+            return None
+        value = float(all_reduce_sum(self.shares)) / float(self.steps)
+        self.shares, self.steps = torch.zeros_like(self.shares), fractions.Fraction(0)
+        return value

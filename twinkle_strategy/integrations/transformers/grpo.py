@@ -18,6 +18,8 @@
   the same batch replay it. TRL runs that forward only when the batch is reused
   (``num_iterations > 1``, or ``steps_per_generation`` above ``gradient_accumulation_steps``); on-policy steps
   have nothing to replay.
+* **The load-balancing loss** is counted over the global batch (:mod:`.aux_loss`), and the ``aux_loss`` each log
+  line carries is that loss, the one the steps trained on (the same on every rank), not TRL's mean of each rank's own.
 * **Telemetry:** each log line carries ``routing_agreement_min`` and ``routing_agreement_mean``, the share of
   replayed tokens (per MoE layer: the least and the mean) whose recorded experts are those the trainer's router
   would have chosen itself (:class:`~.trainer.StrategyTrainerMixin`), in the update forwards (the scoring
@@ -37,8 +39,9 @@ import contextlib
 
 import torch
 
-from twinkle_strategy.compat.trl_internals import grpo_parent
+from twinkle_strategy.compat.trl_internals import grpo_parent, replace_logged_metric
 from twinkle_strategy.errors import ParallelConfigError
+from twinkle_strategy.integrations.transformers.aux_loss import GlobalAuxLossWindow
 from twinkle_strategy.integrations.transformers.grpo_vllm import install_vllm_sync, refuse_vllm_server
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
 from twinkle_strategy.rl.mismatch import LogprobMismatch, logprob_mismatch
@@ -68,6 +71,8 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         refuse_vllm_server(kwargs.get("args", args[2] if len(args) > 2 else None))
         super().__init__(*args, **kwargs)
         install_vllm_sync(self)
+        if self.global_aux_loss is not None:  # TRL's logged aux_loss is each rank's own term: the global one instead
+            self.aux_loss_window = GlobalAuxLossWindow(self.strategy.device)
         routing = self.strategy.routing
         served = routing is not None and routing.refusal is None
         if routing_replay == "auto":
@@ -227,6 +232,10 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         if "loss" in logs and self._rollout_mismatches:  # a training line: the steps since the last one
             logs = {**logs, **rollout_mismatch_logs(self._rollout_mismatches)}
             self._rollout_mismatches = []
+        if "loss" in logs and self.aux_loss_window is not None:  # (collective: every rank writes the line)
+            aux = self.aux_loss_window.take()
+            if aux is not None:  # what TRL's line averages into aux_loss: the steps' global-batch loss
+                replace_logged_metric(self, "aux_loss", aux)
         super().log(logs, *args, **kwargs)
 
     def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):

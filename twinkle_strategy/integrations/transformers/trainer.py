@@ -97,6 +97,8 @@ class StrategyTrainerMixin:
     # The model's own load-balancing loss is replaced by the global-batch one; False for trainer classes that
     # set the model's coefficient and add the loss themselves (swift's).
     replaces_model_aux_loss = True
+    # Where a trainer logs the global-batch aux loss, its training forwards' shares (.aux_loss.GlobalAuxLossWindow).
+    aux_loss_window = None
 
     def __init__(self, *args, strategy: NativeFSDPStrategy, async_save: bool = False, **kwargs) -> None:
         """``async_save``: save checkpoints in the background, training waiting only while each rank copies its
@@ -176,6 +178,8 @@ class StrategyTrainerMixin:
         share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats,
                                               getattr(replayed, "used", None))
         loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
+        if self.aux_loss_window is not None:
+            self.aux_loss_window.add(share, accumulation_steps=self.current_gradient_accumulation_steps)
         return (loss, outputs) if return_outputs else loss
 
     def replay_of_inputs(self, inputs: dict):
