@@ -83,9 +83,7 @@ class SGLangDistributedReceiver:
     def _backend(self, backend: str, store: dist.Store):
         if backend == dist.Backend.GLOO:
             return dist.ProcessGroupGloo(store, 0, self.world_size, timeout=self.timeout)
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = self.timeout  # noqa: SLF001 - the Options field torch's own groups set
-        return dist.ProcessGroupNCCL(store, 0, self.world_size, options)
+        return dist.ProcessGroupNCCL(store, 0, self.world_size, timeout=self.timeout)  # (torch's CUDA builds only)
 
     def __call__(self, bucket: Bucket) -> None:
         if not self.groups:
