@@ -23,8 +23,10 @@ pytest_plugins = ["launches"]
 # colocated in its ranks), each after a vllm_env.sh check; test_engine_adapters.py: one process, after its own
 # vllm_env.sh check. unit: the torch-free subprocesses of test_structure.py
 # and test_launch_budget.py. multiproc and swift_plugin: the full run of stop 41 counted 110 and 35 (the launch
-# table), with 2 and 1 of room.
-LAUNCH_BUDGET = {"unit": 2, "multiproc": 112, "swift_plugin": 36, "vllm_engine": 8}
+# table), with 2 and 1 of room; multiproc then lost 6 (i36-fuse-cli: the fit check, demo_run's plan and the
+# master-port refusal call twinkle-sft's main in the pytest process; the bad-rows and swift-style re-launch runs are
+# one session launch), so 104 + 2.
+LAUNCH_BUDGET = {"unit": 2, "multiproc": 106, "swift_plugin": 36, "vllm_engine": 8}
 
 
 def pytest_configure(config):

@@ -8,16 +8,23 @@ again. conftest.py registers this module as a plugin; the launch table and budge
   uncaught: the invalid sizes (test_foundation_multiproc.py), the broken checkpoints (test_reliability.py) and the
   broken hub checkpoints (test_memory_efficient_init.py).
 * :func:`demo_model` - tiny://demo's model with the tokenizer of the shipped demo data, built once per session.
+* :func:`swift_style_relaunch` - twinkle-sft with swift's flags and NPROC_PER_NODE=2 (its torchrun re-launch, one
+  node x 2 ranks) on 20 rows of which 3 are bad: the re-launch (test_trainer_cli.py) and the bad rows skipped
+  (test_launch_errors.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from cli_cases import twenty_rows_three_bad
 from header_edit import EDITS, corrupt_copy
 from multinode import REPO, LaunchResult, launch
 
@@ -30,6 +37,34 @@ def demo_model(tmp_path_factory) -> str:
     from twinkle_strategy.train.demo_model import prepare_demo_model
 
     return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
+
+
+# ------------------------------------------------------------------ twinkle-sft re-launched as swift launches
+@dataclasses.dataclass(frozen=True)
+class CliRun:
+    proc: subprocess.CompletedProcess
+    output_dir: Path
+    dataset: str  # the 20 rows of cli_cases.twenty_rows_three_bad: rows 4, 9 and 15 cannot become an example
+
+
+@pytest.fixture(scope="session")
+def swift_style_relaunch(demo_model, tmp_path_factory) -> CliRun:
+    """``NPROC_PER_NODE=2 twinkle-sft --model ... --dataset ...`` with swift's flags and no recipe: twinkle-sft
+    re-launches itself under torchrun (one node, 2 ranks, ep=2, LoRA, memory-efficient init) and trains one epoch
+    (max_steps -1) of the 17 good rows of 20, 2 per rank: 4 steps."""
+    work = tmp_path_factory.mktemp("swift_style")
+    dataset = twenty_rows_three_bad(work / "bad20.jsonl")
+    out = work / "out"
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
+           "TOKENIZERS_PARALLELISM": "false", "NPROC_PER_NODE": "2"}  # no MASTER_PORT: twinkle-sft picks one
+    proc = subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", "--model", demo_model,
+                           "--dataset", dataset, "--tuner_type", "lora", "--target_modules", "q_proj",
+                           "--expert_parallel_size", "2", "--memory_efficient_init", "true", "--torch_dtype", "float32",
+                           "--mixed_precision", "no", "--max_length", "64", "--max_steps", "-1",
+                           "--num_train_epochs", "1", "--logging_steps", "1", "--per_device_train_batch_size", "2",
+                           "--output_dir", str(out)],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=600)
+    return CliRun(proc, out, dataset)
 
 
 # ------------------------------------------------------------------ the refusals launch (bad_config.py, 2 x 2)

@@ -1,13 +1,16 @@
 """Every launch checks the fit first: twinkle-sft refuses, before any process starts, a run its plan says
-will not fit (test_trainer_cli's demo_run launches the same recipe with a budget just over the peak)."""
+will not fit (test_trainer_cli's demo_run launches the same recipe with a budget just over the peak). Through the
+CLI's main, in this process: the check comes before any launch, so none is needed to see it (the plans take
+minutes on 2 cores: this file stays out of tests/unit)."""
 
+import contextlib
+import io
 import json
-import os
-import subprocess
-import sys
+from types import SimpleNamespace
 
 from multinode import REPO
 
+from twinkle_strategy.train.cli import main
 from twinkle_strategy.train.fit_check import check_fit_before_launch
 from twinkle_strategy.train.recipe import load_recipe
 
@@ -17,9 +20,11 @@ DEMO = [str(REPO / "yaml" / "demo.yaml"), f"data.dataset={DATASET}", "train.max_
 
 
 def twinkle_sft(args, cwd):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)
+    """``twinkle-sft ARGS`` run from ``cwd``: its status and what it printed."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = main(args)
+    return SimpleNamespace(returncode=code, stdout=stdout.getvalue(), stderr=stderr.getvalue())
 
 
 def test_a_run_that_will_not_fit_is_refused_in_one_line_before_any_process_starts(tmp_path):

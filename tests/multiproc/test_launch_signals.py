@@ -148,19 +148,22 @@ def test_sigterm_during_training_checkpoints_ends_every_process_and_frees_the_po
     assert not port_in_use(port)
 
 
-def test_a_master_port_in_use_is_one_line_before_launch(tmp_path):
+def test_a_master_port_in_use_is_one_line_before_launch(tmp_path, monkeypatch, capsys):
+    """Through the CLI's main, in this process: the port is checked before torchrun starts, so no launch is needed."""
+    monkeypatch.chdir(REPO)  # where tiny://demo is built, as twinkle-sft run from the repository builds it
+    for name, value in {"OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2"}.items():
+        monkeypatch.setenv(name, value)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [sys.executable, "-m", "twinkle_strategy.train.cli", DEMO, "launch.simulated_nodes=false", "launch.nnodes=1",
-             f"train.output_dir={tmp_path / 'out'}"], cwd=REPO, capture_output=True, text=True, timeout=300,
-            env={**os.environ, "OMP_NUM_THREADS": "1", "NPROC_PER_NODE": "2", "MASTER_PORT": str(port)})
-    lines = [x for x in result.stderr.splitlines() if x.startswith("twinkle-sft")]
-    assert result.returncode == 2, result.stderr
-    assert len(lines) == 1 and f"master port {port} is in use" in lines[0] and "MASTER_PORT=" in lines[0], result.stderr
-    assert "Traceback" not in result.stderr
+        monkeypatch.setenv("MASTER_PORT", str(port))
+        code = cli.main([DEMO, "launch.simulated_nodes=false", "launch.nnodes=1", f"train.output_dir={tmp_path / 'out'}"])
+    stderr = capsys.readouterr().err
+    lines = [x for x in stderr.splitlines() if x.startswith("twinkle-sft")]
+    assert code == 2, stderr
+    assert len(lines) == 1 and f"master port {port} is in use" in lines[0] and "MASTER_PORT=" in lines[0], stderr
+    assert "Traceback" not in stderr
     assert not (tmp_path / "out").exists(), "nothing is written"
 
 

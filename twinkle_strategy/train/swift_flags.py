@@ -4,7 +4,7 @@
 against the installed ms-swift). Each is either a ``twinkle-sft`` flag with swift's meaning (``cli.SWIFT_FLAGS``)
 or a key of :data:`SWIFT_FLAGS_NOT_TAKEN`, whose one line says why and what to do instead; the CLI prints it
 instead of a "did you mean" that would point at another flag (``--use_cpu`` is not ``--use_hf``).
-``tests/multiproc/test_launch_errors.py`` checks that every listed flag is one or the other.
+``tests/unit/test_launch_error_lines.py`` checks that every listed flag is one or the other.
 """
 
 from __future__ import annotations
