@@ -1,0 +1,128 @@
+"""The pytest side of the preloaded launches: one fork server per interpreter, started on first use, ended with
+the session; what ``multinode.launch`` runs in place of the worker.
+
+Each rank of a ``multinode.launch`` otherwise spends 5-8 s importing torch, transformers and peft; with the fork
+server (tests/preload_server.py) that happens once per pytest session and interpreter, and each rank is a fork
+(tests/preload_client.py). ``TWINKLE_TEST_PRELOAD=0`` turns it off; ``launch(..., preloaded=False)`` turns it off for
+one launch (one that measures a process's memory: a forked child's RSS counts the pages it shares with the server).
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import os
+import select
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
+from launch_log import REAL_POPEN
+
+HERE = Path(__file__).resolve().parent
+SERVER, CLIENT = HERE / "preload_server.py", HERE / "preload_client.py"
+SWITCH_ENV = "TWINKLE_TEST_PRELOAD"
+SOCKET_ENV, LOG_ENV = "TWINKLE_PRELOAD_SOCKET", "TWINKLE_PRELOAD_LOG"  # as preload_client.py reads them
+READY_TIMEOUT_S = 300.0
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH_ENV, "1") != "0"
+
+
+@dataclasses.dataclass
+class Server:
+    python: str
+    socket: str
+    proc: object | None  # the server's Popen; None where it did not start
+    problem: str | None  # why it did not start (its ranks fall back to a fresh interpreter, and say so)
+
+
+_servers: dict[str, Server] = {}
+_root: list[str] = []
+
+
+def _root_dir() -> str:
+    if not _root:  # a short path: a unix socket's is limited to 107 bytes
+        _root.append(tempfile.mkdtemp(prefix="twpre-", dir="/tmp"))
+        atexit.register(stop_all)
+    return _root[0]
+
+
+def server_for(python: str, env: dict[str, str]) -> Server:
+    """The fork server of ``python``, started with ``env`` (the ranks' environment, less torchrun's per-rank keys)
+    on first use and waited for until its imports are done."""
+    if python in _servers:
+        return _servers[python]
+    root = _root_dir()
+    sock = os.path.join(root, f"s{len(_servers)}.sock")
+    stderr = open(os.path.join(root, f"s{len(_servers)}.log"), "w")  # noqa: SIM115 - the server keeps it
+    # REAL_POPEN: the server is no launch of a test (tests/launch_log.py); its own session, so a terminal's Ctrl-C
+    # reaches the ranks through their clients, not the server.
+    proc = REAL_POPEN([python, "-u", str(SERVER), sock], env=env, stdout=-1, stderr=stderr, stdin=-3,
+                      start_new_session=True, cwd=str(HERE.parent))
+    problem = _wait_ready(proc)
+    if problem:
+        stop(proc)
+        proc = None
+    server = _servers[python] = Server(python, sock, proc, problem)
+    return server
+
+
+def _wait_ready(proc) -> str | None:
+    """None once the server listens; otherwise what it said instead."""
+    seen = []
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], READY_TIMEOUT_S)
+        line = proc.stdout.readline().decode(errors="replace").strip() if ready else ""
+        if line.startswith("ready"):
+            return None
+        if line:
+            seen.append(line)
+        if not ready or not line or line.startswith("not ready"):
+            if proc.poll() is None and not ready:
+                return f"the preload server was not ready in {READY_TIMEOUT_S:.0f} s"
+            return f"the preload server did not start: {' | '.join(seen[-3:]) or f'exit {proc.poll()}'}"
+
+
+def stop(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)  # it kills its live children, then exits
+        try:
+            proc.wait(timeout=10)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+            proc.wait()
+
+
+def stop_all() -> None:
+    for server in _servers.values():
+        if server.proc is not None:
+            stop(server.proc)
+    _servers.clear()
+    if _root:
+        shutil.rmtree(_root.pop(), ignore_errors=True)
+
+
+def preloaded_command(script_and_args: list[str], env: dict[str, str], python: str, log_path: Path, *,
+                      server_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The command and environment (``env``, the ranks') for torchrun: the client in place of the worker, told where
+    the server is. ``server_env``: what every launch's ranks have (a launch's own extras make its ranks fall back)."""
+    server = server_for(python, server_env)
+    socket_path = server.socket if server.proc is not None else os.path.join(_root_dir(), "not-started.sock")
+    return [str(CLIENT), *script_and_args], {**env, SOCKET_ENV: socket_path, LOG_ENV: str(log_path)}
+
+
+def outcomes(log_path: Path) -> tuple[int, list[str]]:
+    """How many ranks were forked, and why each other one ran in a fresh interpreter."""
+    forked, fallbacks = 0, []
+    if log_path.exists():
+        for line in log_path.read_text().splitlines():
+            outcome = json.loads(line)["outcome"]
+            if outcome == "forked":
+                forked += 1
+            else:
+                fallbacks.append(outcome.removeprefix("fallback: "))
+    return forked, fallbacks
