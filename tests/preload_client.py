@@ -19,6 +19,7 @@ import struct
 import sys
 
 SOCKET_ENV, LOG_ENV = "TWINKLE_PRELOAD_SOCKET", "TWINKLE_PRELOAD_LOG"
+FALLBACK_ENV = "TWINKLE_PRELOAD_FALLBACK"  # set by tests/preload_servers.py where no server can serve this launch
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -48,6 +49,8 @@ def main() -> None:
 
     for sig in RELAYED:
         signal.signal(sig, relay)
+    if os.environ.get(FALLBACK_ENV):
+        fresh_interpreter(worker_argv, os.environ[FALLBACK_ENV])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(os.environ[SOCKET_ENV])

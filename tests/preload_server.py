@@ -44,11 +44,12 @@ MODEL_CLASSES = [
 ]
 
 # Keys torchrun's agent sets per rank (torch/distributed/elastic/agent/server/local_elastic_agent.py,
-# elastic/multiprocessing/api.py) and the project's TWINKLE_* variables (none is read at import time): these may
+# elastic/multiprocessing/api.py), pytest's and the project's TWINKLE_* variables (none is read at import time): these may
 # differ between the server's environment and a rank's. Any other difference could change what a module read at
 # import (huggingface_hub's HF_HOME, transformers' verbosity, tempfile's TMPDIR), so such a rank runs fresh.
 PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONPATH"}
+                 "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONPATH",
+                 "PYTEST_CURRENT_TEST"}  # pytest's, in the environment of whatever a test starts
 PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_")
 PLAIN_SIGNAL_DEFAULTS = {signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}  # as Python starts up
 

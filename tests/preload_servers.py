@@ -20,11 +20,12 @@ import tempfile
 from pathlib import Path
 
 from launch_log import REAL_POPEN
+from preload_client import FALLBACK_ENV, LOG_ENV, SOCKET_ENV
+from preload_server import env_difference
 
 HERE = Path(__file__).resolve().parent
 SERVER, CLIENT = HERE / "preload_server.py", HERE / "preload_client.py"
 SWITCH_ENV = "TWINKLE_TEST_PRELOAD"
-SOCKET_ENV, LOG_ENV = "TWINKLE_PRELOAD_SOCKET", "TWINKLE_PRELOAD_LOG"  # as preload_client.py reads them
 READY_TIMEOUT_S = 300.0
 
 
@@ -110,9 +111,14 @@ def preloaded_command(script_and_args: list[str], env: dict[str, str], python: s
                       server_env: dict[str, str]) -> tuple[list[str], dict[str, str]]:
     """The command and environment (``env``, the ranks') for torchrun: the client in place of the worker, told where
     the server is. ``server_env``: what every launch's ranks have (a launch's own extras make its ranks fall back)."""
-    server = server_for(python, server_env)
-    socket_path = server.socket if server.proc is not None else os.path.join(_root_dir(), "not-started.sock")
-    return [str(CLIENT), *script_and_args], {**env, SOCKET_ENV: socket_path, LOG_ENV: str(log_path)}
+    command = [str(CLIENT), *script_and_args]
+    why = env_difference(env, server_env)  # a launch's own env= extras: no server is started for them
+    if why is None:
+        server = server_for(python, server_env)
+        if server.proc is not None:
+            return command, {**env, SOCKET_ENV: server.socket, LOG_ENV: str(log_path)}
+        why = server.problem
+    return command, {**env, FALLBACK_ENV: why, LOG_ENV: str(log_path)}
 
 
 def outcomes(log_path: Path) -> tuple[int, list[str]]:
