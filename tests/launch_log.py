@@ -22,6 +22,7 @@ from collections.abc import Iterator
 # Programs that count as launches; a `git`, `ldconfig` or `uname` some library starts does not.
 LAUNCHERS = ("python", "bash", "torchrun", "twinkle-sft", "swift")
 SAMPLE_S = 0.5
+REAL_POPEN = subprocess.Popen  # before install(): what starts a process that is no launch (tests/preload_servers.py's servers)
 
 
 @dataclasses.dataclass
@@ -33,6 +34,8 @@ class Launch:
     pids: set[int] = dataclasses.field(default_factory=set)  # the launch's own top-level processes
     python: set[int] = dataclasses.field(default_factory=set)  # the pid of each Python process under it
     ended: float | None = None
+    forked: int = 0  # ranks forked from a preloaded interpreter (tests/preload_servers.py)
+    fallbacks: list[str] = dataclasses.field(default_factory=list)  # why each other rank of it started fresh
 
     @property
     def seconds(self) -> float:
@@ -70,14 +73,14 @@ def _counts(args) -> bool:
 
 
 @contextlib.contextmanager
-def launch_group(program: str) -> Iterator[None]:
+def launch_group(program: str) -> Iterator[Launch]:
     """The processes started inside this block are one launch (the node agents of one simulated-node run)."""
     record = Launch(current_test[0], program, time.monotonic())
     with _lock:
         LAUNCHES.append(record)
     _state.group = record
     try:
-        yield
+        yield record
     finally:
         _state.group = None
         record.ended = time.monotonic()
@@ -208,6 +211,7 @@ def table_lines(limit: int = 25) -> list[str]:
     total_s = sum(launch.seconds for launch in launches)
     lines = [f"{len(launches)} launches, {sum(x.processes for x in launches)} Python processes, "
              f"{total_s:.0f} s of launches (serial)",
+             *preload_lines(launches),
              f"{'launches':>8} {'procs':>6} {'seconds':>8}  test file"]
     for name, group in sorted(files.items(), key=lambda kv: -sum(x.seconds for x in kv[1])):
         lines.append(f"{len(group):>8} {sum(x.processes for x in group):>6} {sum(x.seconds for x in group):>8.1f}  "
@@ -216,4 +220,18 @@ def table_lines(limit: int = 25) -> list[str]:
     lines.append(f"{'procs':>6} {'seconds':>8}  program  (test)")
     for launch in sorted(launches, key=lambda x: -x.seconds)[:limit]:
         lines.append(f"{launch.processes:>6} {launch.seconds:>8.1f}  {launch.program}  ({launch.test})")
+    return lines
+
+
+def preload_lines(launches: list[Launch]) -> list[str]:
+    """How many ranks were forked from a preloaded interpreter, and why the others started fresh (by reason)."""
+    forked = sum(x.forked for x in launches)
+    reasons: dict[str, int] = {}
+    for launch in launches:
+        for why in launch.fallbacks:
+            reasons[why] = reasons.get(why, 0) + 1
+    if not forked and not reasons:
+        return []
+    lines = [f"preloaded ranks (tests/preload_servers.py): {forked} forked, {sum(reasons.values())} started fresh"]
+    lines += [f"  {n:>4} fresh: {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     return lines

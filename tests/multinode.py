@@ -7,10 +7,14 @@ Workers live in tests/workers/ and write ``rank<N>.json`` through
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
+import sys
+import tempfile
 from pathlib import Path
 
+import preload_servers
 from launch_log import launch_group
 
 from twinkle_strategy.train.launcher import run_simulated_nodes
@@ -43,23 +47,45 @@ class LaunchResult:
         return f"returncodes={self.returncodes} timed_out={self.timed_out} seconds={self.seconds:.1f}\n{tail}"
 
 
-def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_per_node: int | list[int] = 2,
-           timeout: float = 300.0, env: dict[str, str] | None = None,
-           node_env: list[dict[str, str]] | None = None, python: str | None = None) -> LaunchResult:
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    full_env = {
+_launch_ids = itertools.count()
+
+
+def launch_env(out_dir: Path) -> dict[str, str]:
+    """What every launch adds to this process's environment for its ranks."""
+    return {
         "OMP_NUM_THREADS": "1",
         "TWINKLE_TEST_OUT": str(out_dir),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "TOKENIZERS_PARALLELISM": "false",
         "PYTHONUNBUFFERED": "1",
-        **(env or {}),
     }
+
+
+def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_per_node: int | list[int] = 2,
+           timeout: float = 300.0, env: dict[str, str] | None = None,
+           node_env: list[dict[str, str]] | None = None, python: str | None = None,
+           preloaded: bool = True) -> LaunchResult:
+    """``preloaded``: fork each rank from a fork server that imported torch and transformers already
+    (tests/preload_servers.py; off with TWINKLE_TEST_PRELOAD=0). Turn it off for a launch that reads its processes'
+    memory.
+    """
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    full_env = {**launch_env(out_dir), **(env or {})}
+    command = [str(WORKERS / worker), *args]
+    preload_log = None
+    if preloaded and preload_servers.enabled():
+        preload_log = Path(tempfile.gettempdir()) / f"twinkle-preload-{os.getpid()}-{next(_launch_ids)}.jsonl"
+        command, full_env = preload_servers.preloaded_command(
+            command, {**os.environ, **full_env}, python or sys.executable, preload_log,
+            server_env={**os.environ, **launch_env(out_dir)})
     shape = "+".join(map(str, nproc_per_node)) if isinstance(nproc_per_node, list) else f"{nnodes}x{nproc_per_node}"
-    with launch_group(f"{worker} {shape}"):  # the launch table's row (tests/launch_log.py)
-        result = run_simulated_nodes([str(WORKERS / worker), *args], nnodes=nnodes, nproc_per_node=nproc_per_node,
+    with launch_group(f"{worker} {shape}") as record:  # the launch table's row (tests/launch_log.py)
+        result = run_simulated_nodes(command, nnodes=nnodes, nproc_per_node=nproc_per_node,
                                      timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env,
                                      python=python)
+        if preload_log is not None:
+            record.forked, record.fallbacks = preload_servers.outcomes(preload_log)
+            preload_log.unlink(missing_ok=True)
     logs = [p.read_text(errors="replace") for p in result.log_paths]
     return LaunchResult(result.returncodes, result.timed_out, logs, out_dir, result.seconds)

@@ -1,0 +1,130 @@
+"""The fork server of the test launches (tests/preload_server.py, tests/preload_client.py): a rank forked from it
+ends as a real process would, in the eyes of torchrun and the tests. Each case runs the client as torchrun would
+(``python -u preload_client.py WORKER ARGS``), with the environment a launch gives its ranks; the cases are one
+launch in the launch table."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import preload_servers
+import pytest
+from launch_log import launch_group
+from multinode import REPO, WORKERS, launch_env
+
+PROBE = str(WORKERS / "preload_probe.py")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Start a client per case; returns a function that starts one and the log of how each rank started."""
+    root = tmp_path_factory.mktemp("preload")
+    env = {**os.environ, **launch_env(root)}
+    log = root / "preload.jsonl"
+    _, client_env = preload_servers.preloaded_command([], env, sys.executable, log, server_env=env)
+    servers = [preload_servers.server_for(sys.executable, env, slot=slot)
+               for slot in range(preload_servers.HASH_SEED_SLOTS)]
+    for server in servers:
+        assert server.problem is None, server.problem  # it also refuses to start while a thread besides main lives
+
+    def start(mode: str, **extra_env) -> tuple[subprocess.Popen, Path]:
+        out = root / f"{mode}-{len(list(root.glob('*.json')))}.json"
+        proc = subprocess.Popen([sys.executable, "-u", str(preload_servers.CLIENT), PROBE, mode, str(out)],
+                                env={**client_env, "RANK": "3", **extra_env}, cwd=str(REPO),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return proc, out
+
+    with launch_group("preload_client.py cases"):
+        yield start, log, servers
+
+
+def wait_for(path: Path, timeout: float = 60.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} not written"
+        time.sleep(0.05)
+    time.sleep(0.05)
+    return json.loads(path.read_text())
+
+
+def gone(pid: int, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not os.path.exists(f"/proc/{pid}"):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_a_forked_rank_runs_the_worker_as_main_and_exits_with_its_code(ranks):
+    start, log, servers = ranks
+    proc, out = start("exit")
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert seen["preloaded"] and seen["ppid"] == servers[3 % 2].proc.pid and seen["pid"] != proc.pid, seen
+    assert seen["argv"] == [PROBE, "exit", str(out)] and seen["cwd"] == str(REPO) and seen["rank"] == "3", seen
+    assert seen["path0"] == str(WORKERS), seen
+    assert {"pid": proc.pid, "rank": "3", "outcome": "forked"} in map(json.loads, log.read_text().splitlines())
+
+
+def test_neighbouring_ranks_hash_strings_with_different_seeds_as_real_ranks_do(ranks):
+    # A rank inherits its server's PYTHONHASHSEED: even and odd ranks fork from two servers with seeds of their own,
+    # so a set of strings walked in rank-dependent order (a hang on a real cluster) can show in the tests.
+    start, _, servers = ranks
+    seen = {}
+    for rank in ("2", "3"):
+        proc, out = start("exit", RANK=rank)
+        assert proc.wait(timeout=60) == 7, proc.stderr.read()
+        seen[rank] = json.loads(out.read_text())
+    assert seen["2"]["ppid"] == servers[0].proc.pid and seen["3"]["ppid"] == servers[1].proc.pid, seen
+    assert servers[0].hash_seed != servers[1].hash_seed
+    assert seen["2"]["str_hash"] != seen["3"]["str_hash"], seen
+
+
+def test_an_uncaught_exception_prints_the_workers_traceback_and_exits_1(ranks):
+    start, _, _ = ranks
+    proc, _ = start("raise")
+    assert proc.wait(timeout=60) == 1
+    err = proc.stderr.read()
+    assert err.startswith("Traceback (most recent call last):\n  File \"" + PROBE), err  # no server/runpy frames
+    assert err.rstrip().endswith("ValueError: the probe's own error"), err
+
+
+def test_a_rank_killed_by_a_signal_reports_that_signal(ranks):
+    start, _, _ = ranks
+    proc, _ = start("self_kill")
+    assert proc.wait(timeout=60) == -signal.SIGKILL, proc.stderr.read()
+
+
+def test_sigterm_to_the_client_reaches_the_workers_handler(ranks):
+    start, _, _ = ranks
+    proc, out = start("wait_term")
+    wait_for(out)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 5, proc.stderr.read()  # the worker's handler ran and chose the exit code
+    assert json.loads(out.read_text())["got"] == signal.SIGTERM
+
+
+def test_a_sigkilled_client_takes_its_child_with_it(ranks):
+    start, _, _ = ranks
+    proc, out = start("sleep")
+    child = wait_for(out)["pid"]
+    proc.kill()
+    proc.wait(timeout=60)
+    assert gone(child), f"rank pid {child} outlived its SIGKILLed client"
+
+
+def test_a_rank_whose_import_time_environment_differs_starts_fresh(ranks, tmp_path):
+    start, log, _ = ranks
+    proc, out = start("exit", HF_HOME=str(tmp_path / "hf"))
+    assert proc.wait(timeout=120) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert not seen["preloaded"] and seen["pid"] == proc.pid, seen  # exec'd in place: the client's own pid
+    outcomes = [json.loads(line) for line in log.read_text().splitlines() if json.loads(line)["pid"] == proc.pid]
+    assert [o["outcome"] for o in outcomes] == ["fallback: HF_HOME differs from the preloaded interpreter's"]

@@ -1,0 +1,96 @@
+"""What torchrun runs as each rank when the suite preloads: ``python -u preload_client.py WORKER.py ARGS...``.
+
+It asks the fork server (tests/preload_server.py, at ``$TWINKLE_PRELOAD_SOCKET``) for a child that runs the worker
+with this process's argv, cwd, environment and stdin/stdout/stderr, then stands in for that child: signals sent to
+this process go to the child, and this process ends as the child did (the same exit code, or killed by the same
+signal), so torchrun and the tests see a rank that behaves as a real one. If this process is SIGKILLed, the server
+sees its connection close and kills the child. Where the server is unreachable, or this rank's environment differs
+from the server's in a key a module may have read at import, the worker runs in a fresh interpreter instead (exec),
+and ``$TWINKLE_PRELOAD_LOG`` gets a line saying so (tests/launch_log.py counts them).
+
+Only light standard modules are imported: this process's start-up is what the server saves.
+"""
+
+import json
+import os
+import signal
+import socket
+import struct
+import sys
+
+SOCKET_ENV, LOG_ENV = "TWINKLE_PRELOAD_SOCKET", "TWINKLE_PRELOAD_LOG"
+FALLBACK_ENV = "TWINKLE_PRELOAD_FALLBACK"  # set by tests/preload_servers.py where no server can serve this launch
+RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+def note(outcome: str) -> None:
+    """One line per rank in the launch's preload log: ``forked`` or ``fallback: <why>``."""
+    path = os.environ.get(LOG_ENV)
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "outcome": outcome}) + "\n")
+
+
+def fresh_interpreter(worker_argv: list[str], why: str) -> None:
+    note(f"fallback: {why}")
+    os.execv(sys.executable, [sys.executable, "-u", *worker_argv])
+
+
+def server_socket() -> str:
+    """Even ranks fork from the first server, odd ranks from the second: each has its own string-hash seed, so
+    neighbouring ranks iterate sets of strings in different orders, as ranks of a real run do."""
+    sockets = os.environ[SOCKET_ENV].split(os.pathsep)
+    return sockets[int(os.environ.get("RANK", "0")) % len(sockets)]
+
+
+def main() -> None:
+    worker_argv = sys.argv[1:]
+    pending: list[int] = []
+    child = [0]
+
+    def relay(sig, _frame):
+        if child[0]:
+            os.kill(child[0], sig)
+        else:
+            pending.append(sig)  # arrived before the server said which pid the child has
+
+    for sig in RELAYED:
+        signal.signal(sig, relay)
+    if os.environ.get(FALLBACK_ENV):
+        fresh_interpreter(worker_argv, os.environ[FALLBACK_ENV])
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(server_socket())
+        request = json.dumps({"argv": worker_argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
+        conn.sendall(request)
+        replies = conn.makefile("r")
+        first = json.loads(replies.readline() or "{}")
+    except (OSError, KeyError, ValueError) as exc:
+        fresh_interpreter(worker_argv, f"no preload server ({type(exc).__name__}: {exc})")
+        return
+    if "pid" not in first:
+        conn.close()
+        fresh_interpreter(worker_argv, first.get("fallback", "the server refused"))
+        return
+    child[0] = first["pid"]
+    note("forked")
+    for sig in pending:
+        os.kill(child[0], sig)
+    line = replies.readline()  # blocks until the child ends; a relayed signal interrupts and resumes it
+    status = json.loads(line) if line else {}
+    sys.stdout.flush()
+    if "signal" in status:
+        for sig in RELAYED:
+            signal.signal(sig, signal.SIG_DFL)
+        if status["signal"] not in (signal.SIGKILL, signal.SIGSTOP):
+            signal.signal(status["signal"], signal.SIG_DFL)
+        os.kill(os.getpid(), status["signal"])
+    if "exit" not in status:
+        print(f"preload client: the fork server closed without the status of rank pid {child[0]}", file=sys.stderr,
+              flush=True)
+    os._exit(status.get("exit", 1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,40 @@
+"""One rank's view of how it was started, for tests/multiproc/test_preload_server.py: whether it was forked from
+the preloaded interpreter, its pid, parent, argv and cwd; then it ends the way ``--mode`` asks."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+PRELOADED = "torch" in sys.modules  # before this script imports anything: only a fork of the server has it
+MODE, OUT = sys.argv[1], sys.argv[2]
+
+
+def record(**extra) -> None:
+    with open(OUT, "w") as f:
+        json.dump({"pid": os.getpid(), "ppid": os.getppid(), "preloaded": PRELOADED, "argv": sys.argv,
+                   "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "path0": sys.path[0],
+                   "str_hash": hash("twinkle"), **extra}, f)
+
+
+def on_term(signum, _frame):
+    record(got=signum)
+    sys.exit(5)
+
+
+if MODE == "exit":
+    record()
+    sys.exit(7)
+if MODE == "raise":
+    record()
+    raise ValueError("the probe's own error")
+if MODE == "self_kill":
+    record()
+    os.kill(os.getpid(), signal.SIGKILL)
+if MODE == "wait_term":
+    signal.signal(signal.SIGTERM, on_term)
+if MODE in ("wait_term", "sleep"):
+    record()
+    time.sleep(120)
+    sys.exit(9)  # not reached: the test signals or kills it first
