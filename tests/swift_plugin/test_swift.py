@@ -388,11 +388,11 @@ def test_swift_sft_fit_check_refuses_a_budget_just_under_the_plan_before_any_wei
                                            {"TWINKLE_EP_SIZE": "2", "TWINKLE_DEVICE_MEMORY": str(budget)},
                                            timeout=240, probe=False)
     assert returncodes[0] not in (0, None), returncodes
-    refusals = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
+    refusals = [line for line in log.splitlines() if line.startswith("twinkle_strategy.integrations.swift.errors.SwiftPluginError")]
     # Each rank refuses with the same line; torchrun stops the other rank once one has failed, so its line may not
     # come (whether it does is a race on this loaded machine). Either way no rank got further (below).
     assert len(refusals) in (1, 2) and len(set(refusals)) == 1, _tail(log)
-    said = (f"twinkle_strategy.errors.SwiftPluginError: the memory plan's step peak {gib(peak)} per device exceeds "
+    said = (f"twinkle_strategy.integrations.swift.errors.SwiftPluginError: the memory plan's step peak {gib(peak)} per device exceeds "
             f"the budget {gib(budget)} (TWINKLE_DEVICE_MEMORY, else the GPU's memory); first fix: ")
     assert refusals[0].startswith(said), (refusals[0], said)
     # The fix as swift takes it: a flag and its value (`--sequence_parallel_size 2`) or a variable (`NNODES=2`).
@@ -604,7 +604,7 @@ def test_swift_sft_deepspeed_is_refused_by_the_plugin_while_swift_parses_its_arg
     proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     log = proc.stdout + proc.stderr
     assert proc.returncode != 0, _tail(log)
-    (line,) = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
+    (line,) = [line for line in log.splitlines() if line.startswith("twinkle_strategy.integrations.swift.errors.SwiftPluginError")]
     assert line.endswith("SwiftPluginError: --deepspeed zero3 and the twinkle plugin both shard the model: drop "
                          "--deepspeed (the plugin applies FSDP2 and EP itself; its options are TWINKLE_* variables "
                          'or the --fsdp JSON\'s "twinkle" object)'), line

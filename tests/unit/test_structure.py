@@ -262,8 +262,8 @@ def test_every_surface_accepts_exactly_the_strategy_options(monkeypatch):
 
 
 def test_a_bad_option_is_named_on_every_surface():
-    from twinkle_strategy.errors import SwiftPluginError
     from twinkle_strategy.integrations.swift import plugin
+    from twinkle_strategy.integrations.swift.errors import SwiftPluginError
     from twinkle_strategy.train.errors import RecipeError
     from twinkle_strategy.train.recipe import load_recipe
 
