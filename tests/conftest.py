@@ -21,12 +21,16 @@ pytest_plugins = ["launches"]
 # only with a reason in the commit.
 # vllm_engine: two trainer launches (test_vllm_sync.py: its engine processes; test_grpo_colocate.py: engines
 # colocated in its ranks), each after a vllm_env.sh check; test_engine_adapters.py: one process, after its own
-# vllm_env.sh check. unit: the torch-free subprocesses of test_structure.py
-# and test_launch_budget.py. multiproc and swift_plugin: the full run of stop 41 counted 110 and 35 (the launch
-# table), with 2 and 1 of room; multiproc then lost 6 (i36-fuse-cli: the fit check, demo_run's plan and the
-# master-port refusal call twinkle-sft's main in the pytest process; the bad-rows and swift-style re-launch runs are
-# one session launch), so 104; +1: test_preload_server.py's client cases (the fork server's own test); + 2.
-LAUNCH_BUDGET = {"unit": 2, "multiproc": 107, "swift_plugin": 36, "vllm_engine": 8}
+# vllm_env.sh check. unit: the torch-free subprocesses of test_structure.py and test_launch_budget.py.
+# multiproc: the full run of stop 41 counted 110 (the launch table); then -6 (i36-fuse-cli: the fit check,
+# demo_run's plan and the master-port refusal call twinkle-sft's main in the pytest process; the bad-rows and
+# swift-style re-launch runs are one session launch) and +1 (test_preload_server.py's client cases, the fork
+# server's own test): 105, with 2 of room.
+# swift_plugin: 35 fused to 26 (issue 36: one process for the env check, for the swift-env PEFT loads, for the
+# vision-language build and swift's flags, for the parse-time refusals, for the async-save comparison's
+# training_args.bin), then 2 for the swift leg of one SP meaning (swift sft 2x2 and the HF leg's worker in swift's
+# env): 28, with 1 of room.
+LAUNCH_BUDGET = {"unit": 2, "multiproc": 107, "swift_plugin": 29, "vllm_engine": 8}
 
 
 def pytest_configure(config):

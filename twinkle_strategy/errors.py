@@ -3,8 +3,9 @@
 Each names what was expected, what was found, and how to fix it. They subclass ValueError
 (through TwinkleError) because every one of them is caused by input (sizes, launch settings,
 checkpoints, data, a dead peer), not by a bug in this package. The training application's own
-errors (recipes, datasets, preflight, a stopped run) live in :mod:`twinkle_strategy.train.errors`, subclasses of
-the same TwinkleError, so one ``except TwinkleError`` still catches them all.
+errors (recipes, datasets, preflight, a stopped run) live in :mod:`twinkle_strategy.train.errors`, and the swift
+plugin's in :mod:`twinkle_strategy.integrations.swift.errors`, subclasses of the same TwinkleError, so one
+``except TwinkleError`` still catches them all.
 :func:`shorten` words the lists they name.
 """
 
@@ -97,10 +98,6 @@ class TrainingAbortedError(TwinkleError):
 
 class ConflictingShardingError(TwinkleError):
     """A trainer setting (DeepSpeed, accelerate's FSDP, transformers' own EP) would shard the model a second time."""
-
-
-class SwiftPluginError(TwinkleError):
-    """A swift argument or strategy option that the twinkle plugin cannot serve; says what to change."""
 
 
 class OutputDirNotSharedError(TwinkleError):

@@ -5,8 +5,8 @@ The same recipe (the demo: LoRA on attention and experts, ep=2, memory_efficient
 2 ranks with sequence_parallel_size=2 trains through ``twinkle-sft`` (twinkle's Trainer) and through
 ``with_strategy(transformers.Trainer)`` (the HF/TRL mixin, which the swift plugin builds on): each step trains on the
 same examples and logs the same loss and gradient norm. Two launches. The swift leg (``swift sft`` at 2x2 with
-sp=2) needs a launch of its own in ms-swift's environment; tests/swift_plugin/test_swift.py's packing run covers the
-plugin's sequence parallelism against its run without it, at the shared meaning.
+sp=2) runs in ms-swift's environment: tests/swift_plugin/test_swift_one_sp_meaning.py, against this HF leg's worker
+run there (the same versions for every number it compares).
 """
 
 from __future__ import annotations

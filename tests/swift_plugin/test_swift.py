@@ -31,7 +31,6 @@ import torch
 from launch_log import one_launch
 from workers.swift_peft_logits import peft_logits
 
-from twinkle_strategy.train.demo_model import prepare_demo_model
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,22 +53,6 @@ BATCH_2 = ["--per_device_train_batch_size", "2"]
 def _tail(text: str, n: int = 8000) -> str:
     lines = [line for line in text.splitlines() if "is ignored: it is neither a file" not in line]
     return "\n".join(lines)[-n:]
-
-
-@pytest.fixture(scope="module")
-def swift_bin() -> Path:
-    proc = subprocess.run(["bash", "scripts/swift_env.sh"], cwd=REPO, check=False, capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, f"scripts/swift_env.sh failed:\n{_tail(proc.stdout + proc.stderr)}"
-    path = subprocess.run(["bash", "scripts/venv_path.sh", "swift"], cwd=REPO, check=True, capture_output=True,
-                          text=True, timeout=60).stdout.strip()
-    return Path(path) / "bin"
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("swift_model") / "tiny_qwen3_moe"
-    prepare_demo_model(str(path), str(DATASET))
-    return path
 
 
 def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
@@ -373,27 +356,54 @@ def test_swift_sft_fit_check_passes_a_budget_just_over_the_plan(lora_runs):
     assert line.startswith("fits: step peak "), line
 
 
-def test_swift_sft_fit_check_refuses_a_budget_just_under_the_plan_before_any_weight_is_read(swift_bin, tiny_model,
-                                                                                           tmp_path):
-    """TWINKLE_DEVICE_MEMORY 1% under the plan's peak: every rank refuses in one line (peak, budget, first fix)
-    while swift parses its arguments. The weights file is garbage, so a rank that opened it would fail otherwise."""
-    model = tmp_path / "model"
-    shutil.copytree(tiny_model, model)
-    (model / "model.safetensors").write_bytes(b"not a safetensors file")
+@pytest.fixture(scope="module")
+def parse_refusals(swift_bin, tiny_model, tmp_path_factory) -> dict:
+    """The refusals the plugin makes while swift parses its arguments, in one process of swift's Python
+    (tests/workers/swift_refusals.py: `swift sft`'s own entry point, once per case): "fit", a budget
+    (TWINKLE_DEVICE_MEMORY) 1% under the plan's peak of 2 processes on a model whose weights file is garbage;
+    "deepspeed", --deepspeed zero3. Each case's output (its log and traceback) by name, with the budget and peak."""
     from twinkle_strategy.planning.report import gib
 
+    root = tmp_path_factory.mktemp("swift_parse_refusals")
+    model = root / "model"
+    shutil.copytree(tiny_model, model)
+    (model / "model.safetensors").write_bytes(b"not a safetensors file")
     peak = planned_peak(tiny_model)
     budget = int(peak * 0.99)
-    returncodes, log, _ = launch_swift_sft(swift_bin, model, tmp_path, [*BATCH_2, *LORA_ARGS],
-                                           {"TWINKLE_EP_SIZE": "2", "TWINKLE_DEVICE_MEMORY": str(budget)},
-                                           timeout=240, probe=False)
-    assert returncodes[0] not in (0, None), returncodes
-    refusals = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
-    # Each rank refuses with the same line; torchrun stops the other rank once one has failed, so its line may not
-    # come (whether it does is a race on this loaded machine). Either way no rank got further (below).
-    assert len(refusals) in (1, 2) and len(set(refusals)) == 1, _tail(log)
-    said = (f"twinkle_strategy.errors.SwiftPluginError: the memory plan's step peak {gib(peak)} per device exceeds "
-            f"the budget {gib(budget)} (TWINKLE_DEVICE_MEMORY, else the GPU's memory); first fix: ")
+    common = ["--template", "qwen3_nothinking", "--dataset", str(DATASET), "--report_to", "none", "--check_model", "false",
+              "--dataset_num_proc", "1"]
+    cases = [{"name": "fit", "argv": ["--external_plugins", str(PLUGIN), "--model", str(model), *common,
+                                      "--torch_dtype", "float32", "--output_dir", str(root / "fit"), *BATCH_2,
+                                      *LORA_ARGS],
+              # the world of `NPROC_PER_NODE=2 swift sft` as each rank's parsing sees it (no process group yet)
+              "env": {"TWINKLE_EP_SIZE": "2", "TWINKLE_DEVICE_MEMORY": str(budget), "WORLD_SIZE": "2",
+                      "LOCAL_WORLD_SIZE": "2"}},
+             {"name": "deepspeed", "argv": ["--external_plugins", str(PLUGIN), "--model", str(tiny_model), *common,
+                                            "--output_dir", str(root / "deepspeed"), "--deepspeed", "zero3"],
+              "env": {}}]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", **SWIFT_ENV}
+    env.pop("VIRTUAL_ENV", None)
+    proc = subprocess.run([str(swift_bin / "python"), "-u", str(WORKERS / "swift_refusals.py"), json.dumps(cases)],
+                          env=env, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    assert proc.returncode == 0, _tail(proc.stdout)
+    sections = re.split(r"^=== case (\w+)\n", proc.stdout, flags=re.M)[1:]
+    outputs = dict(zip(sections[::2], sections[1::2], strict=True))
+    assert sorted(outputs) == ["deepspeed", "fit"], _tail(proc.stdout)
+    return {"outputs": outputs, "peak": gib(peak), "budget": gib(budget)}
+
+
+def test_swift_sft_fit_check_refuses_a_budget_just_under_the_plan_before_any_weight_is_read(parse_refusals):
+    """TWINKLE_DEVICE_MEMORY 1% under the plan's peak of 2 processes: a rank refuses in one line (peak, budget,
+    first fix) while swift parses its arguments. The weights file is garbage, so a rank that opened it would fail
+    otherwise. (Each rank parses alone, before any process group: one process parsing as a rank of 2 is the case.)"""
+    log = parse_refusals["outputs"]["fit"]
+    assert log.rstrip().endswith("=== exit fit 1"), _tail(log)
+    refusals = [line for line in log.splitlines()
+                if line.startswith("twinkle_strategy.integrations.swift.errors.SwiftPluginError")]
+    assert len(refusals) == 1, _tail(log)
+    said = (f"twinkle_strategy.integrations.swift.errors.SwiftPluginError: the memory plan's step peak "
+            f"{parse_refusals['peak']} per device exceeds the budget {parse_refusals['budget']} (TWINKLE_DEVICE_MEMORY, "
+            "else the GPU's memory); first fix: ")
     assert refusals[0].startswith(said), (refusals[0], said)
     # The fix as swift takes it: a flag and its value (`--sequence_parallel_size 2`) or a variable (`NNODES=2`).
     assert re.fullmatch(r"(--\w+ \S+|[A-Z_]+=\S+)( \([^)]*\))? \(peak [0-9.]+ [GM]iB\); twinkle-sft plan shows "
@@ -440,12 +450,28 @@ WALL_CLOCK = ("elapsed_time", "remaining_time", "train_speed(s/it)", "memory(GiB
               "tflops_per_device", "mfu", "train_runtime", "train_samples_per_second", "train_steps_per_second")
 
 
-def swift_checkpoint_differences(swift_bin: Path, sync: Path, background: Path) -> tuple[list[str], int]:
-    """Files of swift checkpoint ``background`` that differ from ``sync``'s (or exist in one only), and how many
-    were compared. Byte for byte, except where a run writes its own directory or the wall clock: args.json and
-    training_args.bin with the run directories replaced, trainer_state.json without its wall-clock log fields;
-    and adapter_config.json with its lists sorted (PEFT writes sets such as target_modules as lists in the
-    process's string-hash order, which differs between any two runs)."""
+def swift_checkpoint_differences(swift_bin: Path, pairs: list[tuple[Path, Path]]) -> list[tuple[list[str], int]]:
+    """For each (sync, background) pair of swift checkpoints: the files of ``background`` that differ from
+    ``sync``'s (or exist in one only), and how many were compared. Byte for byte, except where a run writes its own
+    directory or the wall clock: args.json and training_args.bin with the run directories replaced,
+    trainer_state.json without its wall-clock log fields; and adapter_config.json with its lists sorted (PEFT
+    writes sets such as target_modules as lists in the process's string-hash order, which differs between any two
+    runs). Every training_args.bin is read by one process of swift's Python (swift's own arguments class)."""
+    bins = [p for pair in pairs for p in pair if (p / "training_args.bin").is_file()]
+    code = ("import json, sys, torch\n"
+            "for d in sys.argv[1:]:\n"
+            "    a = torch.load(d + '/training_args.bin', weights_only=False); run = d.rsplit('/', 1)[0]\n"
+            "    print(json.dumps(a.to_dict(), default=str).replace(run, '<run>').replace(run.rsplit('/', 2)[0], "
+            "'<out>'))\n")
+    loaded = {}
+    if bins:
+        proc = subprocess.run([str(swift_bin / "python"), "-c", code, *map(str, bins)], check=True,
+                              capture_output=True, text=True, timeout=120, env={**os.environ, **SWIFT_ENV})
+        loaded = dict(zip(bins, map(json.loads, proc.stdout.strip().splitlines()), strict=True))
+    return [_checkpoint_differences(sync, background, loaded) for sync, background in pairs]
+
+
+def _checkpoint_differences(sync: Path, background: Path, training_args: dict[Path, dict]) -> tuple[list[str], int]:
     names = {str(p.relative_to(d)) for d in (sync, background) for p in d.rglob("*") if p.is_file()}
     different = []
     for name in sorted(names):
@@ -455,14 +481,8 @@ def swift_checkpoint_differences(swift_bin: Path, sync: Path, background: Path) 
         elif name == "args.json":
             if _normalized_json(a, sync.parent) != _normalized_json(b, background.parent):
                 different.append(name)
-        elif name == "training_args.bin":  # swift's own arguments class: unpickled by swift's Python
-            code = ("import json, sys, torch; a = torch.load(sys.argv[1], weights_only=False); "
-                    "print(json.dumps(a.to_dict(), default=str).replace(sys.argv[2], '<run>')"
-                    ".replace(sys.argv[3], '<out>'))")
-            loaded = [subprocess.run([str(swift_bin / "python"), "-c", code, str(p), str(p.parent.parent),
-                                      str(p.parent.parent.parent.parent)], check=True, capture_output=True, text=True,
-                                     timeout=120, env={**os.environ, **SWIFT_ENV}).stdout for p in (a, b)]
-            if json.loads(loaded[0]) != json.loads(loaded[1]):
+        elif name == "training_args.bin":
+            if training_args[sync] != training_args[background]:
                 different.append(name)
         elif name == "adapter_config.json":
             configs = [{k: sorted(v, key=str) if isinstance(v, list) else v for k, v in json.loads(p.read_text()).items()}
@@ -498,15 +518,36 @@ def test_swift_sft_async_save_overlaps_training_and_writes_the_synchronous_files
         written = data["writes"]["checkpoint-5"]
         assert written and data["step_starts"]["6"] < min(t["durable"] for t in written.values()), (rank, data)
         assert list(data["writes"]) == ["checkpoint-5", "checkpoint-10"], rank  # the final save awaited in train()
-    for step in (5, 10):
-        different, compared = swift_checkpoint_differences(swift_bin, sync["run_dir"] / f"checkpoint-{step}",
-                                                           run["run_dir"] / f"checkpoint-{step}")
-        assert different == [] and compared > 10, (step, different)
+    steps = (5, 10)
+    compared = swift_checkpoint_differences(swift_bin, [(sync["run_dir"] / f"checkpoint-{step}",
+                                                         run["run_dir"] / f"checkpoint-{step}") for step in steps])
+    for step, (different, count) in zip(steps, compared, strict=True):
+        assert different == [] and count > 10, (step, different)
     assert os.readlink(run["run_dir"] / "last-checkpoint") == "checkpoint-10"
     assert not list(run["run_dir"].glob("*.tmp"))
 
 
-def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):
+@pytest.fixture(scope="module")
+def swift_env_peft(lora_runs, vl_all_runs, swift_bin, tiny_model) -> dict[str, str]:
+    """Plain PEFT in the swift virtualenv (the older peft/transformers swift runs on) on each saved adapter (the
+    LoRA run's and each vision-language family's) against the logits the distributed model gave: one process for
+    all. What swift_peft_logits.py printed for each, by "lora" or family."""
+    cases = {"lora": (lora_runs["mem"], str(tiny_model), MAX_STEPS)}
+    cases |= {family: (runs["mem"], str(runs["model"]), VL_STEPS) for family, runs in vl_all_runs.items()}
+    argv = []
+    for run, base, steps in cases.values():
+        argv += [base, str(run["run_dir"] / f"checkpoint-{steps}"),
+                 str(run["probe_dir"] / "logits.pt")]
+    proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), *argv],
+                          check=False, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
+    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("PEFT")]
+    assert len(lines) == len(cases), proc.stdout
+    return dict(zip(cases, lines, strict=True))
+
+
+def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_env_peft):
     """The saved adapter is the full [r*E] one: plain PEFT on one process gives the distributed model's logits,
     with this repo's peft/transformers and with the older ones swift runs on."""
     run = lora_runs["mem"]
@@ -515,14 +556,8 @@ def test_swift_adapter_loads_with_plain_peft(lora_runs, tiny_model, swift_bin):
     logits, base_logits = peft_logits(str(tiny_model), str(adapter), probe["input_ids"])
     assert (base_logits - probe["logits"]).abs().max() > 0.1, "the trained adapter changes nothing"
     assert torch.allclose(logits, probe["logits"], atol=1e-4), (logits - probe["logits"]).abs().max()
-    proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), str(tiny_model),
-                           str(adapter), str(run["probe_dir"] / "logits.pt")],
-                          check=False, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
-    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("PEFT ")]
-    _, version, diff = line.split()
-    assert version.startswith("0.2") and float(diff) <= 1e-4, line
+    kind, version, diff = swift_env_peft["lora"].split()
+    assert kind == "PEFT" and version.startswith("0.2") and float(diff) <= 1e-4, swift_env_peft["lora"]
 
 
 @pytest.fixture(scope="module")
@@ -591,20 +626,14 @@ def test_swift_sft_bad_checkpoint_fails_on_every_rank(swift_bin, tiny_model, tmp
     assert not glob.glob(str(tmp_path / "output" / "v0-*" / "checkpoint-*"))
 
 
-def test_swift_sft_deepspeed_is_refused_by_the_plugin_while_swift_parses_its_arguments(swift_bin, tiny_model,
-                                                                                         tmp_path):
+def test_swift_sft_deepspeed_is_refused_by_the_plugin_while_swift_parses_its_arguments(parse_refusals):
     """`swift sft --deepspeed zero3`: swift reads --deepspeed (and requires the deepspeed package) before the hook
     that reads the plugin's options; the plugin refuses it first, in one line, while swift is still parsing its
     arguments (one process: nothing is launched, no model is loaded)."""
-    cmd = [str(swift_bin / "swift"), "sft", "--external_plugins", str(PLUGIN), "--model", str(tiny_model),
-           "--template", "qwen3_nothinking", "--dataset", str(DATASET), "--output_dir", str(tmp_path / "output"),
-           "--report_to", "none", "--deepspeed", "zero3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV}
-    env.pop("VIRTUAL_ENV", None)
-    proc = subprocess.run(cmd, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    log = proc.stdout + proc.stderr
-    assert proc.returncode != 0, _tail(log)
-    (line,) = [line for line in log.splitlines() if line.startswith("twinkle_strategy.errors.SwiftPluginError")]
+    log = parse_refusals["outputs"]["deepspeed"]
+    assert log.rstrip().endswith("=== exit deepspeed 1"), _tail(log)
+    (line,) = [line for line in log.splitlines()
+               if line.startswith("twinkle_strategy.integrations.swift.errors.SwiftPluginError")]
     assert line.endswith("SwiftPluginError: --deepspeed zero3 and the twinkle plugin both shard the model: drop "
                          "--deepspeed (the plugin applies FSDP2 and EP itself; its options are TWINKLE_* variables "
                          'or the --fsdp JSON\'s "twinkle" object)'), line
@@ -632,36 +661,53 @@ for family in families:
     prepare_vl_demo_model(f"{root}/{family}", data, family=family)
 print(data)
 """
+SWIFT_FLAGS = """
+import dataclasses, json, swift
+from swift.arguments import SftArguments
+print(json.dumps([swift.__version__, sorted(f.name for f in dataclasses.fields(SftArguments))]))
+"""
 
 
 @pytest.fixture(scope="module")
 def vl_checkpoints(swift_bin, tmp_path_factory) -> dict:
     """The generated image-text data, and a tiny checkpoint of each family saved from its vision-language
-    class with its processor; built once, by the transformers swift loads them with."""
+    class with its processor; built once, by the transformers swift loads them with. The same process reads the
+    installed ms-swift's version and SftArguments fields ("swift_flags": one start-up for both)."""
     root = tmp_path_factory.mktemp("swift_vl")
-    proc = subprocess.run([str(swift_bin / "python"), "-c", BUILD_VL, str(root), *VL_CASES], cwd=REPO,
+    proc = subprocess.run([str(swift_bin / "python"), "-c", BUILD_VL + SWIFT_FLAGS, str(root), *VL_CASES], cwd=REPO,
                           check=False, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
-    return {"dataset": Path(proc.stdout.split()[-1]), **{family: root / family for family in VL_CASES}}
+    lines = proc.stdout.strip().splitlines()
+    return {"dataset": Path(lines[-2].strip()), "swift_flags": json.loads(lines[-1]),
+            **{family: root / family for family in VL_CASES}}
 
 
-@pytest.fixture(scope="module", params=sorted(VL_CASES))
-def vl_runs(request, swift_bin, vl_checkpoints, tmp_path_factory) -> dict:
-    """Image-text LoRA SFT of one family: the plugin's 2-process EP=2 run with memory_efficient_init, and
-    the oracle, plain `swift sft` in one process with the same 4 samples per step."""
-    family = request.param
-    template, freeze_vit = VL_CASES[family]
-    args = [*VL_LORA_ARGS, "--freeze_vit", str(freeze_vit).lower()]
-    data = {"dataset": vl_checkpoints["dataset"], "template": template}
-    out = tmp_path_factory.mktemp(f"swift_vl_{family}")
-    (out / "mem").mkdir()
-    (out / "ref").mkdir()
-    mem = run_swift_sft(swift_bin, vl_checkpoints[family], out / "mem", [*BATCH_2, *args],
-                        {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"}, **data)
-    ref = run_swift_sft(swift_bin, vl_checkpoints[family], out / "ref", ["--per_device_train_batch_size", "4", *args],
-                        {}, reference=True, **data)
-    return {"family": family, "freeze_vit": freeze_vit, "model": vl_checkpoints[family], "mem": mem, "ref": ref}
+@pytest.fixture(scope="module")
+def vl_all_runs(swift_bin, vl_checkpoints, tmp_path_factory) -> dict[str, dict]:
+    """Image-text LoRA SFT of each family: the plugin's 2-process EP=2 run with memory_efficient_init, and the
+    oracle, plain `swift sft` in one process with the same 4 samples per step."""
+    runs = {}
+    for family in sorted(VL_CASES):
+        template, freeze_vit = VL_CASES[family]
+        args = [*VL_LORA_ARGS, "--freeze_vit", str(freeze_vit).lower()]
+        data = {"dataset": vl_checkpoints["dataset"], "template": template}
+        out = tmp_path_factory.mktemp(f"swift_vl_{family}")
+        (out / "mem").mkdir()
+        (out / "ref").mkdir()
+        mem = run_swift_sft(swift_bin, vl_checkpoints[family], out / "mem", [*BATCH_2, *args],
+                            {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"}, **data)
+        ref = run_swift_sft(swift_bin, vl_checkpoints[family], out / "ref",
+                            ["--per_device_train_batch_size", "4", *args], {}, reference=True, **data)
+        runs[family] = {"family": family, "freeze_vit": freeze_vit, "model": vl_checkpoints[family], "mem": mem,
+                        "ref": ref}
+    return runs
+
+
+@pytest.fixture(params=sorted(VL_CASES))
+def vl_runs(request, vl_all_runs) -> dict:
+    """One family's runs (vl_all_runs)."""
+    return vl_all_runs[request.param]
 
 
 def test_swift_vl_sft_matches_single_process(vl_runs):
@@ -687,7 +733,7 @@ def test_swift_vl_sft_matches_single_process(vl_runs):
     assert diff <= 1e-4, diff
 
 
-def test_swift_vl_adapter_loads_with_plain_peft(vl_runs, swift_bin):
+def test_swift_vl_adapter_loads_with_plain_peft(vl_runs, swift_env_peft):
     """The saved adapter, loaded by plain PEFT onto the vision-language class on one process, gives the
     distributed model's logits on the image-text batch, with swift's peft/transformers and with this repo's."""
     from workers.swift_peft_logits import peft_image_text_logits
@@ -698,13 +744,9 @@ def test_swift_vl_adapter_loads_with_plain_peft(vl_runs, swift_bin):
     logits, base_logits = peft_image_text_logits(str(vl_runs["model"]), str(adapter), probe["inputs"])
     assert (base_logits - probe["logits"]).abs().max() > 0.1, "the trained adapter changes nothing"
     assert torch.allclose(logits, probe["logits"], atol=1e-4), (logits - probe["logits"]).abs().max()
-    proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), str(vl_runs["model"]),
-                           str(adapter), str(run["probe_dir"] / "logits.pt")], check=False, capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
-    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
-    (line,) = [line for line in proc.stdout.splitlines() if line.startswith("PEFT-IMAGE-TEXT ")]
-    _, version, diff = line.split()
-    assert version.startswith("0.2") and float(diff) <= 1e-4, line
+    line = swift_env_peft[vl_runs["family"]]
+    kind, version, diff = line.split()
+    assert kind == "PEFT-IMAGE-TEXT" and version.startswith("0.2") and float(diff) <= 1e-4, line
 
 
 def test_swift_vl_freeze_vit_decides_whether_the_vision_tower_trains(vl_runs):
@@ -730,18 +772,14 @@ def test_swift_vl_freeze_vit_decides_whether_the_vision_tower_trains(vl_runs):
             assert saved[name].abs().max() > 0, f"{name} did not train"
 
 
-def test_twinkle_sft_knows_every_flag_of_the_installed_swift_sft(swift_bin):
+def test_twinkle_sft_knows_every_flag_of_the_installed_swift_sft(vl_checkpoints):
     """twinkle_strategy/train/swift_flags.py lists the fields of ms-swift's SftArguments, each taken by twinkle-sft
     or refused with its reason (tests/multiproc/test_launch_errors.py checks which): this fails when the pinned ms-swift
-    adds, renames or drops a flag, so that the list and its reasons are brought up to date."""
+    adds, renames or drops a flag, so that the list and its reasons are brought up to date. (The fields come from
+    the swift process that built the vision-language checkpoints: vl_checkpoints.)"""
     from twinkle_strategy.train.swift_flags import SWIFT_SFT_FLAGS, SWIFT_VERSION
 
-    code = ("import dataclasses, json, swift; from swift.arguments import SftArguments; "
-            "print(json.dumps([swift.__version__, sorted(f.name for f in dataclasses.fields(SftArguments))]))")
-    proc = subprocess.run([str(swift_bin / "python"), "-c", code], check=False, capture_output=True, text=True,
-                          timeout=600, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
-    assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
-    version, fields = json.loads(proc.stdout.strip().splitlines()[-1])
+    version, fields = vl_checkpoints["swift_flags"]
     assert version == SWIFT_VERSION
     assert sorted(SWIFT_SFT_FLAGS) == fields, (sorted(set(fields) - set(SWIFT_SFT_FLAGS)),
                                                sorted(set(SWIFT_SFT_FLAGS) - set(fields)))
@@ -858,11 +896,14 @@ def test_plugin_names_swifts_launch_setting_where_the_library_names_torchrun():
 
 
 def test_plugin_module_imports_without_swift():
-    """Outside ms-swift (e.g. for `twinkle-sft --swift-plugin-path`) importing it hooks nothing."""
-    code = "import twinkle_strategy.integrations.swift.plugin as p; print(p.plugin_path())"
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=REPO)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout.strip() == str(PLUGIN)
+    """Outside ms-swift (e.g. for `twinkle-sft --swift-plugin-path`) importing it hooks nothing: this process (.venv,
+    no ms-swift) imports it."""
+    import importlib.util
+
+    import twinkle_strategy.integrations.swift.plugin as plugin
+
+    assert importlib.util.find_spec("swift") is None  # .venv has no ms-swift: nothing to hook
+    assert plugin.plugin_path() == str(PLUGIN)
     # the installed console script, as the docs use it: PLUGIN=$(twinkle-sft --swift-plugin-path)
     cli = Path(sys.executable).parent / "twinkle-sft"
     proc = subprocess.run([str(cli), "--swift-plugin-path"], check=False, capture_output=True, text=True, timeout=120)

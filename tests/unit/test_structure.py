@@ -262,8 +262,8 @@ def test_every_surface_accepts_exactly_the_strategy_options(monkeypatch):
 
 
 def test_a_bad_option_is_named_on_every_surface():
-    from twinkle_strategy.errors import SwiftPluginError
     from twinkle_strategy.integrations.swift import plugin
+    from twinkle_strategy.integrations.swift.errors import SwiftPluginError
     from twinkle_strategy.train.errors import RecipeError
     from twinkle_strategy.train.recipe import load_recipe
 
@@ -291,17 +291,19 @@ def test_config_is_frozen_and_normalises_spellings():
 
 
 def test_every_exception_lives_in_errors_and_is_a_twinkle_error():
-    """The library's in errors.py, the training application's own (recipe, dataset, preflight) in train/errors.py
-    (issue 36: the library does not hold the application's errors)."""
+    """The library's in errors.py, the training application's own (recipe, dataset, preflight) in train/errors.py,
+    the swift plugin's in integrations/swift/errors.py (issue 36: the library does not hold the application's or a
+    front-end's errors)."""
     from twinkle_strategy import errors
     from twinkle_strategy.errors import CheckpointSaveError, TwinkleError
+    from twinkle_strategy.integrations.swift import errors as swift_errors
     from twinkle_strategy.train import errors as application_errors
 
-    homes = {PACKAGE / "errors.py", PACKAGE / "train" / "errors.py"}
+    homes = {PACKAGE / "errors.py", PACKAGE / "train" / "errors.py", PACKAGE / "integrations" / "swift" / "errors.py"}
     defined_elsewhere = {str(p.relative_to(PACKAGE.parent)): [n.name for n in ast.walk(ast.parse(p.read_text()))
                                                             if isinstance(n, ast.ClassDef) and n.name.endswith("Error")]
                          for p in PACKAGE.rglob("*.py") if p not in homes}
-    assert not {k: v for k, v in defined_elsewhere.items() if v}, "exception classes outside the two errors.py"
+    assert not {k: v for k, v in defined_elsewhere.items() if v}, "exception classes outside the three errors.py"
     classes = [c for c in vars(errors).values() if isinstance(c, type) and issubclass(c, Exception)]
     assert len(classes) > 10 and all(issubclass(c, TwinkleError) for c in classes)
     application = [c for c in vars(application_errors).values() if isinstance(c, type) and issubclass(c, Exception)
@@ -310,6 +312,10 @@ def test_every_exception_lives_in_errors_and_is_a_twinkle_error():
                                                  "RunStoppedError"}
     assert all(issubclass(c, TwinkleError) for c in application)
     assert not {c.__name__ for c in application} & set(vars(errors)), "an application error left in the library"
+    front_end = [c for c in vars(swift_errors).values() if isinstance(c, type) and issubclass(c, Exception)
+                 and c.__module__ == swift_errors.__name__]
+    assert [c.__name__ for c in front_end] == ["SwiftPluginError"] and issubclass(front_end[0], TwinkleError)
+    assert "SwiftPluginError" not in vars(errors), "the swift plugin's error left in the library"
     error = CheckpointSaveError("saving x failed on rank(s) [1]", [(1, "disk full")])
     assert str(error) == "saving x failed on rank(s) [1]" and error.failures == [(1, "disk full")]
 

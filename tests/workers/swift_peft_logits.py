@@ -1,8 +1,8 @@
 """Plain PEFT on one process: logits of base model + saved adapter on the probe's inputs.
 
-    python swift_peft_logits.py BASE_MODEL ADAPTER_DIR PROBE_LOGITS_PT
+    python swift_peft_logits.py BASE_MODEL ADAPTER_DIR PROBE_LOGITS_PT [BASE_MODEL ADAPTER_DIR PROBE_LOGITS_PT ...]
 
-Prints ``PEFT <peft version> <max |logits - probe logits|>`` for the probe's token ids and, when the
+Prints, for each triple in turn, ``PEFT <peft version> <max |logits - probe logits|>`` for the probe's token ids or, when the
 probe recorded an image-text batch, ``PEFT-IMAGE-TEXT <peft version> <max difference>`` for it (the
 base loaded with its vision-language class). tests/swift_plugin/test_swift.py runs it with the swift virtualenv's
 interpreter (the peft/transformers ms-swift trains with) and imports it in .venv.
@@ -49,11 +49,13 @@ if __name__ == "__main__":
     import peft
 
     torch.set_num_threads(1)
-    base, adapter, probe_path = sys.argv[1:4]
-    probe = torch.load(probe_path)
-    if probe.get("image_text") is None:
-        logits, _ = peft_logits(base, adapter, probe["input_ids"])
-        print("PEFT", peft.__version__, float((logits - probe["logits"]).abs().max()))
-    else:
-        logits, _ = peft_image_text_logits(base, adapter, probe["image_text"]["inputs"])
-        print("PEFT-IMAGE-TEXT", peft.__version__, float((logits - probe["image_text"]["logits"]).abs().max()))
+    # BASE ADAPTER PROBE [BASE ADAPTER PROBE ...]: one line for each, in one process (one start-up for all)
+    for i in range(1, len(sys.argv), 3):
+        base, adapter, probe_path = sys.argv[i:i + 3]
+        probe = torch.load(probe_path)
+        if probe.get("image_text") is None:
+            logits, _ = peft_logits(base, adapter, probe["input_ids"])
+            print("PEFT", peft.__version__, float((logits - probe["logits"]).abs().max()))
+        else:
+            logits, _ = peft_image_text_logits(base, adapter, probe["image_text"]["inputs"])
+            print("PEFT-IMAGE-TEXT", peft.__version__, float((logits - probe["image_text"]["logits"]).abs().max()))

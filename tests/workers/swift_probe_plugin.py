@@ -14,6 +14,8 @@ d5f1785, ``_save_optimizer_and_scheduler``) wrote next to the weights: per-rank 
 With ``TWINKLE_ASYNC_SAVE=1``, ``rank<R>.json`` also holds when each step began and when the background writers
 wrote each file; with the package's writer pause (``TWINKLE_TEST_PAUSE_SAVE_WRITER=checkpoint-<N>:<dir>``),
 process zero releases the paused writers as step N+1 begins.
+With ``TWINKLE_PROBE_BATCHES=1``, ``rank<R>.json`` also holds ``micro_batches``: the token ids of each row (padding
+dropped) of every micro-batch the rank trained on, in training order, as ``training_step`` received them.
 """
 
 import dataclasses
@@ -87,6 +89,21 @@ def write_legacy_state(directory: str, model, optimizer, scheduler) -> None:
 class TwinkleProbe(TrainerCallback):
     step_starts: dict = {}
 
+    def __init__(self, args, trainer):
+        super().__init__(args, trainer)
+        self.micro_batches = []
+        if os.environ.get("TWINKLE_PROBE_BATCHES") == "1":  # the examples of each micro-batch, as the trainer got them
+            training_step = trainer.training_step
+
+            def recording_training_step(model, inputs, *rest, **kwargs):
+                ids = inputs["input_ids"]
+                mask = inputs.get("attention_mask")
+                mask = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+                self.micro_batches.append([row[keep].tolist() for row, keep in zip(ids, mask, strict=True)])
+                return training_step(model, inputs, *rest, **kwargs)
+
+            trainer.training_step = recording_training_step
+
     def on_step_begin(self, args, state, control, **kwargs):
         import time
 
@@ -116,6 +133,8 @@ class TwinkleProbe(TrainerCallback):
                 "is_source": strategy.topology.is_source, "ep_size": strategy.ep_size,
                 "init_report": dataclasses.asdict(report) if report is not None else None,
                 "model_class": type(model).__name__}
+        if os.environ.get("TWINKLE_PROBE_BATCHES") == "1":
+            info["micro_batches"] = self.micro_batches
         saves = getattr(self.trainer, "async_checkpoints", None)
         if saves is not None:
             info["step_starts"] = self.step_starts

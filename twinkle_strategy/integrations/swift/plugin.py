@@ -55,7 +55,7 @@ from __future__ import annotations
 import os
 import sys
 
-from twinkle_strategy.errors import SwiftPluginError  # noqa: F401  (raised by the plugin, importable from here)
+from twinkle_strategy.integrations.swift.errors import SwiftPluginError  # noqa: F401  (raised by the plugin, importable from here)
 from twinkle_strategy.integrations.swift.parts.arguments import check_arguments  # noqa: F401
 from twinkle_strategy.integrations.swift.parts.hooks import install
 from twinkle_strategy.integrations.swift.parts.options import (  # noqa: F401

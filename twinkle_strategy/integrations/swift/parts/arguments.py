@@ -8,7 +8,7 @@ import os
 
 from twinkle_strategy import config
 from twinkle_strategy.distributed.runtime import apply_backend_env_defaults, backend_for, detect_device_type
-from twinkle_strategy.errors import SwiftPluginError
+from twinkle_strategy.integrations.swift.errors import SwiftPluginError
 from twinkle_strategy.integrations.swift.parts.fit import check_fit
 from twinkle_strategy.integrations.swift.parts.options import resolve_options
 from twinkle_strategy.integrations.swift.parts.sequence import take_sequence_parallel

@@ -15,7 +15,8 @@ import os
 import torch
 
 from twinkle_strategy import config
-from twinkle_strategy.errors import ParallelConfigError, PlanInputError, SwiftPluginError
+from twinkle_strategy.errors import ParallelConfigError, PlanInputError
+from twinkle_strategy.integrations.swift.errors import SwiftPluginError
 from twinkle_strategy.integrations.swift.parts.options import PLAN_OPTIONS, env_var
 from twinkle_strategy.planning import LoraShape, PlanRequest, parse_size, plan_memory, verdict_line
 from twinkle_strategy.planning.report import gib

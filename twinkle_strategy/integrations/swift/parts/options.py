@@ -11,7 +11,7 @@ import os
 from typing import Any
 
 from twinkle_strategy import config
-from twinkle_strategy.errors import SwiftPluginError
+from twinkle_strategy.integrations.swift.errors import SwiftPluginError
 
 ENV_PREFIX = "TWINKLE_"
 # Every StrategyConfig field is an option: TWINKLE_<NAME> or the --fsdp JSON's "twinkle": {"<name>": ...}.

@@ -21,7 +21,7 @@ import types
 
 import torch.nn.functional as F
 
-from twinkle_strategy.errors import SwiftPluginError
+from twinkle_strategy.integrations.swift.errors import SwiftPluginError
 
 FLASH_ATTENTION = ("flash_attn", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 
