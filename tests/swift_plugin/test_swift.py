@@ -774,7 +774,7 @@ def test_swift_vl_freeze_vit_decides_whether_the_vision_tower_trains(vl_runs):
 
 def test_twinkle_sft_knows_every_flag_of_the_installed_swift_sft(vl_checkpoints):
     """twinkle_strategy/train/swift_flags.py lists the fields of ms-swift's SftArguments, each taken by twinkle-sft
-    or refused with its reason (tests/multiproc/test_launch_errors.py checks which): this fails when the pinned ms-swift
+    or refused with its reason (tests/unit/test_launch_error_lines.py checks which): this fails when the pinned ms-swift
     adds, renames or drops a flag, so that the list and its reasons are brought up to date. (The fields come from
     the swift process that built the vision-language checkpoints: vl_checkpoints.)"""
     from twinkle_strategy.train.swift_flags import SWIFT_SFT_FLAGS, SWIFT_VERSION
