@@ -13,14 +13,14 @@ TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift", "vll
 import launch_log  # noqa: E402
 
 # The shared launches (session fixtures several test files assert on) and the fixtures they build on.
-pytest_plugins = ["launches"]
+pytest_plugins = ["launches", "swift_fixtures"]
 
 # The launch budget: how many launches (tests/launch_log.py: a simulated-node run, a twinkle-sft or swift run, a
 # one-process script) each tier may make when it runs in full. Start-up is most of the suite's time: a test that
 # needs ranks rides a launch that exists (tests/launches.py's session fixtures) before it adds one. Raise a number
 # only with a reason in the commit.
 # vllm_engine: two trainer launches (test_vllm_sync.py: its engine processes; test_grpo_colocate.py: engines
-# colocated in its ranks), each after a vllm_env.sh check; test_engine_adapters.py: one process, after its own
+# colocated in its ranks), each after a vllm_env.sh check; test_vllm_engine_adapters.py: one process, after its own
 # vllm_env.sh check. unit: the torch-free subprocesses of test_structure.py and test_launch_budget.py.
 # multiproc: the full run of stop 41 counted 110 (the launch table); then -6 (i36-fuse-cli: the fit check,
 # demo_run's plan and the master-port refusal call twinkle-sft's main in the pytest process; the bad-rows and

@@ -1,5 +1,5 @@
 """The engine adapters' own logic, in one process without the engines (their runs against vLLM's and TRL's real
-trainer-side code: tests/vllm_engine/test_engine_adapters.py).
+trainer-side code: tests/vllm_engine/test_vllm_engine_adapters.py).
 
 SGLang runs on GPUs only and is not installed here: :class:`SGLangReceiver` is checked against an engine with the
 signatures of sglang 0.5.23's ``Engine.update_weights_from_tensor`` / ``flush_cache`` (copied from its source) and

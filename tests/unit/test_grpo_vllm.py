@@ -1,6 +1,6 @@
 """GRPOTrainer(use_vllm=True) under with_strategy, without vLLM: what is refused before TRL connects, and which
 runs get the strategy's sync (the colocated sync itself: tests/vllm_engine/test_grpo_colocate.py; the server's
-receiver against TRL's VLLMClient: tests/vllm_engine/test_engine_adapters.py)."""
+receiver against TRL's VLLMClient: tests/vllm_engine/test_vllm_engine_adapters.py)."""
 
 import dataclasses
 import types

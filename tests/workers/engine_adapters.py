@@ -1,6 +1,6 @@
 """The server-side engine adapters against vLLM's and TRL's own trainer-side code, on CPU, in one process.
 
-Run with the vllm env's python (tests/vllm_engine/test_engine_adapters.py): the strategy at world size 1 wraps a
+Run with the vllm env's python (tests/vllm_engine/test_vllm_engine_adapters.py): the strategy at world size 1 wraps a
 tiny Qwen3-MoE and trains it one step; then
 
 * ``export_weight_source``: vLLM's ``NCCLTrainerWeightTransferEngine`` as the sender (trainer rank 0) drives its

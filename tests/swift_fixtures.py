@@ -1,4 +1,6 @@
-"""The swift tier's session fixtures, shared by its test files: ms-swift's virtualenv and the demo model."""
+"""The swift tier's session fixtures, shared by its test files (a plugin of tests/conftest.py, not a conftest.py of
+tests/swift_plugin: a second conftest module would shadow the `from conftest import ...` of other tiers in one
+pytest run): ms-swift's virtualenv and the demo model."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import pytest
 
 from twinkle_strategy.train.demo_model import prepare_demo_model
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 DATASET = REPO / "examples" / "data" / "demo_sft.jsonl"
 
 
