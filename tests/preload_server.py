@@ -51,7 +51,10 @@ PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONPATH",
                  "PYTEST_CURRENT_TEST",  # pytest's, in the environment of whatever a test starts
                  "PYTHONHASHSEED"}  # each of an interpreter's two servers has its own (tests/preload_servers.py)
-PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_")
+# HCCL_* and FSDP_* are read when a process group is made or a model loaded, never at import; in-process tests leave
+# them in pytest's environment (the library's HCCL defaults, TrainingArguments' FSDP_CPU_RAM_EFFICIENT_LOADING), and
+# 56 ranks of a full run started fresh for that alone.
+PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_", "HCCL_", "FSDP_")
 PLAIN_SIGNAL_DEFAULTS = {signal.SIGPIPE: signal.SIG_IGN, signal.SIGXFSZ: signal.SIG_IGN}  # as Python starts up
 
 

@@ -15,6 +15,7 @@ communicator cannot exist on CPU. A GPU run of the same adapters against ``vllm 
 """
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,7 +36,10 @@ def adapters(tmp_path_factory) -> dict:
     save_tiny_checkpoint("qwen3_moe", str(ckpt), head_dim=32, hidden_size=64, intermediate_size=32)
     out = tmp_path_factory.mktemp("adapters") / "result.json"
     run = subprocess.run([python, str(REPO / "tests/workers/engine_adapters.py"), "--ckpt", str(ckpt), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600)
+                         cwd=REPO, capture_output=True, text=True, timeout=600,
+                         # the package from this checkout (the vllm env does not install it), as multinode.launch gives it
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+                              "OMP_NUM_THREADS": "1"})
     assert run.returncode == 0, f"engine_adapters.py failed:\n{(run.stdout + run.stderr)[-8000:]}"
     print(run.stderr[-2000:], file=sys.stderr)
     return json.loads(out.read_text())
