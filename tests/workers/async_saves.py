@@ -91,15 +91,10 @@ def release_once_every_rank_began_step_3(pause_dir: str) -> None:
     (CI saw it by 0.7 ms). Every rank writes its marker before step 3's first collective, so rank 0's wait
     cannot deadlock.
     """
-    open(os.path.join(pause_dir, f"began-step-3.rank{RANK}"), "w").close()
+    worker_common.file_barrier(pause_dir, "began-step-3", world=dist.get_world_size(),
+                               timeout_s=background.PAUSE_LIMIT_S, wait=RANK == 0)
     if RANK != 0:
         return
-    deadline = time.time() + background.PAUSE_LIMIT_S
-    world = dist.get_world_size()
-    while len([n for n in os.listdir(pause_dir) if n.startswith("began-step-3.rank")]) < world:
-        if time.time() > deadline:
-            raise TimeoutError(f"not every rank began step 3 within {background.PAUSE_LIMIT_S}s")
-        time.sleep(0.01)
     open(os.path.join(pause_dir, "release"), "w").close()
 
 

@@ -8,7 +8,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
@@ -125,13 +124,8 @@ def every_rank_ready_for_the_fatal_case(timeout_s: float = 120.0) -> None:
     """Wait until every rank has finished the recorded cases. The first rank to raise the fatal case exits, and
     torchrun then stops the others; a rank still in an earlier case would never record the fatal error (a full run
     saw rank 1 stopped so). A file barrier: the cases leave no process group to rely on."""
-    out, world = os.environ["TWINKLE_TEST_OUT"], int(os.environ["WORLD_SIZE"])
-    open(os.path.join(out, f"fatal-ready.rank{worker_common.rank()}"), "w").close()
-    deadline = time.monotonic() + timeout_s
-    while len([n for n in os.listdir(out) if n.startswith("fatal-ready.rank")]) < world:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"not every rank finished the recorded cases within {timeout_s:.0f} s")
-        time.sleep(0.01)
+    worker_common.file_barrier(os.environ["TWINKLE_TEST_OUT"], "fatal-ready", world=int(os.environ["WORLD_SIZE"]),
+                               timeout_s=timeout_s)
 
 
 if __name__ == "__main__":

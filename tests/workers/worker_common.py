@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 import traceback
 
 import torch
@@ -52,3 +53,14 @@ def run(main) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def file_barrier(directory: str, name: str, *, world: int, timeout_s: float, wait: bool = True) -> None:
+    """Mark that this rank reached ``name`` (a file in ``directory``); with ``wait``, return once ``world`` ranks have.
+    Files, not a collective: the callers need it where a process group cannot be relied on."""
+    open(os.path.join(directory, f"{name}.rank{rank()}"), "w").close()
+    deadline = time.monotonic() + timeout_s
+    while wait and len([n for n in os.listdir(directory) if n.startswith(f"{name}.rank")]) < world:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not every rank reached {name} within {timeout_s:.0f} s")
+        time.sleep(0.01)
