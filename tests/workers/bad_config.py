@@ -129,4 +129,4 @@ def every_rank_ready_for_the_fatal_case(timeout_s: float = 120.0) -> None:
 
 
 if __name__ == "__main__":
-    worker_common.run(main)
+    worker_common.run(main, failure_waits_for_every_rank_s=60)

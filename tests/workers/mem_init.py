@@ -244,4 +244,4 @@ def main():
 
 
 if __name__ == "__main__":
-    worker_common.run(main)
+    worker_common.run(main, failure_waits_for_every_rank_s=60)

@@ -31,8 +31,13 @@ def write_result(data: dict) -> None:
     os.replace(tmp, path)
 
 
-def run(main) -> None:
-    """Run ``main()``; record its result or its error for this rank, exit non-zero on error."""
+def run(main, *, failure_waits_for_every_rank_s: float = 0.0) -> None:
+    """Run ``main()``; record its result or its error for this rank, exit non-zero on error.
+
+    ``failure_waits_for_every_rank_s``: for a worker whose test expects every rank to raise (a refusal). The first
+    rank to exit non-zero makes torchrun stop the others, and a rank stopped before it wrote its error fails the
+    test for nothing (full runs saw it). So a failing rank waits, up to that many seconds, until every rank has
+    recorded its own result."""
     torch.set_num_threads(1)
     try:
         result = main() or {}
@@ -43,13 +48,17 @@ def run(main) -> None:
                       "traceback": traceback.format_exc()})
         traceback.print_exc()
         code = 1
-    finally:
-        if dist.is_initialized():
-            try:
-                if code == 0:
-                    dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                pass
+    if failure_waits_for_every_rank_s:
+        try:
+            file_barrier(os.environ["TWINKLE_TEST_OUT"], "result-recorded", world=int(os.environ["WORLD_SIZE"]),
+                         timeout_s=failure_waits_for_every_rank_s, wait=code != 0)
+        except TimeoutError:
+            pass  # a rank that never records (it hung, or died): the test reports it
+    if dist.is_initialized() and code == 0:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001
+            pass
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
