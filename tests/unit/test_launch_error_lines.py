@@ -124,6 +124,39 @@ def test_log_follower_stops_at_the_fatal_traceback_only(tmp_path):
     assert seen.getvalue().endswith(b"survived\npartial line\n")
 
 
+def test_after_a_restart_only_the_latest_attempts_errors_are_reported_and_followed(tmp_path):
+    """torchrun restarted the ranks (launch.max_restarts) and the new attempt failed otherwise: the summary names
+    the new attempt's errors, not the records the first attempt's processes left; the follower shows the new
+    attempt's output after the first one's fatal traceback."""
+    import json
+
+    from twinkle_strategy.train.rank_logs import LogFollower, failure_summary, record_error
+
+    run_dir = str(tmp_path)
+    os.makedirs(tmp_path / "logs")
+    for rank in (0, 1):
+        record_error(run_dir, rank, ValueError("the first attempt's error"))
+    for rank in (0, 1):  # the first attempt's records name this process; rewrite them to the first attempt's pid
+        path = tmp_path / "logs" / f"rank{rank}.error.json"
+        path.write_text(json.dumps({**json.loads(path.read_text()), "pid": 100 + rank}))
+        (tmp_path / "logs" / f"rank{rank}.log").write_bytes(
+            b"rank %d of 2 (node 0, local rank %d), pid %d: cli\nTraceback (most recent call last):\n  first\n"
+            b"rank %d of 2 (node 0, local rank %d), pid %d: cli\nsecond attempt\r"
+            % (rank, rank, 100 + rank, rank, rank, 200 + rank))
+    summary = failure_summary(run_dir, [0, 1], [0])
+    assert "the first attempt's error" not in summary and "no rank recorded a Python error" in summary, summary
+    seen = io.BytesIO()
+    follower = LogFollower(run_dir, 0, seen)
+    follower.finish()
+    assert seen.getvalue() == b"twinkle-sft: torchrun restarted the ranks; the new attempt's output follows\n" \
+                              b"second attempt\r", seen.getvalue()
+    record_error(run_dir, 1, ValueError("the second attempt's error"))  # this process: pid 200 + 1 stands for it
+    path = tmp_path / "logs" / "rank1.error.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "pid": 201}))
+    summary = failure_summary(run_dir, [0, 1], [0])
+    assert "1 of 2 ranks raised an error" in summary and "the second attempt's error" in summary, summary
+
+
 # ------------------------------------------- swift's flags as swift takes them; mistakes caught before launch
 def test_flags_are_read_as_swift_reads_them():
     """Dashed spellings, --flag=value, flags and key=value in any order, and the flags of the README and

@@ -34,6 +34,7 @@ RUN_DIR_ENV = "TWINKLE_RUN_DIR"  # the run directory a launcher chose for its wo
 TRACEBACK_START = re.compile(rb"(\[rank\d+\]: )?Traceback \(most recent call last\)")
 AGENT_LOG_TAIL_LINES = 20
 HEADER_START = b"rank "  # of a rank log's first line: "rank R of W (node N, local rank L), pid P: command"
+HEADER_PID = re.compile(rb"^rank \d+ of \S+ \(.*\), pid (\d+):")  # one per attempt: the log is appended to
 
 
 def logs_dir(run_dir: str) -> str:
@@ -77,7 +78,7 @@ def record_error(run_dir: str, rank: int, exc: BaseException) -> None:
     """Write what the failure summary needs about ``exc``; call before the traceback is printed."""
     record = {"rank": rank, "type": type(exc).__name__, "message": str(exc),
               "traceback": "".join(traceback.format_exception(exc)), "time": time.time(),
-              "after_peer": stopped_by_peer(exc, rank)}
+              "after_peer": stopped_by_peer(exc, rank), "pid": os.getpid()}
     path = _error_record_path(run_dir, rank)
     with open(path + ".tmp", "w") as f:
         json.dump(record, f)
@@ -103,9 +104,18 @@ class LogFollower:
         self.stopped = False
         self.header_seen = False
         self.mid_line = False  # the last piece shown ended without '\n' (a progress bar's '\r')
+        self.pid: int | None = None  # of the attempt being followed, from its header line
+
+    def _fatal_error_recorded(self) -> bool:
+        """This attempt's process recorded its fatal error (not an earlier attempt's, before a restart)."""
+        if not os.path.exists(self.error_record):
+            return False
+        with open(self.error_record) as f:
+            pid = json.load(f).get("pid")
+        return pid is None or self.pid is None or pid == self.pid
 
     def poll(self) -> None:
-        if self.stopped or not os.path.exists(self.path):
+        if not os.path.exists(self.path):
             return
         with open(self.path, "rb") as f:
             f.seek(self.offset)
@@ -114,13 +124,20 @@ class LogFollower:
         # Whole lines only, where a progress bar's '\r' also ends a line.
         *complete, self.pending = re.split(rb"(?<=[\r\n])", self.pending + data)
         for piece in complete:
-            if TRACEBACK_START.match(piece) and os.path.exists(self.error_record):
-                self.stopped = True
-                break
-            if not self.header_seen:
+            if header := HEADER_PID.match(piece):
+                self.pid = int(header.group(1))
+                if self.header_seen:  # torchrun restarted the ranks (launch.max_restarts): follow the new attempt
+                    self.stopped = False
+                    self.out.write(b"\n" if self.mid_line else b"")
+                    self.mid_line = False
+                    self.out.write(b"twinkle-sft: torchrun restarted the ranks; the new attempt's output follows\n")
                 self.header_seen = True
-                if piece.startswith(HEADER_START):
-                    continue
+                continue
+            if self.stopped:
+                continue
+            if TRACEBACK_START.match(piece) and self._fatal_error_recorded():
+                self.stopped = True  # left to the failure summary, unless a restarted attempt follows
+                continue
             self.out.write(piece)
             self.mid_line = not piece.endswith(b"\n")
         self.out.flush()
@@ -147,16 +164,32 @@ class ErrorRecord:
     traceback: str
     time: float
     after_peer: bool = False  # the rank failed because another did (its collective lost the peer, or an abort)
+    pid: int | None = None  # the process that raised: tells an earlier attempt's record from the latest one's
 
 
 def read_error_records(run_dir: str, ranks: list[int]) -> dict[int, ErrorRecord]:
+    """The errors the ranks of the latest attempt raised. After a torchrun restart (``launch.max_restarts``) a
+    record the rank's earlier process left is not this attempt's error: it is told apart by its pid."""
     records = {}
     for rank in ranks:
         path = _error_record_path(run_dir, rank)
         if os.path.exists(path):
             with open(path) as f:
-                records[rank] = ErrorRecord(**json.load(f))
+                record = ErrorRecord(**json.load(f))
+            latest = latest_rank_pid(run_dir, rank)
+            if record.pid is None or latest is None or record.pid == latest:
+                records[rank] = record
     return records
+
+
+def latest_rank_pid(run_dir: str, rank: int) -> int | None:
+    """The pid of the rank's latest process, from the newest header line in its log (one per attempt)."""
+    path = rank_log_path(run_dir, rank)
+    if not os.path.exists(path):
+        return None
+    with open(path, "rb") as f:
+        found = re.findall(rb"^rank %d of \S+ .*?, pid (\d+):" % rank, f.read(), re.M)
+    return int(found[-1]) if found else None
 
 
 # torchrun's report of a worker ended by SIGKILL (the kernel's out-of-memory killer sends it).
