@@ -144,7 +144,10 @@ def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrup
     reference = run_cli_async(cli(tmp_path / "ref"), tmp_path)
     os.environ[PAUSE_ENV] = f"checkpoint-4:{pause}"  # inherited by the run's workers (not the reference's)
     try:
-        killed = run_cli_async(cli(tmp_path / "killed", "launch.max_restarts=1"), tmp_path)
+        # Two restarts allowed: a restart torchrun's rendezvous loses for its own reasons (one full run in about
+        # seven saw the first restart fail without a Python error) must not fail this test of the async save; a
+        # resume that fails for the save's reasons fails both restarts.
+        killed = run_cli_async(cli(tmp_path / "killed", "launch.max_restarts=2"), tmp_path)
     finally:
         del os.environ[PAUSE_ENV]
     # Rank 1's writer is mid-file in checkpoint-4 (the final save): kill rank 1, then let the restarted
@@ -156,10 +159,11 @@ def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrup
     outputs = {name: proc.communicate(timeout=LIMIT)[0] for name, proc in (("reference", reference),
                                                                             ("killed", killed))}
     assert reference.returncode == 0, outputs["reference"][-5000:]
-    assert killed.returncode == 0, outputs["killed"][-5000:]
+    assert killed.returncode == 0, outputs["killed"][-5000:] + "".join(
+        f"\n{log.name}:\n{log.read_text(errors='replace')[-3000:]}" for log in (run_dir / "logs").glob("torchrun-*"))
     uninterrupted, restarted = read_log(the_run_dir(tmp_path / "ref")), read_log(run_dir)
     assert sorted(restarted) == sorted(uninterrupted) == list(range(1, 5))
     for step in range(1, 5):
         assert abs(restarted[step]["loss"] - uninterrupted[step]["loss"]) <= 1e-5, (step, restarted, uninterrupted)
-    assert (run_dir / "logs" / "rank1.log").read_text().count("rank 1 of 4 ") == 2  # it did restart
+    assert (run_dir / "logs" / "rank1.log").read_text().count("rank 1 of 4 ") >= 2  # it did restart
     assert (run_dir / "checkpoint-4" / "trainer_state.json").is_file() and not list(run_dir.glob("*.tmp"))
