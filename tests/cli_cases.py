@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from cli_preload import cli_env
 from multinode import REPO
 
 DEMO = str(REPO / "yaml" / "demo.yaml")
@@ -41,8 +42,8 @@ def twenty_rows_three_bad(path):
 
 def run_cli(args, cwd, env=None):
     # No MASTER_PORT: a one-node twinkle-sft picks a free one itself, and picks again if another run takes it.
-    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
-           "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    env = cli_env({**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
+                   "TOKENIZERS_PARALLELISM": "false", **(env or {})})
     return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 

@@ -18,6 +18,7 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 # Programs that count as launches; a `git`, `ldconfig` or `uname` some library starts does not.
 LAUNCHERS = ("python", "bash", "torchrun", "twinkle-sft", "swift")
@@ -103,6 +104,8 @@ class RecordingPopen(subprocess.Popen):
     def __init__(self, args, *rest, **kwargs):
         super().__init__(args, *rest, **kwargs)
         self._launch = None
+        # A twinkle-sft launch whose ranks fork from the preload servers (tests/cli_preload.py) names its log here.
+        self._preload_log = (kwargs.get("env") or {}).get("TWINKLE_PRELOAD_LOG")
         if not _counts(args):
             return
         group = getattr(_state, "group", None)
@@ -119,6 +122,12 @@ class RecordingPopen(subprocess.Popen):
     def _note_end(self):
         if self._launch is not None and self.returncode is not None and self._launch.ended is None:
             self._launch.ended = time.monotonic()
+            if self._preload_log:
+                from preload_servers import outcomes  # not at the top: preload_servers imports this module
+
+                log = Path(self._preload_log)
+                self._launch.forked, self._launch.fallbacks = outcomes(log)
+                log.unlink(missing_ok=True)
 
     def poll(self):
         code = super().poll()

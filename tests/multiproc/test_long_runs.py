@@ -137,7 +137,9 @@ def run_cli_async(args, cwd):
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    from cli_preload import cli_env
+
+    env = cli_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return subprocess.Popen([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

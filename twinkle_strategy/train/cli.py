@@ -55,6 +55,7 @@ from twinkle_strategy.train.fit_check import check_fit_before_launch, plan_comma
 # The command line's reading lives in .flags; SWIFT_FLAGS, build_parser and split_argv are named here too (tests).
 from twinkle_strategy.train.flags import SWIFT_FLAGS, build_parser, check_value, flag_for, parse, split_argv  # noqa: F401
 from twinkle_strategy.train.launcher import (
+    cli_rank_program,
     device_problem,
     run_logged,
     torchrun_command,
@@ -79,14 +80,14 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
     node_rank = int(env.get("NODE_RANK", "0"))
     ranks = list(range(node_rank * nproc, (node_rank + 1) * nproc))  # torchrun numbers ranks node by node
     if nnodes == 1 and "MASTER_PORT" not in env:  # one node, no port named: pick one, as torchrun --standalone
-        return _run_logged(lambda port: [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], 1, 0, nproc,
+        return _run_logged(lambda port: [torchrun_command(cli_rank_program(argv), 1, 0, nproc,
                                                           port, max_restarts=recipe.launch.max_restarts)],
                            recipe, ranks, [0], f"torchrun, {nproc} ranks on this node")
     port, master_addr = int(env.get("MASTER_PORT", "29500")), env.get("MASTER_ADDR", "127.0.0.1")
     if node_rank == 0 and (problem := master_port_problem(port)):
         print(f"twinkle-sft: error: {problem}", file=sys.stderr)
         return 2
-    cmd = torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node_rank, nproc,
+    cmd = torchrun_command(cli_rank_program(argv), nnodes, node_rank, nproc,
                            port, master_addr=master_addr, max_restarts=recipe.launch.max_restarts)
     waiting = waiting_line(nnodes, node_rank, nproc, master_addr, port) if nnodes > 1 else None
     return _run_logged([cmd], recipe, ranks, [node_rank], f"torchrun, {nproc} ranks on this node", waiting)
@@ -173,7 +174,7 @@ def _launch_simulated_nodes(argv: list[str], recipe: Recipe) -> int:
     nnodes, nproc = shape.nnodes, shape.nproc_per_node
 
     def commands(port: int) -> list[list[str]]:
-        return [torchrun_command(["-m", "twinkle_strategy.train.cli", *argv], nnodes, node, nproc, port,
+        return [torchrun_command(cli_rank_program(argv), nnodes, node, nproc, port,
                                  max_restarts=recipe.launch.max_restarts) for node in range(nnodes)]
 
     return _run_logged(commands, recipe, list(range(nnodes * nproc)), list(range(nnodes)),

@@ -10,6 +10,7 @@ output in a log file, one rank on the terminal, one summary if the run fails.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import socket
@@ -82,6 +83,21 @@ class AgentsResult:
     @property
     def ok(self) -> bool:
         return not self.timed_out and all(rc == 0 for rc in self.returncodes)
+
+
+RANK_PROGRAM_ENV = "TWINKLE_RANK_PROGRAM"
+
+
+def cli_rank_program(argv: list[str]) -> list[str]:
+    """What torchrun runs as each rank of a ``twinkle-sft`` launch: this package's CLI as a module.
+
+    ``$TWINKLE_RANK_PROGRAM`` (a JSON list: a script and its leading arguments) replaces the module, the arguments
+    unchanged. It exists for the test suite, whose fork server starts each rank from an interpreter with torch and
+    transformers imported already (tests/cli_preload.py): on 2 cores that start-up was most of a launch's time. A
+    user has no reason to set it.
+    """
+    program = os.environ.get(RANK_PROGRAM_ENV)
+    return [*json.loads(program), *argv] if program else ["-m", "twinkle_strategy.train.cli", *argv]
 
 
 def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int, *,
