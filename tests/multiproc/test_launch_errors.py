@@ -46,7 +46,15 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
     assert proc.returncode == 1, terminal[-5000:]
     error = (f"DatasetError: {re.escape(dataset)}:15: {TOO_LONG}; fix the row, or set data.strict=false "
              r"\(--strict false\) to skip bad rows with a warning")
-    assert re.search(f"  {error}\n    raised on rank\\(s\\) \\[0, 1, 2, 3\\]\n", terminal), terminal
+    # Every rank raises it, but torchrun stops a node's other ranks as soon as one fails: a rank slower to reach row
+    # 15 is named as stopped, never left out (a full run with forked ranks saw rank 3 stopped so).
+    raised = re.search(f"  {error}\n    raised on rank\\(s\\) \\[([0-9, ]+)\\]\n", terminal)
+    assert raised, terminal
+    raised = [int(r) for r in raised.group(1).split(", ")]
+    stopped = re.search(r"  rank\(s\) \[([0-9, ]+)\] raised nothing: stopped by torchrun after another rank failed",
+                        terminal)
+    stopped = [int(r) for r in stopped.group(1).split(", ")] if stopped else []
+    assert sorted(raised + stopped) == [0, 1, 2, 3] and len(raised) >= 2, terminal
     assert len(re.findall(error, terminal)) == 2, terminal  # the summary's line, and the last line of the traceback
     assert terminal.count("Traceback (most recent call last)") == 1, terminal
     assert "Traceback of rank " in terminal and "the first to fail:" in terminal
@@ -57,8 +65,9 @@ def test_a_run_failing_on_every_rank_ends_in_one_summary(tmp_path):
         log = (logs / f"rank{rank}.log").read_text()
         # The whole output of the rank: from its start to its traceback.
         assert log.startswith(f"rank {rank} of 4 (node {rank // 2}, local rank {rank % 2}), pid ")
-        assert "Traceback (most recent call last)" in log, log[-3000:]
-        assert re.search(f"{re.escape(dataset)}:15: {TOO_LONG}", log)
+        if rank in raised:
+            assert "Traceback (most recent call last)" in log, log[-3000:]
+            assert re.search(f"{re.escape(dataset)}:15: {TOO_LONG}", log)
     assert "ChildFailedError" in (logs / "torchrun-node0.log").read_text()  # kept, off the terminal
 
 

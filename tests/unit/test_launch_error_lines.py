@@ -157,6 +157,21 @@ def test_after_a_restart_only_the_latest_attempts_errors_are_reported_and_follow
     assert "1 of 2 ranks raised an error" in summary and "the second attempt's error" in summary, summary
 
 
+def test_each_rank_runs_the_cli_module_unless_the_suite_names_its_fork_client(monkeypatch):
+    """launcher.cli_rank_program: users' ranks run ``-m twinkle_strategy.train.cli``; the suite's TWINKLE_RANK_PROGRAM
+    (tests/cli_preload.py) puts its fork server's client there, with the same arguments."""
+    import json
+
+    from twinkle_strategy.train.launcher import RANK_PROGRAM_ENV, cli_rank_program, torchrun_command
+
+    monkeypatch.delenv(RANK_PROGRAM_ENV, raising=False)
+    command = torchrun_command(cli_rank_program(["demo.yaml", "train.max_steps=2"]), 2, 1, 2, 29500)
+    assert command[-4:] == ["-m", "twinkle_strategy.train.cli", "demo.yaml", "train.max_steps=2"], command
+    monkeypatch.setenv(RANK_PROGRAM_ENV, json.dumps(["/x/preload_client.py", "/x/twinkle_sft_rank.py"]))
+    command = torchrun_command(cli_rank_program(["demo.yaml", "train.max_steps=2"]), 2, 1, 2, 29500)
+    assert command[-4:] == ["/x/preload_client.py", "/x/twinkle_sft_rank.py", "demo.yaml", "train.max_steps=2"]
+
+
 # ------------------------------------------- swift's flags as swift takes them; mistakes caught before launch
 def test_flags_are_read_as_swift_reads_them():
     """Dashed spellings, --flag=value, flags and key=value in any order, and the flags of the README and
