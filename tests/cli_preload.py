@@ -2,7 +2,7 @@
 
 ``twinkle-sft`` builds each rank's command itself (``torchrun ... -m twinkle_strategy.train.cli ARGS``), so the
 fork server's client cannot be put in front of it as :func:`multinode.launch` does. Its one seam,
-``$TWINKLE_RANK_PROGRAM`` (twinkle_strategy/train/launcher.cli_rank_program), names the client and
+``$TWINKLE_RANK_PROGRAM`` (twinkle_strategy/train/torchrun.cli_rank_program), names the client and
 tests/workers/twinkle_sft_rank.py instead. Each rank then starts in a fraction of a second instead of importing torch
 and transformers (5-8 s on 2 cores). A rank whose environment differs where a module may read it at import (a
 restart's TORCH_DISABLE_SHARE_RDZV_TCP_STORE, a test's HF_HOME) still starts fresh, and the launch table counts it.
@@ -20,7 +20,7 @@ from pathlib import Path
 import preload_servers
 from multinode import WORKERS, launch_env
 
-from twinkle_strategy.train.launcher import RANK_PROGRAM_ENV
+from twinkle_strategy.train.torchrun import RANK_PROGRAM_ENV
 
 _ids = itertools.count()
 

@@ -158,11 +158,11 @@ def test_after_a_restart_only_the_latest_attempts_errors_are_reported_and_follow
 
 
 def test_each_rank_runs_the_cli_module_unless_the_suite_names_its_fork_client(monkeypatch):
-    """launcher.cli_rank_program: users' ranks run ``-m twinkle_strategy.train.cli``; the suite's TWINKLE_RANK_PROGRAM
+    """torchrun.cli_rank_program: users' ranks run ``-m twinkle_strategy.train.cli``; the suite's TWINKLE_RANK_PROGRAM
     (tests/cli_preload.py) puts its fork server's client there, with the same arguments."""
     import json
 
-    from twinkle_strategy.train.launcher import RANK_PROGRAM_ENV, cli_rank_program, torchrun_command
+    from twinkle_strategy.train.torchrun import RANK_PROGRAM_ENV, cli_rank_program, torchrun_command
 
     monkeypatch.delenv(RANK_PROGRAM_ENV, raising=False)
     command = torchrun_command(cli_rank_program(["demo.yaml", "train.max_steps=2"]), 2, 1, 2, 29500)

@@ -5,7 +5,8 @@ The library (``twinkle_strategy`` outside this package) never imports from here;
 recipe.py       the typed YAML recipe (omegaconf structured config) and its overrides
 cli.py          ``twinkle-sft``: checks before launch, the torchrun re-launch, one rank's entry point
 flags.py        twinkle-sft's command line: swift-style flags and key=value overrides read into a Recipe
-launcher.py     torchrun commands, per-node logging of the launched processes
+launcher.py     the launched torchrun agents: simulated nodes, per-node logging of the launched processes
+torchrun.py     one node's torchrun command line, and the program each rank of twinkle-sft runs
 ports.py        master ports: picked free, picked again when another process takes one first (EADDRINUSE)
 errors.py       the application's own errors: recipe, dataset, preflight, a stopped run
 preflight.py    dataset, model and output checks run on the launching machine

@@ -54,19 +54,14 @@ from twinkle_strategy.train.fit_check import check_fit_before_launch, plan_comma
 
 # The command line's reading lives in .flags; SWIFT_FLAGS, build_parser and split_argv are named here too (tests).
 from twinkle_strategy.train.flags import SWIFT_FLAGS, build_parser, check_value, flag_for, parse, split_argv  # noqa: F401
-from twinkle_strategy.train.launcher import (
-    cli_rank_program,
-    device_problem,
-    run_logged,
-    torchrun_command,
-    waiting_line,
-)
+from twinkle_strategy.train.launcher import device_problem, run_logged, waiting_line
 from twinkle_strategy.train.ports import master_port_problem, on_a_free_port
 from twinkle_strategy.train.preflight import check_before_launch
 from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, logs_dir, record_error
 from twinkle_strategy.train.recipe import Recipe, RecipeError
 from twinkle_strategy.train.run import prepare_model_path, run_recipe
 from twinkle_strategy.train.run_dir import make_run_dir
+from twinkle_strategy.train.torchrun import cli_rank_program, torchrun_command
 from twinkle_strategy.train.versions import startup_line, version_text
 
 
