@@ -50,7 +50,10 @@ MODEL_CLASSES = [
 PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONPATH",
                  "PYTEST_CURRENT_TEST",  # pytest's, in the environment of whatever a test starts
-                 "PYTHONHASHSEED"}  # each of an interpreter's two servers has its own (tests/preload_servers.py)
+                 "PYTHONHASHSEED",  # each of an interpreter's two servers has its own (tests/preload_servers.py)
+                 # twinkle-sft sets it for a launch with restarts; torch's rendezvous reads it in the agent, when a
+                 # round starts, never a rank at import (12 ranks of a full run started fresh for it alone)
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
 # HCCL_* and FSDP_* are read when a process group is made or a model loaded, never at import; in-process tests leave
 # them in pytest's environment (the library's HCCL defaults, TrainingArguments' FSDP_CPU_RAM_EFFICIENT_LOADING), and
 # 56 ranks of a full run started fresh for that alone.
