@@ -31,10 +31,9 @@ def cli_env(env: dict[str, str], *, python: str = sys.executable) -> dict[str, s
     (``launch_env``), so they match the servers' environment."""
     if not preload_servers.enabled():
         return env
-    shared = {k: v for k, v in launch_env(Path(tempfile.gettempdir())).items() if k != "TWINKLE_TEST_OUT"}
-    env = {**env, **shared}
+    every_rank = launch_env(Path(tempfile.gettempdir()))
+    env = {**env, **{k: v for k, v in every_rank.items() if k != "TWINKLE_TEST_OUT"}}
     log = Path(tempfile.gettempdir()) / f"twinkle-preload-cli-{os.getpid()}-{next(_ids)}.jsonl"
-    command, env = preload_servers.preloaded_command(
-        [str(WORKERS / "twinkle_sft_rank.py")], env, python, log,
-        server_env={**os.environ, **launch_env(Path(tempfile.gettempdir()))})
+    command, env = preload_servers.preloaded_command([str(WORKERS / "twinkle_sft_rank.py")], env, python, log,
+                                                     server_env={**os.environ, **every_rank})
     return {**env, RANK_PROGRAM_ENV: json.dumps(command)}

@@ -151,17 +151,11 @@ def recipe_args(model, out, *extra):
 
 
 def rank_pids(run_dir, world):
-    """The worker pids of the latest attempt, read from the rank logs' first lines."""
-    import re
+    """The worker pids of the latest attempt, read from the rank logs' header lines."""
+    from twinkle_strategy.train.rank_logs import latest_rank_pid
 
-    pids = {}
-    for rank in range(world):
-        path = run_dir / "logs" / f"rank{rank}.log"
-        if path.is_file():
-            found = re.findall(rf"^rank {rank} of \d+ .*pid (\d+):", path.read_text(errors="replace"), re.M)
-            if found:
-                pids[rank] = int(found[-1])
-    return pids
+    pids = {rank: latest_rank_pid(str(run_dir), rank) for rank in range(world)}
+    return {rank: pid for rank, pid in pids.items() if pid is not None}
 
 
 def wait_for(predicate, proc, timeout=300):

@@ -114,18 +114,9 @@ def main():
         except Exception as exc:  # noqa: BLE001
             errors[name] = {"type": type(exc).__name__, "message": str(exc)}
         worker_common.write_result({"ok": True, "errors": errors})
-    if args.fatal:
-        every_rank_ready_for_the_fatal_case()
+    if args.fatal:  # every rank raises it; worker_common.run's wait keeps a slower rank from being stopped first
         CASES[args.fatal](args)
     return {"errors": errors}
-
-
-def every_rank_ready_for_the_fatal_case(timeout_s: float = 120.0) -> None:
-    """Wait until every rank has finished the recorded cases. The first rank to raise the fatal case exits, and
-    torchrun then stops the others; a rank still in an earlier case would never record the fatal error (a full run
-    saw rank 1 stopped so). A file barrier: the cases leave no process group to rely on."""
-    worker_common.file_barrier(os.environ["TWINKLE_TEST_OUT"], "fatal-ready", world=int(os.environ["WORLD_SIZE"]),
-                               timeout_s=timeout_s)
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ RUN_DIR_ENV = "TWINKLE_RUN_DIR"  # the run directory a launcher chose for its wo
 # A traceback's first line; torch.distributed's excepthook prefixes each line with "[rank<R>]: ".
 TRACEBACK_START = re.compile(rb"(\[rank\d+\]: )?Traceback \(most recent call last\)")
 AGENT_LOG_TAIL_LINES = 20
-HEADER_START = b"rank "  # of a rank log's first line: "rank R of W (node N, local rank L), pid P: command"
-HEADER_PID = re.compile(rb"^rank \d+ of \S+ \(.*\), pid (\d+):")  # one per attempt: the log is appended to
+# A rank log's header line, "rank R of W (node N, local rank L), pid P: command" (capture_rank_output): one per
+# attempt, since a restarted rank appends to its log.
+HEADER = re.compile(rb"^rank \d+ of \S+ \(.*?\), pid (\d+):", re.M)
 
 
 def logs_dir(run_dir: str) -> str:
@@ -124,7 +125,7 @@ class LogFollower:
         # Whole lines only, where a progress bar's '\r' also ends a line.
         *complete, self.pending = re.split(rb"(?<=[\r\n])", self.pending + data)
         for piece in complete:
-            if header := HEADER_PID.match(piece):
+            if header := HEADER.match(piece):
                 self.pid = int(header.group(1))
                 if self.header_seen:  # torchrun restarted the ranks (launch.max_restarts): follow the new attempt
                     self.stopped = False
@@ -188,7 +189,7 @@ def latest_rank_pid(run_dir: str, rank: int) -> int | None:
     if not os.path.exists(path):
         return None
     with open(path, "rb") as f:
-        found = re.findall(rb"^rank %d of \S+ .*?, pid (\d+):" % rank, f.read(), re.M)
+        found = HEADER.findall(f.read())
     return int(found[-1]) if found else None
 
 
