@@ -37,6 +37,8 @@ PRELOAD = [
     "transformers", "transformers.modeling_utils", "transformers.trainer", "peft", "datasets", "trl",
     "twinkle_strategy", "twinkle_strategy.train.cli", "twinkle_strategy.train.trainer", "twinkle_strategy.testing",
     "twinkle_strategy.testing.tiny_models", "twinkle_strategy.testing.families",
+    # ms-swift's rank program (swift/cli/sft.py), in its virtualenv (tests/swift_preload.py): 11 s of imports a rank
+    "swift.cli.utils", "swift.ray_utils", "swift.pipelines",
 ]
 MODEL_CLASSES = [
     "Qwen3MoeForCausalLM", "Qwen2MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM",
@@ -53,7 +55,9 @@ PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
                  "PYTHONHASHSEED",  # each of an interpreter's two servers has its own (tests/preload_servers.py)
                  # twinkle-sft sets it for a launch with restarts; torch's rendezvous reads it in the agent, when a
                  # round starts, never a rank at import (12 ranks of a full run started fresh for it alone)
-                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"}
+                 "TORCH_DISABLE_SHARE_RDZV_TCP_STORE",
+                 # ms-swift's launch settings: read by its launcher and by swift.utils.env's functions when called
+                 "NPROC_PER_NODE", "NNODES", "NODE_RANK"}
 # HCCL_* and FSDP_* are read when a process group is made or a model loaded, never at import; in-process tests leave
 # them in pytest's environment (the library's HCCL defaults, TrainingArguments' FSDP_CPU_RAM_EFFICIENT_LOADING), and
 # 56 ranks of a full run started fresh for that alone.

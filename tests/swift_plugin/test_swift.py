@@ -27,8 +27,11 @@ import types
 from pathlib import Path
 
 import pytest
+import swift_preload
 import torch
-from launch_log import one_launch
+from launch_log import launch_group
+from multinode import launch_env
+from preload_servers import outcomes
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
@@ -65,34 +68,45 @@ def launch_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], 
     plugins = ["--external_plugins", str(REFERENCE), "--callbacks", "twinkle_reference"] if reference else \
         ["--external_plugins", str(PLUGIN), str(PROBE), "--callbacks", "twinkle_probe"] if probe else \
         ["--external_plugins", str(PLUGIN)]
-    cmd = [str(swift_bin / "swift"), "sft", *plugins, "--model", str(model), "--template", template,
+    cmd = ["sft", *plugins, "--model", str(model), "--template", template,
            "--dataset", str(dataset), "--torch_dtype", "float32", "--max_steps", str(MAX_STEPS),
            "--learning_rate", "5e-3", "--logging_steps", "1", "--save_steps", "5",
            "--output_dir", str(out / "output"), "--dataset_num_proc", "1", "--dataloader_num_workers", "0",
            "--report_to", "none", "--check_model", "false", *extra]
     if reference:  # one process, no torchrun, no port
-        return _start_and_wait_swift_sft(cmd, out, env, nnodes, timeout, reference, port="")
+        return _start_and_wait_swift_sft(swift_bin, cmd, out, env, nnodes, timeout, reference, port="")
     # swift's torchrun cannot bind port 0, so a port picked free may be taken before it binds it: pick again.
-    return on_a_free_port(lambda port, retry: _start_and_wait_swift_sft(cmd, out, env, nnodes, timeout, reference,
-                                                                       port=str(port), retry_if_port_taken=retry))
+    return on_a_free_port(lambda port, retry: _start_and_wait_swift_sft(swift_bin, cmd, out, env, nnodes, timeout,
+                                                                       reference, port=str(port),
+                                                                       retry_if_port_taken=retry))
 
 
-@one_launch("swift sft")  # its nodes are one launch in the launch table (tests/launch_log.py)
-def _start_and_wait_swift_sft(cmd: list[str], out: Path, env: dict[str, str], nnodes: int, timeout: float,
-                              reference: bool, *, port: str, retry_if_port_taken: bool = False):
-    procs, logs = [], []
+def _start_and_wait_swift_sft(swift_bin: Path, args: list[str], out: Path, env: dict[str, str], nnodes: int,
+                              timeout: float, reference: bool, *, port: str, retry_if_port_taken: bool = False):
+    with launch_group("swift sft") as record:  # its nodes are one launch in the launch table (tests/launch_log.py)
+        returncodes, logs = _run_nodes(swift_bin, args, out, env, nnodes, timeout, reference, port=port,
+                                       retry_if_port_taken=retry_if_port_taken, record=record)
+    log = "\n".join(f"--- node {i} ---\n" + path.read_text(errors="replace") for i, path in enumerate(logs))
+    return returncodes, log, logs
+
+
+def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str], nnodes: int, timeout: float,
+               reference: bool, *, port: str, retry_if_port_taken: bool, record) -> tuple[list, list[Path]]:
+    procs, logs, preload_logs = [], [], []
     for node in range(nnodes):
-        node_env = {**os.environ, "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
-                    "NNODES": str(nnodes), "NODE_RANK": str(node), "OMP_NUM_THREADS": "1",
-                    "TOKENIZERS_PARALLELISM": "false", "TWINKLE_PROBE_OUT": str(out / "probe"), **SWIFT_ENV, **env}
-        node_env.pop("VIRTUAL_ENV", None)
+        # launch_env: what every launch's ranks get, so that ranks fork from the servers multinode.launch starts
+        node_env = {**os.environ, **launch_env(out), "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": port, "NNODES": str(nnodes), "NODE_RANK": str(node),
+                    "TWINKLE_PROBE_OUT": str(out / "probe"), **SWIFT_ENV, **env}
         if reference:  # one process, no torchrun
             for name in ("NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
                 node_env.pop(name)
+        swift, node_env, preload_log = swift_preload.swift_command(swift_bin, node_env)  # its sft ranks forked
+        preload_logs.append(preload_log)
         logs.append(out / f"swift_node{node}.log")
         with open(logs[-1], "w") as log:
-            procs.append(subprocess.Popen(cmd, env=node_env, cwd=out, stdout=log, stderr=subprocess.STDOUT,
-                                          start_new_session=True))
+            procs.append(subprocess.Popen([*swift, *args], env=node_env, cwd=out, stdout=log,
+                                          stderr=subprocess.STDOUT, start_new_session=True))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
         if procs[0].poll() not in (None, 0) and master_port_taken(logs[0]) and retry_if_port_taken:
@@ -104,10 +118,13 @@ def _start_and_wait_swift_sft(cmd: list[str], out: Path, env: dict[str, str], nn
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+    for preload_log in filter(None, preload_logs):
+        forked, fallbacks = outcomes(preload_log)
+        record.forked, record.fallbacks = record.forked + forked, record.fallbacks + fallbacks
+        preload_log.unlink(missing_ok=True)
     if port_taken:
         raise MasterPortTaken(f"swift sft's torchrun could not listen on {port}")
-    log = "\n".join(f"--- node {i} ---\n" + path.read_text(errors="replace") for i, path in enumerate(logs))
-    return returncodes, log, logs
+    return returncodes, logs
 
 
 def run_swift_sft(swift_bin: Path, model: Path, out: Path, extra: list[str], env: dict[str, str],
