@@ -15,7 +15,9 @@ if ! dot_venv_is_current .venv constraints.txt; then
   echo "installing the pinned set (constraints.txt) into .venv" >&2
   rm -f .venv/.twinkle-env
   pip_quiet -c constraints.txt "$(grep -E '^torch==' constraints.txt)"
-  pip_quiet -c constraints.txt -e '.[test]'
+  # pytest-xdist: the suite's two workers (scripts/test.sh). Beside the extra, not in it: no user of this package
+  # needs it, and a setup.py change rebuilds every cached env (scripts/_venvs.sh), which do not run pytest -n.
+  pip_quiet -c constraints.txt -e '.[test]' pytest-xdist
   python scripts/venv_current.py constraints.txt
   dot_venv_stamp constraints.txt > .venv/.twinkle-env
 fi

@@ -24,9 +24,10 @@ if [ "$#" -eq 0 ]; then
   prebuild_log=$(mktemp)
   ( for env in swift vllm oldest; do bash "scripts/${env}_env.sh" || true; done ) > "$prebuild_log" 2>&1 &
   prebuild=$!
-  # The tiers in this order: the inner loop first, the envs' tiers last.
-  python -m pytest -q -p no:cacheprovider tests/unit tests/multiproc tests/swift_plugin tests/vllm_engine \
-    || status=$?
+  # Two pytest-xdist workers (TWINKLE_TEST_WORKERS): most launches leave a core idle part of the time. Each test file,
+  # and the files that share a session launch, stay on one worker (tests/parallel_workers.py).
+  python -m pytest -q -p no:cacheprovider -n "${TWINKLE_TEST_WORKERS:-2}" --dist loadgroup \
+    tests/unit tests/multiproc tests/swift_plugin tests/vllm_engine || status=$?
   wait "$prebuild" || true
   grep -E "^(building|built)" "$prebuild_log" >&2 || true
   rm -f "$prebuild_log"

@@ -11,9 +11,10 @@ TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift", "vll
 
 
 import launch_log  # noqa: E402
+import parallel_workers  # noqa: E402
 
 # The shared launches (session fixtures several test files assert on) and the fixtures they build on.
-pytest_plugins = ["launches", "swift_fixtures"]
+pytest_plugins = ["launches", "swift_fixtures", "parallel_workers"]
 
 # The launch budget: how many launches (tests/launch_log.py: a simulated-node run, a twinkle-sft or swift run, a
 # one-process script) each tier may make when it runs in full. Start-up is most of the suite's time: a test that
@@ -34,7 +35,8 @@ LAUNCH_BUDGET = {"unit": 2, "multiproc": 107, "swift_plugin": 29, "vllm_engine":
 
 
 def pytest_configure(config):
-    launch_log.install()
+    if not parallel_workers.is_controller(config):  # pytest-xdist's controller starts workers, never a launch
+        launch_log.install()
 
 
 def pytest_collection_modifyitems(items):
@@ -81,6 +83,8 @@ _over_budget: list[str] = []
 
 
 def pytest_sessionfinish(session, exitstatus):
+    if parallel_workers.is_worker(session.config):
+        return  # a pytest-xdist worker: the controller counts every worker's launches (tests/parallel_workers.py)
     counts = _launches_by_tier()
     for tier in _tiers_run_in_full(session.config):
         if counts[tier] > LAUNCH_BUDGET[tier]:
@@ -120,8 +124,12 @@ assert {family for family, _ in LAYOUT_CHECKPOINTS.values()} >= set(LAYOUT_FAMIL
 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory):
-    """Real safetensors checkpoints of the tiny MoE families, built once per test session."""
-    root = tmp_path_factory.mktemp("tiny_ckpts")
+    """Real safetensors checkpoints of the tiny MoE families, built once per pytest run (once_per_run)."""
+    return parallel_workers.once_per_run(tmp_path_factory, "tiny_checkpoints",
+                                         lambda: _tiny_checkpoints(tmp_path_factory.mktemp("tiny_ckpts")))
+
+
+def _tiny_checkpoints(root):
     for family in FAMILIES:
         save_tiny_checkpoint(family, str(root / family), seed=0)
     # Tied input/output embeddings: must stay one tensor after init.

@@ -47,7 +47,19 @@ class Launch:
         return len(self.python)
 
 
-LAUNCHES: list[Launch] = []
+LAUNCHES: list[Launch] = []  # this process's, and under pytest-xdist the controller's copy of every worker's
+
+
+def to_records(launches: list[Launch]) -> list[dict]:
+    """The launches as JSON-able records: what an xdist worker sends the controller (tests/conftest.py)."""
+    return [{"test": x.test, "program": x.program, "seconds": x.seconds, "python": sorted(x.python),
+             "forked": x.forked, "fallbacks": list(x.fallbacks)} for x in launches]
+
+
+def from_records(records: list[dict]) -> list[Launch]:
+    """A worker's launches, ended, in the controller: the table and the budget read them as the worker's own."""
+    return [Launch(r["test"], r["program"], 0.0, python=set(r["python"]), ended=r["seconds"], forked=r["forked"],
+                   fallbacks=list(r["fallbacks"])) for r in records]
 _lock = threading.Lock()
 _state = threading.local()
 current_test = ["(collection)"]

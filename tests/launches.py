@@ -7,7 +7,7 @@ again. conftest.py registers this module as a plugin; the launch table and budge
 * :func:`refusals` - tests/workers/bad_config.py on 2 nodes x 2 ranks, every refusal case in turn, the last one left
   uncaught: the invalid sizes (test_foundation_multiproc.py), the broken checkpoints (test_reliability.py) and the
   broken hub checkpoints (test_memory_efficient_init.py).
-* :func:`demo_model` - tiny://demo's model with the tokenizer of the shipped demo data, built once per session.
+* :func:`demo_model` - tiny://demo's model with the tokenizer of the shipped demo data, built once per pytest run.
 * :func:`swift_style_relaunch` - twinkle-sft with swift's flags and NPROC_PER_NODE=2 (its torchrun re-launch, one
   node x 2 ranks) on 20 rows of which 3 are bad: the re-launch (test_trainer_cli.py) and the bad rows skipped
   (test_launch_errors.py).
@@ -27,16 +27,18 @@ import pytest
 from cli_cases import twenty_rows_three_bad
 from header_edit import EDITS, corrupt_copy
 from multinode import REPO, LaunchResult, launch
+from parallel_workers import once_per_run
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
 
 
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory) -> str:
-    """tiny://demo's model and the tokenizer of examples/data/demo_sft.jsonl, built once per session."""
+    """tiny://demo's model and the tokenizer of examples/data/demo_sft.jsonl, built once per pytest run."""
     from twinkle_strategy.train.demo_model import prepare_demo_model
 
-    return prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET)
+    return once_per_run(tmp_path_factory, "demo_model",
+                        lambda: prepare_demo_model(str(tmp_path_factory.mktemp("demo") / "model"), DATASET))
 
 
 # ------------------------------------------------------------------ twinkle-sft re-launched as swift launches
@@ -52,6 +54,11 @@ def swift_style_relaunch(demo_model, tmp_path_factory) -> CliRun:
     """``NPROC_PER_NODE=2 twinkle-sft --model ... --dataset ...`` with swift's flags and no recipe: twinkle-sft
     re-launches itself under torchrun (one node, 2 ranks, ep=2, LoRA, memory-efficient init) and trains one epoch
     (max_steps -1) of the 17 good rows of 20, 2 per rank: 4 steps."""
+    return once_per_run(tmp_path_factory, "swift_style_relaunch", lambda: _swift_style_relaunch(demo_model,
+                                                                                                tmp_path_factory))
+
+
+def _swift_style_relaunch(demo_model: str, tmp_path_factory) -> CliRun:
     work = tmp_path_factory.mktemp("swift_style")
     dataset = twenty_rows_three_bad(work / "bad20.jsonl")
     out = work / "out"
@@ -167,6 +174,12 @@ class RefusalRun:
 def refusals(broken_checkpoints, wrong_shape_checkpoint, broken_hub_checkpoints, odd_checkpoints,
              tmp_path_factory) -> RefusalRun:
     """bad_config.py on 2 nodes x 2 ranks: every refusal case in turn, then FATAL_CASE uncaught."""
+    return once_per_run(tmp_path_factory, "refusals", lambda: _refusals(
+        broken_checkpoints, wrong_shape_checkpoint, broken_hub_checkpoints, odd_checkpoints, tmp_path_factory))
+
+
+def _refusals(broken_checkpoints, wrong_shape_checkpoint, broken_hub_checkpoints, odd_checkpoints,
+              tmp_path_factory) -> RefusalRun:
     out = tmp_path_factory.mktemp("refusals")
     headers = {case: broken_checkpoints[case] for case in [*EDITS, "invalid_config_json"]}
     six, dense = odd_checkpoints
@@ -217,6 +230,10 @@ class FaultRun:
 @pytest.fixture(scope="session")
 def fault_batch(demo_model, tmp_path_factory) -> FaultRun:
     """faults.py on 2 nodes x 2 ranks: the faults no process dies of, one after another (test_reliability.py)."""
+    return once_per_run(tmp_path_factory, "fault_batch", lambda: _fault_batch(demo_model, tmp_path_factory))
+
+
+def _fault_batch(demo_model: str, tmp_path_factory) -> FaultRun:
     root = tmp_path_factory.mktemp("faults")
     result = launch("faults.py", ["--batch", ",".join(FAULT_BATCH), "--model", demo_model, "--dataset", DATASET,
                                   "--output-dir", str(root / "out")], root / "logs", timeout=FAULT_LIMIT)
