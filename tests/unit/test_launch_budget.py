@@ -75,3 +75,50 @@ def test_the_table_counts_forked_ranks_and_each_fallback_by_reason():
         "preloaded ranks (tests/preload_servers.py): 4 forked, 3 started fresh",
         "     2 fresh: TMPDIR differs", "     1 fresh: HF_HOME differs"]
     assert launch_log.preload_lines(launches[:0]) == []  # TWINKLE_TEST_PRELOAD=0: no line
+
+
+def test_a_workers_launches_reach_the_controllers_table_unchanged():
+    """tests/parallel_workers.py: an xdist worker sends its launches as JSON; the controller's table is the one the
+    worker would have printed."""
+    import json
+
+    launches = [launch_log.Launch("tests/multiproc/test_a.py::t", "w.py 2x2", 0.0, python={11, 12, 13}, ended=4.5,
+                                  forked=4),
+                launch_log.Launch("tests/unit/test_b.py::t", "python -c", 0.0, python={14}, ended=0.5,
+                                  fallbacks=["TMPDIR differs"])]
+    received = launch_log.from_records(json.loads(json.dumps(launch_log.to_records(launches))))
+    assert [(x.test, x.program, x.seconds, x.processes, x.forked, x.fallbacks) for x in received] == \
+        [(x.test, x.program, x.seconds, x.processes, x.forked, x.fallbacks) for x in launches]
+    assert launch_log.preload_lines(received) == launch_log.preload_lines(launches)
+
+
+def test_each_file_stays_on_one_worker_and_each_virtualenv_tier_whole():
+    import parallel_workers
+
+    scope = parallel_workers._scope
+    assert scope("tests/multiproc/test_a.py::test_x[p]") == scope("tests/multiproc/test_a.py::test_y") \
+        == "tests/multiproc/test_a.py"
+    assert scope("tests/multiproc/test_a.py::t") != scope("tests/multiproc/test_b.py::t")
+    assert scope("tests/swift_plugin/test_swift.py::t") == scope("tests/swift_plugin/test_swift_one_sp_meaning.py::t")
+    assert scope("tests/vllm_engine/test_vllm_sync.py::t") == scope("tests/vllm_engine/test_grpo_colocate.py::t")
+    assert scope("tests/vllm_engine/test_vllm_sync.py::t") != scope("tests/swift_plugin/test_swift.py::t")
+
+
+def test_a_value_once_per_run_is_computed_by_the_first_worker_and_read_by_the_other(tmp_path, monkeypatch):
+    import parallel_workers
+
+    class Factory:  # what a worker's tmp_path_factory gives: its own folder inside the run's
+        def __init__(self, worker):
+            self.base = tmp_path / f"popen-{worker}"
+
+        def getbasetemp(self):
+            return self.base
+
+    calls = []
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
+    first = parallel_workers.once_per_run(Factory("gw0"), "thing", lambda: calls.append(1) or {"built": len(calls)})
+    monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw1")
+    second = parallel_workers.once_per_run(Factory("gw1"), "thing", lambda: calls.append(1) or {"built": len(calls)})
+    assert first == second == {"built": 1} and calls == [1]
+    monkeypatch.delenv("PYTEST_XDIST_WORKER")  # one process: a session fixture's own value
+    assert parallel_workers.once_per_run(Factory("x"), "thing", lambda: "fresh") == "fresh"
