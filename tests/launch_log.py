@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import json
 import os
 import subprocess
 import threading
@@ -37,6 +38,7 @@ class Launch:
     ended: float | None = None
     forked: int = 0  # ranks forked from a preloaded interpreter (tests/preload_servers.py)
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # why each other rank of it started fresh
+    preload_log: str | None = None  # its preload log (tests/preload_client.py), whose forked children the count follows
 
     @property
     def seconds(self) -> float:
@@ -184,12 +186,31 @@ def _sample() -> None:
     for pid, (ppid, _) in table.items():
         children.setdefault(ppid, []).append(pid)
     for launch in live:
+        forks = _forks(launch.preload_log)
+        forked = set(forks.values())
         stack = [pid for pid in list(launch.pids) if pid in table]
         while stack:
             pid = stack.pop()
-            if table[pid][1]:
+            if table[pid][1] and pid not in forked:  # a client stands for its forked child (counted once)
                 launch.python.add(pid)
             stack.extend(children.get(pid, ()))
+            if forks.get(pid) in table:  # a forked agent's ranks are under it, not under its client
+                stack.append(forks[pid])
+
+
+def _forks(preload_log: str | None) -> dict[int, int]:
+    """Client pid -> the pid of the child the fork server forked for it, from a launch's preload log."""
+    forks = {}
+    if preload_log:
+        try:
+            with open(preload_log) as f:
+                for line in f:
+                    record = json.loads(line)
+                    if record.get("child"):
+                        forks[record["pid"]] = record["child"]
+        except (OSError, ValueError):
+            pass  # not written yet, or a line half-written: the next sample reads it
+    return forks
 
 
 def start_sampler() -> None:
@@ -253,6 +274,7 @@ def preload_lines(launches: list[Launch]) -> list[str]:
             reasons[why] = reasons.get(why, 0) + 1
     if not forked and not reasons:
         return []
-    lines = [f"preloaded ranks (tests/preload_servers.py): {forked} forked, {sum(reasons.values())} started fresh"]
+    lines = [f"preloaded ranks and agents (tests/preload_servers.py): {forked} forked, {sum(reasons.values())} started "
+             "fresh"]
     lines += [f"  {n:>4} fresh: {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     return lines

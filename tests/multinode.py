@@ -73,17 +73,19 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
     out_dir.mkdir(parents=True, exist_ok=True)
     full_env = {**launch_env(out_dir), **(env or {})}
     command = [str(WORKERS / worker), *args]
-    preload_log = None
+    preload_log, agent_python = None, python
     if preloaded and preload_servers.enabled():
         preload_log = Path(tempfile.gettempdir()) / f"twinkle-preload-{os.getpid()}-{next(_launch_ids)}.jsonl"
         command, full_env = preload_servers.preloaded_command(
             command, {**os.environ, **full_env}, python or sys.executable, preload_log,
             server_env={**os.environ, **launch_env(out_dir)})
+        agent_python = preload_servers.forking_python(python or sys.executable)  # the agents fork too
     shape = "+".join(map(str, nproc_per_node)) if isinstance(nproc_per_node, list) else f"{nnodes}x{nproc_per_node}"
     with launch_group(f"{worker} {shape}") as record:  # the launch table's row (tests/launch_log.py)
+        record.preload_log = None if preload_log is None else str(preload_log)
         result = run_simulated_nodes(command, nnodes=nnodes, nproc_per_node=nproc_per_node,
                                      timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env,
-                                     python=python)
+                                     python=agent_python)
         if preload_log is not None:
             record.forked, record.fallbacks = preload_servers.outcomes(preload_log)
             preload_log.unlink(missing_ok=True)

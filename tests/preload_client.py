@@ -1,4 +1,6 @@
-"""What torchrun runs as each rank when the suite preloads: ``python -u preload_client.py WORKER.py ARGS...``.
+"""What torchrun runs as each rank when the suite preloads: ``python -u preload_client.py WORKER.py ARGS...``; and,
+standing in for the interpreter itself, each torchrun agent of ``multinode.launch`` (``PYTHON -m torch.distributed.run
+...``, PYTHON a script tests/preload_servers.py writes that calls :func:`main` with ``as_python``).
 
 It asks the fork server (tests/preload_server.py, at ``$TWINKLE_PRELOAD_SOCKET``) for a child that runs the worker
 with this process's argv, cwd, environment and stdin/stdout/stderr, then stands in for that child: signals sent to
@@ -23,17 +25,31 @@ FALLBACK_ENV = "TWINKLE_PRELOAD_FALLBACK"  # set by tests/preload_servers.py whe
 RELAYED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
-def note(outcome: str) -> None:
-    """One line per rank in the launch's preload log: ``forked`` or ``fallback: <why>``."""
+def note(outcome: str, child: int | None = None) -> None:
+    """One line per rank (or agent) in the launch's preload log: ``forked`` (with the forked ``child``'s pid, which
+    the launch table's process count follows) or ``fallback: <why>``."""
     path = os.environ.get(LOG_ENV)
     if path:
         with open(path, "a") as f:
-            f.write(json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "outcome": outcome}) + "\n")
+            f.write(json.dumps({"pid": os.getpid(), "rank": os.environ.get("RANK"), "outcome": outcome,
+                                "child": child}) + "\n")
 
 
-def fresh_interpreter(worker_argv: list[str], why: str) -> None:
+def fresh_interpreter(python_args: list[str], why: str) -> None:
     note(f"fallback: {why}")
-    os.execv(sys.executable, [sys.executable, "-u", *worker_argv])
+    os.execv(sys.executable, [sys.executable, *python_args])
+
+
+def forkable(python_args: list[str]) -> list[str] | None:
+    """What the server runs for a python command line: ``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]`` (``-u``
+    dropped: the server's output is unbuffered already); None for any other option, which a fresh interpreter
+    handles."""
+    args = list(python_args)
+    while args[:1] == ["-u"]:
+        args.pop(0)
+    if (args[:1] == ["-m"] and len(args) >= 2) or (args and not args[0].startswith("-")):
+        return args
+    return None
 
 
 def server_socket() -> str:
@@ -43,8 +59,12 @@ def server_socket() -> str:
     return sockets[int(os.environ.get("RANK", "0")) % len(sockets)]
 
 
-def main() -> None:
-    worker_argv = sys.argv[1:]
+def main(argv: list[str] | None = None, *, as_python: bool = False) -> None:
+    """``argv``: the worker and its arguments (``sys.argv[1:]``); with ``as_python``, the arguments of a python
+    command line, this process standing in for the interpreter."""
+    argv = sys.argv[1:] if argv is None else argv
+    python_args = argv if as_python else ["-u", *argv]
+    worker_argv = forkable(python_args)
     pending: list[int] = []
     child = [0]
 
@@ -56,8 +76,10 @@ def main() -> None:
 
     for sig in RELAYED:
         signal.signal(sig, relay)
+    if worker_argv is None:
+        fresh_interpreter(python_args, f"python options the fork server does not take: {python_args[:3]}")
     if os.environ.get(FALLBACK_ENV):
-        fresh_interpreter(worker_argv, os.environ[FALLBACK_ENV])
+        fresh_interpreter(python_args, os.environ[FALLBACK_ENV])
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(server_socket())
@@ -67,14 +89,14 @@ def main() -> None:
         replies = conn.makefile("r")
         first = json.loads(replies.readline() or "{}")
     except (OSError, KeyError, ValueError) as exc:
-        fresh_interpreter(worker_argv, f"no preload server ({type(exc).__name__}: {exc})")
+        fresh_interpreter(python_args, f"no preload server ({type(exc).__name__}: {exc})")
         return
     if "pid" not in first:
         conn.close()
-        fresh_interpreter(worker_argv, first.get("fallback", "the server refused"))
+        fresh_interpreter(python_args, first.get("fallback", "the server refused"))
         return
     child[0] = first["pid"]
-    note("forked")
+    note("forked", child[0])
     for sig in pending:
         os.kill(child[0], sig)
     line = replies.readline()  # blocks until the child ends; a relayed signal interrupts and resumes it

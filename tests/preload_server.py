@@ -119,11 +119,13 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        worker = os.path.abspath(request["argv"][0])
-        sys.argv = [worker, *request["argv"][1:]]
+        argv = request["argv"]
+        module = argv[1] if argv[0] == "-m" else None  # `python -m MODULE ARGS` (a torchrun agent), or a script
+        worker = module or os.path.abspath(argv[0])
+        sys.argv = [worker, *argv[2 if module else 1:]]
         entries = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
         rest = [p for p in sys.path[1:] if p not in entries]  # sys.path[0] was this server's folder
-        sys.path[:] = [os.path.dirname(worker), *entries, *rest]
+        sys.path[:] = [os.getcwd() if module else os.path.dirname(worker), *entries, *rest]
         import random
 
         random.seed()  # a fresh interpreter seeds from the OS; forked ones would share the server's state
@@ -131,7 +133,7 @@ def run_child(request: dict, fds: list[int]) -> None:
             sys.modules["numpy"].random.seed()
         if "torch" in sys.modules:  # OpenMP read OMP_NUM_THREADS when the server loaded it
             sys.modules["torch"].set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-        code = run_worker(worker)
+        code = run_worker(worker, module=module is not None)
     except BaseException:  # noqa: BLE001 - the setup itself failed: say so where the rank's output goes
         import traceback
 
@@ -145,14 +147,22 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def run_worker(worker: str) -> int:
-    """Run the worker as a fresh interpreter would, including its end: the exit code, the traceback of an uncaught
-    exception, non-daemon threads joined, atexit handlers run."""
+def run_worker(worker: str, *, module: bool = False) -> int:
+    """Run the worker (a script, or with ``module`` a module as ``python -m`` does) as a fresh interpreter would,
+    including its end: the exit code, the traceback of an uncaught exception, non-daemon threads joined, atexit
+    handlers run."""
     import atexit
+    import importlib.util
     import runpy
 
+    name = worker
+    if module:  # the traceback of an uncaught exception starts at the module's own frame, as `python -m` prints it
+        worker = importlib.util.find_spec(name).origin
     try:
-        runpy.run_path(worker, run_name="__main__")
+        if module:
+            runpy.run_module(name, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(worker, run_name="__main__")
         code = 0
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
@@ -194,6 +204,23 @@ def reset_signals() -> None:
             pass
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.pthread_sigmask(signal.SIG_SETMASK, set())
+
+
+def descendants(pid: int) -> list[int]:
+    """The processes under ``pid`` now (from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):
+                continue
+    found, stack = [], list(children.get(pid, ()))
+    while stack:
+        found.append(stack.pop())
+        stack.extend(children.get(found[-1], ()))
+    return found
 
 
 def receive(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -303,10 +330,13 @@ class Server:
                 self.kill(pid)
 
     def kill(self, pid: int) -> None:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILL the child and every process under it: a forked torchrun agent's ranks' clients would otherwise
+        outlive it (a fresh agent's die with its process group, which the launcher kills)."""
+        for victim in [pid, *descendants(pid)]:
+            try:
+                os.kill(victim, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     def reap(self) -> None:
         while self.children:

@@ -50,6 +50,7 @@ class Server:
 
 HASH_SEED_SLOTS = 2  # servers per interpreter, each with its own string-hash seed (see the module's docstring)
 _servers: dict[tuple[str, int], Server] = {}
+_interpreters: dict[str, int] = {}  # interpreter -> the number of its stand-in (forking_python)
 _root: list[str] = []
 
 
@@ -132,6 +133,22 @@ def preloaded_command(script_and_args: list[str], env: dict[str, str], python: s
             return command, {**env, SOCKET_ENV: sockets, LOG_ENV: str(log_path)}
         why = broken.problem
     return command, {**env, FALLBACK_ENV: why, LOG_ENV: str(log_path)}
+
+
+def forking_python(python: str) -> str:
+    """An executable that stands in for ``python`` in a torchrun agent's command line (``PYTHON -m
+    torch.distributed.run ...``, which multinode.launch has the product's launcher run): the agent is forked from
+    ``python``'s fork server like a rank (tests/preload_client.py, ``as_python``), instead of importing torch itself
+    (about 2 s of CPU an agent, two agents a launch). torchrun in the agent starts its ranks with the real
+    interpreter (its ``sys.executable``), through the client as before. Without a server: the real interpreter."""
+    stand_in = Path(_root_dir()) / f"python-{_interpreters.setdefault(python, len(_interpreters))}" / "python"
+    if not stand_in.exists():
+        stand_in.parent.mkdir()
+        # -S: no site-packages to scan; the client imports only the standard library
+        stand_in.write_text(f"#!{python} -S\nimport sys\nsys.path.insert(0, {str(HERE)!r})\nimport preload_client\n"
+                            "preload_client.main(sys.argv[1:], as_python=True)\n")
+        stand_in.chmod(0o755)
+    return str(stand_in)
 
 
 def outcomes(log_path: Path) -> tuple[int, list[str]]:

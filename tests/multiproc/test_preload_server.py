@@ -33,11 +33,15 @@ def ranks(tmp_path_factory):
     for server in servers:
         assert server.problem is None, server.problem  # it also refuses to start while a thread besides main lives
 
-    def start(mode: str, **extra_env) -> tuple[subprocess.Popen, Path]:
+    def start(mode: str, *, as_module: bool = False, **extra_env) -> tuple[subprocess.Popen, Path]:
+        """The probe through the client as torchrun starts a rank; ``as_module``: ``PYTHON -m preload_probe`` with
+        preload_servers.forking_python as PYTHON, as multinode.launch starts a torchrun agent."""
         out = root / f"{mode}-{len(list(root.glob('*.json')))}.json"
-        proc = subprocess.Popen([sys.executable, "-u", str(preload_servers.CLIENT), PROBE, mode, str(out)],
-                                env={**client_env, "RANK": "3", **extra_env}, cwd=str(REPO),
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        command = [preload_servers.forking_python(sys.executable), "-m", "preload_probe"] if as_module else \
+            [sys.executable, "-u", str(preload_servers.CLIENT), PROBE]
+        proc = subprocess.Popen([*command, mode, str(out)], env={**client_env, "RANK": "3", **extra_env},
+                                cwd=str(WORKERS if as_module else REPO), stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
         return proc, out
 
     with launch_group("preload_client.py cases"):
@@ -70,7 +74,21 @@ def test_a_forked_rank_runs_the_worker_as_main_and_exits_with_its_code(ranks):
     assert seen["preloaded"] and seen["ppid"] == servers[3 % 2].proc.pid and seen["pid"] != proc.pid, seen
     assert seen["argv"] == [PROBE, "exit", str(out)] and seen["cwd"] == str(REPO) and seen["rank"] == "3", seen
     assert seen["path0"] == str(WORKERS), seen
-    assert {"pid": proc.pid, "rank": "3", "outcome": "forked"} in map(json.loads, log.read_text().splitlines())
+    assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
+        map(json.loads, log.read_text().splitlines())
+
+
+def test_the_stand_in_interpreter_forks_a_module_as_python_m_runs_it(ranks):
+    """multinode.launch's torchrun agents: ``PYTHON -m torch.distributed.run ...``, PYTHON the stand-in."""
+    start, log, servers = ranks
+    proc, out = start("exit", as_module=True)
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert seen["preloaded"] and seen["ppid"] == servers[3 % 2].proc.pid, seen
+    # as `python -m`: argv[0] the module's file, the current directory first on the path
+    assert seen["argv"] == [PROBE, "exit", str(out)] and seen["path0"] == str(WORKERS), seen
+    assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
+        map(json.loads, log.read_text().splitlines())
 
 
 def test_neighbouring_ranks_hash_strings_with_different_seeds_as_real_ranks_do(ranks):
@@ -118,6 +136,17 @@ def test_a_sigkilled_client_takes_its_child_with_it(ranks):
     proc.kill()
     proc.wait(timeout=60)
     assert gone(child), f"rank pid {child} outlived its SIGKILLed client"
+
+
+def test_a_sigkilled_client_takes_its_childs_own_processes_too(ranks):
+    """A forked torchrun agent's ranks are its children: they go with it, as a fresh agent's go with its process
+    group."""
+    start, _, _ = ranks
+    proc, out = start("with_child")
+    seen = wait_for(out)
+    proc.kill()
+    proc.wait(timeout=60)
+    assert gone(seen["pid"]) and gone(seen["grandchild"]), seen
 
 
 def test_a_rank_whose_import_time_environment_differs_starts_fresh(ranks, tmp_path):

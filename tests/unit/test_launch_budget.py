@@ -72,7 +72,7 @@ def test_the_table_counts_forked_ranks_and_each_fallback_by_reason():
                 launch_log.Launch("t::b", "w.py 2x1", 0.0, fallbacks=["TMPDIR differs", "TMPDIR differs"]),
                 launch_log.Launch("t::c", "w.py 1x1", 0.0, fallbacks=["HF_HOME differs"])]
     assert launch_log.preload_lines(launches) == [
-        "preloaded ranks (tests/preload_servers.py): 4 forked, 3 started fresh",
+        "preloaded ranks and agents (tests/preload_servers.py): 4 forked, 3 started fresh",
         "     2 fresh: TMPDIR differs", "     1 fresh: HF_HOME differs"]
     assert launch_log.preload_lines(launches[:0]) == []  # TWINKLE_TEST_PRELOAD=0: no line
 

@@ -32,6 +32,12 @@ if MODE == "raise":
 if MODE == "self_kill":
     record()
     os.kill(os.getpid(), signal.SIGKILL)
+if MODE == "with_child":  # as a forked torchrun agent, whose ranks are its children
+    import subprocess
+
+    grandchild = subprocess.Popen(["sleep", "120"])
+    record(grandchild=grandchild.pid)
+    time.sleep(120)
 if MODE == "wait_term":
     signal.signal(signal.SIGTERM, on_term)
 if MODE in ("wait_term", "sleep"):
