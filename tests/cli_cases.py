@@ -5,10 +5,9 @@ each before launch, tests/multiproc/test_launch_errors.py launches the fixes).""
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
-from cli_preload import cli_env
+from cli_preload import cli_command, cli_env
 from multinode import REPO
 
 DEMO = str(REPO / "yaml" / "demo.yaml")
@@ -44,7 +43,7 @@ def run_cli(args, cwd, env=None):
     # No MASTER_PORT: a one-node twinkle-sft picks a free one itself, and picks again if another run takes it.
     env = cli_env({**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
                    "TOKENIZERS_PARALLELISM": "false", **(env or {})})
-    return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([*cli_command(env), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=600)
 
 

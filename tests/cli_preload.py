@@ -37,3 +37,12 @@ def cli_env(env: dict[str, str], *, python: str = sys.executable) -> dict[str, s
     command, env = preload_servers.preloaded_command([str(WORKERS / "twinkle_sft_rank.py")], env, python, log,
                                                      server_env={**os.environ, **every_rank})
     return {**env, RANK_PROGRAM_ENV: json.dumps(command)}
+
+
+def cli_command(env: dict[str, str], *, python: str = sys.executable) -> list[str]:
+    """``python -m twinkle_strategy.train.cli``, for a process with :func:`cli_env`'s ``env``: where the ranks fork,
+    the launcher forks too (its imports, the fit check's torch and transformers, are about 5 s of CPU), through the
+    stand-in interpreter multinode.launch's agents use (preload_servers.forking_python). Its torchrun agents start
+    with the real interpreter, fresh. Off with TWINKLE_TEST_PRELOAD_AGENTS=0."""
+    forks = preload_servers.SOCKET_ENV in env and preload_servers.agents_enabled()
+    return [preload_servers.forking_python(python) if forks else python, "-m", "twinkle_strategy.train.cli"]

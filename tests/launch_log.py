@@ -124,7 +124,7 @@ class RecordingPopen(subprocess.Popen):
             return
         group = getattr(_state, "group", None)
         if group is None:
-            group = Launch(current_test[0], _program(args), time.monotonic())
+            group = Launch(current_test[0], _program(args), time.monotonic(), preload_log=self._preload_log)
             with _lock:
                 LAUNCHES.append(group)
             self._launch = group  # ends with this process

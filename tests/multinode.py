@@ -79,7 +79,8 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
         command, full_env = preload_servers.preloaded_command(
             command, {**os.environ, **full_env}, python or sys.executable, preload_log,
             server_env={**os.environ, **launch_env(out_dir)})
-        agent_python = preload_servers.forking_python(python or sys.executable)  # the agents fork too
+        if preload_servers.agents_enabled():  # the agents fork too
+            agent_python = preload_servers.forking_python(python or sys.executable)
     shape = "+".join(map(str, nproc_per_node)) if isinstance(nproc_per_node, list) else f"{nnodes}x{nproc_per_node}"
     with launch_group(f"{worker} {shape}") as record:  # the launch table's row (tests/launch_log.py)
         record.preload_log = None if preload_log is None else str(preload_log)

@@ -32,11 +32,18 @@ from preload_server import env_difference
 HERE = Path(__file__).resolve().parent
 SERVER, CLIENT = HERE / "preload_server.py", HERE / "preload_client.py"
 SWITCH_ENV = "TWINKLE_TEST_PRELOAD"
+AGENTS_SWITCH_ENV = "TWINKLE_TEST_PRELOAD_AGENTS"
 READY_TIMEOUT_S = 300.0
 
 
 def enabled() -> bool:
     return os.environ.get(SWITCH_ENV, "1") != "0"
+
+
+def agents_enabled() -> bool:
+    """Whether multinode.launch's torchrun agents fork too (:func:`forking_python`); off with
+    ``TWINKLE_TEST_PRELOAD_AGENTS=0`` (the ranks still fork)."""
+    return enabled() and os.environ.get(AGENTS_SWITCH_ENV, "1") != "0"
 
 
 @dataclasses.dataclass

@@ -135,12 +135,11 @@ def test_activation_checkpointing_changes_nothing_but_memory(long_runs, tuner):
 def run_cli_async(args, cwd):
     import os
     import subprocess
-    import sys
 
-    from cli_preload import cli_env
+    from cli_preload import cli_command, cli_env
 
     env = cli_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
-    return subprocess.Popen([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
+    return subprocess.Popen([*cli_command(env), *args], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

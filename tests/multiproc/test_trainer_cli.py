@@ -6,12 +6,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from cli_preload import cli_env
+from cli_preload import cli_command, cli_env
 from multinode import REPO, launch
 
 from twinkle_strategy.train.cli import main
@@ -24,7 +23,7 @@ def run_cli(args, cwd, timeout=600):
     # No MASTER_PORT: a one-node twinkle-sft picks a free one itself, and picks again if another run takes it.
     env = cli_env({**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"}, "OMP_NUM_THREADS": "1",
                    "PYTHONUNBUFFERED": "1"})
-    return subprocess.run([sys.executable, "-m", "twinkle_strategy.train.cli", *args], cwd=cwd, env=env,
+    return subprocess.run([*cli_command(env), *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
 
