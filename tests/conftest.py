@@ -11,6 +11,8 @@ TIERS = {"unit": "unit", "multiproc": "multiproc", "swift_plugin": "swift", "vll
 
 
 import launch_log  # noqa: E402
+
+pytest.register_assert_rewrite("parallel_workers")  # a plugin below, imported here first
 import parallel_workers  # noqa: E402
 
 # The shared launches (session fixtures several test files assert on) and the fixtures they build on.
