@@ -100,7 +100,7 @@ def convert_to_bf16(release: str, out: str) -> float:
     as bf16 under the same keys (transformers 5.23 cannot save_pretrained a model it dequantized). Returns seconds."""
     from safetensors.torch import save_file
 
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
     from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex
 
     start = time.perf_counter()

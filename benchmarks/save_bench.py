@@ -129,7 +129,7 @@ def run_method(method: str, path: str, out: str, ep: int, bucket_mb: float, max_
 def check_checkpoint(out: str, source: str, gathered: dict) -> dict:
     from transformers import AutoModelForCausalLM
 
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 
     try:
         loaded, info = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, output_loading_info=True,

@@ -113,7 +113,7 @@ def broken_hub_checkpoints(tiny_checkpoints, tmp_path_factory) -> dict[str, Path
     import torch
     from safetensors.torch import load_file, save_file
 
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 
     good = tiny_checkpoints / "mixtral_sharded"
     index = json.loads((good / "model.safetensors.index.json").read_text())["weight_map"]

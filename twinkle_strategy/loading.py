@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from twinkle_strategy.checkpoint.directories import is_incomplete, raise_if_incomplete
-from twinkle_strategy.checkpoint.files import SafetensorsIndex, checkpoint_files
 from twinkle_strategy.checkpoint.layout import CheckpointLayout, Problem, raise_for_problems
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex, checkpoint_files
 from twinkle_strategy.compat.transformers_internals import set_weight_conversions, weight_conversions
 from twinkle_strategy.config import QuantizedBase
 from twinkle_strategy.distributed.node import broadcast_from_source

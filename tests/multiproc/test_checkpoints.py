@@ -43,7 +43,7 @@ def test_saved_checkpoint_is_a_plain_hf_checkpoint_of_the_trained_model(model_di
     from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 
     out, ranks = uninterrupted
     checkpoint = out / "checkpoint-3"

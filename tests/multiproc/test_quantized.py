@@ -8,7 +8,7 @@ import pytest
 import torch
 from multinode import launch
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.quantized.codec import apply_block_scales, quantize_fp4_groups, quantize_fp8_blocks, unpack_e2m1
 from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex, quant_format

@@ -121,7 +121,7 @@ def test_save_pretrained_exists_under_its_name_only_when_complete(demo_model, tm
     from transformers import AutoModelForCausalLM
 
     from twinkle_strategy.checkpoint.directories import INCOMPLETE_MARKER
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
     from twinkle_strategy.errors import CheckpointError
     from twinkle_strategy.loading import checkpoint_files_problem
     from twinkle_strategy.sources.model_ids import resolve_model_path

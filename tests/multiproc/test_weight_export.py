@@ -233,7 +233,7 @@ def test_overlaps_place_rows_of_a_region_in_a_chunk():
 
 def _checkpoint_buckets(path: str, per_bucket: int):
     """The checkpoint's own tensors, a few per bucket, as an export delivers them."""
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
     from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
 
     index = SafetensorsIndex.from_directory(path)

@@ -226,7 +226,7 @@ def test_swift_sft_lora_trains_with_memory_efficient_init(lora_runs, tiny_model)
     assert source["init_report"]["bytes_sent"] == report["bytes_received"]
     # The source streamed: it read from the files its node's shards (one node: all of the checkpoint), once;
     # the LoRA adapters swift added came from its memory.
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 
     checkpoint_bytes = sum(t.nbytes for t in SafetensorsIndex.from_directory(str(tiny_model)).tensors.values())
     assert source["init_report"]["bytes_read"] == checkpoint_bytes

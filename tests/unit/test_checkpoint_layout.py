@@ -10,8 +10,8 @@ import pytest
 import torch
 from conftest import LAYOUT_CHECKPOINTS
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import RowMode
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.errors import CheckpointError
 from twinkle_strategy.init.skeleton import CheckpointTensor, WeightsNotLoadedError
 from twinkle_strategy.loading import load_config, meta_skeleton, model_class_for, open_streaming_model
@@ -165,8 +165,8 @@ def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_r
 
 
 def test_the_three_checkpoint_indexes_are_checkpoint_indexes(tiny_checkpoints):
-    from twinkle_strategy.checkpoint.files import CheckpointIndex
     from twinkle_strategy.checkpoint.layout import DeclaredTensors
+    from twinkle_strategy.checkpoint.reading import CheckpointIndex
     from twinkle_strategy.dtypes import TensorSpec
     from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex
 

@@ -19,7 +19,7 @@ from twinkle_strategy.checkpoint.directories import (
     raise_if_incomplete,
     start_pending,
 )
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.errors import CheckpointError, ResumeError
 from twinkle_strategy.loading import config_from_text, read_config_text
 from twinkle_strategy.sources.model_ids import resolve_model_path

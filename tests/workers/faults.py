@@ -98,9 +98,9 @@ def kill_rank_in_training_step(args):
 
 
 def kill_during_save(args):
-    from twinkle_strategy.checkpoint import training, writer
+    from twinkle_strategy.checkpoint import training, writing
 
-    original_save, original_write = training.torch.save, writer.ParallelFileWriter.write
+    original_save, original_write = training.torch.save, writing.ParallelFileWriter.write
 
     def save_then_die(obj, path, *a, **k):
         if RANK == 1 and "checkpoint-4.tmp" in str(path):
@@ -114,7 +114,7 @@ def kill_during_save(args):
         return original_write(self, key, tensor, rows)
 
     training.torch.save = save_then_die
-    writer.ParallelFileWriter.write = write_then_die
+    writing.ParallelFileWriter.write = write_then_die
     _trainer(args, 6, 2, args.output_dir).train()
 
 
@@ -123,7 +123,7 @@ def kill_during_save_pretrained(args):
     then into another new directory, during which rank 1 dies."""
     import hashlib
 
-    from twinkle_strategy.checkpoint import writer
+    from twinkle_strategy.checkpoint import writing
 
     strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", memory_efficient_init=True,
                                   timeout_s=args.timeout)
@@ -142,14 +142,14 @@ def kill_during_save_pretrained(args):
     strategy.save_pretrained(model, target)
     if RANK == 0:
         worker_common.write_result({"first_save": first, "second_save": digests()})
-    original_write = writer.ParallelFileWriter.write
+    original_write = writing.ParallelFileWriter.write
 
     def write_then_die(self, key, tensor, rows=None):
         if RANK == 1 and self.bytes_written > 0:  # in the middle of its rows
             die()
         return original_write(self, key, tensor, rows)
 
-    writer.ParallelFileWriter.write = write_then_die
+    writing.ParallelFileWriter.write = write_then_die
     strategy.save_pretrained(model, os.path.join(args.output_dir, "fresh"))
 
 
@@ -178,9 +178,9 @@ def fail_trainer_state_writes(args):
     import errno
     import time
 
-    from twinkle_strategy.checkpoint import writer
+    from twinkle_strategy.checkpoint import writing
 
-    original = writer.ParallelFileWriter.write
+    original = writing.ParallelFileWriter.write
     failing = {"prefix": None}
 
     def write_or_fail(self, key, tensor, rows=None):
@@ -188,7 +188,7 @@ def fail_trainer_state_writes(args):
             raise OSError(errno.EIO, f"injected I/O error writing '{key}'")
         return original(self, key, tensor, rows)
 
-    writer.ParallelFileWriter.write = write_or_fail
+    writing.ParallelFileWriter.write = write_or_fail
     trainer = _trainer(args, 1, 0, args.output_dir)
     trainer.train()  # one step, then a good save: the optimizer has state
     saves = {}
@@ -218,11 +218,11 @@ SCENARIOS = {f.__name__: f for f in (kill_source_mid_transfer, corrupt_in_transi
 
 # What the scenarios patch, restored between the scenarios of one --batch run.
 def _patched_attributes():
-    from twinkle_strategy.checkpoint import writer
+    from twinkle_strategy.checkpoint import writing
     from twinkle_strategy.init import streams
     from twinkle_strategy.train.trainer import Trainer
 
-    return [(Trainer, "save"), (writer.ParallelFileWriter, "write"), (streams.StreamWriter, "write")]
+    return [(Trainer, "save"), (writing.ParallelFileWriter, "write"), (streams.StreamWriter, "write")]
 
 
 def batch(args):

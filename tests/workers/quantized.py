@@ -23,7 +23,7 @@ import worker_common  # noqa: E402
 from transformers import AutoConfig  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
-from twinkle_strategy.checkpoint.files import SafetensorsIndex  # noqa: E402
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
 from twinkle_strategy.shards.plan import checkpoint_runs, needs_of, region_of  # noqa: E402
 

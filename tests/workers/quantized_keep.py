@@ -217,7 +217,7 @@ def resume_case(path: str, family: str, mine, *, ep: int, root: str) -> dict:
 
 def tensor_bytes(directory: str) -> int:
     """The tensor bytes of every safetensors file under ``directory``, from their headers."""
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 
     files = [os.path.join(d, f) for d, _, names in os.walk(directory) for f in names if f.endswith(".safetensors")]
     return sum(t.nbytes for t in SafetensorsIndex(files).tensors.values()) if files else 0
@@ -254,7 +254,7 @@ def export_case(keep: dict, ref: dict, path: str, family: str, root: str) -> dic
     then the release-format export loaded back (dequantize) and saved in bf16. Rank 0 compares the files."""
     from safetensors import safe_open
 
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
     from twinkle_strategy.loading import load_config
     from twinkle_strategy.quantized.formats import QuantizedIndex, quant_format
     from twinkle_strategy.testing.releases import _v4_release_key

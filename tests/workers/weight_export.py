@@ -133,7 +133,7 @@ def full_case(args, receiver, family: str, *, dtype="float32") -> dict:
 
 def iterated_check(strategy, model, path: str, bucket_bytes: int) -> dict:
     """Iterating an export on every rank gives what send_to gives, under the checkpoint's own keys."""
-    from twinkle_strategy.checkpoint.files import SafetensorsIndex
+    from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 
     iterated, called = {}, {}
     buckets = 0

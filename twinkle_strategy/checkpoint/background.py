@@ -52,7 +52,7 @@ import torch.distributed as dist
 
 from twinkle_strategy.checkpoint.directories import abandon_pending
 from twinkle_strategy.checkpoint.host_copies import CopiedPiece, DeferredWrite, HostCopies
-from twinkle_strategy.checkpoint.writer import write_at
+from twinkle_strategy.checkpoint.writing import write_at
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.distributed.messages import collective_device
 from twinkle_strategy.distributed.runtime import global_rank

@@ -37,7 +37,7 @@ from collections.abc import Callable
 
 import torch
 
-from twinkle_strategy.checkpoint.writer import FilePlan, ParallelFileWriter
+from twinkle_strategy.checkpoint.writing import FilePlan, ParallelFileWriter
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ class HostCopies:
         return sum(buffer.numel() for buffer in self._pool)
 
     def open_writer(self, directory: str, plan: FilePlan) -> HostCopyWriter:
-        """A writer for :data:`~twinkle_strategy.checkpoint.writer.OpenWriter`: the save's rows land here."""
+        """A writer for :data:`~twinkle_strategy.checkpoint.writing.OpenWriter`: the save's rows land here."""
         return HostCopyWriter(directory, plan, self)
 
     def _new_buffer(self, size: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ from twinkle_strategy.checkpoint.conversions import (
     convert_pieces,
     row_mode,
 )
-from twinkle_strategy.checkpoint.files import CheckpointIndex
+from twinkle_strategy.checkpoint.reading import CheckpointIndex
 from twinkle_strategy.compat import transformers_internals as hf
 from twinkle_strategy.compat.transformers_internals import rule_class
 from twinkle_strategy.dtypes import TensorSpec
@@ -334,7 +334,7 @@ class CheckpointLayout:
 class DeclaredTensors:
     """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write.
 
-    A :class:`~twinkle_strategy.checkpoint.files.CheckpointIndex` with nothing to read yet.
+    A :class:`~twinkle_strategy.checkpoint.reading.CheckpointIndex` with nothing to read yet.
     """
 
     def __init__(self, tensors: dict[str, TensorSpec]):

@@ -36,8 +36,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from twinkle_strategy.checkpoint.directories import check_shared_directory
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.checkpoint.save_plan import (
     CHUNK_BYTES,
     ModelWeights,

@@ -54,7 +54,7 @@ from twinkle_strategy.checkpoint.tensor_files import (
     save_model_config,
     save_model_files,
 )
-from twinkle_strategy.checkpoint.writer import OpenWriter, ParallelFileWriter
+from twinkle_strategy.checkpoint.writing import OpenWriter, ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import FoldedSteps, on_rank0, step_reporter
 from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import CheckpointSaveError

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from twinkle_strategy.checkpoint.writer import ParallelFileWriter
+from twinkle_strategy.checkpoint.writing import ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import raise_together
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.shards.plan import Need, checkpoint_runs, needs_of

@@ -29,8 +29,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.checkpoint.sharded_io import (
     IOStats,
     Region,
@@ -39,7 +39,7 @@ from twinkle_strategy.checkpoint.sharded_io import (
     regions_of,
     write_regions,
 )
-from twinkle_strategy.checkpoint.writer import FilePlan, OpenWriter, ParallelFileWriter, plan_files, write_index
+from twinkle_strategy.checkpoint.writing import FilePlan, OpenWriter, ParallelFileWriter, plan_files, write_index
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.dtypes import TensorSpec

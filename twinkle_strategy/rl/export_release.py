@@ -25,8 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.checkpoint.files import SafetensorsIndex
 from twinkle_strategy.checkpoint.merged_export import release_rewrite, untouched_release_tensors
+from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.distributed.fail_together import raise_together
 from twinkle_strategy.distributed.messages import collective_device
 from twinkle_strategy.errors import WeightSyncError

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import torch
 
-from twinkle_strategy.checkpoint.files import DTYPE_NAMES, INDEX_FILE
+from twinkle_strategy.checkpoint.reading import DTYPE_NAMES, INDEX_FILE
 from twinkle_strategy.compat.transformers_internals import natural_order
 from twinkle_strategy.dtypes import TensorSpec
 
