@@ -11,9 +11,8 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from twinkle_strategy.compat.transformers_internals import no_split_modules
 from twinkle_strategy.config import MixedPrecision
-from twinkle_strategy.dtypes import FLOAT_DTYPES
+from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
 from twinkle_strategy.errors import ModelStructureError
-from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.parallel import Meshes
 
 _NO_MIXED_PRECISION = {None, MixedPrecision.NO, "fp32", "float32"}

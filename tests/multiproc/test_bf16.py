@@ -140,7 +140,7 @@ def check_changed_on_sources(ranks: dict, checkpoint: str) -> None:
     DeepSeek-V3's router weight in fp32 too, 5.23 only its bias): asked here, not written in."""
     from transformers import AutoConfig
 
-    from twinkle_strategy.kept_dtypes import kept_reasons
+    from twinkle_strategy.dtypes import kept_reasons
     from twinkle_strategy.loading import meta_skeleton
 
     (first, reason), *_ = kept_reasons(meta_skeleton(AutoConfig.from_pretrained(checkpoint), torch.bfloat16),

@@ -23,8 +23,8 @@ def fsdp_groups(model, units, experts=()) -> list[set]:
 def test_fsdp_units_never_mix_dtypes(family):
     """FSDP2 needs one dtype per unit: fp32-kept parameters (Ernie's router, V4's norms and the attention sinks
     beside bf16 projections, HunYuan's router built in fp32) get units of their own, kept in fp32."""
+    from twinkle_strategy.dtypes import kept_parameters
     from twinkle_strategy.fsdp import kept_dtype_units
-    from twinkle_strategy.kept_dtypes import kept_parameters
     from twinkle_strategy.loading import meta_skeleton
     from twinkle_strategy.testing.tiny_models import tiny_config
 
@@ -41,9 +41,9 @@ def test_fsdp_units_never_mix_dtypes(family):
 def test_a_module_holding_both_dtypes_itself_is_refused_naming_it():
     """Inkling's router holds its bf16 weight and an fp32-kept global_scale itself: no FSDP2 unit can keep them
     apart, so wrapping says so, naming the module, instead of FSDP2's assertion at the first forward."""
+    from twinkle_strategy.dtypes import kept_parameters
     from twinkle_strategy.errors import ModelStructureError
     from twinkle_strategy.fsdp import kept_dtype_units
-    from twinkle_strategy.kept_dtypes import kept_parameters
     from twinkle_strategy.loading import meta_skeleton
     from twinkle_strategy.testing.tiny_models import tiny_config
 

@@ -165,8 +165,7 @@ def test_a_tensor_read_whole_is_read_once_per_node_and_released_after_its_last_r
 
 
 def test_the_three_checkpoint_indexes_are_checkpoint_indexes(tiny_checkpoints):
-    from twinkle_strategy.checkpoint.layout import DeclaredTensors
-    from twinkle_strategy.checkpoint.reading import CheckpointIndex
+    from twinkle_strategy.checkpoint.layout import CheckpointIndex, DeclaredTensors
     from twinkle_strategy.dtypes import TensorSpec
     from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex
 

@@ -112,7 +112,7 @@ def _dtype_plan(tiny):
     plan = hf.dtype_plan(deepseek, torch.bfloat16)
     assert plan.get("e_score_correction_bias") == torch.float32, plan  # DeepSeek-V3's router bias
     assert hf.dtype_plan(deepseek, torch.float32) == {}
-    from twinkle_strategy.kept_dtypes import kept_dtypes
+    from twinkle_strategy.dtypes import kept_dtypes
 
     assert kept_dtypes(deepseek, torch.bfloat16)["model.layers.1.mlp.gate.e_score_correction_bias"] == torch.float32
 

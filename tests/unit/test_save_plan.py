@@ -195,7 +195,7 @@ def test_the_executor_alone_runs_a_saves_directory_and_checkpoint_stays_small():
     package = Path(__file__).resolve().parents[2] / "twinkle_strategy"
     lifecycle = re.compile(r"\b(start_pending|prepare_pending|publish_pending|abandon_pending|save_model_files|"
                            r"step_reporter)\(")
-    owners = {"checkpoint/save_plan.py", "checkpoint/directories.py", "checkpoint/tensor_files.py",
+    owners = {"checkpoint/save_plan.py", "checkpoint/directories.py", "checkpoint/writing.py",
               "checkpoint/background.py", "distributed/fail_together.py"}
     spelled_out = {str(p.relative_to(package)): sorted(set(lifecycle.findall(p.read_text())))
                    for p in package.rglob("*.py") if str(p.relative_to(package)) not in owners}

@@ -189,7 +189,7 @@ def resume_case(path: str, family: str, mine, *, ep: int, root: str) -> dict:
     reads what the first run's init read: each node's share of the release, as stored). Records what each
     init read from the release, what the checkpoint load read (bytes, files opened) and the checkpoint's
     tensor bytes."""
-    from twinkle_strategy.checkpoint.sharded_io import IOStats
+    from twinkle_strategy.checkpoint.reading import IOStats
     from twinkle_strategy.checkpoint.training import load_checkpoint, save_checkpoint
 
     directory = os.path.join(root, "checkpoint-2")

@@ -27,16 +27,11 @@ def roundtrip_case(path: str, family: str, lora: bool, rank: int, *, with_adapte
 
     ``with_adapter(model, lora, family)`` adds the same fresh LoRA on every rank and in the reference; in bf16,
     full parameters train with ``mixed_precision='bf16'`` as users run them."""
-    from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
-    from twinkle_strategy.checkpoint.tensor_files import (
-        TrainableFiles,
-        read_model_files,
-        read_trainable_files,
-        save_model_config,
-        save_model_files,
-    )
+    from twinkle_strategy.checkpoint.reading import IOStats, read_model_files, read_trainable_files
+    from twinkle_strategy.checkpoint.writing import TrainableFiles, save_model_config, save_model_files
     from twinkle_strategy.distributed.dtensor import local_tensor
     from twinkle_strategy.distributed.fail_together import step_reporter
+    from twinkle_strategy.shards.plan import regions_of
     from twinkle_strategy.shards.whole_tensors import owner_of
 
     reference = with_adapter(model_class_for(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=dtype),
@@ -108,8 +103,7 @@ FAILING_WHOLE_READ = "model.layers.0.self_attn.conv1d.weight"
 def failing_owner_read(directory: str, model, strategy, rank: int) -> dict:
     """Resume again, the owner of a tensor served whole failing to read it: every rank must raise, naming it."""
     from twinkle_strategy.checkpoint.layout import CheckpointLayout
-    from twinkle_strategy.checkpoint.sharded_io import IOStats
-    from twinkle_strategy.checkpoint.tensor_files import read_model_files
+    from twinkle_strategy.checkpoint.reading import IOStats, read_model_files
     from twinkle_strategy.shards.whole_tensors import owner_of
 
     owner = owner_of(FAILING_WHOLE_READ, dist.get_world_size())

@@ -6,15 +6,14 @@ training.py         what a training run writes and resumes from (``checkpoint-{s
 manager.py          a run's checkpoints: paths, the save interval, rotation, the newest complete one to resume from
 directories.py      the directories a save writes: seen by every rank, pending (``<name>.tmp``) until complete,
                     then fsynced and published under their final name
-files.py            safetensors files read by header and byte range, never whole
-writer.py           safetensors files planned on every rank and written in parallel, each rank its own bytes
+reading.py          reading safetensors checkpoints: by header and byte range, each rank only the rows it keeps
+                    (the model through its hub layout, optimizer state and adapter weights by full tensor)
+writing.py          writing safetensors checkpoints in parallel: files planned on every rank, each rank writing
+                    only its own rows (the model in its hub layout, optimizer state and adapter weights by full
+                    tensor, for resuming on another layout)
 conversions.py      transformers' conversion rules of a model class, and which rows of a hub tensor make which rows
                     of a model tensor
 layout.py           how a model's tensors are made from a hub checkpoint's tensors (the rules applied), and back
-sharded_io.py       each rank's rows of each tensor: written into the files, read back (tensors a rule needs
-                    whole go through their owner rank: :mod:`twinkle_strategy.shards.whole_tensors`)
-tensor_files.py     the model as a Hugging Face checkpoint, and optimizer state and adapter weights by full tensor
-                    (for resuming on another layout): written in parallel, read back per rank
 host_copies.py      asynchronous saves: what a save writes, copied into host buffers reused from save to save
 background.py       asynchronous saves: a thread writes the host copies; one save in flight, failures and the
                     commit at step boundaries

@@ -34,6 +34,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
+from collections.abc import Mapping
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -47,13 +49,47 @@ from twinkle_strategy.checkpoint.conversions import (
     convert_pieces,
     row_mode,
 )
-from twinkle_strategy.checkpoint.reading import CheckpointIndex
 from twinkle_strategy.compat import transformers_internals as hf
 from twinkle_strategy.compat.transformers_internals import rule_class
 from twinkle_strategy.dtypes import TensorSpec
 from twinkle_strategy.errors import CheckpointError, shorten
 
 logger = logging.getLogger(__name__)
+
+
+class TensorHeader(Protocol):
+    """What a checkpoint index knows of one tensor without reading it."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+
+@runtime_checkable
+class CheckpointIndex(Protocol):
+    """A checkpoint's tensors by name, as :class:`~twinkle_strategy.checkpoint.layout.CheckpointLayout` reads them.
+
+    Three kinds: :class:`~twinkle_strategy.checkpoint.reading.SafetensorsIndex` (files on disk), ``QuantizedIndex`` (a quantized release seen as
+    its dequantized values) and ``DeclaredTensors`` (the checkpoint a save is about to write: headers only).
+    """
+
+    tensors: Mapping[str, TensorHeader]
+
+    @property
+    def bytes_read(self) -> int: ...  # tensor data read so far
+
+    @property
+    def read_seconds(self) -> float: ...
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Tensor ``key`` (rows ``[a, b)`` of dim 0 only, if given) as a new CPU tensor."""
+        ...
+
+    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,10 +367,20 @@ class CheckpointLayout:
         return pieces
 
 
+class SameKeys:
+    """The trivial layout: a tensor is saved under its own name, in its own shape (optimizer state, adapters)."""
+
+    def row_writable(self, name: str) -> bool:
+        return True
+
+    def checkpoint_pieces(self, name, region, rows):
+        return [(name, region, rows)]
+
+
 class DeclaredTensors:
     """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write.
 
-    A :class:`~twinkle_strategy.checkpoint.reading.CheckpointIndex` with nothing to read yet.
+    A :class:`~CheckpointIndex` with nothing to read yet.
     """
 
     def __init__(self, tensors: dict[str, TensorSpec]):

@@ -23,13 +23,13 @@ import torch.distributed as dist
 from twinkle_strategy.checkpoint.background import AsyncSaves, BackgroundWrite, InFlightSave
 from twinkle_strategy.checkpoint.directories import is_incomplete
 from twinkle_strategy.checkpoint.save_plan import CHUNK_BYTES, SavePlan, SaveReport, execute_save
-from twinkle_strategy.checkpoint.tensor_files import DEFAULT_MAX_FILE_BYTES
 from twinkle_strategy.checkpoint.training import (
     STATE_FILE,
     CheckpointedStrategy,
     checkpoint_items,
     load_checkpoint,
 )
+from twinkle_strategy.checkpoint.writing import DEFAULT_MAX_FILE_BYTES
 from twinkle_strategy.distributed.messages import broadcast_object
 
 if TYPE_CHECKING:

@@ -48,7 +48,7 @@ from twinkle_strategy.checkpoint.save_plan import (
     is_peft_model,
     save_pretrained,
 )
-from twinkle_strategy.checkpoint.tensor_files import DEFAULT_MAX_FILE_BYTES, plan_model_files
+from twinkle_strategy.checkpoint.writing import DEFAULT_MAX_FILE_BYTES, plan_model_files
 from twinkle_strategy.compat.torch_internals import replace_local_tensor
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex, quant_format

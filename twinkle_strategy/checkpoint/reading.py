@@ -1,10 +1,10 @@
-"""Safetensors checkpoints read by header and byte range, never whole.
+"""Reading safetensors checkpoints: by header and byte range, each rank only the rows it keeps.
 
 A safetensors file is an 8-byte header length, a JSON header (name -> dtype,
 shape, byte offsets) and the raw tensor bytes. So from the headers alone we
 know every tensor of a checkpoint without reading any weight, can tell a
 truncated file before a byte moves, and can read rows ``[a, b)`` of a tensor as
-one contiguous byte range.
+one contiguous byte range (:class:`SafetensorsIndex`).
 
 Why not ``safetensors.safe_open(...).get_slice``: it memory-maps the file, and
 pages touched through a mapping count as resident memory of the reading
@@ -12,6 +12,14 @@ process for as long as the kernel keeps them; on a host that streams hundreds
 of GB that looks (and is accounted) like holding the model. ``os.pread`` into
 a buffer we own reads exactly the requested bytes, frees them with the buffer,
 and lets us count every byte read.
+
+A resume reads back what :mod:`twinkle_strategy.checkpoint.writing` wrote: each rank the rows of its own
+regions (:func:`read_regions`), whatever layout (nodes, ranks, ep_size) wrote them: a file holds whole
+tensors, and any rows of them can be read. The model is read through its hub layout
+(:func:`read_model_files`), optimizer state and adapter weights by full tensor (:func:`read_optimizer_files`,
+:func:`read_trainable_files`). A tensor that cannot be read as rows is read once by its owner rank, which
+sends each rank its region (:mod:`twinkle_strategy.shards.whole_tensors`). The names of the files are defined
+here, and the writer writes them.
 """
 
 from __future__ import annotations
@@ -23,56 +31,45 @@ import os
 import struct
 import threading
 import time
-from collections.abc import Mapping
-from typing import Protocol, runtime_checkable
+from collections.abc import Callable
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 from twinkle_strategy.checkpoint.directories import raise_if_incomplete
-from twinkle_strategy.dtypes import SAFETENSORS_DTYPES, SAFETENSORS_NAMES
-from twinkle_strategy.errors import CheckpointError, shorten
+from twinkle_strategy.checkpoint.layout import CheckpointLayout, raise_for_problems
+from twinkle_strategy.distributed.dtensor import local_tensor
+from twinkle_strategy.distributed.fail_together import raise_together
+from twinkle_strategy.dtypes import SAFETENSORS_DTYPES
+from twinkle_strategy.errors import CheckpointError, ResumeError, shorten
+from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.shards.plan import Region, partition_regions, regions_of
+from twinkle_strategy.shards.whole_tensors import WholeTensors
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# Of a checkpoint: what resume needs beyond the saved model (optimizer state and trainable weights, by full tensor).
+STATE_DIR = "trainer_state"
+OPTIMIZER_PREFIX = "optimizer"
+TRAINABLE_PREFIX = "trainable"
+SCALARS_FILE = "optimizer.json"
 
-_DTYPES, DTYPE_NAMES = SAFETENSORS_DTYPES, SAFETENSORS_NAMES  # (dtypes.py holds them; these names are used here)
+_DTYPES = SAFETENSORS_DTYPES
 # Every dtype the safetensors format defines (0.8): a name outside it means a corrupt header, not a new format.
 _SPEC_DTYPES = set(_DTYPES) | {"F4", "F6_E2M3", "F6_E3M2", "F8_E8M0"}
 
 
-class TensorHeader(Protocol):
-    """What a checkpoint index knows of one tensor without reading it."""
+@dataclasses.dataclass
+class IOStats:
+    """What a save or a resume moved: bytes written, read, received by an owner rank, and the time taken."""
 
-    @property
-    def shape(self) -> tuple[int, ...]: ...
+    bytes_written: int = 0
+    bytes_read: int = 0
+    bytes_received: int = 0  # tensor bytes an owner received to write a tensor whole (see whole_tensors)
+    gathered: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
 
-    @property
-    def dtype(self) -> torch.dtype: ...
-
-
-@runtime_checkable
-class CheckpointIndex(Protocol):
-    """A checkpoint's tensors by name, as :class:`~twinkle_strategy.checkpoint.layout.CheckpointLayout` reads them.
-
-    Three kinds: :class:`SafetensorsIndex` (files on disk), ``QuantizedIndex`` (a quantized release seen as
-    its dequantized values) and ``DeclaredTensors`` (the checkpoint a save is about to write: headers only).
-    """
-
-    tensors: Mapping[str, TensorHeader]
-
-    @property
-    def bytes_read(self) -> int: ...  # tensor data read so far
-
-    @property
-    def read_seconds(self) -> float: ...
-
-    def __contains__(self, key: str) -> bool: ...
-
-    def read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Tensor ``key`` (rows ``[a, b)`` of dim 0 only, if given) as a new CPU tensor."""
-        ...
-
-    def close(self) -> None: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -265,3 +262,131 @@ class SafetensorsIndex:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+def read_regions(regions: list[Region], read: Callable[[str, tuple[int, int] | None], torch.Tensor], *,
+                 ep_plan: ExpertParallelPlan | None, stats: IOStats, targets: dict[str, torch.Tensor] | None = None,
+                 whole: Callable[[str], bool] = lambda name: False) -> None:
+    """Fill every region's local rows (or ``targets[name]``) from ``read(name, rows)`` of the full tensor.
+
+    A region made of rows reads just those rows. One that is not, or a tensor ``whole(name)`` says can only
+    be read whole, is read once by its owner, which sends each rank its region (collective).
+    (Bytes read are counted by the reader: its files know what they read.)"""
+    start = time.perf_counter()
+    by_rows, served = partition_regions(regions, lambda r: r.need.is_buffer or (r.runs is not None and not whole(r.name)))
+    with torch.no_grad():
+        for region in by_rows:
+            target = region.local if targets is None else targets[region.name]
+            if region.runs is None:  # a buffer: every rank keeps all of it
+                target.copy_(read(region.name, None).reshape(target.shape))
+                continue
+            offset = 0
+            for a, b in region.runs:
+                target[offset:offset + b - a].copy_(read(region.name, (a, b)))
+                offset += b - a
+        if served:
+            table = WholeTensors([r.need for r in served], ep_plan)
+            error: BaseException | None = None
+            for i, region in enumerate(served):
+                target = region.local if targets is None else targets[region.name]
+                full = None
+                if table.owner(i) == table.rank:
+                    try:
+                        full = read(region.name, None)
+                    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+                        error = error or exc
+                        # Still serve every rank (zeros), so none waits for this one; all raise below.
+                        full = torch.zeros(region.full_shape, dtype=target.dtype, device=target.device)
+                table.scatter(i, full, target)
+            raise_together(error, "reading the tensors served whole by their owner rank")
+    stats.seconds += time.perf_counter() - start
+
+
+
+def read_model_files(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, stats: IOStats) -> None:
+    """Fill this rank's shards of ``model`` from the Hugging Face checkpoint in ``directory`` (its own rows only).
+
+    Any layout of nodes, ranks and ep_size can read what any other wrote.
+    """
+    regions = regions_of(model, ep_plan)
+    layout = CheckpointLayout(SafetensorsIndex.from_directory(directory), model, directory,
+                              model_tensors={r.name: r.spec for r in regions})
+    raise_for_problems(directory, layout.problems([r.name for r in regions]))
+    try:
+        read_regions(regions, layout.read_rows, ep_plan=ep_plan, stats=stats,
+                     whole=lambda name: not layout.row_readable(name))
+        stats.bytes_read += layout.bytes_read
+    finally:
+        layout.close()
+
+
+
+def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: ExpertParallelPlan | None,
+                         stats: IOStats) -> None:
+    """Give ``optimizer`` the saved state, each rank reading the rows of its own (possibly new) shards."""
+    with open(os.path.join(directory, SCALARS_FILE)) as f:
+        saved = json.load(f)
+    params = dict(model.named_parameters())
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise ResumeError(f"{directory}: the optimizer was saved with {len(saved['param_groups'])} parameter "
+                          f"groups, this one has {len(optimizer.param_groups)}")
+    for group, saved_group in zip(optimizer.param_groups, saved["param_groups"], strict=True):
+        missing = sorted(set(saved_group["params"]) - set(params))
+        if missing:
+            raise ResumeError(f"{directory}: optimizer state of parameter '{missing[0]}', which this model does "
+                              "not have; resume with the model the checkpoint was trained from")
+        group.update({k: v for k, v in saved_group.items() if k != "params"})
+    files = _files(directory)
+    index = SafetensorsIndex(files) if files else None
+    regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
+    tensor_keys: dict[str, list[str]] = {}
+    for key in (index.tensors if index is not None else {}):
+        name, _, state = key.rpartition(":")
+        tensor_keys.setdefault(name, []).append(state)
+    try:
+        for name in sorted(set(tensor_keys) | set(saved["scalars"])):
+            param = params[name]
+            state = {k: torch.tensor(v) for k, v in saved["scalars"].get(name, {}).items()}
+            for key in tensor_keys.get(name, []):
+                local = torch.empty_like(local_tensor(param))
+                read_regions([regions[name]], lambda n, rows, key=key: index.read(f"{n}:{key}", rows),
+                             ep_plan=ep_plan, stats=stats, targets={name: local})
+                state[key] = DTensor.from_local(local, param.device_mesh, param.placements, shape=param.shape,
+                                                stride=param.stride()) if isinstance(param, DTensor) else local
+            optimizer.state[param] = state
+    finally:
+        if index is not None:
+            stats.bytes_read += index.bytes_read
+            index.close()
+
+
+def _files(directory: str) -> list[str]:
+    return sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                  if f.startswith(OPTIMIZER_PREFIX) and f.endswith(".safetensors"))
+
+
+def read_trainable_files(directory: str, model: nn.Module, ep_plan: ExpertParallelPlan | None, stats: IOStats) -> None:
+    files = sorted(os.path.join(directory, f) for f in os.listdir(directory)
+                   if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
+    index = SafetensorsIndex(files)
+    try:
+        names = {n for n, p in model.named_parameters() if p.requires_grad}
+        missing = sorted(names - set(index.tensors))
+        if missing:
+            raise ResumeError(f"{directory} has no saved weights for trainable parameter '{missing[0]}' (nor "
+                              f"{len(missing) - 1} others); resume with the adapter configuration it was saved with")
+        read_regions(regions_of(model, ep_plan, names=names), index.read, ep_plan=ep_plan, stats=stats)
+        stats.bytes_read += index.bytes_read
+    finally:
+        index.close()
+
+
+def read_trainable_state(state_dir: str, names: list[str]) -> dict[str, torch.Tensor]:
+    """The trainable weights saved in ``state_dir`` (``trainer_state/``), whole, in the order of ``names``."""
+    files = sorted(os.path.join(state_dir, f) for f in os.listdir(state_dir)
+                   if f.startswith(TRAINABLE_PREFIX) and f.endswith(".safetensors"))
+    index = SafetensorsIndex(files)
+    try:
+        return {name: index.read(name, None) for name in names}
+    finally:
+        index.close()

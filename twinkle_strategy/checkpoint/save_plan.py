@@ -46,15 +46,14 @@ from twinkle_strategy.checkpoint.directories import (
     start_pending,
 )
 from twinkle_strategy.checkpoint.host_copies import HostCopies
-from twinkle_strategy.checkpoint.sharded_io import IOStats
-from twinkle_strategy.checkpoint.tensor_files import (
+from twinkle_strategy.checkpoint.reading import STATE_DIR, IOStats, read_trainable_state
+from twinkle_strategy.checkpoint.writing import (
     DEFAULT_MAX_FILE_BYTES,
-    STATE_DIR,
-    read_trainable_state,
+    OpenWriter,
+    ParallelFileWriter,
     save_model_config,
     save_model_files,
 )
-from twinkle_strategy.checkpoint.writing import OpenWriter, ParallelFileWriter
 from twinkle_strategy.distributed.fail_together import FoldedSteps, on_rank0, step_reporter
 from twinkle_strategy.distributed.runtime import global_rank, peak_rss_since_reset, reset_peak_rss, rss_bytes
 from twinkle_strategy.errors import CheckpointSaveError

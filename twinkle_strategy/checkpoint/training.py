@@ -6,7 +6,7 @@ Layout (like ms-swift / transformers):
   ``model.safetensors.index.json``, ``config.json``) in the key layout of the
   checkpoint the run started from; plain ``from_pretrained`` loads it. Every
   rank writes its own rows into the files (no gather: see
-  :mod:`twinkle_strategy.checkpoint.tensor_files`).
+  :mod:`twinkle_strategy.checkpoint.writing`).
 * LoRA runs: ``adapter_model.safetensors`` + ``adapter_config.json`` with the
   full adapter (all experts), loadable by plain PEFT on one process.
 * ``trainer_state/``: optimizer state by full tensor (``optimizer*.safetensors``,
@@ -39,6 +39,13 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.checkpoint.directories import fsync_path, raise_if_incomplete
+from twinkle_strategy.checkpoint.reading import (
+    STATE_DIR,
+    IOStats,
+    read_model_files,
+    read_optimizer_files,
+    read_trainable_files,
+)
 from twinkle_strategy.checkpoint.save_plan import (
     CHUNK_BYTES,
     Adapter,
@@ -51,20 +58,12 @@ from twinkle_strategy.checkpoint.save_plan import (
     pretrained_items,
     write_bytes,
 )
-from twinkle_strategy.checkpoint.sharded_io import IOStats, regions_of
-from twinkle_strategy.checkpoint.tensor_files import (
-    DEFAULT_MAX_FILE_BYTES,
-    STATE_DIR,
-    OptimizerFiles,
-    TrainableFiles,
-    read_model_files,
-    read_optimizer_files,
-    read_trainable_files,
-)
+from twinkle_strategy.checkpoint.writing import DEFAULT_MAX_FILE_BYTES, OptimizerFiles, TrainableFiles
 from twinkle_strategy.distributed.fail_together import on_rank0
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import ResumeError
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.shards.plan import regions_of
 
 STATE_FILE = "trainer_state.json"
 

@@ -23,9 +23,8 @@ import torch
 from torch import nn
 
 from twinkle_strategy.compat.torch_internals import buffer_slots, parameter_slots
-from twinkle_strategy.dtypes import TensorSpec
+from twinkle_strategy.dtypes import TensorSpec, kept_reasons, loaded_dtype, pretrained_model
 from twinkle_strategy.init.skeleton import CheckpointTensor
-from twinkle_strategy.kept_dtypes import kept_reasons, loaded_dtype, pretrained_model
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.wire import plan_wire_form, read_chunks
 from twinkle_strategy.shards.plan import Need, checkpoint_runs, region_of, runs_within

@@ -37,8 +37,8 @@ from twinkle_strategy.compat.torch_internals import (
     non_persistent_buffer_names,
     parameter_slots,
 )
+from twinkle_strategy.dtypes import apply_kept_dtypes
 from twinkle_strategy.errors import CheckpointError, WeightsNotLoadedError
-from twinkle_strategy.kept_dtypes import apply_kept_dtypes
 
 aten = torch.ops.aten
 

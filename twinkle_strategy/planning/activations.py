@@ -25,9 +25,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinkle_strategy.compat import torch_internals as th
-from twinkle_strategy.dtypes import FLOAT_DTYPES
+from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
 from twinkle_strategy.errors import PlanInputError
-from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
 from twinkle_strategy.moe.discovery import MoEBlock, unwrap_experts
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing

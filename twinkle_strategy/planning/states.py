@@ -15,8 +15,7 @@ import math
 import torch
 from torch import nn
 
-from twinkle_strategy.dtypes import FLOAT_DTYPES
-from twinkle_strategy.kept_dtypes import kept_parameters, loaded_dtype
+from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
 from twinkle_strategy.quantized.codec import FP4_GROUP

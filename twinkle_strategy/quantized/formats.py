@@ -144,7 +144,7 @@ class LogicalTensor:
 class QuantizedIndex:
     """A quantized safetensors checkpoint seen as the checkpoint of its dequantized values.
 
-    A :class:`twinkle_strategy.checkpoint.reading.CheckpointIndex` over the stored one (``index``): ``read``
+    A :class:`twinkle_strategy.checkpoint.layout.CheckpointIndex` over the stored one (``index``): ``read``
     of a quantized weight returns float32 values, reading only the quantized rows asked for and the
     scale rows they need. Pairs each weight with its scale by transformers'
     FP8 quantizer renames, and checks every pair's shapes before any read.

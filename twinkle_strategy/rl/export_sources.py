@@ -22,14 +22,13 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.checkpoint.layout import CheckpointLayout
+from twinkle_strategy.checkpoint.layout import CheckpointLayout, SameKeys
 from twinkle_strategy.checkpoint.merged_export import merged_shards
-from twinkle_strategy.checkpoint.sharded_io import Region, SameKeys, regions_of
 from twinkle_strategy.checkpoint.training import is_peft_model
-from twinkle_strategy.dtypes import TensorSpec
+from twinkle_strategy.dtypes import TensorSpec, pretrained_model
 from twinkle_strategy.init.skeleton import build_meta_model
-from twinkle_strategy.kept_dtypes import pretrained_model
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+from twinkle_strategy.shards.plan import Region, regions_of
 
 
 class LoraExport(str, enum.Enum):

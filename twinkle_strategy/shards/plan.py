@@ -1,10 +1,13 @@
-"""Who needs which bytes: pure arithmetic over tensor shapes, no process groups.
+"""Which region of which pre-EP tensor each rank keeps: arithmetic over tensor shapes, no process groups.
 
 After ``fully_shard`` every parameter is a DTensor sharded on dim 0 of a 1-D
 mesh (``fsdp`` for ordinary tensors, ``ep_fsdp`` for experts), and expert
 tensors are already cut to the rank's experts. So a rank's need for one tensor
 is: the pre-EP tensor ``name``, cut to EP rank ``ep_rank`` (expert tensors
 only), rows ``[start, stop)``. Buffers are needed whole.
+
+A :class:`Region` is such a need with this rank's local rows and the runs of rows of the full tensor they are:
+what a save writes and a resume reads back (:mod:`twinkle_strategy.checkpoint.writing`, ``.reading``).
 """
 
 from __future__ import annotations
@@ -140,3 +143,55 @@ def runs_within(runs: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int
             out.append((a + first - offset, a + last - offset))
         offset += b - a
     return out
+
+
+@dataclasses.dataclass(eq=False)
+class Region:
+    """One tensor this rank keeps part of: what it is, its full shape, and the local rows.
+
+    A region is one run of rows of the full tensor, or a few (LongCat-Flash's zero-computation slots: two); each
+    run is written and read as rows. One that is not made of rows (PEFT's expert ``lora_B``) has ``runs=None``
+    and goes through its owner rank (:mod:`twinkle_strategy.shards.whole_tensors`).
+    """
+
+    need: Need
+    local: torch.Tensor  # this rank's rows (the DTensor's local tensor)
+    full_shape: tuple[int, ...]  # before EP and FSDP
+    runs: list[tuple[int, int]] | None  # the runs of rows of the full tensor it is, in order; None: not rows
+
+    @property
+    def name(self) -> str:
+        return self.need.name
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The full (pre-EP, pre-FSDP) tensor's shape and dtype: what the checkpoint holds."""
+        return TensorSpec(self.full_shape, self.need.dtype)
+
+
+def regions_of(model: nn.Module, ep_plan: ExpertParallelPlan | None, names: set[str] | None = None) -> list[Region]:
+    """This rank's regions of the model's persistent tensors (``names`` only, if given), in a fixed order."""
+    values = dict(model.named_parameters())
+    persistent = set(model.state_dict().keys())
+    values.update({n: b for n, b in model.named_buffers() if n in persistent})
+    regions = []
+    for need, local in needs_of(model, ep_plan):
+        if need.name not in values or (names is not None and need.name not in names):
+            continue
+        shape = need.shape
+        if ep_plan is not None and need.name in ep_plan.axes:
+            axis = ep_plan.axes[need.name]
+            shape = axis.local_shape(shape, axis.num_experts)
+        runs = checkpoint_runs(need, ep_plan, shape)
+        if need.is_buffer:
+            runs = None  # every rank has the whole buffer: one rank writes it
+        regions.append(Region(need, local, tuple(shape), runs))
+    return regions
+
+
+def partition_regions(regions: list[Region], keep) -> tuple[list[Region], list[Region]]:
+    """(regions ``keep`` accepts, the others), each in the original order."""
+    kept, others = [], []
+    for region in regions:
+        (kept if keep(region) else others).append(region)
+    return kept, others

@@ -1,7 +1,7 @@
 """Tensors a save or a resume must see whole, held by one rank at a time: never gathered on every rank.
 
 Almost all of a checkpoint is written and read back as rows, each rank its own
-(:mod:`twinkle_strategy.checkpoint.sharded_io`). Two kinds of tensor are not:
+(:mod:`twinkle_strategy.checkpoint.writing`, ``.reading``). Two kinds of tensor are not:
 
 * tensors that transformers' conversion rule turns into checkpoint tensors only
   whole (``Concatenate(dim=0)`` fusing q/k/v convolutions, Ernie-4.5-VL's
