@@ -27,6 +27,9 @@ Anything else (e.g. a ``Concatenate(dim=0)`` fusing q/k/v) is read whole,
 converted, then cut; :attr:`CheckpointLayout.materialized_whole` lists those
 tensors so the init report can say so. The knowledge of key layouts lives here
 and nowhere else (saving uses the same rules in reverse).
+
+A layout reads through a :class:`CheckpointIndex` (files on disk, a quantized release, or the tensors a save
+declares); :class:`SameKeys` is the trivial layout, a tensor saved under its own name (optimizer state, adapters).
 """
 
 from __future__ import annotations
@@ -69,10 +72,11 @@ class TensorHeader(Protocol):
 
 @runtime_checkable
 class CheckpointIndex(Protocol):
-    """A checkpoint's tensors by name, as :class:`~twinkle_strategy.checkpoint.layout.CheckpointLayout` reads them.
+    """A checkpoint's tensors by name, as :class:`CheckpointLayout` reads them.
 
-    Three kinds: :class:`~twinkle_strategy.checkpoint.reading.SafetensorsIndex` (files on disk), ``QuantizedIndex`` (a quantized release seen as
-    its dequantized values) and ``DeclaredTensors`` (the checkpoint a save is about to write: headers only).
+    Three kinds: :class:`~twinkle_strategy.checkpoint.reading.SafetensorsIndex` (files on disk), ``QuantizedIndex``
+    (a quantized release seen as its dequantized values) and :class:`DeclaredTensors` (the checkpoint a save is
+    about to write: headers only).
     """
 
     tensors: Mapping[str, TensorHeader]
@@ -380,7 +384,7 @@ class SameKeys:
 class DeclaredTensors:
     """A checkpoint known by its tensors' names, shapes and dtypes only: the one a save is about to write.
 
-    A :class:`~CheckpointIndex` with nothing to read yet.
+    A :class:`CheckpointIndex` with nothing to read yet.
     """
 
     def __init__(self, tensors: dict[str, TensorSpec]):

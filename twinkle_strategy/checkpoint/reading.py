@@ -336,7 +336,7 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: E
             raise ResumeError(f"{directory}: optimizer state of parameter '{missing[0]}', which this model does "
                               "not have; resume with the model the checkpoint was trained from")
         group.update({k: v for k, v in saved_group.items() if k != "params"})
-    files = _files(directory)
+    files = _optimizer_files(directory)
     index = SafetensorsIndex(files) if files else None
     regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
     tensor_keys: dict[str, list[str]] = {}
@@ -360,7 +360,7 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: E
             index.close()
 
 
-def _files(directory: str) -> list[str]:
+def _optimizer_files(directory: str) -> list[str]:
     return sorted(os.path.join(directory, f) for f in os.listdir(directory)
                   if f.startswith(OPTIMIZER_PREFIX) and f.endswith(".safetensors"))
 
