@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.checkpoint.merged_export import MergedFormat, save_merged
-from twinkle_strategy.checkpoint.save_plan import save_pretrained
+from twinkle_strategy.checkpoint.training import save_pretrained
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import QuantizedBase, StrategyConfig
 from twinkle_strategy.distributed.fail_together import collectively
