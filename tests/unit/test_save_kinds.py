@@ -189,7 +189,6 @@ def test_a_transformers_trainers_sync_and_async_saves_declare_the_same_kinds(str
     trainer.optimizer.step()
     trainer.lr_scheduler.step()
     sync, background, sync_files, checkpoint_files = _sync_and_async_saves(trainer, tmp_path, monkeypatch)
-    kind = SaveKind.LORA_ADAPTER if tuner == "lora" else SaveKind.FULL_MODEL
     expected_model = [Adapter] if tuner == "lora" else [ModelWeights, ModelConfig]
     assert [type(i) for i in sync] == [*expected_model, FrontEndFiles], sync  # training_args.bin
     # The asynchronous checkpoint: the same kind of the model (its adapter read back at the commit), then the
@@ -199,7 +198,6 @@ def test_a_transformers_trainers_sync_and_async_saves_declare_the_same_kinds(str
     assert _described(model_part) == _described(sync)
     assert [type(i) for i in background[len(sync):]] == [TrainerStateFiles, FrontEndFiles, TrainerStateJson]
     assert background[len(sync)] == TrainerStateFiles(trainer.optimizer, trainer.lr_scheduler)
-    assert len(SAVE_KINDS[kind]) + len(SAVE_KINDS[SaveKind.TRAINER_STATE]) - 1 == len(background)  # (no tokenizer)
     # ... and so the same files, byte for byte.
     assert sync_files and {name: checkpoint_files.get(name) for name in sync_files} == sync_files, sorted(sync_files)
 
