@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.checkpoint.merged_export import MergedFormat, save_merged
-from twinkle_strategy.checkpoint.save_plan import save_pretrained
+from twinkle_strategy.checkpoint.training import save_pretrained
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import QuantizedBase, StrategyConfig
 from twinkle_strategy.distributed.fail_together import collectively
@@ -359,7 +359,7 @@ class NativeFSDPStrategy(RoutingMethods):
         """Save ``model`` as a Hugging Face checkpoint in ``directory`` (collective), without gathering it: every
         rank writes its rows into the final files, in the key layout of the checkpoint the model was loaded from
         (plain ``from_pretrained`` reads it); a PEFT model saves its whole adapter, as PEFT does. Crash-safe, any
-        rank's error raised on every rank: :func:`twinkle_strategy.checkpoint.save_plan.save_pretrained`."""
+        rank's error raised on every rank: :func:`twinkle_strategy.checkpoint.training.save_pretrained`."""
         self.setup()
         save_pretrained(model, directory, ep_plan=self.ep_plan, max_file_bytes=file_size_bytes(max_shard_size),
                         chunk_bytes=self.init_bucket_bytes, tokenizer=tokenizer)

@@ -25,10 +25,14 @@ from twinkle_strategy.checkpoint.save_plan import (
     Publish,
     SaveContext,
     Tokenizer,
+)
+from twinkle_strategy.checkpoint.training import (
+    TrainerStateFiles,
+    TrainerStateJson,
+    checkpoint_items,
     pretrained_items,
     save_pretrained,
 )
-from twinkle_strategy.checkpoint.training import TrainerStateFiles, TrainerStateJson, checkpoint_items
 from twinkle_strategy.errors import CheckpointSaveError
 from twinkle_strategy.testing.tiny_models import build_tiny_model
 

@@ -2,7 +2,9 @@
 
 save_plan.py        a save as data: its items (weights, adapter, config, tokenizer, front-end files), one frozen
                     context, and the one executor that carries every save out, synchronously or in the background
-training.py         what a training run writes and resumes from (``checkpoint-{step}/``), on any layout
+training.py         what each kind of save writes (a full model, a LoRA adapter, the trainer state, a merged
+                    export), declared once as data; what a training run writes and resumes from
+                    (``checkpoint-{step}/``), on any layout
 manager.py          a run's checkpoints: paths, the save interval, rotation, the newest complete one to resume from
 directories.py      the directories a save writes: seen by every rank, pending (``<name>.tmp``) until complete,
                     then fsynced and published under their final name

@@ -11,8 +11,9 @@ KeptWeight`, which refuses writes. So the merge here goes one FSDP2 unit at a ti
 
 Then PEFT's ``unload`` gives back the transformers model (the LoRA layers replaced by their base layers, the
 parameters the same FSDP2 ones), each merged weight's shard becomes its merged rows, and
-:func:`~twinkle_strategy.checkpoint.save_plan.save_pretrained` writes it in the checkpoint's key layout, every rank its own rows. The frozen weights no adapter touched are
-written as they are held (a kept one decoded): a plain checkpoint in the model's dtype (``MergedFormat.BF16``).
+:func:`~twinkle_strategy.checkpoint.training.save_pretrained` writes it in the checkpoint's key layout (the
+merged export's kind of save), every rank its own rows. The frozen weights no adapter touched are written as they
+are held (a kept one decoded): a plain checkpoint in the model's dtype (``MergedFormat.BF16``).
 
 ``MergedFormat.RELEASE`` saves only the merged weights that way, then one process assembles the directory from
 the release's own files (:func:`assemble_release_format`): every untouched tensor byte for byte, the merged
@@ -40,14 +41,13 @@ from twinkle_strategy.checkpoint.layout import CheckpointLayout
 from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.checkpoint.save_plan import (
     CHUNK_BYTES,
-    ModelWeights,
     Publish,
     SaveContext,
     SavePlan,
     execute_save,
     is_peft_model,
-    save_pretrained,
 )
+from twinkle_strategy.checkpoint.training import SaveKind, SaveSources, declare, save_pretrained
 from twinkle_strategy.checkpoint.writing import DEFAULT_MAX_FILE_BYTES, plan_model_files
 from twinkle_strategy.compat.torch_internals import replace_local_tensor
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
@@ -94,15 +94,16 @@ def save_merged(model: nn.Module, directory: str, *, ep_plan: ExpertParallelPlan
     merged = merge_adapters(model, ep_plan)
     if merged_format == MergedFormat.BF16:
         save_pretrained(merged.model, directory, ep_plan=merged.ep_plan, max_file_bytes=max_file_bytes,
-                        chunk_bytes=chunk_bytes)
+                        chunk_bytes=chunk_bytes, items=declare(SaveKind.MERGED_EXPORT))
         return [], merged.ep_plan
     directory = os.path.normpath(directory)
     check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_merged")
     from transformers import AutoConfig  # (the release's config loaded already: from_pretrained read it)
 
     release_files = ReleaseFiles(release, quant_format(AutoConfig.from_pretrained(release)), merged)
-    items = (ModelWeights(names=frozenset(merged.merged), subdirectory=MERGED_WEIGHTS_DIR), release_files)
-    execute_save(SavePlan(directory, items, publish=Publish.MERGE, max_file_bytes=max_file_bytes,
+    items = declare(SaveKind.MERGED_RELEASE_EXPORT, sources=SaveSources(
+        merged_names=frozenset(merged.merged), merged_subdirectory=MERGED_WEIGHTS_DIR, release_files=release_files))
+    execute_save(SavePlan(directory, tuple(items), publish=Publish.MERGE, max_file_bytes=max_file_bytes,
                           chunk_bytes=chunk_bytes, subject=f"saving {directory}", advice="", report=False),
                  model=merged.model, ep_plan=merged.ep_plan)
     return release_files.modules, merged.ep_plan
@@ -110,7 +111,7 @@ def save_merged(model: nn.Module, directory: str, *, ep_plan: ExpertParallelPlan
 
 @dataclasses.dataclass(frozen=True)
 class ReleaseFiles:
-    """A save item (rank 0): the release's own files around the merged weights :class:`ModelWeights` wrote into
+    """A save item (rank 0): the release's own files around the merged weights (``Part.MERGED_WEIGHTS``) wrote into
     :data:`MERGED_WEIGHTS_DIR`, every untouched tensor byte for byte; the merged modules noted in ``modules``."""
 
     release: str

@@ -1,12 +1,15 @@
-"""A save as data: the items it writes, declared by each front-end, carried out by one executor.
+"""A save as data: the items it writes, declared once per kind of save, carried out by one executor.
 
 Every save of this package is a :class:`SavePlan`: where it goes, how it is published, and a list of
 items (frozen dataclasses): :class:`ModelWeights`, :class:`Adapter`, :class:`ModelConfig`, :class:`Tokenizer`,
 the trainer state (:class:`~twinkle_strategy.checkpoint.training.TrainerStateFiles`,
 :class:`~twinkle_strategy.checkpoint.training.TrainerStateJson`) and a front-end's own files
-(:class:`FrontEndFiles`). The front-ends only declare them: twinkle's ``CheckpointManager``,
-``NativeFSDPStrategy.save_pretrained`` / ``save_merged``, and the ``transformers.Trainer`` mixin (HF Trainer,
-TRL, ms-swift through it). :func:`execute_save` carries every plan out, synchronously or asynchronously.
+(:class:`FrontEndFiles`). Which items a full model, a LoRA adapter, the trainer state or a merged export writes
+is declared once, as data (:data:`~twinkle_strategy.checkpoint.training.SAVE_KINDS`); the front-ends (twinkle's
+``CheckpointManager``, ``NativeFSDPStrategy.save_pretrained`` / ``save_merged``, the ``transformers.Trainer``
+mixin: HF Trainer, TRL, ms-swift through it) only say which kinds they save and bring their own content
+(:class:`~twinkle_strategy.checkpoint.training.SaveSources`). :func:`execute_save` carries every plan out,
+synchronously or asynchronously.
 
 Each item writes through one frozen :class:`SaveContext`, whose few verbs mean the same in both modes:
 
@@ -37,7 +40,6 @@ from torch import nn
 
 from twinkle_strategy.checkpoint.directories import (
     abandon_pending,
-    check_shared_directory,
     mark_incomplete,
     pending_path,
     prepare_pending,
@@ -229,15 +231,6 @@ def write_bytes(directory: str, name: str, data: bytes) -> None:
         f.write(data)
 
 
-def pretrained_items(model: nn.Module, *, tokenizer=None, adapter: Adapter | None = None) -> list[SaveItem]:
-    """What ``save_pretrained`` writes: a full model's weights and config, or a PEFT model's adapter; the
-    tokenizer."""
-    items: list[SaveItem] = ([adapter or Adapter()] if is_peft_model(model) else [ModelWeights(), ModelConfig()])
-    if tokenizer is not None:
-        items.append(Tokenizer(tokenizer))
-    return items
-
-
 # ------------------------------------------------------------------------------------------------ the plan
 class Publish(str, enum.Enum):
     """How a save's directory gets its final name."""
@@ -346,20 +339,6 @@ def _publish(plan: SavePlan) -> None:
         publish(pending_path(plan.path), plan.path)
     if plan.after_publish is not None:
         plan.after_publish()  # only now: the new save is durable
-
-
-def save_pretrained(model: nn.Module, directory: str, *, ep_plan: ExpertParallelPlan | None,
-                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES, tokenizer=None,
-                    items: Sequence[SaveItem] | None = None) -> None:
-    """``model`` as a Hugging Face checkpoint in ``directory`` (collective; ``NativeFSDPStrategy.save_pretrained``):
-    :func:`pretrained_items`, or ``items``, published into ``directory`` (merged into it if it holds other files,
-    under a marker loaders refuse until the end: :mod:`twinkle_strategy.checkpoint.directories`)."""
-    directory = os.path.normpath(directory)
-    check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_pretrained")
-    items = pretrained_items(model, tokenizer=tokenizer) if items is None else items
-    execute_save(SavePlan(directory, tuple(items), publish=Publish.MERGE, max_file_bytes=max_file_bytes,
-                          chunk_bytes=chunk_bytes, subject=f"saving {directory}", advice="", report=False),
-                 model=model, ep_plan=ep_plan)
 
 
 def save_items(plan_items: Sequence[SaveItem], directory: str, *, model: nn.Module,

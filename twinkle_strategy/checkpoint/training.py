@@ -1,6 +1,15 @@
-"""``checkpoint-{step}/``: what users load, and what resume needs on any layout of nodes, ranks and ep_size.
+"""What each kind of save writes, declared once; and ``checkpoint-{step}/``, what resume reads on any layout.
 
-Layout (like ms-swift / transformers):
+**Saves by kind.** :data:`SAVE_KINDS` is the one list of what a save writes, as data: for each
+:class:`SaveKind` (a full model, a LoRA adapter, the trainer state, a merged export) its :class:`Part` s in the
+order they are written. :func:`declare` turns kinds and what a front-end brings (:class:`SaveSources`: its
+tokenizer, its own files, the optimizer...) into save items, the one place items are listed; the executor
+(:mod:`twinkle_strategy.checkpoint.save_plan`) carries them out, synchronously or in the background. Every
+front-end saves through it: twinkle's Trainer (:func:`checkpoint_items`), ``strategy.save_pretrained``
+(:func:`save_pretrained`) and ``save_merged``, and the ``transformers.Trainer`` mixin (HF Trainer, TRL, ms-swift)
+in both its synchronous and asynchronous saves.
+
+**A training checkpoint** (like ms-swift / transformers):
 
 * Full runs: the model as a Hugging Face checkpoint (``model*.safetensors``,
   ``model.safetensors.index.json``, ``config.json``) in the key layout of the
@@ -15,30 +24,29 @@ Layout (like ms-swift / transformers):
   (``rng/rank{R}.pt``): everything resume needs, readable by any layout.
 * ``trainer_state.json``, written last.
 
-What a checkpoint holds is declared here as save items (:func:`checkpoint_items`,
-:class:`TrainerStateFiles`, :class:`TrainerStateJson`) and carried out by the one
-save executor (:mod:`twinkle_strategy.checkpoint.save_plan`), synchronously or in
-the background. Every checkpoint is written to its pending directory
-``checkpoint-{step}.tmp``, fsynced and renamed once all ranks have finished
-(:mod:`twinkle_strategy.checkpoint.directories`), so a crash mid-save never leaves
-a directory that resume would take for a checkpoint; older checkpoints are
-rotated away only after that rename is durable.
+Every checkpoint is written to its pending directory ``checkpoint-{step}.tmp``, fsynced and renamed once all
+ranks have finished (:mod:`twinkle_strategy.checkpoint.directories`), so a crash mid-save never leaves a
+directory that resume would take for a checkpoint; older checkpoints are rotated away only after that rename is
+durable.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import enum
 import json
 import os
 import random
+from collections.abc import Callable, Sequence
+from types import MappingProxyType
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.checkpoint.directories import fsync_path, raise_if_incomplete
+from twinkle_strategy.checkpoint.directories import check_shared_directory, fsync_path, raise_if_incomplete
 from twinkle_strategy.checkpoint.reading import (
     STATE_DIR,
     IOStats,
@@ -49,13 +57,17 @@ from twinkle_strategy.checkpoint.reading import (
 from twinkle_strategy.checkpoint.save_plan import (
     CHUNK_BYTES,
     Adapter,
+    FrontEndFiles,
+    ModelConfig,
+    ModelWeights,
+    Publish,
     SaveContext,
     SaveItem,
     SavePlan,
     SaveReport,
+    Tokenizer,
     execute_save,
     is_peft_model,
-    pretrained_items,
     write_bytes,
 )
 from twinkle_strategy.checkpoint.writing import DEFAULT_MAX_FILE_BYTES, OptimizerFiles, TrainableFiles
@@ -142,6 +154,98 @@ class TrainerStateJson:
         ctx.at_commit(STATE_FILE, lambda: write_bytes(ctx.directory, STATE_FILE, text))
 
 
+# --------------------------------------------------------------------------------------- the kinds of save
+class SaveKind(enum.Enum):
+    """What a save is of. A training checkpoint is two kinds: the model's (full or adapter) and the trainer state."""
+
+    FULL_MODEL = "full model"  # the model as a Hugging Face checkpoint
+    LORA_ADAPTER = "LoRA adapter"  # a PEFT model's adapter, whole (all experts), in PEFT's format
+    TRAINER_STATE = "trainer state"  # what resume needs beyond the weights
+    MERGED_EXPORT = "merged export"  # a LoRA run's adapters merged into its base, in the model's dtype
+    MERGED_RELEASE_EXPORT = "merged export in the release's format"  # the merged weights; the rest the release's
+
+
+class Part(enum.Enum):
+    """One item of a save, by what it writes. Optional parts are written when the front-end brings them."""
+
+    MODEL_WEIGHTS = "model*.safetensors and its index, every rank its own rows"
+    MODEL_CONFIG = "config.json and generation_config.json"
+    ADAPTER = "the adapter (PEFT's files, or the front-end's adapter writer), gathered or read back at the commit"
+    TOKENIZER = "the tokenizer's (or processor's) files, when the front-end has one"
+    FRONT_END_FILES = "the front-end's own files (training_args.bin, swift's _save), when it brings them"
+    TRAINER_STATE_FILES = "trainer_state/: optimizer, trainable weights, scheduler, RNG (unless saving the model only)"
+    FRONT_END_STATE_FILES = "the front-end's own state files (the HF Trainer's rng_state_<i>.pth), when it brings them"
+    TRAINER_STATE_JSON = "trainer_state.json, at the commit, when the front-end brings its content"
+    MERGED_WEIGHTS = "the merged weights only, into the subdirectory the release's files are assembled around"
+    RELEASE_FILES = "the release's own files around the merged weights (the merged export brings them)"
+
+
+SAVE_KINDS = MappingProxyType({
+    SaveKind.FULL_MODEL: (Part.MODEL_WEIGHTS, Part.MODEL_CONFIG, Part.TOKENIZER, Part.FRONT_END_FILES),
+    SaveKind.LORA_ADAPTER: (Part.ADAPTER, Part.TOKENIZER, Part.FRONT_END_FILES),
+    SaveKind.TRAINER_STATE: (Part.TRAINER_STATE_FILES, Part.FRONT_END_STATE_FILES, Part.TRAINER_STATE_JSON),
+    SaveKind.MERGED_EXPORT: (Part.MODEL_WEIGHTS, Part.MODEL_CONFIG),
+    SaveKind.MERGED_RELEASE_EXPORT: (Part.MERGED_WEIGHTS, Part.RELEASE_FILES),
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveSources:
+    """What a front-end brings to a save beside the model; an optional part it leaves out is not written.
+    Whatever a front-end's own files read must be taken now: an asynchronous save writes them later."""
+
+    tokenizer: object = None
+    front_end_files: FrontEndFiles | None = None
+    # The adapter: PEFT's save_pretrained unless the front-end writes more with it (swift's files after PEFT's).
+    adapter_writer: Callable[[str, dict], None] | None = None
+    # Asynchronous saves that write trainer_state/ too: rank 0 reads the adapter back at the commit.
+    adapter_from_trainable_files: bool = False
+    optimizer: object = None  # None: trainer_state/ without optimizer state
+    scheduler: object = None
+    model_only: bool = False  # no trainer_state/ (the HF Trainer's save_only_model)
+    front_end_state_files: FrontEndFiles | None = None
+    trainer_state_json: dict | bytes | None = None  # as of the save step
+    merged_names: frozenset[str] | None = None  # a release-format export: the weights an adapter was merged into
+    merged_subdirectory: str = ""
+    release_files: SaveItem | None = None
+
+
+_ITEM_OF: MappingProxyType[Part, Callable[[SaveSources], SaveItem | None]] = MappingProxyType({
+    Part.MODEL_WEIGHTS: lambda sources: ModelWeights(),
+    Part.MODEL_CONFIG: lambda sources: ModelConfig(),
+    Part.ADAPTER: lambda sources: Adapter(write_files=sources.adapter_writer,
+                                          from_trainable_files=sources.adapter_from_trainable_files),
+    Part.TOKENIZER: lambda sources: Tokenizer(sources.tokenizer) if sources.tokenizer is not None else None,
+    Part.FRONT_END_FILES: lambda sources: sources.front_end_files,
+    Part.TRAINER_STATE_FILES: lambda sources: (None if sources.model_only else
+                                               TrainerStateFiles(sources.optimizer, sources.scheduler)),
+    Part.FRONT_END_STATE_FILES: lambda sources: sources.front_end_state_files,
+    Part.TRAINER_STATE_JSON: lambda sources: (TrainerStateJson(sources.trainer_state_json)
+                                              if sources.trainer_state_json is not None else None),
+    Part.MERGED_WEIGHTS: lambda sources: ModelWeights(names=sources.merged_names,
+                                                      subdirectory=sources.merged_subdirectory),
+    Part.RELEASE_FILES: lambda sources: sources.release_files,
+})
+
+
+def model_kind(model: nn.Module) -> SaveKind:
+    """The kind of save of ``model``'s weights: a PEFT model's adapter, or the full model."""
+    return SaveKind.LORA_ADAPTER if is_peft_model(model) else SaveKind.FULL_MODEL
+
+
+def declare(*kinds: SaveKind, sources: SaveSources = SaveSources()) -> list[SaveItem]:
+    """The items a save of ``kinds`` writes, in order (every rank declares the same, at the save step): each kind's
+    parts of :data:`SAVE_KINDS`, from what the front-end brings. The one place save items are listed."""
+    items = [_ITEM_OF[part](sources) for kind in kinds for part in SAVE_KINDS[kind]]
+    return [item for item in items if item is not None]
+
+
+def pretrained_items(model: nn.Module, *, tokenizer=None) -> list[SaveItem]:
+    """What ``save_pretrained`` writes: a full model's weights and config, or a PEFT model's adapter; the
+    tokenizer."""
+    return declare(model_kind(model), sources=SaveSources(tokenizer=tokenizer))
+
+
 def checkpoint_items(model: nn.Module, *, optimizer, scheduler, trainer_state: dict, tokenizer=None,
                      save_optimizer: bool = True) -> list[SaveItem]:
     """What twinkle's Trainer writes into ``checkpoint-{step}/``: the model (or adapter) as ``save_pretrained``
@@ -149,9 +253,25 @@ def checkpoint_items(model: nn.Module, *, optimizer, scheduler, trainer_state: d
 
     An asynchronous save reads the adapter back at the commit from the trainable weights ``trainer_state/``
     holds (nothing gathered while training waits)."""
-    items = pretrained_items(model, tokenizer=tokenizer, adapter=Adapter(from_trainable_files=True))
-    return items + [TrainerStateFiles(optimizer if save_optimizer else None, scheduler),
-                    TrainerStateJson(copy.deepcopy(trainer_state))]  # as of this step: training appends to it
+    sources = SaveSources(tokenizer=tokenizer, adapter_from_trainable_files=True,
+                          optimizer=optimizer if save_optimizer else None, scheduler=scheduler,
+                          trainer_state_json=copy.deepcopy(trainer_state))  # as of this step: training appends to it
+    return declare(model_kind(model), SaveKind.TRAINER_STATE, sources=sources)
+
+
+def save_pretrained(model: nn.Module, directory: str, *, ep_plan: ExpertParallelPlan | None,
+                    max_file_bytes: int = DEFAULT_MAX_FILE_BYTES, chunk_bytes: int = CHUNK_BYTES, tokenizer=None,
+                    items: Sequence[SaveItem] | None = None) -> None:
+    """``model`` as a Hugging Face checkpoint in ``directory`` (collective; ``NativeFSDPStrategy.save_pretrained``):
+    :func:`pretrained_items`, or ``items`` (of :func:`declare`), published into ``directory`` (merged into it if
+    it holds other files, under a marker loaders refuse until the end:
+    :mod:`twinkle_strategy.checkpoint.directories`)."""
+    directory = os.path.normpath(directory)
+    check_shared_directory(os.path.dirname(os.path.abspath(directory)), what="the directory given to save_pretrained")
+    items = pretrained_items(model, tokenizer=tokenizer) if items is None else items
+    execute_save(SavePlan(directory, tuple(items), publish=Publish.MERGE, max_file_bytes=max_file_bytes,
+                          chunk_bytes=chunk_bytes, subject=f"saving {directory}", advice="", report=False),
+                 model=model, ep_plan=ep_plan)
 
 
 def save_checkpoint(path: str, model: nn.Module, strategy: CheckpointedStrategy, *, optimizer, scheduler,

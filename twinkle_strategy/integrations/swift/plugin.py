@@ -28,7 +28,7 @@ ms-swift 4.x (:mod:`twinkle_strategy.integrations.swift.parts`, one module each)
    adapter is the full ``[r*E]`` one; then ``strategy.wrap_model`` applies EP and FSDP2 and, with
    ``memory_efficient_init``, sends every rank exactly its shards from its node's source.
 4. **Trainer** (``TrainerFactory.get_trainer_cls``): swift's trainer class, with EP-aware gradient
-   clipping; saves through ``strategy.save_pretrained``, as any trainer of the shared layer: full
+   clipping; saves as any trainer of the shared layer (the same kinds of save, sync or async): full
    parameters written by every rank in parallel into the checkpoint's safetensors files (no gather,
    the source checkpoint's key layout), adapters gathered (small) and written by process zero in
    PEFT's format; swift's ``_save`` adds the rest of its layout; plus ``trainer_state/`` (optimizer state and

@@ -6,7 +6,8 @@ A keyword of the trainer, next to ``strategy=``, not a ``TrainingArguments`` fie
 cannot take fields it does not know, and TRL's and swift's argument classes are theirs.
 
 At a save step (:meth:`AsyncCheckpoints.save_checkpoint`, the mixin's ``_save_checkpoint``) every rank declares
-what a synchronous save of the mixin writes, as save items (:mod:`twinkle_strategy.checkpoint.save_plan`), and
+what a synchronous save of the mixin writes, its model's and the trainer state's kinds of save
+(:func:`twinkle_strategy.checkpoint.training.declare`, from what the trainer brings to them), and
 the save executor copies them into host memory for the pending directory ``checkpoint-N.tmp``: the model's rows
 (or, for an adapter, rank 0 writes it at the commit from the trainable weights every rank wrote), ``trainer_state/``, and the
 Trainer's own files taken now and written later (``training_args.bin``, ``rng_state_<i>.pth``, the trainer
@@ -27,6 +28,7 @@ mixin refuses to resume from it: a run killed mid-write resumes from the previou
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import tempfile
@@ -39,7 +41,7 @@ from twinkle_strategy.checkpoint.background import AsyncSaves
 from twinkle_strategy.checkpoint.directories import PENDING_SUFFIX, raise_if_incomplete
 from twinkle_strategy.checkpoint.manager import rotate_checkpoints
 from twinkle_strategy.checkpoint.save_plan import FrontEndFiles, SavePlan, execute_save, write_bytes
-from twinkle_strategy.checkpoint.training import STATE_FILE, TrainerStateFiles, TrainerStateJson
+from twinkle_strategy.checkpoint.training import STATE_FILE, SaveKind, declare, model_kind
 from twinkle_strategy.compat.transformers_internals import file_size_bytes, save_rng_state
 from twinkle_strategy.errors import CheckpointError, ResumeError
 
@@ -64,22 +66,27 @@ class AsyncCheckpoints(TrainerCallback):
 
     # -- the save
     def save_checkpoint(self) -> None:
-        """The trainer's ``checkpoint-{global_step}``, declared as save items and copied into host memory; written
-        in the background (collective)."""
+        """The trainer's ``checkpoint-{global_step}``: its model's and the trainer state's kinds of save, declared
+        and copied into host memory; written in the background (collective)."""
         trainer = self.trainer
         args, state = trainer.args, trainer.state
         trainer.store_flos()
         path = os.path.join(args.output_dir, f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
         self.saves.make_room(path)  # the previous save is durable: the best checkpoint noted below may be it
         with_trainer_state = not args.save_only_model
-        items = trainer.checkpoint_model_items(adapter_from_trainable_files=with_trainer_state)
+        trainer.checkpoint_started(path)
+        sources = trainer.model_save_sources(adapter_from_trainable_files=with_trainer_state)
         self._note_best_checkpoint(path)
+        rng_state = None
         if with_trainer_state:
             rng_files = files_written_by(functools.partial(save_rng_state, trainer))  # taken now, written later
-            items += [TrainerStateFiles(trainer.optimizer, trainer.lr_scheduler),
-                      FrontEndFiles("the RNG state", functools.partial(write_files, files=rng_files), every_rank=True)]
-        if args.should_save:
-            items.append(TrainerStateJson(self._trainer_state_json()))
+            rng_state = FrontEndFiles("the RNG state", functools.partial(write_files, files=rng_files), every_rank=True)
+        # The trainer state as the HF Trainer's own save writes it (its RNG state and trainer_state.json included).
+        state_json = self._trainer_state_json() if args.should_save else None
+        sources = dataclasses.replace(sources, optimizer=trainer.optimizer, scheduler=trainer.lr_scheduler,
+                                      model_only=not with_trainer_state, front_end_state_files=rng_state,
+                                      trainer_state_json=state_json)
+        items = declare(model_kind(trainer.model), SaveKind.TRAINER_STATE, sources=sources)
         best = state.best_model_checkpoint
 
         def after_publish() -> None:  # rank 0, once the checkpoint is durable under its final name

@@ -37,7 +37,7 @@ What changes, and why:
   adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
   number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`). With
   ``async_save=True`` they are written in the background while training goes on (:mod:`.async_save`): the
-  same save items (:mod:`twinkle_strategy.checkpoint.save_plan`), carried out by the same executor.
+  same kinds of save, declared once (:mod:`twinkle_strategy.checkpoint.training`), carried out by the same executor.
 """
 
 from __future__ import annotations
@@ -49,15 +49,16 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from twinkle_strategy.checkpoint.save_plan import (
-    Adapter,
-    FrontEndFiles,
-    SaveItem,
-    pretrained_items,
-    save_items,
+from twinkle_strategy.checkpoint.save_plan import FrontEndFiles, save_items
+from twinkle_strategy.checkpoint.training import (
+    SaveKind,
+    SaveSources,
+    declare,
+    load_trained_weights,
+    load_trainer_state,
+    model_kind,
     save_pretrained,
 )
-from twinkle_strategy.checkpoint.training import TrainerStateFiles, load_trained_weights, load_trainer_state
 from twinkle_strategy.compat.transformers_internals import (
     file_size_bytes,
     mark_accelerate_prepared,
@@ -226,11 +227,11 @@ class StrategyTrainerMixin:
     # -- saving: every rank writes its own rows; no gather of the model
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        # The items an asynchronous checkpoint copies too (the adapter gathered: a synchronous save does).
+        # The model's kind of save, as an asynchronous checkpoint declares it (the adapter gathered: synchronous).
+        items = declare(model_kind(self.model), sources=self.model_save_sources(adapter_from_trainable_files=False))
         save_pretrained(self.model, output_dir, ep_plan=self.strategy.ep_plan,
                         max_file_bytes=file_size_bytes(self.checkpoint_shard_size),
-                        chunk_bytes=self.strategy.init_bucket_bytes,
-                        items=self.checkpoint_model_items(adapter_from_trainable_files=False))
+                        chunk_bytes=self.strategy.init_bucket_bytes, items=items)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
@@ -239,30 +240,36 @@ class StrategyTrainerMixin:
             return parent_save_checkpoint(self, StrategyTrainerMixin, model, trial)
         self.async_checkpoints.save_checkpoint()
 
-    # What save_model writes into a checkpoint, declared for asynchronous saves (.async_save): the same items.
+    # What save_model writes with (and so an asynchronous checkpoint's model files).
     checkpoint_shard_size = SAVE_PRETRAINED_SHARD_SIZE
 
-    def checkpoint_model_items(self, *, adapter_from_trainable_files: bool) -> list[SaveItem]:
-        """Asynchronous saves: what :meth:`save_model` writes into a checkpoint, as save items
-        (:mod:`twinkle_strategy.checkpoint.save_plan`); every rank declares them, at the save step.
-        ``adapter_from_trainable_files``: the save writes ``trainer_state/`` too, from which rank 0 reads the
-        adapter back at the commit (nothing gathered while training waits)."""
+    def model_save_sources(self, *, adapter_from_trainable_files: bool) -> SaveSources:
+        """What this trainer brings to a save of its model (:func:`~twinkle_strategy.checkpoint.training.declare`
+        lists the items), in :meth:`save_model` and an asynchronous checkpoint (:mod:`.async_save`) alike: the
+        tokenizer, and ``training_args.bin``. ``adapter_from_trainable_files``: the save writes ``trainer_state/``
+        too, from which rank 0 reads the adapter back at the commit (nothing gathered while training waits)."""
         tokenizer = self.processing_class if hasattr(self.processing_class, "save_pretrained") else None
-        items = pretrained_items(self.model, tokenizer=tokenizer,
-                                 adapter=Adapter(from_trainable_files=adapter_from_trainable_files))
         args = self.args
-        items.append(FrontEndFiles("training_args.bin", every_rank=True, here=args.should_save,
-                                   write_files=lambda directory: torch.save(args, os.path.join(directory,
-                                                                                               "training_args.bin"))))
-        return items
+        training_args = FrontEndFiles("training_args.bin", every_rank=True, here=args.should_save,
+                                      write_files=lambda directory: torch.save(args, os.path.join(directory,
+                                                                                                  "training_args.bin")))
+        return SaveSources(tokenizer=tokenizer, front_end_files=training_args,
+                           adapter_from_trainable_files=adapter_from_trainable_files)
+
+    def checkpoint_started(self, path: str) -> None:
+        """Asynchronous saves: called on every rank at the save step of ``path``, before its items are declared;
+        nothing here (swift's trainer notes its last checkpoint)."""
 
     def checkpoint_committed(self, path: str) -> None:
         """Asynchronous saves: called on process zero once ``path`` is durable under its final name (and rotation
         is done), from the commit's thread; nothing here (swift's trainer points its ``last-checkpoint`` link)."""
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save_items([TrainerStateFiles(self.optimizer, self.lr_scheduler)], output_dir, model=self.model,
-                   ep_plan=self.strategy.ep_plan, subject=f"saving the trainer state into {output_dir}")
+        # The trainer state's kind of save, of which the HF Trainer writes its RNG state and trainer_state.json itself.
+        sources = SaveSources(optimizer=self.optimizer, scheduler=self.lr_scheduler)
+        items = declare(SaveKind.TRAINER_STATE, sources=sources)
+        save_items(items, output_dir, model=self.model, ep_plan=self.strategy.ep_plan,
+                   subject=f"saving the trainer state into {output_dir}")
 
     # -- resuming: each rank reads its rows, whatever layout saved them
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:

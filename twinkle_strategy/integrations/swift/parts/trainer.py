@@ -14,7 +14,8 @@ import os
 import torch
 
 from twinkle_strategy.checkpoint import ResumeError
-from twinkle_strategy.checkpoint.save_plan import Adapter, FrontEndFiles, ModelConfig, ModelWeights, SaveItem
+from twinkle_strategy.checkpoint.save_plan import FrontEndFiles
+from twinkle_strategy.checkpoint.training import SaveKind, SaveSources, model_kind
 from twinkle_strategy.compat.transformers_internals import scheduler_file_name, trainer_save
 from twinkle_strategy.distributed.dtensor import local_tensor
 from twinkle_strategy.integrations.swift.parts.options import trainer_options
@@ -103,44 +104,36 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
                 p.grad = None
         return norm
 
-    # -- saving: the weights as the shared mixin writes them; the rest of the checkpoint is swift's own _save
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        output_dir = output_dir if output_dir is not None else self.args.output_dir
-        # strategy.save_pretrained, on every rank: full-parameter rows straight into the checkpoint's safetensors
-        # files (in the layout of the checkpoint the run started from), or the whole adapter in PEFT's format;
-        # process zero then lets swift write everything else of its layout (args.json, training_args.bin...).
-        self.strategy.save_pretrained(self.model, output_dir, max_shard_size=self.args.max_shard_size)
-        if self.args.should_save:
-            trainer_save(self, output_dir, state_dict=None)
-        if self.args.push_to_hub and not _internal_call:
-            self.push_to_hub(commit_message="Model save")
-
+    # -- saving: the shared mixin's save_model and asynchronous checkpoints, with swift's own files (its _save)
     @property
     def checkpoint_shard_size(self):
         return self.args.max_shard_size  # swift's --max_shard_size
 
-    def checkpoint_model_items(self, *, adapter_from_trainable_files: bool) -> list[SaveItem]:
-        """Asynchronous saves: what :meth:`save_model` writes, as save items; swift's own files (``_save``: its
-        arguments, tokenizer, the adapter through PEFT) written by process zero's background writer, or, for an
-        adapter, at the commit once every rank has written the trainable weights it is read back from."""
-        # What swift's own _save_checkpoint notes first (its bookkeeping after train() reads it).
-        self.state.last_model_checkpoint = os.path.join(self.args.output_dir,
-                                                        f"checkpoint-{self.state.global_step}")
-        logger.info("twinkle swift plugin: saving model checkpoint to %s in the background",
-                    self.state.last_model_checkpoint)
+    def model_save_sources(self, *, adapter_from_trainable_files: bool) -> SaveSources:
+        """What swift brings to a save of the model, synchronous (``save_model``) or asynchronous alike: every rank
+        writes its rows of a full model, and process zero swift's own files (``_save``: its arguments, tokenizer,
+        generation config); an adapter is PEFT's files then swift's, by rank 0 (asynchronously, at the commit once
+        every rank has written the trainable weights it is read back from)."""
         should_save = self.args.should_save
-        if self.args.tuner_type == "full":
-            items: list[SaveItem] = [ModelWeights(), ModelConfig()]
-            items.append(FrontEndFiles("swift's files", every_rank=True, here=should_save,
-                                       write_files=lambda directory: trainer_save(self, directory, state_dict=None)))
-            return items
 
-        def write_adapter(directory: str, state: dict) -> None:  # as save_model: PEFT's adapter files, then swift's
+        def write_swift_files(directory: str) -> None:
+            trainer_save(self, directory, state_dict=None)
+
+        if model_kind(self.model) == SaveKind.FULL_MODEL:
+            return SaveSources(front_end_files=FrontEndFiles("swift's files", write_swift_files, every_rank=True,
+                                                             here=should_save))
+
+        def write_adapter(directory: str, state: dict) -> None:  # PEFT's adapter files, then swift's
             self.model.save_pretrained(directory, state_dict=state)
             if should_save:
-                trainer_save(self, directory, state_dict=None)
+                write_swift_files(directory)
 
-        return [Adapter(write_files=write_adapter, from_trainable_files=adapter_from_trainable_files)]
+        return SaveSources(adapter_writer=write_adapter, adapter_from_trainable_files=adapter_from_trainable_files)
+
+    def checkpoint_started(self, path: str) -> None:
+        # What swift's own _save_checkpoint notes first (its bookkeeping after train() reads it).
+        self.state.last_model_checkpoint = path
+        logger.info("twinkle swift plugin: saving model checkpoint to %s in the background", path)
 
     def checkpoint_committed(self, path: str) -> None:
         # swift >= 4.6 points <output_dir>/last-checkpoint at a checkpoint once it is fully written.
