@@ -23,6 +23,8 @@ DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
     ("--optim sgd", "train.optim (--optim): 'sgd' is not an AdamW implementation twinkle-sft has; use one of "
                     "adamw_torch_fused, adamw_torch"),
     ("train.optim=adamw_hf", "train.optim (--optim): 'adamw_hf' is not"),
+    ("--reduce_dtype int8", "strategy.reduce_dtype (--reduce_dtype): reduce_dtype='int8' is not valid: use a float "
+                            "dtype: float32 (the default), bfloat16 or float16"),
 ])
 def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
     import torch.distributed as dist
