@@ -34,9 +34,9 @@ def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]
 
 def _norms(tensors: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
     """The fp32 ``norm_type`` norm of every non-empty one of ``tensors``, one per tensor, on ``device``."""
-    norms = [norm.to(device) for group in _by_device_and_dtype([t for t in tensors if t.numel()])
-             for norm in foreach_norm(group, norm_type)]
-    return torch.stack(norms) if norms else torch.zeros(0, device=device)
+    norms = [torch.stack(foreach_norm(group, norm_type)).to(device)
+             for group in _by_device_and_dtype([t for t in tensors if t.numel()])]
+    return torch.cat(norms) if len(norms) > 1 else norms[0] if norms else torch.zeros(0, device=device)
 
 
 @torch.no_grad()
