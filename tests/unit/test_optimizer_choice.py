@@ -17,7 +17,7 @@ import torch
 
 from twinkle_strategy.checkpoint import CheckpointManager, CheckpointPolicy
 from twinkle_strategy.testing.tiny_models import build_tiny_model
-from twinkle_strategy.train.arguments import OPTIMIZERS, Optimizer, TrainingArguments
+from twinkle_strategy.train.arguments import OPTIMIZERS, OptimizerName, TrainingArguments
 from twinkle_strategy.train.errors import RecipeError
 from twinkle_strategy.train.trainer import Trainer
 
@@ -75,7 +75,7 @@ def test_an_unknown_optimizer_names_the_option_and_the_accepted_values():
                                           r"of adamw_torch_fused, adamw_torch") as info:
         TrainingArguments(optim="sgd")
     assert info.value.key == "train.optim"
-    assert {o.torch_options()["fused"] for o in Optimizer} == {True, False}
+    assert {o.torch_options()["fused"] for o in OptimizerName} == {True, False}
 
 
 @pytest.mark.parametrize("saved,resumed", [("adamw_torch_fused", "adamw_torch"), ("adamw_torch", "adamw_torch_fused")])
@@ -105,7 +105,7 @@ def test_a_checkpoint_resumes_with_the_other_implementation(saved, resumed, tmp_
     continued = _trainer(resumed)
     continued.model.load_state_dict(first.model.state_dict())
     continued.optimizer.load_state_dict(first.optimizer.state_dict())
-    continued.optimizer.param_groups[0].update(Optimizer(resumed).torch_options())
+    continued.optimizer.param_groups[0].update(OptimizerName(resumed).torch_options())
     _step(second)
     _step(continued)
     for (name, got_p), want in zip(second.model.named_parameters(), continued.model.parameters(), strict=True):

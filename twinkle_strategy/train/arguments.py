@@ -8,7 +8,7 @@ import enum
 from twinkle_strategy.train.errors import RecipeError
 
 
-class Optimizer(str, enum.Enum):
+class OptimizerName(str, enum.Enum):
     """``optim``: which of torch's AdamW implementations steps the parameters, named as transformers names them
     (``transformers.training_args.OptimizerNames``). Both keep the same state (``step``, ``exp_avg``,
     ``exp_avg_sq``), so a run saved with one resumes with the other."""
@@ -18,12 +18,12 @@ class Optimizer(str, enum.Enum):
 
     def torch_options(self) -> dict[str, bool]:
         """The keyword arguments of ``torch.optim.AdamW`` that choose this implementation."""
-        if self is Optimizer.ADAMW_TORCH_FUSED:
+        if self is OptimizerName.ADAMW_TORCH_FUSED:
             return {"fused": True, "foreach": False}
         return {"fused": False, "foreach": True}
 
 
-OPTIMIZERS = tuple(name.value for name in Optimizer)
+OPTIMIZERS = tuple(name.value for name in OptimizerName)
 
 
 def _option(default, help: str, **kwargs):  # noqa: A002 - the name argparse and transformers use
@@ -45,7 +45,7 @@ class TrainingArguments:
     adam_beta1: float = _option(0.9, "AdamW beta1")
     adam_beta2: float = _option(0.999, "AdamW beta2")
     adam_epsilon: float = _option(1e-8, "AdamW epsilon")
-    optim: str = _option(Optimizer.ADAMW_TORCH_FUSED.value, "AdamW implementation, as transformers names it: "
+    optim: str = _option(OptimizerName.ADAMW_TORCH_FUSED.value, "AdamW implementation, as transformers names it: "
                                                             "adamw_torch_fused (torch's fused kernel, HF Trainer's "
                                                             "default) | adamw_torch (foreach)")
     lr_scheduler_type: str = _option("cosine", "learning-rate schedule after warmup: cosine | linear | constant")
