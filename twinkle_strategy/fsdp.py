@@ -25,7 +25,8 @@ def mixed_precision_policy(mixed_precision: MixedPrecision | str | None, *,
 
     'no'/'fp32' computes in the parameters' own dtypes and, with the default float32, reduces each gradient in its
     parameter's dtype (an fp32 model in fp32, as always); another ``reduce_dtype`` casts the gradients to it for
-    the reduce. A world of one reduces nothing: every ``reduce_dtype`` then gives the same gradients.
+    the reduce. :func:`apply_fsdp` gives a mesh of one rank :func:`reducing_nothing` of it instead: a world of one
+    gets the same gradients whatever ``reduce_dtype`` says.
     """
     if reduce_dtype not in FLOAT_DTYPES:
         raise ValueError(f"reduce_dtype={reduce_dtype!r} is not supported; use 'float32', 'bfloat16' or 'float16'")
