@@ -18,7 +18,7 @@ from twinkle_strategy.errors import StrategyConfigError
 
 
 class MixedPrecision(str, enum.Enum):
-    """FSDP2's compute dtype (``mixed_precision``); gradients are reduced in fp32 either way."""
+    """FSDP2's compute dtype (``mixed_precision``); gradients are reduced in ``reduce_dtype`` (fp32 by default)."""
 
     BF16 = "bf16"
     FP16 = "fp16"
@@ -48,6 +48,9 @@ MIXED_PRECISION = tuple(mode.value for mode in MixedPrecision)
 # Spellings users write for the same three policies (YAML reads a bare `no` as false).
 _MIXED_PRECISION_ALIASES = {"bfloat16": "bf16", "float16": "fp16", "fp32": "no", "float32": "no",
                             "false": "no", "False": "no", "none": "no", "None": "no"}
+# reduce_dtype: the float dtypes FSDP2 may sum gradients in, by the names users write (dtypes.FLOAT_DTYPES).
+REDUCE_DTYPES = ("float32", "bfloat16", "float16")
+_REDUCE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 INIT_TRANSPORTS = tuple(kind.value for kind in InitTransport)
 QUANTIZED_BASES = tuple(kind.value for kind in QuantizedBase)
 DEVICE_TYPES = typing.get_args(DeviceType)
@@ -73,7 +76,12 @@ class StrategyConfig:
                                              "front-end: global batch = per-device batch x gradient accumulation "
                                              "x world size / sequence_parallel_size")
     mixed_precision: str = _option("bf16", "bf16 | fp16 | no: FSDP2 compute dtype; gradients are reduced in "
-                                           "fp32 and fp32-kept modules stay fp32")
+                                           "reduce_dtype and fp32-kept modules stay fp32")
+    reduce_dtype: str = _option("float32", "float32 | bfloat16 | float16: the dtype FSDP2 sums gradients across "
+                                           "ranks in, under bf16/fp16 mixed precision; bfloat16 halves the reduce's "
+                                           "bytes and skips the cast of every gradient to fp32, at a bf16 rounding "
+                                           "per rank summed (docs/strategy.md); with mixed_precision 'no', float32 "
+                                           "reduces each gradient in its parameter's own dtype")
     reshard_after_forward: bool = _option(True, "free gathered parameters after each forward (FSDP2's "
                                                 "reshard_after_forward); false trades memory for speed")
     memory_efficient_init: bool = _option(False, "only each node's local rank 0 reads the checkpoint; every "
@@ -102,6 +110,10 @@ class StrategyConfig:
         _check(self, "ep_fsdp_size", self.ep_fsdp_size is None or self.ep_fsdp_size >= 1,
                "use a positive integer, or leave it unset")
         _check(self, "mixed_precision", mixed in MIXED_PRECISION, f"use one of {MIXED_PRECISION}")
+        reduce = _REDUCE_DTYPE_ALIASES.get(str(self.reduce_dtype), self.reduce_dtype)
+        object.__setattr__(self, "reduce_dtype", reduce)
+        _check(self, "reduce_dtype", reduce in REDUCE_DTYPES,
+               "use a float dtype: float32 (the default), bfloat16 or float16")
         _check(self, "init_bucket_mb", self.init_bucket_mb > 0, "use a positive size in MiB")
         _check(self, "init_transport", self.init_transport in INIT_TRANSPORTS, f"use one of {INIT_TRANSPORTS}")
         _check(self, "quantized_base", self.quantized_base in QUANTIZED_BASES, f"use one of {QUANTIZED_BASES}")

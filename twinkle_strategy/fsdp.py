@@ -18,15 +18,32 @@ from twinkle_strategy.parallel import Meshes
 _NO_MIXED_PRECISION = {None, MixedPrecision.NO, "fp32", "float32"}
 
 
-def mixed_precision_policy(mixed_precision: MixedPrecision | str | None) -> MixedPrecisionPolicy:
-    """Compute in ``mixed_precision`` (bf16/fp16), reduce gradients in fp32; 'no'/'fp32' keeps parameters' dtype."""
+def mixed_precision_policy(mixed_precision: MixedPrecision | str | None, *,
+                           reduce_dtype: str = "float32") -> MixedPrecisionPolicy:
+    """Compute in ``mixed_precision`` (bf16/fp16) and reduce gradients in ``reduce_dtype`` (a float dtype name).
+
+    'no'/'fp32' computes in the parameters' own dtypes and, with the default float32, reduces each gradient in its
+    parameter's dtype (an fp32 model in fp32, as always); another ``reduce_dtype`` casts the gradients to it for
+    the reduce. :func:`apply_fsdp` gives a mesh of one rank :func:`reducing_nothing` of it instead: a world of one
+    gets the same gradients whatever ``reduce_dtype`` says.
+    """
+    if reduce_dtype not in FLOAT_DTYPES:
+        raise ValueError(f"reduce_dtype={reduce_dtype!r} is not supported; use 'float32', 'bfloat16' or 'float16'")
+    reduce = FLOAT_DTYPES[reduce_dtype]
     if mixed_precision in _NO_MIXED_PRECISION:
-        return MixedPrecisionPolicy()
+        return MixedPrecisionPolicy() if reduce == torch.float32 else MixedPrecisionPolicy(reduce_dtype=reduce)
     if mixed_precision not in FLOAT_DTYPES:
         raise ValueError(
             f"mixed_precision={mixed_precision!r} is not supported; use 'bf16', 'fp16' or 'no'"
         )
-    return MixedPrecisionPolicy(param_dtype=FLOAT_DTYPES[mixed_precision], reduce_dtype=torch.float32)
+    return MixedPrecisionPolicy(param_dtype=FLOAT_DTYPES[mixed_precision], reduce_dtype=reduce)
+
+
+def reducing_nothing(policy: MixedPrecisionPolicy) -> MixedPrecisionPolicy:
+    """``policy`` for a mesh of one rank: its gradients are reduced in the compute dtype, not cast to
+    ``reduce_dtype`` first. The numbers are the same (a reduction over one rank adds nothing and the result is cast
+    to the parameter's dtype either way); the cast (FSDP2's copy-in, a pass over every gradient) is not paid."""
+    return dataclasses.replace(policy, reduce_dtype=policy.param_dtype)
 
 
 def find_decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -56,6 +73,7 @@ def apply_fsdp(
     world mean (see :func:`twinkle_strategy.moe.dispatch.run_on_owners`).
     """
     def shard(module, mesh, policy):
+        policy = policy if mesh.size() > 1 else reducing_nothing(policy)
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
 
     loaded = loaded_dtype(model)

@@ -255,7 +255,8 @@ class NativeFSDPStrategy(RoutingMethods):
         if self.dims.ep_enabled:
             self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, ep_group=self.meshes.ep_group)
             experts_modules = [model.get_submodule(name) for name in self.ep_plan.experts_modules]
-        apply_fsdp(model, self.meshes, experts_modules, mixed_precision_policy(self.config.mixed_precision),
+        policy = mixed_precision_policy(self.config.mixed_precision, reduce_dtype=self.config.reduce_dtype)
+        apply_fsdp(model, self.meshes, experts_modules, policy,
                    reshard_after_forward=self.config.reshard_after_forward)
         if self.memory_efficient_init:
             self._materialize(model, capture)

@@ -20,6 +20,15 @@ about 4 layers; a token whose later layer broke a near-tie otherwise is counted,
   measured up to 9 u, on a token whose neighbour was routed otherwise);
 * loss, a mean over 64-256 tokens of per-token errors that average out: u relative (measured 0.2 u);
 * gradient norm, which also moves where a token changed experts: 8 u relative (measured 2 u).
+
+The reduce dtype (``reduce_dtype``, 2 nodes x 2, DeepSeek-V3, full parameters): one backward, its gradients summed
+across ranks in fp32 (the default) and in bf16, everything else the same. Each rank's gradient is bf16 either way
+(mixed_precision='bf16'); fp32 sums the M ranks of a reduction nearly exactly and rounds the mean once to the bf16
+shard, bf16 rounds each of the M - 1 partial sums and the mean. So each element differs by at most (M + 1) u times
+the mean over those ranks of |gradient|, first order; the worker measures each rank's own contribution (its
+reduced gradient with every other rank's loss scaled by 0) and the bound is checked element by element against
+their absolute sum, at (world + 2) u (M <= world; one u more for the fp32 sum's own roundings and second-order
+terms). fp32-kept parameters (DeepSeek-V3's router) reduce in fp32 under either setting: bit for bit.
 """
 
 import math
@@ -104,7 +113,7 @@ def check_cases(ranks: dict, expected: list[str]) -> list[float]:
 @pytest.mark.parametrize("layout", ["2x2_ep2", "2x4_ep4"])
 def test_bf16_matches_one_process(checkpoints, layout, tmp_path):
     per_node, ep, cases = {"2x2_ep2": (2, 2, CASES_2X2), "2x4_ep4": (4, 4, CASES_2X4)}[layout]
-    changed = ["--changed-on-sources", "deepseek_v3"] if per_node == 2 else []
+    changed = ["--changed-on-sources", "deepseek_v3", "--reduce-dtype", "deepseek_v3"] if per_node == 2 else []
     roundtrips = ROUNDTRIPS_2X4 if per_node == 4 else ()
     result = launch("bf16_parity.py", ["--ckpt-root", str(checkpoints), "--cases", ",".join(cases), "--ep", str(ep),
                                        "--roundtrip", ",".join(roundtrips), *changed],
@@ -120,6 +129,7 @@ def test_bf16_matches_one_process(checkpoints, layout, tmp_path):
         assert c["moe_layers"] >= 2, f"{c['family']}: one MoE layer, no later layer to report on"
     if changed:
         check_changed_on_sources(ranks, str(checkpoints / "deepseek_v3"))
+        check_reduce_dtype(ranks, world=2 * per_node)
     # Reported (not asserted): how often bf16 rounding broke a near-tie differently in a later MoE layer,
     # and the largest differences in units of u.
     cases = [c for data in ranks.values() for c in data["cases"]]
@@ -130,6 +140,19 @@ def test_bf16_matches_one_process(checkpoints, layout, tmp_path):
     print(f"\n{layout}: later MoE layers route {100 * sum(later) / len(later):.2f}% of tokens differently "
           f"(worst layer {100 * max(later):.2f}%); largest relative differences: "
           + ", ".join(f"{what} {value:.2f} u" for what, value in worst.items()))
+
+
+def check_reduce_dtype(ranks: dict, world: int) -> None:
+    """Gradients reduced in bf16 within (world + 2) u of the ranks' absolute sum of the fp32-reduced ones (module
+    docstring); fp32-kept parameters' bit for bit."""
+    cases = [data["reduce_dtype"] for data in ranks.values()]
+    for rank, c in enumerate(cases):
+        assert c["kept"] and c["kept_equal"], f"rank {rank}: fp32-kept gradients {c['kept']} changed with reduce_dtype"
+        assert c["bf16_grads"] > 10 and c["differ"] > 0, f"rank {rank}: the bf16 reduce changed nothing: {c}"
+        assert c["worst_in_u"] <= world + 2, f"rank {rank}: {c['worst_in_u']:.2f} u of the ranks' absolute sum"
+    print(f"\nreduce_dtype=bfloat16 at world size {world}: worst element {max(c['worst_in_u'] for c in cases):.2f} u "
+          f"of the ranks' absolute sum (bound {world + 2}); gradient norm of the difference "
+          f"{cases[0]['relative_norm_difference']:.2e} of the fp32-reduced gradient's")
 
 
 def check_changed_on_sources(ranks: dict, checkpoint: str) -> None:

@@ -4,6 +4,7 @@ process: tests/multiproc/test_bf16.py.)"""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 def fsdp_groups(model, units, experts=()) -> list[set]:
@@ -51,3 +52,57 @@ def test_a_module_holding_both_dtypes_itself_is_refused_naming_it():
     with pytest.raises(ModelStructureError, match=r"module 'model\.layers\.0\.mlp\.gate' \(\w+\) holds parameters "
                                                   r"transformers keeps in their own dtype \(\['global_scale'\]\)"):
         kept_dtype_units(model, kept_parameters(model, torch.bfloat16))
+
+
+class _ReduceInputs(TorchDispatchMode):
+    """The dtypes of FSDP2's reduce-scatter inputs: its copy-in (``fsdp::chunk_cat``, into a buffer of the reduce
+    dtype) casts the gradients there."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is torch.ops.fsdp.chunk_cat:
+            self.dtypes.add(kwargs["out"].dtype if "out" in kwargs else args[3].dtype)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("mixed_precision", ["bf16", "no"])
+def test_a_world_of_one_gets_the_same_gradients_whatever_the_reduce_dtype(mixed_precision):
+    """reduce_dtype changes how the ranks' gradients are summed; a world of one (a real gloo group) sums nothing:
+    its gradients are bit for bit those of the default fp32 reduce, and FSDP2 reduces them in the compute dtype
+    there (no cast of every gradient to reduce_dtype for a reduction that adds nothing)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from twinkle_strategy.distributed.dtensor import local_tensor
+    from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy
+    from twinkle_strategy.parallel import Meshes
+    from twinkle_strategy.testing.tiny_models import build_tiny_model
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grads, reduced_in = {}, {}
+        for reduce_dtype in ("float32", "bfloat16"):
+            policy = mixed_precision_policy(mixed_precision, reduce_dtype=reduce_dtype)
+            assert policy.reduce_dtype == {"float32": None if mixed_precision == "no" else torch.float32,
+                                           "bfloat16": torch.bfloat16}[reduce_dtype]
+            model = build_tiny_model("qwen3_moe", seed=0)  # fp32: a bf16 reduce would round its gradients
+            apply_fsdp(model, Meshes(fsdp=init_device_mesh("cpu", (1,)), expert=None), [], policy)
+            batch = torch.tensor([[3, 1, 4, 1, 5, 9, 2, 6]])
+            loss = model(input_ids=batch, labels=batch).loss
+            with _ReduceInputs() as inputs:
+                loss.backward()
+            grads[reduce_dtype] = [local_tensor(p.grad).clone() for p in model.parameters()]
+            reduced_in[reduce_dtype] = inputs.dtypes
+        assert all(g.dtype == torch.float32 for g in grads["bfloat16"])
+        assert all(torch.equal(a, b) for a, b in zip(grads["float32"], grads["bfloat16"], strict=True))
+        compute = torch.bfloat16 if mixed_precision == "bf16" else torch.float32
+        assert reduced_in == {"float32": {compute}, "bfloat16": {compute}}, reduced_in
+    finally:
+        if started:
+            dist.destroy_process_group()

@@ -818,6 +818,30 @@ def _dtensor_local_tensor(tiny):
             dist.destroy_process_group()
 
 
+@checks("torch._foreach_norm")
+def _foreach_norm(tiny):
+    """One call gives each tensor's norm in fp32 (a bf16 tensor's too), the same as linalg.vector_norm's."""
+    tensors = [torch.randn(5, 3), torch.randn(7).to(torch.bfloat16), torch.randn(1)]
+    for norm_type in (2.0, 1.0, float("inf")):
+        for group in (tensors[::2], tensors[1:2]):
+            norms = th.foreach_norm(group, norm_type)
+            assert [n.dtype for n in norms] == [torch.float32] * len(group) and all(n.shape == () for n in norms)
+            want = [torch.linalg.vector_norm(t.float(), norm_type) for t in group]
+            torch.testing.assert_close(list(norms), want, rtol=1e-6, atol=0)
+
+
+@checks("torch._foreach_mul_")
+def _foreach_mul(tiny):
+    """Each tensor is multiplied in place by a 0-dim tensor factor, as Tensor.mul_ would (bf16 included)."""
+    for dtype in (torch.float32, torch.bfloat16):
+        tensors = [torch.randn(4, 3, dtype=dtype), torch.randn(2, dtype=dtype)]
+        want = [t * torch.tensor(0.37, dtype=dtype) for t in tensors]
+        storages = [t.data_ptr() for t in tensors]
+        th.foreach_mul_(tensors, torch.tensor(0.37, dtype=dtype))
+        assert [t.data_ptr() for t in tensors] == storages  # in place
+        assert all(torch.equal(got, w) for got, w in zip(tensors, want, strict=True))
+
+
 # ------------------------------------------------------------------ a missing internal is named
 def test_a_missing_internal_is_named_with_the_installed_version(monkeypatch, tiny):
     import re

@@ -33,7 +33,8 @@ FIXTURES = "twinkle_strategy.testing"
 
 # A value other than the default for every option, by type (a new option needs no edit here).
 EXAMPLE_VALUES = {int: 2, float: 7.5, bool: True, str: None}
-EXAMPLE_STRINGS = {"mixed_precision": "fp16", "init_transport": "scatter", "device_type": "cpu", "backend": "gloo"}
+EXAMPLE_STRINGS = {"mixed_precision": "fp16", "init_transport": "scatter", "device_type": "cpu", "backend": "gloo",
+                   "reduce_dtype": "bfloat16"}
 
 
 def _imported_modules(path: Path) -> set[str]:
@@ -287,6 +288,11 @@ def test_config_is_frozen_and_normalises_spellings():
     cfg = StrategyConfig(mixed_precision="bfloat16")
     assert cfg.mixed_precision == "bf16"
     assert StrategyConfig(mixed_precision=False).mixed_precision == "no"  # YAML's bare `no`
+    assert StrategyConfig().reduce_dtype == "float32"
+    assert [StrategyConfig(reduce_dtype=name).reduce_dtype for name in ("bf16", "fp16", "fp32", "bfloat16")] == \
+        ["bfloat16", "float16", "float32", "bfloat16"]
+    with pytest.raises(StrategyConfigError, match="reduce_dtype='int8' is not valid: use a float dtype"):
+        StrategyConfig(reduce_dtype="int8")
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.ep_size = 4
     strategy = NativeFSDPStrategy(cfg, ep_size=4)

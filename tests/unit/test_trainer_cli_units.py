@@ -20,6 +20,11 @@ DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
                            "by ep_size 3; choose ep_size among [1, 2, 4]"),
     ("tuner.type=full train.merge_lora=true", "train.merge_lora (--merge_lora): true needs tuner.type=lora (got "
                                               "'full')"),
+    ("--optim sgd", "train.optim (--optim): 'sgd' is not an AdamW implementation twinkle-sft has; use one of "
+                    "adamw_torch_fused, adamw_torch"),
+    ("train.optim=adamw_hf", "train.optim (--optim): 'adamw_hf' is not"),
+    ("--reduce_dtype int8", "strategy.reduce_dtype (--reduce_dtype): reduce_dtype='int8' is not valid: use a float "
+                            "dtype: float32 (the default), bfloat16 or float16"),
 ])
 def test_bad_recipe_fails_before_launch(override, message, tmp_path, capsys):
     import torch.distributed as dist

@@ -29,6 +29,7 @@ from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
 
 SEQ, PER_RANK = 16, 2
+U = 2.0 ** -8  # bf16 unit roundoff
 LORA_SEED = 7
 ATTENTION = {"deepseek_v3": ["q_b_proj", "o_proj"], "deepseek_v4": ["q_b_proj", "o_b_proj"]}
 EXPERTS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
@@ -167,6 +168,59 @@ def compared_logits(logits, want, otherwise: list[torch.Tensor]) -> dict:
                 logit_diff_all=diff.max().item(), logit_scale=want.float().abs().max().item())
 
 
+def _gradient_shards(model) -> dict[str, torch.Tensor]:
+    """This rank's shard of every gradient, as it is stored (bf16, or fp32 for fp32-kept parameters)."""
+    from twinkle_strategy.distributed.dtensor import local_tensor
+
+    return {name: local_tensor(p.grad).clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def reduce_dtype_case(path: str, ep: int, world: int, rank: int) -> dict:
+    """One bf16 backward with the gradients summed across ranks in fp32 (the default) and in bf16
+    (``reduce_dtype='bfloat16'``), on the same model and tokens: this rank's gradient shards and the bound of their
+    difference (test_bf16.py's REDUCE_DTYPE docstring).
+
+    Each rank's own contribution is measured too: with fp32 reduction and every other rank's loss scaled by 0, the
+    reduced gradient is rank j's contribution divided by the group size, exactly (one non-zero term, a power of
+    two). Their absolute sum bounds, element by element, the mean of |gradient| over the ranks a reduction adds up.
+    """
+    import torch.distributed as dist
+
+    ids = batch(AutoConfig.from_pretrained(path).get_text_config().vocab_size, world)
+    mine = ids[rank * PER_RANK:(rank + 1) * PER_RANK]
+    shards, contributions = {}, {}
+    for reduce in ("float32", "bfloat16"):
+        strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="bf16", reduce_dtype=reduce, timeout_s=300)
+        model, _ = strategy.wrap_model(strategy.from_pretrained(path, dtype=torch.bfloat16))
+        model.train()
+        model(input_ids=mine, labels=mine).loss.backward()
+        shards[reduce] = _gradient_shards(model)
+        if reduce == "float32":
+            for j in range(world):
+                model.zero_grad()
+                (model(input_ids=mine, labels=mine).loss * float(rank == j)).backward()
+                for name, g in _gradient_shards(model).items():
+                    contributions[name] = contributions.get(name, 0) + g.float().abs()
+    fp32, bf16 = shards["float32"], shards["bfloat16"]
+    kept = sorted(n for n, g in fp32.items() if g.dtype == torch.float32)  # fp32-kept units reduce in fp32 anyway
+    worst, diff2, ref2 = 0.0, 0.0, 0.0
+    for name, want in fp32.items():
+        got = bf16[name]
+        assert got.dtype == want.dtype, (name, got.dtype, want.dtype)
+        difference = (got.float() - want.float()).abs()
+        # In units of u times the ranks' absolute sum (the smallest bf16 subnormal added: 0/0 where all is 0).
+        scaled = difference / (U * contributions[name] + 2.0 ** -133)
+        worst = max(worst, float(scaled.max())) if scaled.numel() else worst
+        diff2 += float(difference.double().pow(2).sum())
+        ref2 += float(want.double().pow(2).sum())
+    sums = torch.tensor([diff2, ref2], dtype=torch.float64)
+    dist.all_reduce(sums)  # every element lives on one rank
+    return dict(kept=kept, kept_equal=all(torch.equal(bf16[n], fp32[n]) for n in kept),
+                bf16_grads=sum(g.dtype == torch.bfloat16 for g in fp32.values()),
+                differ=sum(not torch.equal(bf16[n], fp32[n]) for n in fp32), worst_in_u=worst,
+                relative_norm_difference=float(sums[0].sqrt() / sums[1].sqrt()))
+
+
 def changed_on_sources_case(path: str) -> dict:
     """The sources cast their model to bf16 before wrap_model (the router bias too), the other ranks do not:
     every rank must stop with an error naming the tensor and what transformers chose, not blame the dtype
@@ -190,6 +244,8 @@ def main():
                                                   "full-inmemory)")
     p.add_argument("--ep", type=int, default=2)
     p.add_argument("--changed-on-sources", default=None, help="a family whose sources change dtypes (see above)")
+    p.add_argument("--reduce-dtype", default=None, help="a family whose gradients are reduced in fp32 and in bf16 "
+                                                        "(reduce_dtype), then compared")
     p.add_argument("--roundtrip", default="", help="then save and resume in bf16: family[+lora],... "
                                                    "(tests/workers/roundtrip.py)")
     args = p.parse_args()
@@ -207,6 +263,10 @@ def main():
         result["roundtrips"].append(roundtrip_case(
             os.path.join(args.ckpt_root, family), family, bool(lora), rank, dtype=torch.bfloat16, ep_size=args.ep,
             max_file_bytes=32 * 2**10, with_adapter=lambda model, lora, family: with_adapter(model, family, lora)))
+        worker_common.write_result(result)
+    if args.reduce_dtype:
+        result["reduce_dtype"] = reduce_dtype_case(os.path.join(args.ckpt_root, args.reduce_dtype), args.ep, world,
+                                                   rank)
         worker_common.write_result(result)
     if args.changed_on_sources:
         result["changed"] = changed_on_sources_case(os.path.join(args.ckpt_root, args.changed_on_sources))

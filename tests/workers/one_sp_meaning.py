@@ -47,7 +47,7 @@ def main():
         per_device_train_batch_size=train.per_device_train_batch_size,
         gradient_accumulation_steps=train.gradient_accumulation_steps, learning_rate=train.learning_rate,
         weight_decay=train.weight_decay, adam_beta1=train.adam_beta1, adam_beta2=train.adam_beta2,
-        adam_epsilon=train.adam_epsilon, optim="adamw_torch", lr_scheduler_type=train.lr_scheduler_type,
+        adam_epsilon=train.adam_epsilon, optim=train.optim, lr_scheduler_type=train.lr_scheduler_type,
         warmup_steps=train.warmup_steps or math.ceil(train.warmup_ratio * train.max_steps),
         max_grad_norm=train.max_grad_norm, logging_steps=1, save_strategy="no", train_sampling_strategy="sequential",
         remove_unused_columns=False, use_cpu=True, report_to=[], seed=train.seed, dataloader_num_workers=0,

@@ -335,7 +335,10 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: E
         if missing:
             raise ResumeError(f"{directory}: optimizer state of parameter '{missing[0]}', which this model does "
                               "not have; resume with the model the checkpoint was trained from")
-        group.update({k: v for k, v in saved_group.items() if k != "params"})
+        # The saved hyper-parameters, not how it ran: the implementation is this optimizer's (a run saved with
+        # fused AdamW resumes with foreach, or back; their state is the same).
+        group.update({k: v for k, v in saved_group.items() if k != "params" and k not in IMPLEMENTATION_KEYS})
+    on_device = _steps_on_device(optimizer)
     files = _optimizer_files(directory)
     index = SafetensorsIndex(files) if files else None
     regions = {r.name: r for r in regions_of(model, ep_plan, names=set(params))}
@@ -346,7 +349,7 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: E
     try:
         for name in sorted(set(tensor_keys) | set(saved["scalars"])):
             param = params[name]
-            state = {k: torch.tensor(v) for k, v in saved["scalars"].get(name, {}).items()}
+            state = {k: _scalar(k, v, param, id(param) in on_device) for k, v in saved["scalars"].get(name, {}).items()}
             for key in tensor_keys.get(name, []):
                 local = torch.empty_like(local_tensor(param))
                 read_regions([regions[name]], lambda n, rows, key=key: index.read(f"{n}:{key}", rows),
@@ -358,6 +361,23 @@ def read_optimizer_files(directory: str, model: nn.Module, optimizer, ep_plan: E
         if index is not None:
             stats.bytes_read += index.bytes_read
             index.close()
+
+
+# Optimizer options that say how it computes, not what: torch.optim's implementation flags.
+IMPLEMENTATION_KEYS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
+def _steps_on_device(optimizer) -> set[int]:
+    """The ids of the parameters whose ``step`` the optimizer keeps on their device: those of fused and capturable
+    groups, as ``torch.optim.Optimizer.load_state_dict`` puts it (the others keep it on the CPU)."""
+    return {id(p) for group in optimizer.param_groups if group.get("fused") or group.get("capturable")
+            for p in group["params"]}
+
+
+def _scalar(key: str, value: float, param, on_device: bool) -> torch.Tensor:
+    if key == "step" and on_device:
+        return torch.tensor(value, dtype=torch.float32, device=local_tensor(param).device)
+    return torch.tensor(value)
 
 
 def _optimizer_files(directory: str) -> list[str]:

@@ -195,3 +195,35 @@ def peak_tracked_bytes(run) -> int:
     with Counting():
         run()
     return state["peak"]
+
+
+# ------------------------------------------------------------------ one kernel per group of gradients
+FOREACH_NORM = Internal(
+    "torch._foreach_norm", "torch",
+    used_for="take the norms of all the gradients of one device and dtype in one kernel when clipping (as "
+             "torch.nn.utils.clip_grad_norm_ does), not one norm and one launch per parameter",
+    checked=_CHECKED,
+    replacement="none for a list of tensors: torch.nn.utils.get_total_norm uses it, but cannot combine DTensors "
+                "of several meshes; torch.linalg.vector_norm of each tensor is the per-parameter loop it replaces")
+
+
+@FOREACH_NORM.wrapper
+def foreach_norm(tensors: list[torch.Tensor], norm_type: float) -> list[torch.Tensor]:
+    """The ``norm_type`` norm of each of ``tensors`` (one device, no empty tensor), computed and returned in fp32."""
+    return FOREACH_NORM.attribute(torch, "_foreach_norm")(tensors, norm_type, dtype=torch.float32)
+
+
+FOREACH_MUL = Internal(
+    "torch._foreach_mul_", "torch",
+    used_for="scale all the gradients of one device and dtype by the clipping coefficient in one kernel (as "
+             "torch.nn.utils.clip_grad_norm_ does), not one launch per parameter",
+    checked=_CHECKED,
+    replacement="none for a list of tensors: torch.nn.utils.clip_grads_with_norm_ uses it, but cannot combine "
+                "DTensors of several meshes; Tensor.mul_ on each tensor is the per-parameter loop it replaces")
+
+
+@FOREACH_MUL.wrapper
+def foreach_mul_(tensors: list[torch.Tensor], factor: torch.Tensor) -> None:
+    """Multiply each of ``tensors`` (one device and dtype) in place by the 0-dim tensor ``factor`` (same device
+    and dtype: no host sync)."""
+    FOREACH_MUL.attribute(torch, "_foreach_mul_")(tensors, factor)

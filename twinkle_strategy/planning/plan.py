@@ -217,7 +217,8 @@ def _comm_bytes(planned: PlannedModel, states: ModelStates, request: PlanRequest
     regathers = 1 if request.strategy.reshard_after_forward else 0
     layers_gathered = sum(u.unsharded for u in states.layers)
     all_gather = int(share * (units + regathers * layers_gathered))
-    reduce_scatter = int(share * states.trainable_elements / max(dims.ep_size, 1) * 4)  # fp32 reduction
+    reduce_bytes = 4 if request.strategy.reduce_dtype == "float32" else 2  # (bf16 / fp16: reduce_dtype)
+    reduce_scatter = int(share * states.trainable_elements / max(dims.ep_size, 1) * reduce_bytes)
     hidden = getattr(planned.config.get_text_config(), "hidden_size", 0)
     top_k = getattr(planned.config.get_text_config(), "num_experts_per_tok", 0) or 0
     tokens = request.micro_batch * math.ceil(request.max_length / dims.sp_size)

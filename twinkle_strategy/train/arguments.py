@@ -3,6 +3,27 @@
 from __future__ import annotations
 
 import dataclasses
+import enum
+
+from twinkle_strategy.train.errors import RecipeError
+
+
+class OptimizerName(str, enum.Enum):
+    """``optim``: which of torch's AdamW implementations steps the parameters, named as transformers names them
+    (``transformers.training_args.OptimizerNames``). Both keep the same state (``step``, ``exp_avg``,
+    ``exp_avg_sq``), so a run saved with one resumes with the other."""
+
+    ADAMW_TORCH_FUSED = "adamw_torch_fused"  # one kernel per device and dtype: HF Trainer's and torchtitan's default
+    ADAMW_TORCH = "adamw_torch"  # torch's multi-tensor (foreach) ops
+
+    def torch_options(self) -> dict[str, bool]:
+        """The keyword arguments of ``torch.optim.AdamW`` that choose this implementation."""
+        if self is OptimizerName.ADAMW_TORCH_FUSED:
+            return {"fused": True, "foreach": False}
+        return {"fused": False, "foreach": True}
+
+
+OPTIMIZERS = tuple(name.value for name in OptimizerName)
 
 
 def _option(default, help: str, **kwargs):  # noqa: A002 - the name argparse and transformers use
@@ -24,6 +45,9 @@ class TrainingArguments:
     adam_beta1: float = _option(0.9, "AdamW beta1")
     adam_beta2: float = _option(0.999, "AdamW beta2")
     adam_epsilon: float = _option(1e-8, "AdamW epsilon")
+    optim: str = _option(OptimizerName.ADAMW_TORCH_FUSED.value, "AdamW implementation, as transformers names it: "
+                                                            "adamw_torch_fused (torch's fused kernel, HF Trainer's "
+                                                            "default) | adamw_torch (foreach)")
     lr_scheduler_type: str = _option("cosine", "learning-rate schedule after warmup: cosine | linear | constant")
     warmup_ratio: float = _option(0.0, "fraction of the steps spent warming the learning rate up from 0")
     warmup_steps: int = _option(0, "warmup steps; > 0 overrides warmup_ratio")
@@ -56,6 +80,9 @@ class TrainingArguments:
     def __post_init__(self) -> None:
         if self.merged_format not in ("bf16", "release"):
             raise ValueError(f"merged_format={self.merged_format!r}; use 'bf16' or 'release'")
+        if self.optim not in OPTIMIZERS:  # (a RecipeError naming its key: twinkle-sft prints it before launch)
+            reason = f"{self.optim!r} is not an AdamW implementation twinkle-sft has; use one of {', '.join(OPTIMIZERS)}"
+            raise RecipeError(f"optim={reason}", key="train.optim", reason=reason)
         if self.lr_scheduler_type not in ("cosine", "linear", "constant"):
             raise ValueError(f"lr_scheduler_type={self.lr_scheduler_type!r}; use 'cosine', 'linear' or 'constant'")
         for name in ("per_device_train_batch_size", "gradient_accumulation_steps", "logging_steps"):

@@ -196,8 +196,9 @@ _REASONS: dict[str, tuple[str, ...]] = {
     # training
     "use --mixed_precision bf16 (and --torch_dtype for the weights)": _flags("bf16"),
     "use --mixed_precision fp16 (and --torch_dtype for the weights)": _flags("fp16"),
-    "twinkle-sft trains with AdamW (--learning_rate, --weight_decay, --adam_beta1, --adam_beta2, --adam_epsilon); "
-    "drop it": _flags("optim optim_args optim_target_modules optimizer lr_scheduler_kwargs"),
+    "twinkle-sft trains with AdamW (--optim adamw_torch_fused | adamw_torch, --learning_rate, --weight_decay, "
+    "--adam_beta1, --adam_beta2, --adam_epsilon); drop it": _flags("optim_args optim_target_modules optimizer "
+                                                                   "lr_scheduler_kwargs"),
     "twinkle-sft's loss is the mean cross-entropy over every response token of the global batch; drop it":
         _flags("loss_type enable_dft_loss enable_channel_loss mrl_dims label_smoothing_factor "
                "average_tokens_across_devices"),

@@ -32,7 +32,7 @@ from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
 from twinkle_strategy.step import StepBatches, StepPolicy, TrainingStep, all_reduce_sum
 from twinkle_strategy.strategy import NativeFSDPStrategy
-from twinkle_strategy.train.arguments import TrainingArguments
+from twinkle_strategy.train.arguments import OptimizerName, TrainingArguments
 from twinkle_strategy.train.data import StepSampler
 from twinkle_strategy.train.log_lines import lines_above, log_entry, print_line
 from twinkle_strategy.train.metrics import StepWindow
@@ -127,8 +127,11 @@ class Trainer:
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not trainable:
             raise ValueError("the model has no trainable parameters")
+        # Fused by default (HF Trainer's adamw_torch_fused, torchtitan's default): one kernel per device and dtype
+        # instead of a chain of foreach ops, the same state either way (args.optim chooses; see OptimizerName).
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay,
-                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+                                           betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                           **OptimizerName(args.optim).torch_options())
 
     def _make_scheduler(self, max_steps: int) -> None:
         args = self.args
