@@ -215,7 +215,8 @@ LOADED_ON_FIRST_USE = ("twinkle_strategy.rl", "twinkle_strategy.planning", "twin
 
 
 def test_importing_the_strategy_loads_no_rl_planning_train_or_integration_module():
-    code = ("import sys\n"
+    code = ("import sys, twinkle_strategy\n"
+            "assert set(twinkle_strategy.__all__) <= set(dir(twinkle_strategy))  # listed before their first use\n"
             "from twinkle_strategy import NativeFSDPStrategy\n"
             "NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, sequence_parallel_size=2)  # no setup\n"
             f"print(sorted(m for m in sys.modules if m.startswith({LOADED_ON_FIRST_USE!r})))\n"
@@ -235,9 +236,12 @@ def test_the_package_exports_what_it_lists():
         assert getattr(twinkle_strategy, name).__name__ == name
     # What users train with sits next to the strategy: twinkle's Trainer and the transformers.Trainer mixin.
     from twinkle_strategy.integrations.transformers import with_strategy
-    from twinkle_strategy.train.trainer import Trainer
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.train.trainer import Trainer, TrainingArguments
 
     assert twinkle_strategy.Trainer is Trainer and twinkle_strategy.with_strategy is with_strategy
+    assert twinkle_strategy.TrainingArguments is TrainingArguments and twinkle_strategy.SFTDataset is SFTDataset
+    assert twinkle_strategy.DataCollatorForSFT is DataCollatorForSFT
     with pytest.raises(AttributeError, match="no attribute 'NativeFSDP'"):
         twinkle_strategy.NativeFSDP  # noqa: B018
 
