@@ -39,7 +39,7 @@ from twinkle_strategy.distributed.runtime import install_error_report
 from twinkle_strategy.fsdp import mixed_precision_policy
 from twinkle_strategy.placement.load import ModelPaths, load_model, node_local
 from twinkle_strategy.placement.process import ProcessPlace, place_process
-from twinkle_strategy.placement.wrap import wrap_model
+from twinkle_strategy.placement.wrap import wrap_for_training
 from twinkle_strategy.sequence import loss_tokens, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
 from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention
@@ -183,7 +183,7 @@ class NativeFSDPStrategy:
         from twinkle_strategy.rl.replay import routing_hooks  # the routers wrapped once, for routing replay
 
         self.setup()
-        wrapped = wrap_model(model, optimizer, place=self.place, config=self.config)
+        wrapped = wrap_for_training(model, optimizer, place=self.place, config=self.config)
         if wrapped.ep_plan is not None:
             self.ep_plan = wrapped.ep_plan
         if wrapped.init_report is not None:

@@ -4,6 +4,8 @@
 - No package imports another that imports it back, directly or through others, and no module either.
 - ``distributed/`` is the lowest layer; the package's own imports are made at module level.
 - Importing one module (``twinkle_strategy.errors``) does not load the library.
+- Importing the strategy (``from twinkle_strategy import NativeFSDPStrategy``) loads no module of ``rl/``,
+  ``planning/``, ``train/`` or ``integrations/``: the methods that need them import them when called.
 - Nothing outside the fixtures (``twinkle_strategy.testing``: tiny families, quantized releases, test
   matrices) imports them: not the library, not the application, not the integrations.
 - Every strategy option is accepted, under the same name and type, by the Python API, the recipe,
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -198,24 +201,18 @@ def test_the_package_imports_its_own_modules_at_module_level():
     assert not late, f"imports of the package inside functions (move them to the top of the file): {late}"
 
 
-def test_importing_one_module_does_not_load_the_library():
-    code = ("import sys, twinkle_strategy.errors\n"
-            "loaded = sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'twinkle_strategy.')))\n"
-            "print(loaded)\n")
-    # (without torch: half a second. That the package root then loads the strategy on first use is checked in a
-    # fresh process that imports torch: tests/multiproc/test_fresh_process.py)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['twinkle_strategy.errors', 'twinkle_strategy.log']", result.stdout
-
-
 # What the strategy leaves for later: a run that only trains loads none of them (issue 44).
 LOADED_ON_FIRST_USE = ("twinkle_strategy.rl", "twinkle_strategy.planning", "twinkle_strategy.train",
                        "twinkle_strategy.integrations")
 
 
-def test_importing_the_strategy_loads_no_rl_planning_train_or_integration_module():
-    code = ("import sys, twinkle_strategy\n"
+@functools.cache
+def _fresh_imports() -> list[str]:
+    """What a fresh interpreter loads: first importing one module (``twinkle_strategy.errors``), then importing
+    the strategy and constructing it. One launch for both tests (the unit tier's launch budget)."""
+    code = ("import sys, twinkle_strategy.errors\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'twinkle_strategy.')))\n"
+            "print(loaded)\n"
             "assert set(twinkle_strategy.__all__) <= set(dir(twinkle_strategy))  # listed before their first use\n"
             "from twinkle_strategy import NativeFSDPStrategy\n"
             "NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, sequence_parallel_size=2)  # no setup\n"
@@ -223,7 +220,18 @@ def test_importing_the_strategy_loads_no_rl_planning_train_or_integration_module
             "print(len([m for m in sys.modules if m.startswith('twinkle_strategy')]))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    *_, loaded, count = result.stdout.strip().splitlines()
+    return result.stdout.strip().splitlines()[-3:]
+
+
+def test_importing_one_module_does_not_load_the_library():
+    # (the first line is printed before torch is imported. That the package root then loads the strategy on first
+    # use is checked in a fresh process too: tests/multiproc/test_fresh_process.py)
+    one_module, _, _ = _fresh_imports()
+    assert one_module == "['twinkle_strategy.errors', 'twinkle_strategy.log']", one_module
+
+
+def test_importing_the_strategy_loads_no_rl_planning_train_or_integration_module():
+    _, loaded, count = _fresh_imports()
     assert loaded == "[]", f"from twinkle_strategy import NativeFSDPStrategy loaded {loaded}"
     assert int(count) > 20  # the strategy's own modules were loaded: the check looked at a real import
 

@@ -43,7 +43,7 @@ class WrappedModel:
     init_report: InitReport | None  # what the memory-efficient init did on this rank; None without it
 
 
-def wrap_model(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, place: ProcessPlace,
+def wrap_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | None, *, place: ProcessPlace,
                config: StrategyConfig) -> WrappedModel:
     """Apply EP and FSDP2 (and SP) to ``model`` in place (collective); see ``NativeFSDPStrategy.wrap_model``."""
     dims, rank = place.dims, place.env.rank
