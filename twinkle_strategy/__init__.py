@@ -1,7 +1,10 @@
 """twinkle_strategy: FSDP2 + expert parallelism for Mixture-of-Experts training.
 
-The names below load on first use (a module ``__getattr__``): importing the package, or one module
-of it such as ``twinkle_strategy.errors``, loads that module and the package logger, not the library.
+What a user trains with, importable from here: the strategy and its options, twinkle's Trainer with its
+arguments and SFT data, the ``transformers.Trainer`` mixin, the errors, the demo model. The names load on first use
+(a module ``__getattr__``, PEP 562): importing the package, or one module of it such as ``twinkle_strategy.errors``,
+loads that module and the package logger, not the library; ``from twinkle_strategy import NativeFSDPStrategy``
+loads the strategy, not the training application (``train/``) nor the integrations.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ _EXPORTS = {
     "StrategyConfig": "twinkle_strategy.config",
     # The two front-ends users train with (no TYPE_CHECKING import above: the library imports no front-end).
     "Trainer": "twinkle_strategy.train.trainer",
+    "TrainingArguments": "twinkle_strategy.train.arguments",
+    "SFTDataset": "twinkle_strategy.train.data",
+    "DataCollatorForSFT": "twinkle_strategy.train.data",
     "with_strategy": "twinkle_strategy.integrations.transformers.classes",
     "ParallelDims": "twinkle_strategy.parallel",
     "apply_expert_parallel": "twinkle_strategy.moe.expert_parallel",
@@ -42,6 +48,9 @@ __all__ = [
     "NativeFSDPStrategy",
     "StrategyConfig",
     "Trainer",
+    "TrainingArguments",
+    "SFTDataset",
+    "DataCollatorForSFT",
     "with_strategy",
     "ParallelDims",
     "apply_expert_parallel",

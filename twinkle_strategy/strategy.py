@@ -1,10 +1,12 @@
 """NativeFSDPStrategy: FSDP2 + expert parallelism for transformers MoE models.
 
-The strategy owns the process group, the node topology and the device meshes,
-and calls the pieces that do the work: :mod:`twinkle_strategy.moe` for expert
-parallelism, :mod:`twinkle_strategy.fsdp` for sharding,
-:mod:`twinkle_strategy.shards.gather` and :mod:`twinkle_strategy.distributed.grad_clip` for what
-training needs afterwards.
+The strategy holds a run's options and state (the process's place, the expert-parallel plan, the routing hooks)
+and each of its methods calls the package that does the work: :mod:`twinkle_strategy.placement` (setup,
+loading, wrapping: :mod:`~twinkle_strategy.moe` for expert parallelism, :mod:`~twinkle_strategy.fsdp` for
+sharding, :mod:`~twinkle_strategy.init` for the memory-efficient init), :mod:`twinkle_strategy.sequence`,
+:mod:`twinkle_strategy.distributed.grad_clip`, :mod:`twinkle_strategy.shards.gather`,
+:mod:`twinkle_strategy.checkpoint`, and, on the first call of a method that needs them,
+:mod:`twinkle_strategy.planning` and :mod:`twinkle_strategy.rl` (importing the class loads neither).
 
 Typical use::
 
@@ -20,10 +22,8 @@ Typical use::
 
 from __future__ import annotations
 
-import logging
-import os
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,45 +32,29 @@ from torch import nn
 from twinkle_strategy.checkpoint.merged_export import MergedFormat, save_merged
 from twinkle_strategy.checkpoint.training import save_pretrained
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
-from twinkle_strategy.config import QuantizedBase, StrategyConfig
-from twinkle_strategy.distributed.fail_together import collectively
+from twinkle_strategy.config import StrategyConfig
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
-from twinkle_strategy.distributed.node import NodeLink, NodeTopology, broadcast_from_source, discover_topology
-from twinkle_strategy.distributed.runtime import current_device, init_distributed, install_error_report
-from twinkle_strategy.errors import DistributedInitError
-from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy, rebind_optimizer
-from twinkle_strategy.init.capture import buffer_alias_groups, capture_state, move_to_meta, restore_buffer_aliases
-from twinkle_strategy.init.engine import InitReport, distribute
-from twinkle_strategy.loading import (
-    config_from_text,
-    load_pretrained_strict,
-    open_on_this_rank,
-    read_config_text,
-    share_weight_conversions,
-)
-from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
-from twinkle_strategy.parallel import Meshes, ParallelDims, build_meshes, build_node_groups
-from twinkle_strategy.planning import PlanRequest, parse_size, plan_memory
-from twinkle_strategy.rl import export_options, weight_export
-from twinkle_strategy.rl.export_plan import EngineExperts, OneReceiver
-from twinkle_strategy.rl.replay import RoutingHooks, routing_hooks
-from twinkle_strategy.rl.strategy_methods import RoutingMethods
-from twinkle_strategy.sequence import (
-    apply_sequence_parallel,
-    check_sequence_parallel,
-    loss_tokens,
-    refuse_generation,
-    split_batch,
-)
+from twinkle_strategy.distributed.runtime import install_error_report
+from twinkle_strategy.fsdp import mixed_precision_policy
+from twinkle_strategy.placement.load import ModelPaths, load_model, node_local
+from twinkle_strategy.placement.process import ProcessPlace, place_process
+from twinkle_strategy.placement.wrap import wrap_for_training
+from twinkle_strategy.sequence import loss_tokens, split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
-from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention, resolve_model_path
+from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention
 from twinkle_strategy.step import all_reduce_sum
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:  # rl/ and planning/ load on the first call of a method that needs them, not with the class
+    from twinkle_strategy.init.engine import InitReport
+    from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
+    from twinkle_strategy.planning import MemoryPlan
+    from twinkle_strategy.rl.export_plan import EngineExperts, OneReceiver
+    from twinkle_strategy.rl.replay import RoutingHooks
+    from twinkle_strategy.rl.weight_export import WeightExport
 
 
-class NativeFSDPStrategy(RoutingMethods):
+class NativeFSDPStrategy:
     """FSDP2 with expert parallelism.
 
     Takes a :class:`~twinkle_strategy.config.StrategyConfig` (every option, its default and its doc),
@@ -85,9 +69,10 @@ class NativeFSDPStrategy(RoutingMethods):
             config = config.replace(**options)
         self.config = config if config is not None else StrategyConfig(**options)
         self.init_report: InitReport | None = None
-        mixed_precision_policy(self.config.mixed_precision)  # validate now, not after loading a model
+        mixed_precision_policy(self.config.mixed_precision, reduce_dtype=self.config.reduce_dtype)  # validate now
         self._ready = False
-        self._resolved_paths: dict[str, str] = {}
+        self.place: ProcessPlace | None = None  # set by setup
+        self._model_paths = ModelPaths()
         self.ep_plan: ExpertParallelPlan | None = None
         self.routing: RoutingHooks | None = None  # the wrapped model's routers (routing replay), set by wrap_model
 
@@ -102,18 +87,17 @@ class NativeFSDPStrategy(RoutingMethods):
         """Initialise the process group, agree on the topology, build the meshes. Idempotent."""
         if self._ready:
             return
-        self.device_type, self.env = init_distributed(self.config.device_type, self.config.backend,
-                                                      timeout_s=self.timeout_s)
-        self.device = current_device(self.device_type)
-        self.topology: NodeTopology = discover_topology(self.env)
-        self.dims = ParallelDims(world_size=self.env.world_size, ep_size=self.ep_size,
-                                 ep_fsdp_size=self.config.ep_fsdp_size,
-                                 local_world_size=self.topology.local_world_size,
-                                 sp_size=self.config.sequence_parallel_size)
-        self.meshes: Meshes = build_meshes(self.dims, self.device_type)
-        self.node_group = (build_node_groups(self.topology, self.device, self.timeout_s)
-                           if self.memory_efficient_init else None)
+        self.place = place_process(self.config)
         self._ready = True
+
+    # What setup placed this process in (:class:`~twinkle_strategy.placement.process.ProcessPlace`), as attributes.
+    device_type = property(lambda self: self.place.device_type)
+    env = property(lambda self: self.place.env)
+    device = property(lambda self: self.place.device)
+    topology = property(lambda self: self.place.topology)
+    dims = property(lambda self: self.place.dims)
+    meshes = property(lambda self: self.place.meshes)
+    node_group = property(lambda self: self.place.node_group)
 
     @property
     def rank(self) -> int:
@@ -130,18 +114,17 @@ class NativeFSDPStrategy(RoutingMethods):
         return self.rank == 0
 
     # --------------------------------------------------------------- planning
-    def plan(self, model_path: str, *, nnodes: int = 1, nproc_per_node: int = 1, **request: Any):
+    def plan(self, model_path: str, *, nnodes: int = 1, nproc_per_node: int = 1, **request: Any) -> MemoryPlan:
         """Will this strategy's run of ``model_path`` fit? A :class:`~twinkle_strategy.planning.MemoryPlan` of
         every rank's device memory and host RAM, made in this process from the model's config.json alone (no
         weight, no process group, no GPU; ``setup`` is not called). ``request``: the other fields of
         :class:`~twinkle_strategy.planning.PlanRequest` (``lora``, ``dtype``, ``micro_batch``, ``max_length``,
         ``gradient_checkpointing``, ``routing_skew``, ``device_memory``, ``host_memory``); ``table(plan)`` and
         ``to_json(plan)`` of :mod:`twinkle_strategy.planning` print it."""
-        for budget in ("device_memory", "host_memory"):
-            if isinstance(request.get(budget), str):
-                request[budget] = parse_size(request[budget], what=budget)
-        return plan_memory(PlanRequest(model_path=model_path, strategy=self.config, nnodes=nnodes,
-                                       nproc_per_node=nproc_per_node, **request))
+        from twinkle_strategy.planning import plan_memory, strategy_request
+
+        return plan_memory(strategy_request(self.config, model_path, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                                            **request))
 
     # ---------------------------------------------------------------- loading
     def from_pretrained(self, path_or_id: str, dtype: torch.dtype = torch.float32, *,
@@ -176,57 +159,19 @@ class NativeFSDPStrategy(RoutingMethods):
         install_error_report()  # the refusal below comes before the process group: one line per rank too
         refuse_accelerate_sharding()  # the same variables on every rank: each raises on its own, none waits
         self.setup()
-        what = f"loading {path_or_id}"
-        if not self.memory_efficient_init:
-            return collectively(what, lambda: self._load_whole(path_or_id, dtype, kwargs, hubs),
-                                error_class=DistributedInitError)
-        # The config first, as text: every rank builds it and its meta model while the source checks the checkpoint.
-        found = collectively(what, lambda: self._config_text(path_or_id, hubs), here=self.topology.is_source,
-                             error_class=DistributedInitError)
-        text, path = broadcast_from_source(found, self.topology.source_rank, self.node_group)
-        model = collectively(what, lambda: self._build(path, text, dtype, kwargs), error_class=DistributedInitError)
-        share_weight_conversions(model, self.topology, self.node_group)
-        return model
-
-    def _load_whole(self, path_or_id: str, dtype: torch.dtype, kwargs: dict, hubs: HubConvention) -> nn.Module:
-        path = self._resolve(path_or_id, hubs)
-        if self.dims.sp_enabled:  # refuse a model sequence parallelism cannot split before reading its weights
-            from transformers import AutoConfig
-
-            check_sequence_parallel(AutoConfig.from_pretrained(path), self.dims.sp_size)
-        return load_pretrained_strict(path, dtype=dtype, **kwargs)
-
-    def _resolve(self, path_or_id: str, hubs: HubConvention) -> str:
-        path = self._resolved_paths[path_or_id] = resolve_model_path(path_or_id, hubs=hubs)
-        return path
-
-    def _config_text(self, path_or_id: str, hubs: HubConvention) -> tuple[str, str]:
-        """(config.json's text, the local directory) of ``path_or_id``, on a node's source."""
-        path = self._resolve(path_or_id, hubs)
-        return read_config_text(path), path
-
-    def _build(self, path: str, text: str, dtype: torch.dtype, kwargs: dict) -> nn.Module:
-        """The source opens the checkpoint; every other rank builds the model on meta from the config."""
-        config = config_from_text(text, os.path.join(path, "config.json"))
-        check_sequence_parallel(config, self.dims.sp_size)
-        return open_on_this_rank(path, config, dtype, topology=self.topology, stream=self.config.stream_checkpoint,
-                                 full_load=lambda: load_pretrained_strict(path, dtype=dtype, **kwargs), kwargs=kwargs,
-                                 quantized_base=QuantizedBase(self.config.quantized_base))
+        return load_model(path_or_id, dtype, place=self.place, config=self.config, paths=self._model_paths, hubs=hubs,
+                          kwargs=kwargs)
 
     def resolved_model_path(self, path_or_id: str, *, hubs: HubConvention = PYTHON_HUBS) -> str:
         """The local directory ``from_pretrained`` used for ``path_or_id`` (downloading if this rank did not),
         e.g. for ``AutoTokenizer.from_pretrained``."""
-        return self._resolved_paths.get(path_or_id) or resolve_model_path(path_or_id, hubs=hubs)
+        return self._model_paths.resolved(path_or_id, hubs)
 
     def node_local_object(self, make):
         """``make()`` on each node's source, shared with its node (every rank calls ``make`` without
         memory_efficient_init). For small things every rank needs, e.g. the tokenizer."""
         self.setup()
-        if not self.memory_efficient_init:
-            return make()
-        obj = collectively("preparing a node-local object", make, here=self.topology.is_source,
-                           error_class=DistributedInitError)
-        return broadcast_from_source(obj, self.topology.source_rank, self.node_group)
+        return node_local(make, place=self.place, config=self.config)
 
     # --------------------------------------------------------------- wrapping
     def wrap_model(self, model: nn.Module, optimizer: torch.optim.Optimizer | None = None):
@@ -235,55 +180,16 @@ class NativeFSDPStrategy(RoutingMethods):
         A given optimizer is pointed at the sharded parameters (matched by name),
         keeping its class, hyper-parameters and parameter groups.
         """
-        self.setup()
-        check_sequence_parallel(model.config, self.dims.sp_size)  # the same answer on every rank
-        if self.dims.ep_enabled:
-            # Refuse a model EP cannot serve before touching it: the same error on every rank,
-            # raised before any collective (every rank holds the same model structure).
-            plan_expert_parallel(model, self.dims, self.rank)
-        names_by_param = {id(p): n for n, p in model.named_parameters()}
-        capture = None
-        if self.memory_efficient_init:
-            # The source keeps references to its loaded tensors, then joins the
-            # other ranks on meta: EP and FSDP run identically everywhere.
-            capture = capture_state(model) if self.topology.is_source else None
-            move_to_meta(model)
-        elif any(p.is_meta for p in model.parameters()):
-            raise ValueError("wrap_model got a model on the meta device; load it with strategy.from_pretrained "
-                             "or set memory_efficient_init=True")
-        experts_modules: list[nn.Module] = []
-        if self.dims.ep_enabled:
-            self.ep_plan = apply_expert_parallel(model, self.dims, self.rank, ep_group=self.meshes.ep_group)
-            experts_modules = [model.get_submodule(name) for name in self.ep_plan.experts_modules]
-        policy = mixed_precision_policy(self.config.mixed_precision, reduce_dtype=self.config.reduce_dtype)
-        apply_fsdp(model, self.meshes, experts_modules, policy,
-                   reshard_after_forward=self.config.reshard_after_forward)
-        if self.memory_efficient_init:
-            self._materialize(model, capture)
-        if self.dims.sp_enabled:
-            apply_sequence_parallel(model, self.meshes.sp_group)
-            refuse_generation(model, self.dims.sp_size)
-        self.routing = routing_hooks(model)
-        if optimizer is not None:
-            optimizer = rebind_optimizer(optimizer, names_by_param, model)
-        return model, optimizer
+        from twinkle_strategy.rl.replay import routing_hooks  # the routers wrapped once, for routing replay
 
-    def _materialize(self, model: nn.Module, capture) -> None:
-        aliases = buffer_alias_groups(model)
-        model.to_empty(device=self.device)  # allocates this rank's shards only
-        restore_buffer_aliases(aliases)
-        try:
-            self.init_report = distribute(
-                model, capture, ep_plan=self.ep_plan, node=NodeLink(self.topology, self.node_group, self.device),
-                bucket_bytes=self.init_bucket_bytes, transport_kind=self.config.init_transport,
-                verify=self.config.verify_init, show_progress=self.is_main_process,
-                quantized_base=self.config.quantized_base,
-            )
-        finally:
-            if capture is not None:
-                capture.release()
-        if self.is_main_process:
-            logger.info(self.init_report.log_line())
+        self.setup()
+        wrapped = wrap_for_training(model, optimizer, place=self.place, config=self.config)
+        if wrapped.ep_plan is not None:
+            self.ep_plan = wrapped.ep_plan
+        if wrapped.init_report is not None:
+            self.init_report = wrapped.init_report
+        self.routing = routing_hooks(model)
+        return model, wrapped.optimizer
 
     # --------------------------------------------------------------- training
     @property
@@ -381,15 +287,64 @@ class NativeFSDPStrategy(RoutingMethods):
     def export_weights(self, model: nn.Module, *, bucket_bytes: int = 256 * 2**20, changed_only: bool = False,
                        lora: str = "merged", dtype: torch.dtype | None = None,
                        receivers: OneReceiver | EngineExperts | None = None, merged_format: str = "bf16",
-                       release: str | None = None) -> weight_export.WeightExport:
+                       release: str | None = None) -> WeightExport:
         """The trained weights for a rollout engine, as buckets of ``(checkpoint key, tensor)`` in the checkpoint's
         own layout, each tensor sent by the ranks that keep it (collective; nobody gathers the model). Iterate the
         result on every rank or call ``.send_to(receiver)``; options and receivers: docs/rl.md and
         :func:`twinkle_strategy.rl.export_options.export_weights`."""
+        from twinkle_strategy.rl.export_options import export_weights
+
         self.setup()
-        return export_options.export_weights(model, self.ep_plan, bucket_bytes=bucket_bytes,
-                                             changed_only=changed_only, lora=lora, dtype=dtype, receivers=receivers,
-                                             merged_format=merged_format, release=release)
+        return export_weights(model, self.ep_plan, bucket_bytes=bucket_bytes, changed_only=changed_only, lora=lora,
+                              dtype=dtype, receivers=receivers, merged_format=merged_format, release=release)
+
+    # ------------------------------------------------ reinforcement learning
+    # Routing replay (R2/R3), routing records and generation on every rank: rl/strategy_methods.py, with the
+    # wrapped model's routing hooks (self.routing).
+    def routing_replay(self, record: torch.Tensor, *, input_ids: torch.Tensor):
+        """Context: forwards of ``input_ids`` inside dispatch the experts of ``record`` (``routed_experts``,
+        ``[*input_ids.shape, MoE layers, top_k]``, -1 where the router may choose), weighted by the current router
+        (R3 with a rollout engine's record, R2 with :meth:`routing_record`'s). Collective: a record that does not
+        fit raises on every rank; a family that cannot replay raises on every rank (the same model everywhere)."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.routing_replay(self.routing, record, input_ids=input_ids)
+
+    def routing_record(self):
+        """Context yielding a :class:`~twinkle_strategy.rl.RoutingRecorder`: the forwards inside keep what their
+        routers chose; ``recorder.routed_experts(like=input_ids)`` is the record to replay."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.routing_record(self.routing)
+
+    def take_routing_agreement(self) -> list[float] | None:
+        """Per MoE layer, the share of replayed tokens whose recorded experts are the ones the router would have
+        chosen, since the last call, over every rank (collective); None when nothing was replayed, or (without a
+        collective) when the model's routing cannot be replayed."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.take_routing_agreement(self.routing)
+
+    def generate(self, model: nn.Module, *, input_ids: torch.Tensor, return_routing: bool = False, **kwargs):
+        """``model.generate`` on every rank (collective), where some ranks may have no prompt (``input_ids`` of
+        zero rows); with ``return_routing``, also the routing record of the sequences (R3 replays it)."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.generate_on_every_rank(self.routing, model, input_ids=input_ids,
+                                                       return_routing=return_routing, **kwargs)
+
+    def replay_of_batch(self, batch: dict):
+        """The batch key front-ends pass a record under: ``(batch without routed_experts, context)``, the context
+        replaying the record (:meth:`routing_replay`) or doing nothing when the batch has none."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.replay_of_batch(self.routing, batch)
+
+    def _routing_hooks(self) -> RoutingHooks:
+        """The wrapped model's routing hooks, or the error that says why routing cannot be replayed."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.served_hooks(self.routing)
 
     def shutdown(self) -> None:
         if dist.is_initialized():

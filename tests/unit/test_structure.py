@@ -4,6 +4,8 @@
 - No package imports another that imports it back, directly or through others, and no module either.
 - ``distributed/`` is the lowest layer; the package's own imports are made at module level.
 - Importing one module (``twinkle_strategy.errors``) does not load the library.
+- Importing the strategy (``from twinkle_strategy import NativeFSDPStrategy``) loads no module of ``rl/``,
+  ``planning/``, ``train/`` or ``integrations/``: the methods that need them import them when called.
 - Nothing outside the fixtures (``twinkle_strategy.testing``: tiny families, quantized releases, test
   matrices) imports them: not the library, not the application, not the integrations.
 - Each module states its one concept in its docstring's first line and is placed on docs/architecture.md's
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import re
 import subprocess
 import sys
@@ -178,32 +181,63 @@ def test_the_top_level_keeps_nine_modules():
     assert not extra, f"a new module belongs in a package (distributed/, moe/, checkpoint/ ...): {extra}"
 
 
-# Files whose imports of the package stay inside functions, and why.
-LATE_IMPORTS: dict[str, str] = {}
+# Files whose imports of the package stay inside functions: the packages they may import there, and why.
+LATE_IMPORTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "strategy.py": (("twinkle_strategy.rl", "twinkle_strategy.planning"),
+                    "importing NativeFSDPStrategy loads neither: the methods that need them import them when called"),
+}
+
+
+def _late_import_allowed(path: Path, module: str) -> bool:
+    allowed, _why = LATE_IMPORTS.get(path.relative_to(PACKAGE).as_posix(), ((), ""))
+    return any(module == package or module.startswith(package + ".") for package in allowed)
 
 
 def test_the_package_imports_its_own_modules_at_module_level():
     late = {}
     for path in PACKAGE.rglob("*.py"):
-        if str(path.relative_to(PACKAGE).as_posix()) in LATE_IMPORTS:
-            continue
         for fn in ast.walk(ast.parse(path.read_text())):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 late.update({f"{path.relative_to(PACKAGE.parent)}:{node.lineno}": node.module for node in ast.walk(fn)
                              if isinstance(node, ast.ImportFrom) and (node.level or
-                                                                       (node.module or "").startswith(PACKAGE.name))})
+                                                                       (node.module or "").startswith(PACKAGE.name))
+                             and not _late_import_allowed(path, node.module or "")})
     assert not late, f"imports of the package inside functions (move them to the top of the file): {late}"
 
 
-def test_importing_one_module_does_not_load_the_library():
+# What the strategy leaves for later: a run that only trains loads none of them (issue 44).
+LOADED_ON_FIRST_USE = ("twinkle_strategy.rl", "twinkle_strategy.planning", "twinkle_strategy.train",
+                       "twinkle_strategy.integrations")
+
+
+@functools.cache
+def _fresh_imports() -> list[str]:
+    """What a fresh interpreter loads: first importing one module (``twinkle_strategy.errors``), then importing
+    the strategy and constructing it. One launch for both tests (the unit tier's launch budget)."""
     code = ("import sys, twinkle_strategy.errors\n"
             "loaded = sorted(m for m in sys.modules if m.startswith(('torch.distributed.fsdp', 'twinkle_strategy.')))\n"
-            "print(loaded)\n")
-    # (without torch: half a second. That the package root then loads the strategy on first use is checked in a
-    # fresh process that imports torch: tests/multiproc/test_fresh_process.py)
+            "print(loaded)\n"
+            "assert set(twinkle_strategy.__all__) <= set(dir(twinkle_strategy))  # listed before their first use\n"
+            "from twinkle_strategy import NativeFSDPStrategy\n"
+            "NativeFSDPStrategy(ep_size=2, memory_efficient_init=True, sequence_parallel_size=2)  # no setup\n"
+            f"print(sorted(m for m in sys.modules if m.startswith({LOADED_ON_FIRST_USE!r})))\n"
+            "print(len([m for m in sys.modules if m.startswith('twinkle_strategy')]))\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "['twinkle_strategy.errors', 'twinkle_strategy.log']", result.stdout
+    return result.stdout.strip().splitlines()[-3:]
+
+
+def test_importing_one_module_does_not_load_the_library():
+    # (the first line is printed before torch is imported. That the package root then loads the strategy on first
+    # use is checked in a fresh process too: tests/multiproc/test_fresh_process.py)
+    one_module, _, _ = _fresh_imports()
+    assert one_module == "['twinkle_strategy.errors', 'twinkle_strategy.log']", one_module
+
+
+def test_importing_the_strategy_loads_no_rl_planning_train_or_integration_module():
+    _, loaded, count = _fresh_imports()
+    assert loaded == "[]", f"from twinkle_strategy import NativeFSDPStrategy loaded {loaded}"
+    assert int(count) > 20  # the strategy's own modules were loaded: the check looked at a real import
 
 
 def test_the_package_exports_what_it_lists():
@@ -214,9 +248,12 @@ def test_the_package_exports_what_it_lists():
         assert getattr(twinkle_strategy, name).__name__ == name
     # What users train with sits next to the strategy: twinkle's Trainer and the transformers.Trainer mixin.
     from twinkle_strategy.integrations.transformers import with_strategy
-    from twinkle_strategy.train.trainer import Trainer
+    from twinkle_strategy.train.data import DataCollatorForSFT, SFTDataset
+    from twinkle_strategy.train.trainer import Trainer, TrainingArguments
 
     assert twinkle_strategy.Trainer is Trainer and twinkle_strategy.with_strategy is with_strategy
+    assert twinkle_strategy.TrainingArguments is TrainingArguments and twinkle_strategy.SFTDataset is SFTDataset
+    assert twinkle_strategy.DataCollatorForSFT is DataCollatorForSFT
     with pytest.raises(AttributeError, match="no attribute 'NativeFSDP'"):
         twinkle_strategy.NativeFSDP  # noqa: B018
 

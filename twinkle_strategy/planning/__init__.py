@@ -12,7 +12,7 @@ from twinkle_strategy.errors import PlanInputError
 from twinkle_strategy.planning.fixes import plan_memory
 from twinkle_strategy.planning.plan import MemoryPlan
 from twinkle_strategy.planning.report import table, to_json, verdict_line
-from twinkle_strategy.planning.request import LoraShape, PlanRequest, parse_size
+from twinkle_strategy.planning.request import LoraShape, PlanRequest, parse_size, strategy_request
 
-__all__ = ["LoraShape", "MemoryPlan", "PlanInputError", "PlanRequest", "parse_size", "plan_memory", "table",
-           "to_json", "verdict_line"]
+__all__ = ["LoraShape", "MemoryPlan", "PlanInputError", "PlanRequest", "parse_size", "plan_memory", "strategy_request",
+           "table", "to_json", "verdict_line"]

@@ -75,3 +75,14 @@ class PlanRequest:
 
     def replace(self, **changes) -> PlanRequest:
         return dataclasses.replace(self, **changes)
+
+
+def strategy_request(strategy: StrategyConfig, model_path: str, *, nnodes: int = 1, nproc_per_node: int = 1,
+                     **request) -> PlanRequest:
+    """``NativeFSDPStrategy.plan``'s request: ``strategy``'s run of ``model_path``, the memory budgets given as
+    bytes or as sizes (``80GiB``, ``141G``)."""
+    for budget in ("device_memory", "host_memory"):
+        if isinstance(request.get(budget), str):
+            request[budget] = parse_size(request[budget], what=budget)
+    return PlanRequest(model_path=model_path, strategy=strategy, nnodes=nnodes, nproc_per_node=nproc_per_node,
+                       **request)

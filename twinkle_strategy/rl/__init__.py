@@ -7,7 +7,7 @@ replay.py          the router wrappers that replay a record or take one, and the
 mismatch.py        trainer/rollout mismatch: the logprob gap and k3 KL, the share of routing decisions that differ
 vllm_routing.py    CPU stand-in for vLLM's ``enable_return_routed_experts``: the record taken in vLLM's routers
 generation.py      ``generate`` on every rank (synced steps, empty ranks), returning what it routed
-strategy_methods.py  the routing methods NativeFSDPStrategy gains
+strategy_methods.py  what the strategy's RL methods do (routing_replay, generate ...), loaded on their first call
 export_plan.py     pure: which rank assembles which rows of which tensor, in which bucket
 export_sources.py  what an export sends: a full model, a LoRA model merged on the fly, or its adapter alone
 weight_export.py   the export walk: owners send their rows, a destination assembles checkpoint tensors per bucket

@@ -1,7 +1,8 @@
 """The strategy's methods for reinforcement learning: routing replay, routing records, generation on every rank.
 
-A mixin of :class:`~twinkle_strategy.strategy.NativeFSDPStrategy`, which sets ``self.routing`` (the wrapped
-model's :class:`~twinkle_strategy.rl.replay.RoutingHooks`) in ``wrap_model``.
+:class:`~twinkle_strategy.strategy.NativeFSDPStrategy`'s RL methods call these with ``strategy.routing`` (the
+wrapped model's :class:`~twinkle_strategy.rl.replay.RoutingHooks`, set by ``wrap_model``); the strategy imports
+this module on the first call, so a run that does no RL loads no module of ``rl/`` but the routing hooks.
 """
 
 from __future__ import annotations
@@ -18,49 +19,46 @@ from twinkle_strategy.rl.record import ROUTED_EXPERTS
 from twinkle_strategy.rl.replay import RoutingHooks
 
 
-class RoutingMethods:
-    routing: RoutingHooks | None = None
-
-    def routing_replay(self, record: torch.Tensor, *, input_ids: torch.Tensor):
-        """Context: forwards of ``input_ids`` inside dispatch the experts of ``record`` (``routed_experts``,
-        ``[*input_ids.shape, MoE layers, top_k]``, -1 where the router may choose), weighted by the current router
-        (R3 with a rollout engine's record, R2 with :meth:`routing_record`'s). Collective: a record that does not
-        fit raises on every rank; a family that cannot replay raises on every rank (the same model everywhere)."""
-        hooks = self._routing_hooks()
-        raise_together(hooks.record_problem(record, input_ids), "routing replay", RoutingRecordError)
-        return hooks.replaying(record, input_ids=input_ids)
-
-    def routing_record(self):
-        """Context yielding a :class:`~twinkle_strategy.rl.RoutingRecorder`: the forwards inside keep what their
-        routers chose; ``recorder.routed_experts(like=input_ids)`` is the record to replay."""
-        return self._routing_hooks().recording()
-
-    def take_routing_agreement(self) -> list[float] | None:
-        """Per MoE layer, the share of replayed tokens whose recorded experts are the ones the router would have
-        chosen, since the last call, over every rank (collective); None when nothing was replayed, or (without a
-        collective) when the model's routing cannot be replayed."""
-        if self.routing is None or self.routing.refusal is not None:
-            return None
-        return self.routing.take_agreement()
-
-    def generate(self, model: nn.Module, *, input_ids: torch.Tensor, return_routing: bool = False, **kwargs):
-        """``model.generate`` on every rank (collective), where some ranks may have no prompt (``input_ids`` of
-        zero rows); with ``return_routing``, also the routing record of the sequences (R3 replays it)."""
-        return generate(model, self._routing_hooks() if return_routing else self.routing, input_ids=input_ids,
-                        return_routing=return_routing, **kwargs)
-
-    def _routing_hooks(self) -> RoutingHooks:
-        if self.routing is None:
-            raise RuntimeError("routing replay needs the model: call strategy.wrap_model(model) first")
-        self.routing.check_served()
-        return self.routing
+def served_hooks(routing: RoutingHooks | None) -> RoutingHooks:
+    """``routing``, checked: the model is wrapped and its routers can replay (else one clear error)."""
+    if routing is None:
+        raise RuntimeError("routing replay needs the model: call strategy.wrap_model(model) first")
+    routing.check_served()
+    return routing
 
 
-    def replay_of_batch(self, batch: dict):
-        """The batch key front-ends pass a record under: ``(batch without routed_experts, context)``, the context
-        replaying the record (:meth:`routing_replay`) or doing nothing when the batch has none."""
-        if ROUTED_EXPERTS not in batch:
-            return batch, contextlib.nullcontext()
-        batch = dict(batch)
-        record = batch.pop(ROUTED_EXPERTS)
-        return batch, self.routing_replay(record, input_ids=batch["input_ids"])
+def routing_replay(routing: RoutingHooks | None, record: torch.Tensor, *, input_ids: torch.Tensor):
+    """``NativeFSDPStrategy.routing_replay``: the record checked on every rank, then the replay context."""
+    hooks = served_hooks(routing)
+    raise_together(hooks.record_problem(record, input_ids), "routing replay", RoutingRecordError)
+    return hooks.replaying(record, input_ids=input_ids)
+
+
+def routing_record(routing: RoutingHooks | None):
+    """``NativeFSDPStrategy.routing_record``: the context yielding a :class:`~twinkle_strategy.rl.RoutingRecorder`."""
+    return served_hooks(routing).recording()
+
+
+def take_routing_agreement(routing: RoutingHooks | None) -> list[float] | None:
+    """``NativeFSDPStrategy.take_routing_agreement``: None, without a collective, when the model's routing cannot
+    be replayed (or no model is wrapped)."""
+    if routing is None or routing.refusal is not None:
+        return None
+    return routing.take_agreement()
+
+
+def generate_on_every_rank(routing: RoutingHooks | None, model: nn.Module, *, input_ids: torch.Tensor,
+                           return_routing: bool = False, **kwargs):
+    """``NativeFSDPStrategy.generate``: the routing hooks are required only when the routing is returned."""
+    return generate(model, served_hooks(routing) if return_routing else routing, input_ids=input_ids,
+                    return_routing=return_routing, **kwargs)
+
+
+def replay_of_batch(routing: RoutingHooks | None, batch: dict):
+    """``NativeFSDPStrategy.replay_of_batch``: ``(batch without routed_experts, context)``, the context replaying
+    the batch's record, or doing nothing when the batch has none."""
+    if ROUTED_EXPERTS not in batch:
+        return batch, contextlib.nullcontext()
+    batch = dict(batch)
+    record = batch.pop(ROUTED_EXPERTS)
+    return batch, routing_replay(routing, record, input_ids=batch["input_ids"])
