@@ -54,7 +54,7 @@ def apply_fsdp(
 
     Expert gradients need no special divide factor here: the token dispatch
     already scales them so that FSDP's default mean over ``ep_fsdp`` gives the
-    world mean (see :func:`twinkle_strategy.moe.dispatch.run_on_owners`).
+    world mean (see :func:`twinkle_strategy.moe.dispatch.dispatch`).
     """
     def shard(module, mesh, policy):
         fully_shard(module, mesh=mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
