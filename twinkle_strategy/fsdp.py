@@ -70,7 +70,7 @@ def apply_fsdp(
 
     Expert gradients need no special divide factor here: the token dispatch
     already scales them so that FSDP's default mean over ``ep_fsdp`` gives the
-    world mean (see :func:`twinkle_strategy.moe.dispatch.run_on_owners`).
+    world mean (see :func:`twinkle_strategy.moe.dispatch.dispatch`).
     """
     def shard(module, mesh, policy):
         policy = policy if mesh.size() > 1 else reducing_nothing(policy)

@@ -1,8 +1,8 @@
 """How an MoE block calls its experts module: the contracts expert parallelism can serve.
 
-EP replaces an experts module's forward by one that sends each token to the
-rank owning its expert and runs the module's own forward there, on this rank's
-experts only. That is right only if we know how the block calls the module and
+EP gives an experts module a forward that sends each token to the rank owning
+its expert and runs the module's own forward there, on this rank's experts only
+(:mod:`.parallel_experts`). That is right only if we know how the block calls the module and
 where the module keeps its experts, so we read both from the code: the
 forward's signature, the calls the block makes (its source, with ``ast``) and
 the parameters the module holds. Anything else is refused at ``wrap_model``
@@ -37,6 +37,7 @@ import textwrap
 from torch import nn
 
 from twinkle_strategy.errors import ModelStructureError
+from twinkle_strategy.moe.class_swap import unswapped_class
 
 
 class CallKind(str, enum.Enum):
@@ -140,8 +141,11 @@ def _shapes(params) -> str:
 
 
 def read_contract(fqn: str, block: nn.Module, inner: nn.Module, attr: str, family: str) -> ExpertsContract:
-    """The contract of the experts module ``inner`` (at ``fqn``, child ``attr`` of ``block``), or a clear refusal."""
-    cls = type(inner)
+    """The contract of the experts module ``inner`` (at ``fqn``, child ``attr`` of ``block``), or a clear refusal.
+
+    Read from the model's own class, also once EP has swapped it (discovery runs again after ``wrap_model``).
+    """
+    cls = unswapped_class(type(inner))
     where = f"{fqn} ({cls.__name__}, called by {type(block).__name__})"
 
     def refuse(what: str) -> ModelStructureError:

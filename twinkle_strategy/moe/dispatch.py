@@ -1,25 +1,19 @@
-"""Token dispatch and combine for expert parallelism.
+"""Moving expert rows between EP ranks: the all-to-alls of expert parallelism, with autograd.
 
-The router has already decided which experts each token goes to; here we only
-move (token, expert) rows to the EP rank that owns the expert, run the model's
-own experts forward there on the local experts, and bring the results back.
-All movement is ``all_to_all_single`` with uneven splits, wrapped in an
-autograd function so gradients take the reverse path.
+:class:`~twinkle_strategy.moe.parallel_experts.ExpertParallelExperts` reads as the algorithm (route,
+dispatch, local expert compute, combine); the two trips are here. :func:`dispatch` sends each
+(token, expert) row to the EP rank owning its expert and returns an :class:`ExpertTrip`, the rows this
+rank's experts received; :meth:`ExpertTrip.send_back` returns their outputs to the ranks the rows came
+from. All movement is ``all_to_all_single`` with uneven splits, wrapped in autograd functions so
+gradients take the reverse path.
 
-Two calling contracts (see :mod:`twinkle_strategy.moe.contracts`) share one
-core, :func:`run_on_owners`:
-
-* routed (most families): ``experts(hidden_states, top_k_index, top_k_weights)``
-  -> :func:`dispatch_routed`; LongCat-Flash's zero-computation experts are
-  applied where the token lives and never travel.
-* pre-routed (Llama-4): ``experts(routed_in)`` with every token repeated once
-  per expert and already scaled by its router score -> :func:`dispatch_pre_routed`.
+Inside activation checkpointing (:mod:`.recompute`) a trip keeps what it communicated, and the
+recomputation replays it instead of communicating again.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -103,33 +97,51 @@ def _send_to_owners(rows: torch.Tensor, row_expert: torch.Tensor, num_local_expe
     return received_rows, _Exchange(send_splits, recv_splits, received_rows.detach(), local_expert)
 
 
-def run_on_owners(
-    rows: torch.Tensor,
-    row_expert: torch.Tensor,
-    local_forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    *,
-    num_local_experts: int,
-    group: dist.ProcessGroup,
-    replay: _Exchange | None = None,
-) -> tuple[torch.Tensor, _Exchange]:
-    """Expert output for every row of ``rows`` [N, H], computed on the EP rank owning ``row_expert`` [N].
+@dataclasses.dataclass
+class ExpertTrip:
+    """Rows at the experts that own them: what this rank's experts compute, and the way back.
 
-    ``row_expert`` must be sorted ascending (rows grouped by owner).
-    ``local_forward(x [M, H], local_expert [M])`` runs this rank's experts on
-    the rows it received, one output row per input row. Returns the output and
-    the exchange; given the exchange of an earlier identical call (``replay``,
-    activation checkpointing's recomputation) nothing is communicated forward.
+    ``rows`` [M, H] reach the local experts with their gradient scaled (see :func:`dispatch`); when no
+    row came, ``rows`` is one zero row for local expert 0, whose output :meth:`send_back` drops.
+    """
+
+    rows: torch.Tensor
+    local_expert: torch.Tensor  # [M]: each row's expert, counted among this rank's experts
+    num_received: int
+    exchange: _Exchange
+    group: dist.ProcessGroup
+    routing: torch.Tensor  # the router's choices the rows were grouped by (checked in a recomputation)
+    replayed: bool  # a recomputation's trip: nothing is communicated forward
+
+    def send_back(self, expert_out: torch.Tensor) -> torch.Tensor:
+        """``expert_out`` (one row per received row) returned to the senders, in the order they sent the rows."""
+        exchange, group = self.exchange, self.group
+        expert_out = _ScaleGrad.apply(expert_out, 1.0 / dist.get_world_size(group))[:self.num_received]
+        if self.replayed:
+            return _Replayed.apply(expert_out, exchange, "returned", (exchange.recv_splits, exchange.send_splits, group))
+        returned = all_to_all(expert_out, exchange.recv_splits, exchange.send_splits, group)
+        exchange.returned = returned.detach()
+        _keep_exchange(exchange, self.routing)
+        return returned
+
+
+def dispatch(rows: torch.Tensor, row_expert: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup,
+             routing: torch.Tensor) -> ExpertTrip:
+    """Send each row of ``rows`` [N, H] to the EP rank owning its expert ``row_expert`` [N] (sorted ascending:
+    rows grouped by owner). ``routing``: the router's choices the rows come from; a recomputation under
+    activation checkpointing replays the trip the forward made for them, and refuses other choices.
 
     Gradient scale: an expert's gradient collects the tokens of all ``ep_size``
     ranks of its EP group, and FSDP then averages it over the ``ep_fsdp``
     group (world / ep ranks), which leaves it ``ep_size`` times the world mean
     that every other parameter gets. We scale the gradient entering the local
     experts by 1/ep and undo it for the gradient leaving them toward the
-    tokens, so only the expert parameters see the factor. This keeps FSDP's
-    default reduction (no PREMUL_SUM, which gloo and HCCL lack) and is correct
-    whatever the size of the ep_fsdp group.
+    tokens (:meth:`ExpertTrip.send_back`), so only the expert parameters see
+    the factor. This keeps FSDP's default reduction (no PREMUL_SUM, which gloo
+    and HCCL lack) and is correct whatever the size of the ep_fsdp group.
     """
     ep_size = dist.get_world_size(group)
+    replay = _recorded_exchange(routing)
     if replay is None:
         received_rows, exchange = _send_to_owners(rows, row_expert, num_local_experts, group)
     else:
@@ -145,14 +157,7 @@ def run_on_owners(
         received_rows = torch.cat([received_rows, received_rows.new_zeros((1,) + tuple(received_rows.shape[1:]))])
         local_expert = torch.zeros(1, dtype=local_expert.dtype, device=local_expert.device)
     received_rows = _ScaleGrad.apply(received_rows, float(ep_size))
-    expert_out = local_forward(received_rows, local_expert)
-    expert_out = _ScaleGrad.apply(expert_out, 1.0 / ep_size)[:received]
-    if replay is not None:
-        return _Replayed.apply(expert_out, exchange, "returned", (exchange.recv_splits, exchange.send_splits, group)), \
-            exchange
-    returned = all_to_all(expert_out, exchange.recv_splits, exchange.send_splits, group)
-    exchange.returned = returned.detach()
-    return returned, exchange
+    return ExpertTrip(received_rows, local_expert, received, exchange, group, routing, replayed=replay is not None)
 
 
 def _recorded_exchange(routing: torch.Tensor) -> _Exchange | None:
@@ -173,110 +178,3 @@ def _keep_exchange(exchange: _Exchange, routing: torch.Tensor) -> None:
     if record is not None and not record.replaying:
         exchange.routing = routing
         record.keep(exchange)
-
-
-def dispatch_routed(
-    hidden_states: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    experts_forward: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor],
-    *,
-    num_experts: int,
-    num_local_experts: int,
-    group: dist.ProcessGroup,
-    num_local_zero_experts: int = 0,
-    min_top_k: int = 1,
-) -> torch.Tensor:
-    """Routed expert output for ``hidden_states`` [T, H], computed by the owning EP ranks.
-
-    ``experts_forward(x, local_index, weights)`` is the experts module's own
-    forward (with PEFT's LoRA if wrapped), restricted to this rank's experts.
-    We give it weight 1 per row and apply the router weights after the return
-    trip, so it stays a pure per-row function of the token.
-
-    ``num_experts`` counts the routed experts of every EP rank; indices ``>= num_experts`` are zero-computation (identity) experts
-    (LongCat-Flash): their output is the token itself, computed here, so they
-    never travel. The (token, expert) rows are combined in ascending expert
-    order, as the model's own forward does, so each token's sum adds its terms
-    in the same order as a single process.
-
-    Each row reaches the experts forward as a token with one choice. A forward
-    that needs ``min_top_k`` choices (LongCat-Flash's) gets extra choices of
-    weight 0 on a local identity expert (or, without one, the same expert
-    again): they add exactly zero.
-    """
-    top_k = top_k_index.shape[1]
-    flat_expert = top_k_index.reshape(-1)
-    # Group (token, expert) pairs by expert, hence by owning rank; identity
-    # experts have the largest indices and so come last.
-    order = torch.argsort(flat_expert, stable=True)
-    sorted_expert = flat_expert[order]
-    token_of_row = torch.div(order, top_k, rounding_mode="floor")
-    num_rows = order.numel()
-    # (Counting needs a host sync: only models with identity experts pay for it.)
-    num_routed_rows = int((sorted_expert < num_experts).sum()) if num_local_zero_experts else num_rows
-
-    def local_forward(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
-        index = local_expert.unsqueeze(-1)
-        weights = torch.ones((rows.shape[0], 1), dtype=top_k_weights.dtype, device=rows.device)
-        if min_top_k > 1:
-            pad = torch.full_like(index, num_local_experts) if num_local_zero_experts else index
-            index = torch.cat([index] + [pad] * (min_top_k - 1), dim=1)
-            weights = torch.cat([weights] + [torch.zeros_like(weights)] * (min_top_k - 1), dim=1)
-        return experts_forward(rows, index, weights)
-
-    routed_rows = token_of_row[:num_routed_rows]
-    replay = _recorded_exchange(top_k_index)
-    per_row, exchange = run_on_owners(hidden_states[routed_rows], sorted_expert[:num_routed_rows], local_forward,
-                                      num_local_experts=num_local_experts, group=group, replay=replay)
-    _keep_exchange(exchange, top_k_index)
-    if num_routed_rows < num_rows:
-        per_row = torch.cat([per_row, hidden_states[token_of_row[num_routed_rows:]].to(per_row.dtype)])
-    weights = top_k_weights.reshape(-1)[order].unsqueeze(-1)
-    weighted = (per_row * weights).to(hidden_states.dtype)
-    out = torch.zeros_like(hidden_states)
-    return out.index_add(0, token_of_row, weighted)
-
-
-def dispatch_pre_routed(
-    routed_in: torch.Tensor,
-    experts_forward: Callable[[torch.Tensor], torch.Tensor],
-    *,
-    num_experts: int,
-    num_local_experts: int,
-    group: dist.ProcessGroup,
-) -> torch.Tensor:
-    """Llama-4's contract: ``routed_in`` [E*T, H] holds block e = the T tokens scaled by their score for expert e.
-
-    The block gives every token to every expert, with score 0 for experts the
-    router did not choose. A zero row's output is exactly zero (the experts are
-    bias-free matmuls around ``up * act(gate)``) and so is its contribution to
-    every parameter gradient, so only non-zero rows travel to the expert's
-    owner; the others stay zero. The owner runs the module's own forward, which
-    wants the same number of rows per local expert: we pad each expert's rows
-    with zero rows, whose outputs we drop.
-    """
-    hidden = routed_in.shape[-1]
-    per_expert = routed_in.view(num_experts, -1, hidden)
-    with torch.no_grad():
-        row_expert, row_token = (per_expert != 0).any(dim=-1).nonzero(as_tuple=True)  # expert-major order
-
-    def local_forward(rows: torch.Tensor, local_expert: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            counts = torch.bincount(local_expert, minlength=num_local_experts)
-            width = max(int(counts.max()), 1)
-            order = torch.argsort(local_expert, stable=True)
-            first_of_expert = torch.cumsum(counts, 0) - counts
-            slot = torch.empty_like(order)
-            expert_of_sorted = local_expert[order]
-            rank_in_expert = torch.arange(order.numel(), device=order.device) - first_of_expert[expert_of_sorted]
-            slot[order] = expert_of_sorted * width + rank_in_expert
-        padded = rows.new_zeros((num_local_experts * width, hidden)).index_copy(0, slot, rows)
-        return experts_forward(padded)[slot]
-
-    replay = _recorded_exchange(row_expert)
-    per_row, exchange = run_on_owners(per_expert[row_expert, row_token], row_expert, local_forward,
-                                      num_local_experts=num_local_experts, group=group, replay=replay)
-    _keep_exchange(exchange, row_expert)
-    out = per_row.new_zeros((num_experts, per_expert.shape[1], per_row.shape[-1]))
-    return out.index_put((row_expert, row_token), per_row).view(-1, per_row.shape[-1])

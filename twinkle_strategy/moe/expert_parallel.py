@@ -2,30 +2,39 @@
 
 ``apply_expert_parallel`` keeps the model's structure and parameter names: each
 ``experts`` module keeps its expert tensors (``gate_up_proj``/``down_proj``,
-``up_proj``, biases, PEFT LoRA), cut down to this rank's experts, and its
-forward is wrapped, according to its call contract (:mod:`.contracts`), so the
-router's choices are dispatched to the owning EP ranks. The router itself is
-untouched, so routing is exactly the model's own.
+``up_proj``, biases, PEFT LoRA), cut down to this rank's experts, and becomes an
+:class:`~twinkle_strategy.moe.parallel_experts.ExpertParallelExperts` (the
+pre-routed variant for Llama-4, after its call contract, :mod:`.contracts`):
+the same instance, its class swapped for a subclass whose ``forward`` dispatches
+the router's choices to the owning EP ranks, runs the local experts and combines.
+Why a class swap and not a wrapper module: :mod:`.class_swap`. The router itself
+is untouched, so routing is exactly the model's own.
 
 Apply PEFT *before* EP: the adapter is then created for all experts, identical
 on every rank for a seed, and EP cuts it like the base weights. A saved adapter
-is therefore the same full ``[r*E]`` adapter plain PEFT produces.
+is therefore the same full ``[r*E]`` adapter plain PEFT produces. With PEFT the
+class swap is on the outermost ``ParamWrapper`` (what the block calls), whose
+own forward adds the LoRA deltas around the experts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.errors import ModelStructureError, ParallelConfigError
+from twinkle_strategy.moe.class_swap import swap_class
 from twinkle_strategy.moe.contracts import CallKind, set_local_expert_counts
 from twinkle_strategy.moe.discovery import MoEBlock, find_moe_blocks, model_family, unwrap_experts
-from twinkle_strategy.moe.dispatch import dispatch_pre_routed, dispatch_routed
 from twinkle_strategy.moe.expert_axis import ExpertAxis
+from twinkle_strategy.moe.parallel_experts import (
+    ExpertParallelExperts,
+    ExpertParallelSettings,
+    PreRoutedExpertParallelExperts,
+)
 from twinkle_strategy.parallel import ParallelDims
 
 
@@ -104,7 +113,7 @@ def apply_expert_parallel(
             cut = t.axis.cut(old.detach(), start, local).clone()
             setattr(t.module, t.attr, nn.Parameter(cut, requires_grad=old.requires_grad))
         _set_local_expert_count(block, local)
-        _install_dispatch(block, local, ep_group)
+        _make_expert_parallel(block, local, ep_group)
     return plan
 
 
@@ -122,24 +131,11 @@ def _set_local_expert_count(block: MoEBlock, local: int) -> None:
             wrapper.lora_B[adapter].in_features = rank * wrapper.num_experts
 
 
-def _install_dispatch(block: MoEBlock, num_local: int, group: dist.ProcessGroup) -> None:
-    # An instance attribute shadows the class forward; nn.Module.__call__ (and
-    # with it FSDP's hooks) still runs around it.
-    experts = block.experts
-    local_forward = experts.forward
+def _make_expert_parallel(block: MoEBlock, num_local: int, group: dist.ProcessGroup | None) -> None:
+    """Swap the class of the module the block calls (PEFT's outermost wrapper, or the experts) for its EP subclass."""
     contract = block.contract
-    num_local_zero = contract.zero_experts * num_local // contract.num_experts
-
-    if contract.kind == CallKind.PRE_ROUTED:
-        @functools.wraps(local_forward)
-        def expert_parallel_forward(routed_in):
-            return dispatch_pre_routed(routed_in, local_forward, num_experts=contract.num_experts,
-                                       num_local_experts=num_local, group=group)
-    else:
-        @functools.wraps(local_forward)
-        def expert_parallel_forward(hidden_states, top_k_index, top_k_weights):
-            return dispatch_routed(hidden_states, top_k_index, top_k_weights, local_forward,
-                                   num_experts=contract.num_experts, num_local_experts=num_local,
-                                   num_local_zero_experts=num_local_zero, min_top_k=contract.min_top_k, group=group)
-
-    experts.forward = expert_parallel_forward
+    block.experts.expert_parallel = ExpertParallelSettings(
+        group=group, num_experts=contract.num_experts, num_local_experts=num_local,
+        num_local_zero_experts=contract.zero_experts * num_local // contract.num_experts, min_top_k=contract.min_top_k)
+    mixin = PreRoutedExpertParallelExperts if contract.kind == CallKind.PRE_ROUTED else ExpertParallelExperts
+    swap_class(block.experts, mixin)

@@ -18,7 +18,9 @@ original forward) and a replaying one (the recomputation), sharing one record.
 The same mechanism serves transformers' own ``activation_checkpointing_enable``
 (``gradient_checkpointing_enable`` before 5.23; its kwargs become ``{"use_reentrant": False,
 "context_fn": checkpoint_contexts}``), which is how the swift plugin uses it, and
-:func:`apply_activation_checkpointing`, which the trainer uses.
+:func:`apply_activation_checkpointing`, which the trainer uses: it makes each decoder layer a
+:class:`CheckpointedLayer`, the same instance with its class swapped (:mod:`.class_swap`), because
+torch's ``checkpoint_wrapper`` would add ``_checkpoint_wrapped_module.`` to every parameter name.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from twinkle_strategy.compat.transformers_internals import wrap_checkpointing_enable, wrap_checkpointing_function
+from twinkle_strategy.moe.class_swap import swap_class
 
 _ACTIVE: contextvars.ContextVar[ForwardRecord | None] = contextvars.ContextVar("twinkle_forward_record",
                                                                                  default=None)
@@ -99,18 +102,34 @@ def is_replaying() -> bool:
     return record is not None and record.replaying
 
 
+class CheckpointedLayer(nn.Module):
+    """Mixin for a layer recomputed in the backward (non-reentrant), replaying its EP dispatch.
+
+    Never instantiated: :func:`apply_activation_checkpointing` puts it in front of the layer's own class.
+    FSDP2's hooks run around ``forward`` in ``__call__``, hence outside the recomputed region.
+    """
+
+    def forward(self, *args, **kwargs):
+        own_forward = super().forward
+        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
+            return own_forward(*args, **kwargs)
+        kwargs = _without_kv_cache(kwargs)
+        return checkpoint(own_forward, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
+
+    def extra_repr(self) -> str:
+        own = super().extra_repr()
+        return f"{own}, activation_checkpointing" if own else "activation_checkpointing"
+
+
 def apply_activation_checkpointing(layers: list[nn.Module]) -> None:
     """Recompute each of ``layers`` in the backward (non-reentrant), replaying its EP dispatch.
 
-    The layer keeps its class and parameter names (an instance ``forward``
-    shadows the class's, as EP does for experts), so checkpoints, state dicts
-    and FSDP2's hooks, which run around ``forward`` in ``__call__`` and hence
-    outside the recomputed region, are unaffected. Idempotent.
+    Each layer becomes a :class:`CheckpointedLayer` and keeps its parameter names, so checkpoints,
+    state dicts and FSDP2 (before or after) are unaffected. Idempotent.
     """
     for layer in layers:
-        if getattr(layer.forward, "_twinkle_checkpointed", False):
-            continue
-        layer.forward = _checkpointed(layer.forward)
+        if not isinstance(layer, CheckpointedLayer):
+            swap_class(layer, CheckpointedLayer)
 
 
 def _without_kv_cache(kwargs: dict) -> dict:
@@ -127,18 +146,6 @@ def _without_kv_cache(kwargs: dict) -> dict:
     if kwargs.get("use_cache"):
         kwargs["use_cache"] = False
     return kwargs
-
-
-def _checkpointed(forward):
-    @functools.wraps(forward)
-    def checkpointed_forward(*args, **kwargs):
-        if not torch.is_grad_enabled():  # evaluation: nothing to recompute
-            return forward(*args, **kwargs)
-        kwargs = _without_kv_cache(kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=checkpoint_contexts, **kwargs)
-
-    checkpointed_forward._twinkle_checkpointed = True
-    return checkpointed_forward
 
 
 def replay_in_transformers_checkpointing(model: nn.Module) -> None:

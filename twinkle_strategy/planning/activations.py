@@ -10,7 +10,8 @@ FakeTensorMode (no storage) and torch's MemTracker, in this process, whatever th
 What is not the model's own code: the experts' routing. A fake tensor has no values, so each rank's
 experts get a balanced share of the rows (``routing_skew`` times it on the busiest EP rank), computed
 expert by expert with the experts' own weights (LoRA deltas included); EP's dispatch buffers (rows
-sent, rows received, the return trip) are allocated as the all-to-alls allocate them. Gradients are
+sent, rows received, the return trip) are allocated as the all-to-alls allocate them. Each experts
+module becomes a :class:`BalancedRoutingExperts` for this (its class swapped, as EP swaps it). Gradients are
 dropped as soon as they are accumulated, as FSDP2 frees them after its reduce-scatter.
 """
 
@@ -27,7 +28,8 @@ from torch import nn
 from twinkle_strategy.compat import torch_internals as th
 from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
 from twinkle_strategy.errors import PlanInputError
-from twinkle_strategy.moe.discovery import MoEBlock, unwrap_experts
+from twinkle_strategy.moe.class_swap import swap_class
+from twinkle_strategy.moe.discovery import unwrap_experts
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.planning.request import PlanRequest
@@ -72,7 +74,8 @@ def measure_activations(planned: PlannedModel, request: PlanRequest, *, gathered
     if dims.ep_enabled:
         apply_expert_parallel(model, dims, 0, ep_group=None)  # this rank's slice of the experts, as the run cuts
     for block in planned.blocks:
-        block.experts.forward = _balanced_experts(block, ep_size=dims.ep_size, skew=request.routing_skew)
+        block.experts.balanced_routing = BalancedRouting(ep_size=dims.ep_size, skew=request.routing_skew)
+        swap_class(block.experts, BalancedRoutingExperts)
     if request.gradient_checkpointing:
         apply_activation_checkpointing(planned.layers)
     slot: list = []  # the holding call and its bytes, one for every layer: their backwards run one after another
@@ -192,19 +195,30 @@ def _drop_grad(param: torch.Tensor) -> None:
     param.grad = None  # FSDP2 reduce-scatters the gathered gradient and frees it; the shard is counted apart
 
 
-def _balanced_experts(block: MoEBlock, *, ep_size: int, skew: float):
-    """The experts' forward at balanced routing, with EP's dispatch buffers (see the module docstring)."""
-    inner, wrappers = unwrap_experts(block.experts)
+@dataclasses.dataclass(frozen=True)
+class BalancedRouting:
+    ep_size: int
+    skew: float  # the busiest EP rank's rows, as a multiple of a balanced share
 
-    def weight(attr: str) -> torch.Tensor:
-        value = getattr(inner, attr)
-        for wrapper in wrappers:
-            if getattr(wrapper, "parameter_name", None) == attr:
-                for adapter in wrapper.lora_A:
-                    value = value + wrapper.get_delta_weight(adapter)
-        return value
 
-    def forward(hidden_states, top_k_index, top_k_weights):
+class BalancedRoutingExperts(nn.Module):
+    """Mixin for an experts module whose forward routes balanced, with EP's dispatch buffers (see the module
+    docstring). Never instantiated: ``measure_activations`` puts it in front of the module's own class."""
+
+    balanced_routing: BalancedRouting
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        ep_size, skew = self.balanced_routing.ep_size, self.balanced_routing.skew
+        inner, wrappers = unwrap_experts(self)
+
+        def weight(attr: str) -> torch.Tensor:
+            value = getattr(inner, attr)
+            for wrapper in wrappers:
+                if getattr(wrapper, "parameter_name", None) == attr:
+                    for adapter in wrapper.lora_A:
+                        value = value + wrapper.get_delta_weight(adapter)
+            return value
+
         tokens, top_k = top_k_index.shape
         rows = tokens * top_k
         token_of_row = torch.arange(rows, device=hidden_states.device) // top_k
@@ -232,8 +246,6 @@ def _balanced_experts(block: MoEBlock, *, ep_size: int, skew: float):
             y = y[torch.arange(rows, device=y.device) % received]  # the return trip's buffer
         weighted = (y * top_k_weights.reshape(-1, 1)).to(hidden_states.dtype)
         return torch.zeros_like(hidden_states).index_add(0, token_of_row, weighted)
-
-    return forward
 
 
 def _project(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """Routing replay (R2, R3) and routing records, at the routers of an MoE model.
 
-Each MoE layer's router gets an instance ``forward`` (as EP gives its experts one) that calls the
-router's own forward, then, inside :meth:`RoutingHooks.replaying`, swaps its choice for the record's
-and recomputes the combine weights from the router's logits at those ids (:mod:`.routers`), so
+Each MoE layer's router gets a forward hook (``register_forward_hook``, prepended: it runs on the
+router's output before any other post-forward hook, FSDP2's included, as code at the end of the
+router's ``forward`` would) that, inside :meth:`RoutingHooks.replaying`, swaps the router's choice for
+the record's and recomputes the combine weights from the router's logits at those ids (:mod:`.routers`), so
 
 * the block dispatches the recorded experts: the EP all-to-all, the expert-load counts and LoRA on the
   experts all see them, as they see any routing;
@@ -34,7 +35,7 @@ from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.moe.discovery import find_moe_blocks, model_family
 from twinkle_strategy.moe.recompute import carry_into_recomputation, is_replaying
 from twinkle_strategy.rl.record import NOT_RECORDED, record_problem
-from twinkle_strategy.rl.routers import find_router, rule_for
+from twinkle_strategy.rl.routers import RouterRule, find_router, rule_for
 
 
 @dataclasses.dataclass
@@ -93,10 +94,10 @@ class RoutingRecorder:
 
 
 class RoutingHooks:
-    """The routers of ``model``, wrapped once so routing can be replayed and recorded.
+    """The routers of ``model``, hooked so routing can be replayed and recorded.
 
     A model whose routers replay cannot force (no rule for their class: hash routing, Llama-4's
-    pre-routed scores ...) gets no wrapper; :attr:`refusal` says why, and replaying or recording raises it.
+    pre-routed scores ...) gets no hook; :attr:`refusal` says why, and replaying or recording raises it.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -129,8 +130,8 @@ class RoutingHooks:
         self.num_experts = max(int(layer.router.num_experts) for layer in self.layers)
         self._agree: torch.Tensor | None = None  # [layers, 2]: tokens whose sets agree, tokens compared
         for index, layer in enumerate(self.layers):
-            if not getattr(layer.router.forward, "_twinkle_routing", False):
-                layer.router.forward = self._routed_forward(index, layer.router)
+            layer.router.register_forward_hook(functools.partial(self._route, index, rule_for(layer.router)),
+                                               prepend=True)
 
     @property
     def num_layers(self) -> int:
@@ -200,34 +201,27 @@ class RoutingHooks:
             return None
         return (counts[:, 0] / counts[:, 1].clamp_min(1)).tolist()
 
-    def _routed_forward(self, index: int, router: nn.Module):
-        own_forward = router.forward
-        rule = rule_for(router)
-
-        @functools.wraps(own_forward)
-        def routed_forward(*args, **kwargs):
-            logits, weights, ids = own_forward(*args, **kwargs)
-            state = _CURRENT.get()
-            if state is None or state.hooks is not self:
-                return logits, weights, ids
-            if state.replay is not None:
-                forced = state.replay[:, index]
-                if forced.shape[0] != ids.shape[0]:
-                    raise ValueError(f"routing replay: {self.layers[index].name} routes {ids.shape[0]} tokens but the "
-                                     f"record has {forced.shape[0]}; replay a record inside the forward of its batch")
-                recorded = (forced != NOT_RECORDED).all(dim=-1, keepdim=True)
-                ids_own = ids
-                ids = torch.where(recorded, forced, ids)
-                if not is_replaying():  # the recomputation of activation checkpointing would count twice
-                    self._count_agreement(index, forced, ids_own, recorded)
-                    state.used[index] = ids.detach()
-                weights = torch.where(recorded, rule.weights(router, logits, ids, like=weights), weights)
-            if state.recorded is not None and not is_replaying():
-                state.recorded[index].append(ids.detach().clone())
-            return logits, weights, ids
-
-        routed_forward._twinkle_routing = True
-        return routed_forward
+    def _route(self, index: int, rule: RouterRule, router: nn.Module, args: tuple, output: tuple) -> tuple:
+        """The router's output ``(logits, weights, ids)``, with the replayed ids and their weights, recorded."""
+        logits, weights, ids = output
+        state = _CURRENT.get()
+        if state is None or state.hooks is not self:
+            return output
+        if state.replay is not None:
+            forced = state.replay[:, index]
+            if forced.shape[0] != ids.shape[0]:
+                raise ValueError(f"routing replay: {self.layers[index].name} routes {ids.shape[0]} tokens but the "
+                                 f"record has {forced.shape[0]}; replay a record inside the forward of its batch")
+            recorded = (forced != NOT_RECORDED).all(dim=-1, keepdim=True)
+            ids_own = ids
+            ids = torch.where(recorded, forced, ids)
+            if not is_replaying():  # the recomputation of activation checkpointing would count twice
+                self._count_agreement(index, forced, ids_own, recorded)
+                state.used[index] = ids.detach()
+            weights = torch.where(recorded, rule.weights(router, logits, ids, like=weights), weights)
+        if state.recorded is not None and not is_replaying():
+            state.recorded[index].append(ids.detach().clone())
+        return logits, weights, ids
 
     @torch.no_grad()
     def _count_agreement(self, index: int, forced: torch.Tensor, ids: torch.Tensor, recorded: torch.Tensor) -> None:
@@ -238,7 +232,7 @@ class RoutingHooks:
 
 
 def routing_hooks(model: nn.Module) -> RoutingHooks:
-    """The model's :class:`RoutingHooks`, created on first use (the routers are wrapped once)."""
+    """The model's :class:`RoutingHooks`, created on first use (the routers are hooked once)."""
     hooks = getattr(model, "_twinkle_routing_hooks", None)
     if hooks is None:
         hooks = RoutingHooks(model)
