@@ -35,8 +35,16 @@ def note(outcome: str, child: int | None = None) -> None:
                                 "child": child}) + "\n")
 
 
-def fresh_interpreter(python_args: list[str], why: str) -> None:
-    note(f"fallback: {why}")
+def fresh_interpreter(python_args: list[str], why: str | None, *, executable: str | None = None) -> None:
+    """Run the command line in a fresh interpreter (``why``: the fallback's reason, noted; None: not a fallback).
+    ``executable``: the ``sys.executable`` it is to have (a stand-in's path), which the server's ``--run`` mode sets
+    before it runs the program as python would."""
+    if why is not None:
+        note(f"fallback: {why}")
+    program = forkable(python_args)
+    if executable and program:
+        server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preload_server.py")
+        os.execv(sys.executable, [sys.executable, "-u", server, "--run", executable, *program])
     os.execv(sys.executable, [sys.executable, *python_args])
 
 
@@ -59,12 +67,20 @@ def server_socket() -> str:
     return sockets[int(os.environ.get("RANK", "0")) % len(sockets)]
 
 
-def main(argv: list[str] | None = None, *, as_python: bool = False) -> None:
+def main(argv: list[str] | None = None, *, as_python: bool = False, executable: str | None = None,
+         programs: dict[str, str] | None = None, fresh: tuple[str, ...] = ()) -> None:
     """``argv``: the worker and its arguments (``sys.argv[1:]``); with ``as_python``, the arguments of a python
-    command line, this process standing in for the interpreter."""
+    command line, this process standing in for the interpreter (tests/preload_servers.py's ``forking_python``).
+
+    A stand-in can also be an interpreter of its own: ``executable`` (its path) becomes the ``sys.executable`` of what
+    it runs, so the processes those start (torchrun's agents and ranks) run through it too; ``programs`` maps a module
+    to the script it runs instead (``-m twinkle_strategy.train.cli`` to the suite's rank program); the modules in
+    ``fresh`` run in a fresh interpreter, never forked."""
     argv = sys.argv[1:] if argv is None else argv
     python_args = argv if as_python else ["-u", *argv]
     worker_argv = forkable(python_args)
+    if worker_argv and worker_argv[0] == "-m" and worker_argv[1] in (programs or {}):
+        worker_argv = python_args = [programs[worker_argv[1]], *worker_argv[2:]]
     pending: list[int] = []
     child = [0]
 
@@ -78,22 +94,25 @@ def main(argv: list[str] | None = None, *, as_python: bool = False) -> None:
         signal.signal(sig, relay)
     if worker_argv is None:
         fresh_interpreter(python_args, f"python options the fork server does not take: {python_args[:3]}")
+    if worker_argv[0] == "-m" and worker_argv[1] in fresh:
+        fresh_interpreter(python_args, None, executable=executable)
     if os.environ.get(FALLBACK_ENV):
-        fresh_interpreter(python_args, os.environ[FALLBACK_ENV])
+        fresh_interpreter(python_args, os.environ[FALLBACK_ENV], executable=executable)
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(server_socket())
-        request = json.dumps({"argv": worker_argv, "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+        request = {"argv": worker_argv, "cwd": os.getcwd(), "env": dict(os.environ)}
+        request = json.dumps({**request, "executable": executable} if executable else request).encode()
         socket.send_fds(conn, [struct.pack("!I", len(request))], [0, 1, 2])
         conn.sendall(request)
         replies = conn.makefile("r")
         first = json.loads(replies.readline() or "{}")
     except (OSError, KeyError, ValueError) as exc:
-        fresh_interpreter(python_args, f"no preload server ({type(exc).__name__}: {exc})")
+        fresh_interpreter(python_args, f"no preload server ({type(exc).__name__}: {exc})", executable=executable)
         return
     if "pid" not in first:
         conn.close()
-        fresh_interpreter(python_args, first.get("fallback", "the server refused"))
+        fresh_interpreter(python_args, first.get("fallback", "the server refused"), executable=executable)
         return
     child[0] = first["pid"]
     note("forked", child[0])

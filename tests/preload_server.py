@@ -119,13 +119,7 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        argv = request["argv"]
-        module = argv[1] if argv[0] == "-m" else None  # `python -m MODULE ARGS` (a torchrun agent), or a script
-        worker = module or os.path.abspath(argv[0])
-        sys.argv = [worker, *argv[2 if module else 1:]]
-        entries = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
-        rest = [p for p in sys.path[1:] if p not in entries]  # sys.path[0] was this server's folder
-        sys.path[:] = [os.getcwd() if module else os.path.dirname(worker), *entries, *rest]
+        worker, module = become(request["argv"], request.get("executable"))
         import random
 
         random.seed()  # a fresh interpreter seeds from the OS; forked ones would share the server's state
@@ -133,7 +127,7 @@ def run_child(request: dict, fds: list[int]) -> None:
             sys.modules["numpy"].random.seed()
         if "torch" in sys.modules:  # OpenMP read OMP_NUM_THREADS when the server loaded it
             sys.modules["torch"].set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-        code = run_worker(worker, module=module is not None)
+        code = run_worker(worker, module=module)
     except BaseException:  # noqa: BLE001 - the setup itself failed: say so where the rank's output goes
         import traceback
 
@@ -145,6 +139,20 @@ def run_child(request: dict, fds: list[int]) -> None:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def become(argv: list[str], executable: str | None) -> tuple[str, bool]:
+    """Set sys.argv, sys.path and sys.executable as ``EXECUTABLE ARGV...`` would have them (``ARGV``: a script and its
+    arguments, or ``-m MODULE ARGS``, as a torchrun agent's); returns the script (or module) and whether a module."""
+    module = argv[1] if argv[0] == "-m" else None
+    worker = module or os.path.abspath(argv[0])
+    sys.argv = [worker, *argv[2 if module else 1:]]
+    entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    rest = [p for p in sys.path[1:] if p not in entries]  # sys.path[0] was this server's folder
+    sys.path[:] = [os.getcwd() if module else os.path.dirname(worker), *entries, *rest]
+    if executable:  # a stand-in interpreter's (tests/preload_servers.py): what this process starts runs through it
+        sys.executable = executable
+    return worker, module is not None
 
 
 def run_worker(worker: str, *, module: bool = False) -> int:
@@ -356,7 +364,20 @@ class Server:
             conn.close()
 
 
+def run_fresh(executable: str, argv: list[str]) -> None:
+    """``preload_server.py --run EXECUTABLE ARGV...``: run ``ARGV`` in this fresh interpreter as ``EXECUTABLE`` (a
+    stand-in's path, tests/preload_client.py) would: where a stand-in's program cannot fork, or must not (twinkle-sft's
+    torchrun agents), it still starts what it starts through the stand-in."""
+    worker, module = become(argv, executable)
+    code = run_worker(worker, module=module)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def main() -> None:
+    if sys.argv[1] == "--run":
+        run_fresh(sys.argv[2], sys.argv[3:])
     path = sys.argv[1]
     base_env = dict(os.environ)  # before any import could change it: the ranks' environments are compared to this
     try:

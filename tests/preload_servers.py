@@ -57,7 +57,7 @@ class Server:
 
 HASH_SEED_SLOTS = 2  # servers per interpreter, each with its own string-hash seed (see the module's docstring)
 _servers: dict[tuple[str, int], Server] = {}
-_interpreters: dict[str, int] = {}  # interpreter -> the number of its stand-in (forking_python)
+_interpreters: dict[tuple, int] = {}  # (interpreter, its options) -> the number of its stand-in (forking_python)
 _root: list[str] = []
 
 
@@ -142,18 +142,24 @@ def preloaded_command(script_and_args: list[str], env: dict[str, str], python: s
     return command, {**env, FALLBACK_ENV: why, LOG_ENV: str(log_path)}
 
 
-def forking_python(python: str) -> str:
+def forking_python(python: str, *, programs: dict[str, str] | None = None, fresh: tuple[str, ...] = ()) -> str:
     """An executable that stands in for ``python`` in a torchrun agent's command line (``PYTHON -m
     torch.distributed.run ...``, which multinode.launch has the product's launcher run): the agent is forked from
     ``python``'s fork server like a rank (tests/preload_client.py, ``as_python``), instead of importing torch itself
     (about 2 s of CPU an agent, two agents a launch). torchrun in the agent starts its ranks with the real
-    interpreter (its ``sys.executable``), through the client as before. Without a server: the real interpreter."""
-    stand_in = Path(_root_dir()) / f"python-{_interpreters.setdefault(python, len(_interpreters))}" / "python"
+    interpreter (its ``sys.executable``), through the client as before. Without a server: the real interpreter.
+
+    With ``programs`` (a module -> the script to run instead) the stand-in is an interpreter of its own: it is the
+    ``sys.executable`` of what it runs, so whatever that starts with ``sys.executable`` (twinkle-sft's agents, and
+    their ranks) runs through it too; the modules in ``fresh`` run in a fresh interpreter (tests/cli_preload.py)."""
+    key = (python, tuple(sorted((programs or {}).items())), tuple(fresh))
+    stand_in = Path(_root_dir()) / f"python-{_interpreters.setdefault(key, len(_interpreters))}" / "python"
     if not stand_in.exists():
         stand_in.parent.mkdir()
+        options = f"executable={str(stand_in)!r}, programs={programs!r}, fresh={tuple(fresh)!r}" if programs else ""
         # -S: no site-packages to scan; the client imports only the standard library
         stand_in.write_text(f"#!{python} -S\nimport sys\nsys.path.insert(0, {str(HERE)!r})\nimport preload_client\n"
-                            "preload_client.main(sys.argv[1:], as_python=True)\n")
+                            f"preload_client.main(sys.argv[1:], as_python=True{', ' + options if options else ''})\n")
         stand_in.chmod(0o755)
     return str(stand_in)
 

@@ -1,7 +1,8 @@
 """Asynchronous saves (``train.async_save``) on 2 simulated nodes x 2 ranks, ep=2, against synchronous saves.
 
-The worker (tests/workers/async_saves.py) pauses the background writer with the package's one test seam
-(``TWINKLE_TEST_PAUSE_SAVE_WRITER``), so what happens while a file is half written is deterministic.
+The worker (tests/workers/async_saves.py) pauses the background writer mid-file (tests/workers/save_writer_pause.py
+wraps the writer's ``write_piece`` in the rank), so what happens while a file is half written is deterministic; a
+``twinkle-sft`` run's ranks do the same when ``$TWINKLE_TEST_PAUSE_SAVE_WRITER`` asks (tests/workers/twinkle_sft_rank.py).
 """
 
 import pytest
@@ -131,8 +132,7 @@ def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrup
     import signal
 
     from test_long_runs import rank_pids, read_log, run_cli_async, the_run_dir, wait_for
-
-    from twinkle_strategy.checkpoint.background import PAUSE_ENV
+    from workers.save_writer_pause import PAUSE_ENV
 
     def cli(out, *extra):
         return [str(REPO / "yaml" / "demo.yaml"), f"model.path={demo_model}", f"data.dataset={DATASET}",
@@ -142,7 +142,7 @@ def test_a_rank_killed_just_after_an_async_save_began_restarts_to_the_uninterrup
     pause = tmp_path / "pause"
     pause.mkdir()
     reference = run_cli_async(cli(tmp_path / "ref"), tmp_path)
-    os.environ[PAUSE_ENV] = f"checkpoint-4:{pause}"  # inherited by the run's workers (not the reference's)
+    os.environ[PAUSE_ENV] = f"checkpoint-4:{pause}"  # inherited by the run's ranks (not the reference's)
     try:
         # Two restarts allowed: a restart torchrun's rendezvous loses for its own reasons (one full run in about
         # seven saw the first restart fail without a Python error) must not fail this test of the async save; a

@@ -33,11 +33,12 @@ def ranks(tmp_path_factory):
     for server in servers:
         assert server.problem is None, server.problem  # it also refuses to start while a thread besides main lives
 
-    def start(mode: str, *, as_module: bool = False, **extra_env) -> tuple[subprocess.Popen, Path]:
-        """The probe through the client as torchrun starts a rank; ``as_module``: ``PYTHON -m preload_probe`` with
-        preload_servers.forking_python as PYTHON, as multinode.launch starts a torchrun agent."""
+    def start(mode: str, *, as_module: bool = False, python: str | None = None, module: str = "preload_probe",
+              **extra_env) -> tuple[subprocess.Popen, Path]:
+        """The probe through the client as torchrun starts a rank; ``as_module``: ``PYTHON -m MODULE`` with
+        preload_servers.forking_python as PYTHON (or ``python``), as multinode.launch starts a torchrun agent."""
         out = root / f"{mode}-{len(list(root.glob('*.json')))}.json"
-        command = [preload_servers.forking_python(sys.executable), "-m", "preload_probe"] if as_module else \
+        command = [python or preload_servers.forking_python(sys.executable), "-m", module] if as_module else \
             [sys.executable, "-u", str(preload_servers.CLIENT), PROBE]
         proc = subprocess.Popen([*command, mode, str(out)], env={**client_env, "RANK": "3", **extra_env},
                                 cwd=str(WORKERS if as_module else REPO), stdout=subprocess.PIPE,
@@ -89,6 +90,31 @@ def test_the_stand_in_interpreter_forks_a_module_as_python_m_runs_it(ranks):
     assert seen["argv"] == [PROBE, "exit", str(out)] and seen["path0"] == str(WORKERS), seen
     assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
         map(json.loads, log.read_text().splitlines())
+
+
+def test_a_stand_in_with_programs_is_the_interpreter_of_what_it_runs_forked_or_fresh(ranks):
+    """tests/cli_preload.py's stand-in: a module of ``programs`` runs its script instead, forked, with the stand-in as
+    its ``sys.executable`` (so that what it starts, twinkle-sft's agents and their ranks, runs through it too); a
+    module of ``fresh`` runs in a fresh interpreter, with the stand-in as its ``sys.executable`` all the same."""
+    start, log, servers = ranks
+    stand_in = preload_servers.forking_python(sys.executable, programs={"probe_alias": PROBE},
+                                              fresh=("preload_probe",))
+    proc, out = start("exit", as_module=True, python=stand_in, module="probe_alias")
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert seen["preloaded"] and seen["ppid"] == servers[3 % 2].proc.pid, seen
+    assert seen["argv"] == [PROBE, "exit", str(out)] and seen["executable"] == stand_in, seen
+    proc, out = start("exit", as_module=True, python=stand_in)
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert not seen["preloaded"] and seen["pid"] == proc.pid and seen["executable"] == stand_in, seen
+    assert seen["argv"] == [PROBE, "exit", str(out)] and seen["path0"] == str(WORKERS), seen
+    assert not [line for line in map(json.loads, log.read_text().splitlines()) if line["pid"] == proc.pid]  # no fallback
+    proc, out = start("exit", as_module=True, python=stand_in, module="probe_alias",
+                      TWINKLE_PRELOAD_FALLBACK="no server here")  # a fallback keeps the stand-in too
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert not seen["preloaded"] and seen["executable"] == stand_in and seen["argv"][0] == PROBE, seen
 
 
 def test_neighbouring_ranks_hash_strings_with_different_seeds_as_real_ranks_do(ranks):

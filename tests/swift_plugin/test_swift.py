@@ -522,7 +522,7 @@ def test_swift_sft_async_save_overlaps_training_and_writes_the_synchronous_files
     """TWINKLE_ASYNC_SAVE=1: the writers pause mid-file in checkpoint-5 until step 6 has begun, so step 6 starts
     before any of its files is durable (the writers' own timestamps); both checkpoints equal the synchronous run's
     (lora_runs' "mem", the same arguments), and swift's last-checkpoint link points at the last one."""
-    from twinkle_strategy.checkpoint.background import PAUSE_ENV
+    from workers.save_writer_pause import PAUSE_ENV  # the probe plugin pauses each rank's writer as it asks
 
     out = tmp_path_factory.mktemp("swift_asyn")  # (as long a path as the synchronous run's: see args.json)
     (out / "pause").mkdir()

@@ -157,19 +157,18 @@ def test_after_a_restart_only_the_latest_attempts_errors_are_reported_and_follow
     assert "1 of 2 ranks raised an error" in summary and "the second attempt's error" in summary, summary
 
 
-def test_each_rank_runs_the_cli_module_unless_the_suite_names_its_fork_client(monkeypatch):
-    """torchrun.cli_rank_program: users' ranks run ``-m twinkle_strategy.train.cli``; the suite's TWINKLE_RANK_PROGRAM
-    (tests/cli_preload.py) puts its fork server's client there, with the same arguments."""
-    import json
+def test_each_rank_runs_the_cli_module_with_the_interpreter_that_runs_the_launcher():
+    """torchrun.cli_rank_program: every rank runs ``-m twinkle_strategy.train.cli`` with the launcher's arguments, and
+    torchrun (whose ranks start with the interpreter that runs it) with this process's interpreter. The suite relies on
+    the second: its ``twinkle-sft`` runs start under a stand-in interpreter whose ranks fork from a preloaded one
+    (tests/cli_preload.py)."""
+    import sys
 
-    from twinkle_strategy.train.torchrun import RANK_PROGRAM_ENV, cli_rank_program, torchrun_command
+    from twinkle_strategy.train.torchrun import cli_rank_program, torchrun_command
 
-    monkeypatch.delenv(RANK_PROGRAM_ENV, raising=False)
     command = torchrun_command(cli_rank_program(["demo.yaml", "train.max_steps=2"]), 2, 1, 2, 29500)
     assert command[-4:] == ["-m", "twinkle_strategy.train.cli", "demo.yaml", "train.max_steps=2"], command
-    monkeypatch.setenv(RANK_PROGRAM_ENV, json.dumps(["/x/preload_client.py", "/x/twinkle_sft_rank.py"]))
-    command = torchrun_command(cli_rank_program(["demo.yaml", "train.max_steps=2"]), 2, 1, 2, 29500)
-    assert command[-4:] == ["/x/preload_client.py", "/x/twinkle_sft_rank.py", "demo.yaml", "train.max_steps=2"]
+    assert command[:3] == [sys.executable, "-m", "torch.distributed.run"], command
 
 
 # ------------------------------------------- swift's flags as swift takes them; mistakes caught before launch

@@ -3,8 +3,8 @@
 Scenarios:
 
 * ``compare``: the same runs saved synchronously and asynchronously (full fp32; LoRA on a bf16 model),
-  each checkpoint compared byte for byte; the asynchronous full run's writer pauses in checkpoint-2 (the
-  package's test seam) until step 3 has begun, and reports when it wrote each file; the bf16 LoRA run's
+  each checkpoint compared byte for byte; the asynchronous full run's writer pauses in checkpoint-2
+  (tests/workers/save_writer_pause.py) until step 3 has begun, and reports when it wrote each file; the bf16 LoRA run's
   until 0.5 s after the save of step 4 began, which must wait for it; then a run whose background write fails
   with ENOSPC on rank 1.
 * ``killed``: an asynchronous run whose writers all pause mid-file in checkpoint-4 (its final save), where
@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_common  # noqa: E402
+from save_writer_pause import PAUSE_LIMIT_S, pause_save_writer  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.checkpoint import background  # noqa: E402
@@ -92,7 +93,7 @@ def release_once_every_rank_began_step_3(pause_dir: str) -> None:
     cannot deadlock.
     """
     worker_common.file_barrier(pause_dir, "began-step-3", world=dist.get_world_size(),
-                               timeout_s=background.PAUSE_LIMIT_S, wait=RANK == 0)
+                               timeout_s=PAUSE_LIMIT_S, wait=RANK == 0)
     if RANK != 0:
         return
     open(os.path.join(pause_dir, "release"), "w").close()
@@ -103,7 +104,6 @@ def timed_async_run(args, out, pause_dir):
     from twinkle_strategy.train.trainer import Trainer
 
     os.makedirs(pause_dir, exist_ok=True)
-    os.environ[background.PAUSE_ENV] = f"checkpoint-2:{pause_dir}"
     original = Trainer.training_step
     step_starts = {}
 
@@ -115,11 +115,11 @@ def timed_async_run(args, out, pause_dir):
 
     Trainer.training_step = timed_step
     try:
-        trainer = make_trainer(args, out, async_save=True)
-        history = trainer.train()
+        with pause_save_writer("checkpoint-2", pause_dir):
+            trainer = make_trainer(args, out, async_save=True)
+            history = trainer.train()
     finally:
         Trainer.training_step = original
-        del os.environ[background.PAUSE_ENV]
     writes = {write.name: {name: vars(times) for name, times in write.file_times.items()}
               for write in trainer.checkpoints.finished_writes}
     return {"losses": losses(history), "step_starts": step_starts, "writes": writes,
@@ -154,7 +154,6 @@ def waiting_bf16_run(args, out, pause_dir):
     from twinkle_strategy.train.trainer import Trainer
 
     os.makedirs(pause_dir, exist_ok=True)
-    os.environ[background.PAUSE_ENV] = f"checkpoint-2:{pause_dir}"
     original_step, original_save = Trainer.training_step, Trainer.save
     step_starts = {}
 
@@ -169,12 +168,11 @@ def waiting_bf16_run(args, out, pause_dir):
 
     Trainer.training_step, Trainer.save = timed_step, late_release
     try:
-        with Records(background.__name__) as records:
+        with Records(background.__name__) as records, pause_save_writer("checkpoint-2", pause_dir):
             trainer = make_trainer(args, out, async_save=True, lora=True, dtype=torch.bfloat16)
             history = trainer.train()
     finally:
         Trainer.training_step, Trainer.save = original_step, original_save
-        del os.environ[background.PAUSE_ENV]
     saves = trainer.checkpoints.async_saves
     return {"losses": losses(history), "step_starts": step_starts,
             "writes": {w.name: {n: vars(t) for n, t in w.file_times.items()} for w in saves.finished_writes},
@@ -208,7 +206,6 @@ def preempted_run(args, out):
 
     pause_dir = f"{out}-pause"
     os.makedirs(pause_dir, exist_ok=True)
-    os.environ[background.PAUSE_ENV] = f"checkpoint-2:{pause_dir}"
     original = Trainer.training_step
 
     def step_with_sigterm(self, step):
@@ -220,11 +217,11 @@ def preempted_run(args, out):
 
     Trainer.training_step = step_with_sigterm
     try:
-        trainer = make_trainer(args, out, async_save=True)
-        history = trainer.train()
+        with pause_save_writer("checkpoint-2", pause_dir):
+            trainer = make_trainer(args, out, async_save=True)
+            history = trainer.train()
     finally:
         Trainer.training_step = original
-        del os.environ[background.PAUSE_ENV]
     return {"losses": losses(history), "finished": [w.name for w in trainer.checkpoints.finished_writes]}
 
 
@@ -260,7 +257,6 @@ def compare(args):
 def killed(args):
     pause_dir = os.path.join(args.output_dir, "pause")
     os.makedirs(pause_dir, exist_ok=True)
-    os.environ[background.PAUSE_ENV] = f"checkpoint-4:{pause_dir}"
 
     def kill_once_every_writer_is_mid_file():
         while len([n for n in os.listdir(pause_dir) if n.startswith("paused.rank")]) < 4:
@@ -269,8 +265,9 @@ def killed(args):
 
     threading.Thread(target=kill_once_every_writer_is_mid_file, daemon=True).start()
     # save_total_limit=1: checkpoint-2 may go only once checkpoint-4 is durable, which it never becomes here.
-    make_trainer(args, args.output_dir, async_save=True, keep=1).train()
-    time.sleep(600)  # not reached: the thread above kills this process while checkpoint-4 is being written
+    with pause_save_writer("checkpoint-4", pause_dir):
+        make_trainer(args, args.output_dir, async_save=True, keep=1).train()
+        time.sleep(600)  # not reached: the thread above kills this process while checkpoint-4 is being written
 
 
 def resume(args):

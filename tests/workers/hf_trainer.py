@@ -147,9 +147,8 @@ def async_run(trainer, out: str) -> dict:
     import time
 
     import torch.distributed as dist
+    from save_writer_pause import pause_save_writer
     from transformers import TrainerCallback
-
-    from twinkle_strategy.checkpoint.background import PAUSE_ENV
 
     pause = os.path.join(out, "pause")
     os.makedirs(pause, exist_ok=True)
@@ -162,11 +161,8 @@ def async_run(trainer, out: str) -> dict:
                 open(os.path.join(pause, "release"), "w").close()
 
     trainer.add_callback(StepStarts())
-    os.environ[PAUSE_ENV] = f"checkpoint-{SAVE_STEP}:{pause}"
-    try:
+    with pause_save_writer(f"checkpoint-{SAVE_STEP}", pause):
         trainer.train()
-    finally:
-        del os.environ[PAUSE_ENV]
     saves = trainer.async_checkpoints.saves
     result = {**history(trainer), "step_starts": starts,
               "writes": {save.name: {name: vars(t) for name, t in save.write.file_times.items()}

@@ -14,7 +14,7 @@ MODE, OUT = sys.argv[1], sys.argv[2]
 def record(**extra) -> None:
     with open(OUT, "w") as f:
         json.dump({"pid": os.getpid(), "ppid": os.getppid(), "preloaded": PRELOADED, "argv": sys.argv,
-                   "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "path0": sys.path[0],
+                   "cwd": os.getcwd(), "rank": os.environ.get("RANK"), "path0": sys.path[0], "executable": sys.executable,
                    "str_hash": hash("twinkle"), **extra}, f)
 
 

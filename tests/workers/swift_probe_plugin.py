@@ -12,8 +12,9 @@ d5f1785, ``_save_optimizer_and_scheduler``) wrote next to the weights: per-rank 
 (the local shards of the trainable weights and of the optimizer state) and ``scheduler.pt``, under
 ``$TWINKLE_PROBE_OUT/legacy/checkpoint-<step>/`` (not into the checkpoint: other tests resume from it).
 With ``TWINKLE_ASYNC_SAVE=1``, ``rank<R>.json`` also holds when each step began and when the background writers
-wrote each file; with the package's writer pause (``TWINKLE_TEST_PAUSE_SAVE_WRITER=checkpoint-<N>:<dir>``),
-process zero releases the paused writers as step N+1 begins.
+wrote each file; with ``TWINKLE_TEST_PAUSE_SAVE_WRITER=checkpoint-<N>:<dir>``, each rank's writer pauses mid-file in
+checkpoint-<N> (tests/workers/save_writer_pause.py, installed here in the rank) and process zero releases the paused
+writers as step N+1 begins.
 With ``TWINKLE_PROBE_BATCHES=1``, ``rank<R>.json`` also holds ``micro_batches``: the token ids of each row (padding
 dropped) of every micro-batch the rank trained on, in training order, as ``training_step`` received them.
 """
@@ -92,6 +93,15 @@ class TwinkleProbe(TrainerCallback):
     def __init__(self, args, trainer):
         super().__init__(args, trainer)
         self.micro_batches = []
+        # The writer pause the test asks for, in this rank: ms-swift loads this file by path, so its folder is put on
+        # sys.path for the pause's module. It lasts until training ends (on_train_end).
+        import sys
+
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from save_writer_pause import pause_from_environment
+
+        self.writer_pause = pause_from_environment()
+        self.writer_pause.__enter__()
         if os.environ.get("TWINKLE_PROBE_BATCHES") == "1":  # the examples of each micro-batch, as the trainer got them
             training_step = trainer.training_step
 
@@ -107,7 +117,7 @@ class TwinkleProbe(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):
         import time
 
-        from twinkle_strategy.checkpoint.background import PAUSE_ENV
+        from save_writer_pause import PAUSE_ENV
 
         self.step_starts[state.global_step + 1] = time.time()
         checkpoint, _, pause = os.environ.get(PAUSE_ENV, "").partition(":")
@@ -122,6 +132,7 @@ class TwinkleProbe(TrainerCallback):
     def on_train_end(self, args, state, control, **kwargs):
         from twinkle_strategy.integrations.swift import plugin as swift_plugin
 
+        self.writer_pause.__exit__(None, None, None)
         out = os.environ["TWINKLE_PROBE_OUT"]
         os.makedirs(out, exist_ok=True)
         strategy = swift_plugin.get_strategy()

@@ -1,9 +1,14 @@
-"""One rank of a ``twinkle-sft`` launch whose ranks fork from the suite's preload servers (tests/cli_preload.py):
-what ``python -m twinkle_strategy.train.cli ARGS`` runs, as a script the fork server can run."""
+"""What the suite's ``twinkle-sft`` processes run in place of ``python -m twinkle_strategy.train.cli``
+(tests/cli_preload.py): the CLI's ``main``, with the writer pause a test asks for in ``$TWINKLE_TEST_PAUSE_SAVE_WRITER``
+installed in this process (tests/workers/save_writer_pause.py)."""
 
 import sys
+
+from save_writer_pause import pause_from_environment
 
 from twinkle_strategy.train.cli import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with pause_from_environment():
+        code = main()
+    sys.exit(code)

@@ -60,13 +60,6 @@ from twinkle_strategy.errors import CheckpointSaveError
 
 logger = logging.getLogger(__name__)
 
-# Test-only seam, read in one place (:func:`_pause_if_asked`): "<checkpoint name>:<directory>" makes the
-# writer of that checkpoint stop after the first piece of its first file, create
-# <directory>/paused.rank<R>, and go on only once <directory>/release exists (or after
-# PAUSE_LIMIT_S). Tests kill ranks at that point, or check that training went on meanwhile.
-PAUSE_ENV = "TWINKLE_TEST_PAUSE_SAVE_WRITER"
-PAUSE_LIMIT_S = 120.0
-
 
 @dataclasses.dataclass(frozen=True)
 class FileTimes:
@@ -146,10 +139,8 @@ class BackgroundWrite:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             first = time.time()
-            for i, piece in enumerate(pieces):
+            for piece in pieces:
                 write_piece(fd, piece)
-                if i == 0 and not self.file_times:
-                    _pause_if_asked(self.name)
                 if self._cancelled.is_set():
                     return
             size = self.sizes.get(path)
@@ -162,7 +153,8 @@ class BackgroundWrite:
 
 
 def write_piece(fd: int, piece: CopiedPiece) -> None:
-    """The one place the background writer writes bytes (tests inject disk-full errors here)."""
+    """The one place the background writer writes bytes (looked up at each call: tests wrap it to inject a full disk
+    or to pause a writer mid-file)."""
     write_at(fd, piece.data.numpy(), piece.offset)
 
 
@@ -243,20 +235,6 @@ class InFlightSave:
                                   cleanup=lambda: abandon_pending(self.path))
         step_done(error, "writing the copied files")
         raise AssertionError("unreachable: a rank reported a failure")  # step_done raised on every rank
-
-
-def _pause_if_asked(name: str) -> None:
-    """The test seam of :data:`PAUSE_ENV` (see there); nothing at all when the variable is unset."""
-    spec = os.environ.get(PAUSE_ENV)
-    if not spec:
-        return
-    checkpoint, _, directory = spec.partition(":")
-    if checkpoint != name:
-        return
-    open(os.path.join(directory, f"paused.rank{global_rank()}"), "w").close()
-    deadline = time.monotonic() + PAUSE_LIMIT_S
-    while not os.path.exists(os.path.join(directory, "release")) and time.monotonic() < deadline:
-        time.sleep(0.01)
 
 
 @dataclasses.dataclass(frozen=True)

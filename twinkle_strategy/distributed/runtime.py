@@ -17,6 +17,7 @@ import resource
 import torch
 import torch.distributed as dist
 
+from twinkle_strategy import log
 from twinkle_strategy.distributed import fatal_errors
 from twinkle_strategy.errors import TopologyError
 
@@ -125,6 +126,7 @@ def init_distributed(
     ``timeout_s`` bounds every collective: a rank whose peer died or hangs
     raises after at most this long instead of waiting forever.
     """
+    log.apply_level_from_environment()  # this process's TWINKLE_LOG_LEVEL, read as its work starts
     device_type = detect_device_type(device_type)
     env = LaunchEnv.from_environ()
     if device_type == "cuda":

@@ -47,6 +47,7 @@ import sys
 import traceback
 from collections.abc import Callable
 
+from twinkle_strategy import log
 from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.train.errors import RunStoppedError
@@ -90,6 +91,7 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    log.apply_level_from_environment()  # read when the program starts, not when the package was imported
     if "--version" in argv:
         print(version_text())
         return 0

@@ -2,23 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
-RANK_PROGRAM_ENV = "TWINKLE_RANK_PROGRAM"
-
 
 def cli_rank_program(argv: list[str]) -> list[str]:
-    """What torchrun runs as each rank of a ``twinkle-sft`` launch: this package's CLI as a module.
-
-    ``$TWINKLE_RANK_PROGRAM`` (a JSON list: a script and its leading arguments) replaces the module, the arguments
-    unchanged. It exists for the test suite, whose fork server starts each rank from an interpreter with torch and
-    transformers imported already (tests/cli_preload.py): on 2 cores that start-up was most of a launch's time. A
-    user has no reason to set it.
-    """
-    program = os.environ.get(RANK_PROGRAM_ENV)
-    return [*json.loads(program), *argv] if program else ["-m", "twinkle_strategy.train.cli", *argv]
+    """What torchrun runs as each rank of a ``twinkle-sft`` launch: this package's CLI as a module, with the
+    launcher's arguments (torchrun starts it with the interpreter that runs torchrun: see :func:`torchrun_command`)."""
+    return ["-m", "twinkle_strategy.train.cli", *argv]
 
 
 def torchrun_command(script_and_args: list[str], nnodes: int, node_rank: int, nproc: int, port: int, *,
