@@ -13,7 +13,9 @@ then owns what makes the step's gradient the one a single process would compute 
   load-balancing loss needs the whole step's router counts before the first backward;
 * **the forward** (:func:`.forward.forward_share`): replay, the aux-loss share, and what backward takes
   (:attr:`TrainingStep.loss_scale`: FSDP averages gradients over every rank, so each rank's share, its token-loss
-  sum / the global count, is multiplied by the world size);
+  sum / the global count, is multiplied by the world size); twinkle's ``Trainer``, which runs its own backward,
+  has the step core run them all (:meth:`TrainingStep.accumulate`), the ``transformers.Trainer`` mixin calls the
+  forward from ``compute_loss``;
 * **clipping** (:meth:`TrainingStep.clip`) over the expert and the non-expert meshes;
 * **metrics** (:attr:`TrainingStep.metrics`, :mod:`.metrics`): tokens, throughput and the expert load of each log
   line.
@@ -26,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -38,6 +42,7 @@ from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops, throughpu
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.sequence.batch import ROUTED_EXPERTS, loss_tokens
 from twinkle_strategy.step.collectives import all_reduce_sum
+from twinkle_strategy.step.forward import forward_share
 from twinkle_strategy.step.metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
@@ -71,6 +76,19 @@ class TokenCounts:
 
     loss: torch.Tensor  # int64 on the device: pass as num_items_in_batch
     inputs: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGradients:
+    """What :meth:`TrainingStep.accumulate` leaves besides the gradients: this rank's sums of the loss and aux-loss
+    shares (fp32 on the device, not yet summed over ranks), and the step's token counts."""
+
+    shares: torch.Tensor  # [loss, aux loss]: this rank's; summed over every rank, the step's global losses
+    tokens: TokenCounts
+
+
+# A front-end's training forward of a chunk: (its loss share, its outputs) with the step's global loss-token count.
+ChunkForward = Callable[[dict, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
 def expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
@@ -179,6 +197,28 @@ class TrainingStep:
         model.train()
         return self.balancing.prepass(model, iter(chunks), expert_load=self.expert_load,
                                       replay_of=self.strategy.replay_of_batch)
+
+    def accumulate(self, model: nn.Module, collated: list[dict], *, forward: ChunkForward) -> StepGradients:
+        """Forward and backward of every micro-batch of a step, for a front-end that runs its own backward (twinkle's
+        ``Trainer``): ``collated``, this rank's micro-batches as collated (whole rows), are counted for the metrics,
+        split, their loss tokens counted over every rank, the router pre-passed; then each chunk's
+        :func:`.forward.forward_share` (``forward``: the front-end's, given the chunk and the global token count)
+        and its backward. Collective."""
+        for batch in collated:
+            self.metrics.observe(batch)  # whole rows, before the split
+        chunks = self.split(collated).tensors
+        tokens = self.global_tokens(chunks)
+        router = self.router_prepass(model, chunks)  # several chunks: the global router counts before any backward
+        model.train()
+        shares = torch.zeros(2, device=self.device)
+        for chunk in chunks:
+            self.count_tokens_of(chunk)
+            share = forward_share(model, chunk, forward=lambda batch: forward(batch, tokens.loss),
+                                  replay_of=self.strategy.replay_of_batch, balancing=self.balancing, router=router)
+            share.objective(loss_scale=self.loss_scale).backward()
+            router = share.router
+            shares += torch.stack([share.loss.detach(), share.aux_or_zero.detach()])
+        return StepGradients(shares=shares, tokens=tokens)
 
     def clip(self, model: nn.Module, max_norm: float | None = None) -> torch.Tensor:
         """Clip every gradient to ``max_norm`` (the policy's by default) over every mesh; the norm before."""

@@ -31,7 +31,6 @@ from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, correction_biases, 
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
 from twinkle_strategy.step import StepBatches, StepPolicy, TrainingStep, all_reduce_sum
-from twinkle_strategy.step.forward import forward_share
 from twinkle_strategy.step.resume import restore_step
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import TrainingArguments
@@ -226,36 +225,18 @@ class Trainer:
         return result
 
     def compute_gradients(self, step: int) -> dict:
-        """Forward and backward of every micro-batch of step ``step``; global loss, aux loss and token sums."""
-        device, core = self.strategy.device, self.step_core
-        collated = self._collated(step)
-        for batch in collated:
-            core.metrics.observe(batch)  # whole rows, before the split
-        batches = core.split(collated).tensors
-        tokens = core.global_tokens(batches)
-        # Several micro-batches: their global router counts must be known before the first backward.
-        router = core.router_prepass(self.model, batches)
-        self.model.train()
-        sums = torch.zeros(3, device=device)  # loss, aux loss, ranks asked to stop (SIGTERM)
-        for batch in batches:
-            loss, aux, router = self._forward_backward(batch, tokens.loss, router)
-            sums[:2] += torch.stack([loss, aux])
-        sums[2] = float(self._preemption is not None and self._preemption.requested)
-        loss, aux, preempted = all_reduce_sum(sums).tolist()
-        return {"loss": loss, "aux_loss": aux, "tokens": float(tokens.inputs), "preempted": preempted > 0}
+        """Forward and backward of every micro-batch of step ``step`` (the step core's); global loss, aux loss and
+        token sums."""
+        gradients = self.step_core.accumulate(self.model, self._collated(step), forward=self._forward)
+        preempted = torch.tensor([float(self._preemption is not None and self._preemption.requested)],
+                                 device=gradients.shares.device)  # ranks asked to stop (SIGTERM), with the losses
+        loss, aux, preempted = all_reduce_sum(torch.cat([gradients.shares, preempted])).tolist()
+        return {"loss": loss, "aux_loss": aux, "tokens": float(gradients.tokens.inputs), "preempted": preempted > 0}
 
-    def _forward_backward(self, batch: dict, global_tokens: torch.Tensor, router):
-        """One micro-batch; returns (its loss share, its aux-loss share, the global router statistics)."""
-        def forward(inputs: dict):  # the loss share: this rank's token-loss sum / all tokens of the step
-            out = self.model(**inputs, num_items_in_batch=global_tokens)
-            return out.loss, out
-
-        core = self.step_core
-        core.count_tokens_of(batch)  # padding stays out of the expert load
-        share = forward_share(self.model, batch, forward=forward, replay_of=self.strategy.replay_of_batch,
-                              balancing=core.balancing, router=router)
-        share.objective(loss_scale=core.loss_scale).backward()
-        return share.loss.detach(), share.aux_or_zero.detach(), share.router
+    def _forward(self, chunk: dict, global_tokens: torch.Tensor):
+        """The model's loss share of one chunk (this rank's token-loss sum / all tokens of the step), its output."""
+        out = self.model(**chunk, num_items_in_batch=global_tokens)
+        return out.loss, out
 
     def train(self) -> list[dict]:
         state = self.setup()
