@@ -40,10 +40,10 @@ from twinkle_strategy.fsdp import mixed_precision_policy
 from twinkle_strategy.placement.load import ModelPaths, load_model, node_local
 from twinkle_strategy.placement.process import ProcessPlace, place_process
 from twinkle_strategy.placement.wrap import wrap_for_training
-from twinkle_strategy.sequence import loss_tokens, split_batch
+from twinkle_strategy.sequence import split_batch
 from twinkle_strategy.shards.gather import gather_full_state_dict
 from twinkle_strategy.sources.model_ids import PYTHON_HUBS, HubConvention
-from twinkle_strategy.step import all_reduce_sum
+from twinkle_strategy.step import collectives
 
 if TYPE_CHECKING:  # rl/ and planning/ load on the first call of a method that needs them, not with the class
     from twinkle_strategy.init.engine import InitReport
@@ -231,30 +231,15 @@ class NativeFSDPStrategy:
         of the shares is the step's loss, and ``(loss * strategy.world_size).backward()`` gives the gradient of that
         mean (FSDP averages gradients over ranks).
         """
-        for batch in batches:
-            if not isinstance(batch, Mapping):
-                raise TypeError(f"global_loss_tokens takes the batches (dicts with labels, or split_sequence's chunks "
-                                f"with shift_labels), not a {type(batch).__name__}: whether a tensor of labels is "
-                                "already shifted cannot be told; pass strategy.global_loss_tokens(*micro_batches)")
-        self.setup()
-        count = sum(loss_tokens(batch) for batch in batches)
-        return self._all_reduce_sum(torch.tensor(count, dtype=torch.long))  # int64: exact past 2**24 tokens
+        return collectives.global_loss_tokens(*batches, strategy=self)
 
     def reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum of a scalar over all ranks (for logging: the step's loss from each rank's share)."""
-        return self._all_reduce_sum(value.detach().float().clone())
-
-    def _all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        self.setup()
-        return all_reduce_sum(value.to(self.device))  # collectives need the backend's device (NCCL, HCCL)
+        return collectives.reduce_sum(value, strategy=self)
 
     def reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         """Mean of a scalar over all ranks (for logging losses)."""
-        value = value.detach().float().clone()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM)
-            value /= dist.get_world_size()
-        return value
+        return collectives.reduce_mean(value)
 
     # ------------------------------------------------------------ state dicts
     def full_state_dict(self, model: nn.Module, rank0_only: bool = False, keys: set[str] | None = None):

@@ -12,6 +12,13 @@ within 1e-7, the 8 digits swift logs). Both legs get
 the rows in the order twinkle's step sampler takes them (the HF leg as its worker does; swift from a JSONL file
 written in that order, unshuffled): the examples of each step are the recipe's, whatever the front-end.
 Two launches: the swift run and the HF leg's worker, both 2 x 2.
+
+One step (issue 44): swift's log lines carry the step fields of the other front-ends (twinkle_strategy.step.metrics,
+tests/multiproc/test_one_sp_meaning.py compares twinkle-sft's and the HF leg's): the same names, the same tokens
+(each step's examples' real tokens, exactly) and the same FLOPs per token as the HF leg's, although swift groups
+the step's rows into other micro-batches (each example's attention length, measured on its whole row). Also with
+``--padding_free true`` (each micro-batch's examples flattened into one row: the same examples, so the same losses and
+the same fields): one launch more.
 """
 
 from __future__ import annotations
@@ -23,13 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 from multinode import launch
-from test_swift import DATASET, REPO, run_swift_sft
+from test_swift import DATASET, REPO, logged_steps, run_swift_sft
 
 ATOL = 1e-5  # fp32: the same computation, cut the same way
 STEPS = 4
 PER_DEVICE, ACCUMULATION, WORLD, SP = 2, 2, 4, 2
 DP = WORLD // SP
 DEMO = str(REPO / "yaml" / "demo.yaml")
+# The step fields every front-end logs on CPU (no mfu: the device's peak is unknown).
+STEP_FIELDS = {"tokens", "tokens_per_second", "flops_per_token", "tflops_per_device"}
 # The recipe of yaml/demo.yaml as swift's flags (swift's own defaults differ: weight decay 0.1, beta2 0.95, LoRA
 # dropout 0.05, no warmup, shuffled data).
 SWIFT_RECIPE = ["--tuner_type", "lora", "--lora_rank", "8", "--lora_alpha", "32", "--lora_dropout", "0",
@@ -76,7 +85,7 @@ def legs(swift_bin, tiny_model, tmp_path_factory) -> dict:
     hf = launch("one_sp_meaning.py", recipe, root / "hf", nnodes=2, nproc_per_node=2, timeout=600,
                 python=str(swift_bin / "python"))
     assert hf.ok(), hf.describe()
-    return {"ids": ids, "step_rows": step_rows, "swift": swift, "hf": hf.rank_results()}
+    return {"ids": ids, "step_rows": step_rows, "swift": swift, "hf": hf.rank_results(), "ordered": ordered}
 
 
 def test_swift_sft_trains_each_step_on_the_recipes_examples_shared_by_the_group(legs):
@@ -113,3 +122,44 @@ def test_swift_sft_logs_the_losses_of_the_transformers_trainer_leg(legs):
         assert len(expected) == STEPS, (rank, expected)
         torch.testing.assert_close(got, expected, atol=ATOL, rtol=0,
                                    msg=lambda m, r=rank: f"swift against HF rank {r} (loss, grad_norm) per step: {m}")
+
+
+@pytest.fixture(scope="module")
+def swift_padding_free(swift_bin, tiny_model, tmp_path_factory, legs) -> dict:
+    """The swift leg again with ``--padding_free true`` (the same rows file, in the recipe's order)."""
+    root = tmp_path_factory.mktemp("swift_one_sp_padding_free")
+    return run_swift_sft(swift_bin, tiny_model, root, [*SWIFT_RECIPE, "--padding_free", "true"],
+                         {"TWINKLE_EP_SIZE": "2", "TWINKLE_MEMORY_EFFICIENT_INIT": "1"}, nnodes=2, timeout=600,
+                         dataset=legs["ordered"])
+
+
+def step_lines(run: dict) -> list[dict]:
+    """swift's training log lines (logging.jsonl), in step order, each with only its step fields."""
+    with open(run["run_dir"] / "logging.jsonl") as f:
+        lines = [json.loads(line) for line in f]
+    lines = [line for line in lines if "loss" in line and "global_step/max_steps" in line]
+    assert [int(line["global_step/max_steps"].split("/")[0]) for line in lines] == list(range(1, STEPS + 1))
+    return [{k: v for k, v in line.items() if k in STEP_FIELDS | {"mfu"}} for line in lines]
+
+
+def test_swift_sft_padding_free_logs_the_losses_of_the_transformers_trainer_leg(legs, swift_padding_free):
+    _, losses, grad_norms = logged_steps(swift_padding_free["run_dir"].parent.parent)
+    got = [[losses[s], grad_norms[s]] for s in range(1, STEPS + 1)]
+    expected = [list(pair) for pair in zip(legs["hf"][0]["losses"], legs["hf"][0]["grad_norms"], strict=True)]
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=0, msg=lambda m: f"padding-free swift against HF: {m}")
+
+
+@pytest.mark.parametrize("layout", ["padded", "padding_free"])
+def test_swift_sft_logs_the_step_fields_of_the_transformers_trainer_leg(legs, swift_padding_free, layout):
+    swift = step_lines(legs["swift"] if layout == "padded" else swift_padding_free)
+    lengths = [[len(legs["ids"][i]) for i in rows] for rows in legs["step_rows"]]
+    assert [line["tokens"] for line in swift] == [sum(step) for step in lengths]
+    for line in swift:
+        assert set(line) == STEP_FIELDS, line
+        assert line["tokens_per_second"] > 0 < line["tflops_per_device"]
+    for rank, result in legs["hf"].items():
+        assert result["step_lengths"] == lengths, rank
+        hf = [{k: v for k, v in line.items() if k in STEP_FIELDS | {"mfu"}} for line in result["step_fields"]]
+        assert [set(line) for line in hf] == [set(line) for line in swift], rank
+        for key in ("tokens", "flops_per_token"):
+            assert [line[key] for line in swift] == [line[key] for line in hf], (layout, rank, key, swift, hf)

@@ -6,8 +6,8 @@ the trainer is transformers'. The dataset is handed over in the order twinkle's 
 sampling), so that the examples of each step are the recipe's whatever the trainer, if the two front-ends give
 ``sequence_parallel_size`` the same meaning.
 
-Writes per rank the per-step losses and gradient norms HF logs, and the dataset indices each collated micro-batch
-held (in training order).
+Writes per rank the per-step losses, gradient norms and step fields (tokens, throughput) HF logs, and the dataset
+indices each collated micro-batch held (in training order).
 """
 
 from __future__ import annotations
@@ -17,6 +17,9 @@ import os
 import sys
 
 import worker_common
+
+# What every front-end's log line adds of the step (twinkle_strategy.step.metrics), where present.
+STEP_FIELDS = ("tokens", "tokens_per_second", "flops_per_token", "tflops_per_device", "mfu", "moe_load_imbalance")
 
 
 def main():
@@ -58,9 +61,13 @@ def main():
     logs = [h for h in trainer.state.log_history if "loss" in h]
     steps = train.max_steps * train.gradient_accumulation_steps  # (the dataloader may collate one batch ahead)
     return {"losses": [h["loss"] for h in logs], "grad_norms": [h["grad_norm"] for h in logs],
+            "step_fields": [{k: h[k] for k in STEP_FIELDS if k in h} for h in logs],
             "micro_batches": collated[:steps], "dp_rank": strategy.data_parallel_rank,
             "step_rows": [[index_of[tuple(dataset[i]["input_ids"])] for i in sampler.rows(step)]
-                          for step in range(train.max_steps)]}
+                          for step in range(train.max_steps)],
+            # each step's examples' lengths (all real tokens): what its tokens and attention length are counted on
+            "step_lengths": [[len(dataset[i]["input_ids"]) for i in sampler.rows(step)]
+                             for step in range(train.max_steps)]}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""One training step, the same for every front-end: twinkle's ``Trainer``, the ``transformers.Trainer`` mixin (and so
+"""The training step, the same for every front-end: twinkle's ``Trainer``, the ``transformers.Trainer`` mixin (and so
 TRL's trainers and the ms-swift plugin).
 
 A front-end hands over the micro-batches of one optimizer step as its data path collated them; :class:`TrainingStep`
@@ -6,19 +6,21 @@ then owns what makes the step's gradient the one a single process would compute 
 
 * **the split** (:meth:`TrainingStep.split`): under sequence parallelism every rank of a group holds the same
   micro-batches (the ecosystem's meaning, as accelerate's context parallelism, ms-swift and torchtitan: data-parallel
-  size = world / sequence_parallel_size) and keeps its chunk of every row; packed rows stay one row, cut the same way.
-  The length a token attends over (the attention FLOPs) is measured on the whole rows, before the cut;
+  size = world / sequence_parallel_size) and keeps its chunk of every row; packed rows stay one row, cut the same way;
 * **the global token count** (:meth:`TrainingStep.global_tokens`): the loss tokens of every rank's chunks, each token
   counted once, the ``num_items_in_batch`` every forward divides its token-loss sum by;
 * **the router pre-pass** (:meth:`TrainingStep.router_prepass`): with several forwards per step, the global-batch
   load-balancing loss needs the whole step's router counts before the first backward;
-* **backward scaling** (:attr:`TrainingStep.loss_scale`): FSDP averages gradients over every rank, so each rank's
-  share (its token-loss sum / the global count) is multiplied by the world size;
+* **the forward** (:func:`.forward.forward_share`): replay, the aux-loss share, and what backward takes
+  (:attr:`TrainingStep.loss_scale`: FSDP averages gradients over every rank, so each rank's share, its token-loss
+  sum / the global count, is multiplied by the world size); twinkle's ``Trainer``, which runs its own backward,
+  has the step core run them all (:meth:`TrainingStep.accumulate`), the ``transformers.Trainer`` mixin calls the
+  forward from ``compute_loss``;
 * **clipping** (:meth:`TrainingStep.clip`) over the expert and the non-expert meshes;
-* **metrics**: the expert load (:attr:`TrainingStep.expert_load`) and the throughput fields
-  (:meth:`TrainingStep.throughput`).
+* **metrics** (:attr:`TrainingStep.metrics`, :mod:`.metrics`): tokens, throughput and the expert load of each log
+  line.
 
-How a front-end runs its forwards (its own loss hooks, logging and saving) stays the front-end's.
+What a front-end keeps: its loop or HF's, its logging and saving; resuming is :mod:`.resume`'s.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -37,6 +41,9 @@ from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops, throughput
 from twinkle_strategy.moe.load import ExpertLoad
 from twinkle_strategy.sequence.batch import ROUTED_EXPERTS, loss_tokens
+from twinkle_strategy.step.collectives import all_reduce_sum
+from twinkle_strategy.step.forward import forward_share
+from twinkle_strategy.step.metrics import StepMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -58,10 +65,9 @@ class StepPolicy:
 
 @dataclasses.dataclass(frozen=True)
 class StepBatches:
-    """This rank's micro-batches of one optimizer step, and the length their tokens attend over (for the FLOPs)."""
+    """This rank's micro-batches of one optimizer step."""
 
     tensors: list[dict[str, torch.Tensor]]  # as the model takes them (under sequence parallelism: the rank's chunks)
-    attention_length: float  # mean over the micro-batches, measured on whole rows (see attention_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +78,17 @@ class TokenCounts:
     inputs: int
 
 
-def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
-    """``value`` summed over every rank, in place (itself without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-    return value
+@dataclasses.dataclass(frozen=True)
+class StepGradients:
+    """What :meth:`TrainingStep.accumulate` leaves besides the gradients: this rank's sums of the loss and aux-loss
+    shares (fp32 on the device, not yet summed over ranks), and the step's token counts."""
+
+    shares: torch.Tensor  # [loss, aux loss]: this rank's; summed over every rank, the step's global losses
+    tokens: TokenCounts
+
+
+# A front-end's training forward of a chunk: (its loss share, its outputs) with the step's global loss-token count.
+ChunkForward = Callable[[dict, torch.Tensor], tuple[torch.Tensor, Any]]
 
 
 def expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
@@ -93,17 +105,6 @@ def real_token_count(batch: dict[str, torch.Tensor]) -> int:
     """Non-padding tokens of a collated batch (a flattened batch has no padding)."""
     mask = batch.get("attention_mask")
     return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
-
-
-def attention_length(batch: dict[str, torch.Tensor]) -> float:
-    """The sequence length a token attends over on average, for the attention FLOPs: the padded length, or,
-    in a flattened batch, each example's length weighted by its tokens (sum of squares / tokens)."""
-    positions = batch.get("position_ids")
-    if positions is None or "attention_mask" in batch:
-        return float(batch["input_ids"].shape[1])
-    starts = (positions.reshape(-1) == 0).nonzero().reshape(-1).tolist() + [positions.numel()]
-    lengths = [b - a for a, b in zip(starts, starts[1:], strict=False)]
-    return sum(n * n for n in lengths) / max(sum(lengths), 1)
 
 
 def left_padded(batch: dict) -> bool:
@@ -128,6 +129,7 @@ class TrainingStep:
         self.expert_load = expert_load_or_none(model, ep_size=ep_size)
         self._model = model
         self.peak_tflops = policy.peak_tflops or device_peak_tflops(strategy.device)
+        self.metrics = StepMetrics(self)  # the log lines' tokens, throughput and expert load
 
     @functools.cached_property
     def flops(self) -> FlopsModel:
@@ -139,6 +141,10 @@ class TrainingStep:
         return self.strategy.dims.sp_size
 
     @property
+    def device(self) -> torch.device:
+        return self.strategy.device
+
+    @property
     def loss_scale(self) -> int:
         """What each rank's loss share is multiplied by before backward: FSDP averages gradients over every rank,
         and the shares (token-loss sums / the global count) add up over ranks to the global per-token mean."""
@@ -147,7 +153,6 @@ class TrainingStep:
     def split(self, batches: list[dict]) -> StepBatches:
         """This rank's chunk of each of the step's micro-batches (each itself without sequence parallelism), on the
         device. Under sequence parallelism the group's ranks pass the same batches (refusals: on every rank alike)."""
-        lengths = [attention_length(batch) for batch in batches]  # before the cut: a chunk attends over its row
         if self.sequence_parallel > 1:
             self._refuse_unsplittable(batches)
         device = self.strategy.device
@@ -156,7 +161,7 @@ class TrainingStep:
             batch = {k: torch.as_tensor(v).to(device) for k, v in batch.items()
                      if v is not None and not (self.sequence_parallel > 1 and k in WHOLE_ROW_KEYS)}
             tensors.append(self.strategy.split_sequence(batch))
-        return StepBatches(tensors=tensors, attention_length=sum(lengths) / max(len(lengths), 1))
+        return StepBatches(tensors=tensors)
 
     def _refuse_unsplittable(self, batches: list[dict]) -> None:
         sp = self.sequence_parallel
@@ -192,6 +197,28 @@ class TrainingStep:
         model.train()
         return self.balancing.prepass(model, iter(chunks), expert_load=self.expert_load,
                                       replay_of=self.strategy.replay_of_batch)
+
+    def accumulate(self, model: nn.Module, collated: list[dict], *, forward: ChunkForward) -> StepGradients:
+        """Forward and backward of every micro-batch of a step, for a front-end that runs its own backward (twinkle's
+        ``Trainer``): ``collated``, this rank's micro-batches as collated (whole rows), are counted for the metrics,
+        split, their loss tokens counted over every rank, the router pre-passed; then each chunk's
+        :func:`.forward.forward_share` (``forward``: the front-end's, given the chunk and the global token count)
+        and its backward. Collective."""
+        for batch in collated:
+            self.metrics.observe(batch)  # whole rows, before the split
+        chunks = self.split(collated).tensors
+        tokens = self.global_tokens(chunks)
+        router = self.router_prepass(model, chunks)  # several chunks: the global router counts before any backward
+        model.train()
+        shares = torch.zeros(2, device=self.device)
+        for chunk in chunks:
+            self.count_tokens_of(chunk)
+            share = forward_share(model, chunk, forward=lambda batch: forward(batch, tokens.loss),
+                                  replay_of=self.strategy.replay_of_batch, balancing=self.balancing, router=router)
+            share.objective(loss_scale=self.loss_scale).backward()
+            router = share.router
+            shares += torch.stack([share.loss.detach(), share.aux_or_zero.detach()])
+        return StepGradients(shares=shares, tokens=tokens)
 
     def clip(self, model: nn.Module, max_norm: float | None = None) -> torch.Tensor:
         """Clip every gradient to ``max_norm`` (the policy's by default) over every mesh; the norm before."""

@@ -31,6 +31,7 @@ from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, correction_biases, 
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
 from twinkle_strategy.step import StepBatches, StepPolicy, TrainingStep, all_reduce_sum
+from twinkle_strategy.step.resume import restore_step
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import OptimizerName, TrainingArguments
 from twinkle_strategy.train.data import StepSampler
@@ -165,8 +166,9 @@ class Trainer:
                                  scheduler=self.scheduler, tokenizer=self.processing_class, policy=policy)
 
     def _resume(self, state: TrainState, path: str, *, same_run: bool) -> None:
-        saved = self.checkpoints.load(path, expect={"global_batch": state.global_batch,
-                                                    "peft": is_peft_model(self.model)})
+        saved = restore_step(path, model=self.model, strategy=self.strategy, optimizer=self.optimizer,
+                             scheduler=self.scheduler, expect={"global_batch": state.global_batch,
+                                                               "peft": is_peft_model(self.model)})
         state.resume(saved)
         if self.strategy.is_main_process:
             if same_run:  # drop what the interrupted attempt logged after its checkpoint: those steps run again
@@ -198,6 +200,10 @@ class Trainer:
         return self._step_batches(step).tensors
 
     def _step_batches(self, step: int) -> StepBatches:
+        return self.step_core.split(self._collated(step))
+
+    def _collated(self, step: int) -> list[dict]:
+        """This rank's data-parallel share of each micro-batch of step ``step``, as collated (whole rows)."""
         args, rank = self.args, self.strategy.data_parallel_rank
         per_device = args.per_device_train_batch_size
         rows = self.sampler.rows(step)
@@ -205,7 +211,7 @@ class Trainer:
         for micro in range(args.gradient_accumulation_steps):
             begin = (micro * self.strategy.data_parallel_size + rank) * per_device
             batches.append(self.data_collator([self.train_dataset[i] for i in rows[begin:begin + per_device]]))
-        return self.step_core.split(batches)
+        return batches
 
     # ---------------------------------------------------------------- training
     def training_step(self, step: int) -> dict:
@@ -222,37 +228,18 @@ class Trainer:
         return result
 
     def compute_gradients(self, step: int) -> dict:
-        """Forward and backward of every micro-batch of step ``step``; global loss, aux loss and token sums."""
-        device, core = self.strategy.device, self.step_core
-        step_batches = self._step_batches(step)
-        batches = step_batches.tensors
-        tokens = core.global_tokens(batches)
-        # Several micro-batches: their global router counts must be known before the first backward.
-        router = core.router_prepass(self.model, batches)
-        self.model.train()
-        sums = torch.zeros(3, device=device)  # loss, aux loss, ranks asked to stop (SIGTERM)
-        for batch in batches:
-            loss, aux, router = self._forward_backward(batch, tokens.loss, router)
-            sums[:2] += torch.stack([loss, aux])
-        sums[2] = float(self._preemption is not None and self._preemption.requested)
-        loss, aux, preempted = all_reduce_sum(sums).tolist()
-        return {"loss": loss, "aux_loss": aux, "tokens": float(tokens.inputs),
-                "seq_len": step_batches.attention_length, "preempted": preempted > 0}
+        """Forward and backward of every micro-batch of step ``step`` (the step core's); global loss, aux loss and
+        token sums."""
+        gradients = self.step_core.accumulate(self.model, self._collated(step), forward=self._forward)
+        preempted = torch.tensor([float(self._preemption is not None and self._preemption.requested)],
+                                 device=gradients.shares.device)  # ranks asked to stop (SIGTERM), with the losses
+        loss, aux, preempted = all_reduce_sum(torch.cat([gradients.shares, preempted])).tolist()
+        return {"loss": loss, "aux_loss": aux, "tokens": float(gradients.tokens.inputs), "preempted": preempted > 0}
 
-    def _forward_backward(self, batch: dict, global_tokens: torch.Tensor, router):
-        """One micro-batch; returns (its loss share, its aux-loss share, the global router statistics)."""
-        self.step_core.count_tokens_of(batch)
-        extra = {"output_router_logits": True} if self.balancing is not None else {}
-        batch, replay = self.strategy.replay_of_batch(batch)  # a routing record (routed_experts): R2/R3
-        with replay as replayed:
-            out = self.model(**batch, num_items_in_batch=global_tokens, **extra)
-        # Sum of this rank's token losses / all tokens of the step, scaled for FSDP's average over ranks.
-        loss, aux = out.loss, torch.zeros((), device=out.loss.device)
-        if self.balancing is not None:
-            aux, router = self.balancing.share(out, batch.get("attention_mask"), router,
-                                               getattr(replayed, "used", None))
-        ((loss + self.args.router_aux_loss_coef * aux) * self.step_core.loss_scale).backward()
-        return loss.detach(), aux.detach(), router
+    def _forward(self, chunk: dict, global_tokens: torch.Tensor):
+        """The model's loss share of one chunk (this rank's token-loss sum / all tokens of the step), its output."""
+        out = self.model(**chunk, num_items_in_batch=global_tokens)
+        return out.loss, out
 
     def train(self) -> list[dict]:
         state = self.setup()
@@ -262,7 +249,7 @@ class Trainer:
             from tqdm.auto import tqdm
 
             progress = tqdm(total=state.max_steps, initial=state.start_step, desc="Train", dynamic_ncols=True)
-        window = StepWindow(self.step_core, with_aux=self.balancing is not None)
+        window = StepWindow(self.step_core.metrics, with_aux=self.balancing is not None)
         self._board = StatusBoard("train")
         self._preemption = PreemptionFlag()
         try:

@@ -1,9 +1,8 @@
 """NativeFSDPStrategy inside ``transformers.Trainer`` and its subclasses (TRL's ``SFTTrainer``, ms-swift's).
 
-trainer.py       the mixin: loading, wrapping, clipping, saving and resuming
+trainer.py       the mixin: loading, wrapping, saving; the step (twinkle_strategy.step) at HF's seams
 classes.py       :func:`with_strategy`: the trainer class with the strategy's mixin first (GRPO's for GRPOTrainer)
 aux_loss.py      the model's (or TRL's) load-balancing loss counted over the global batch
-step_metrics.py  tokens_per_second, moe_load_imbalance and mfu in HF's log lines
 sequence.py      packed rows; under sequence parallelism the data path (a group shares its examples) and refusals
 refusals.py      settings that would shard the model a second time, refused in one line
 async_save.py    async_save=True: checkpoints copied into host memory at the save step, written in the

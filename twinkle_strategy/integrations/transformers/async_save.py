@@ -38,12 +38,11 @@ from transformers.trainer_callback import ExportableState
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, SaveStrategy
 
 from twinkle_strategy.checkpoint.background import AsyncSaves
-from twinkle_strategy.checkpoint.directories import PENDING_SUFFIX, raise_if_incomplete
 from twinkle_strategy.checkpoint.manager import rotate_checkpoints
 from twinkle_strategy.checkpoint.save_plan import FrontEndFiles, SavePlan, execute_save, write_bytes
 from twinkle_strategy.checkpoint.training import STATE_FILE, SaveKind, declare, model_kind
 from twinkle_strategy.compat.transformers_internals import file_size_bytes, save_rng_state
-from twinkle_strategy.errors import CheckpointError, ResumeError
+from twinkle_strategy.errors import CheckpointError
 
 
 class AsyncCheckpoints(TrainerCallback):
@@ -139,15 +138,6 @@ def write_files(directory: str, *, files: dict[str, bytes]) -> None:
     """``files`` (taken at the save step) into ``directory``."""
     for name, data in files.items():
         write_bytes(directory, name, data)
-
-
-def refuse_incomplete(checkpoint: str) -> None:
-    """A ``checkpoint-N.tmp`` directory, or one holding the incomplete marker, is a save that never finished. (A
-    pending directory holds the marker only once its writer has begun: its name alone says it is not complete.)"""
-    if os.path.basename(os.path.normpath(checkpoint)).endswith(PENDING_SUFFIX):
-        raise ResumeError(f"{checkpoint} is an incomplete save (killed, or still being written, before it was "
-                          f"renamed to its final name): resume from a complete checkpoint-N next to it instead")
-    raise_if_incomplete(checkpoint, ResumeError)
 
 
 def refuse_unserved(training_args) -> None:

@@ -7,10 +7,10 @@ Under data parallelism transformers' Trainer (the model's own ``aux_loss``) and 
 each (rank, micro-batch) adds its share, scaled so that the step's gradient is that of the loss one
 process computes on the concatenated batch.
 
-TRL's fused forwards return no router logits, so they are read where every forward produces them:
-from the output of the model's backbone (``base_model``), the first forward of each ``compute_loss``
-(TRL's later forwards there are gradient-free, for metrics). The step's router pre-pass is the step core's
-(:meth:`~twinkle_strategy.step.TrainingStep.router_prepass`).
+The forward and its share are the step's (:mod:`twinkle_strategy.step.forward`: TRL's fused forwards return no
+router logits, so they are read off the model's backbone), as is the router pre-pass
+(:meth:`~twinkle_strategy.step.TrainingStep.router_prepass`); what is the trainer's: which loss it adds, and how it
+scales what ``compute_loss`` returns (:func:`share_scale`).
 
 GRPO's log lines report that global loss as ``aux_loss`` (:class:`GlobalAuxLossWindow`, :mod:`.grpo`) where TRL would log
 the mean over ranks of each rank's own term, which is not what the step trained on (``SFTTrainer``'s line still
@@ -19,10 +19,7 @@ carries TRL's).
 
 from __future__ import annotations
 
-import contextlib
 import fractions
-import types
-from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -47,32 +44,6 @@ def take_over_aux_loss(trainer, model: nn.Module) -> GlobalBatchAuxLoss | None:
     if owner is None or not getattr(owner.config, "output_router_logits", False) or not owner.router_aux_loss_coef > 0:
         return None
     return GlobalBatchAuxLoss.replacing_model_term(model, coef=float(owner.router_aux_loss_coef))
-
-
-@contextlib.contextmanager
-def first_forward_routing(model: nn.Module, aux_loss: GlobalBatchAuxLoss) -> Iterator[types.SimpleNamespace]:
-    """While open: the first forward's ``router_logits`` (its backbone's output) and the model's own ``aux_loss``
-    (the output of ``model``, what the trainer calls), as the namespace yielded; None where absent."""
-    found = types.SimpleNamespace(router_logits=None, aux_loss=None)
-    seen = {"backbone": False, "model": False}
-
-    def on_backbone(_module, _args, output):
-        if not seen["backbone"]:
-            seen["backbone"] = True
-            found.router_logits = getattr(output, "router_logits", None)
-
-    def on_model(_module, _args, output):
-        if not seen["model"]:
-            seen["model"] = True
-            found.aux_loss = getattr(output, "aux_loss", None)
-
-    backbone = aux_loss.balancing.owner.base_model
-    handles = [backbone.register_forward_hook(on_backbone), model.register_forward_hook(on_model)]
-    try:
-        yield found
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def share_scale(trainer, num_items_in_batch) -> int:

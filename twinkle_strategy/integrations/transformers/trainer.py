@@ -31,8 +31,9 @@ What changes, and why:
   and ``strategy.sequence_parallel_size`` splits every sequence over a group of ranks that share their examples,
   as twinkle's own Trainer does: the global batch is ``per_device_train_batch_size x gradient_accumulation_steps x
   world / sequence_parallel_size``; what cannot be served so is refused in one line (:mod:`.sequence`).
-* Log lines keep HF's fields and add ``tokens_per_second``, ``moe_load_imbalance`` and ``mfu``
-  (:mod:`.step_metrics`).
+* Log lines keep HF's fields and add the step's: ``tokens``, ``tokens_per_second``, ``flops_per_token``,
+  ``tflops_per_device``, ``mfu`` (on a device with a known peak) and ``moe_load_imbalance``, the same fields as
+  twinkle-sft's from the same counts (:mod:`twinkle_strategy.step.metrics`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
   adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
   number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`). With
@@ -54,8 +55,6 @@ from twinkle_strategy.checkpoint.training import (
     SaveKind,
     SaveSources,
     declare,
-    load_trained_weights,
-    load_trainer_state,
     model_kind,
     save_pretrained,
 )
@@ -66,25 +65,18 @@ from twinkle_strategy.compat.transformers_internals import (
     trainer_prepare_inputs,
 )
 from twinkle_strategy.errors import ParallelConfigError, ResumeError
-from twinkle_strategy.integrations.transformers.async_save import (
-    AsyncCheckpoints,
-    refuse_incomplete,
-    refuse_unserved,
-)
-from twinkle_strategy.integrations.transformers.aux_loss import (
-    first_forward_routing,
-    share_scale,
-    take_over_aux_loss,
-)
+from twinkle_strategy.integrations.transformers.async_save import AsyncCheckpoints, refuse_unserved
+from twinkle_strategy.integrations.transformers.aux_loss import share_scale, take_over_aux_loss
 from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
 from twinkle_strategy.integrations.transformers.sequence import serve_sequences, share_examples_in_groups
-from twinkle_strategy.integrations.transformers.step_metrics import StepMetrics
 from twinkle_strategy.moe.balance import RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
 from twinkle_strategy.step import StepPolicy, TrainingStep
+from twinkle_strategy.step.forward import forward_share
+from twinkle_strategy.step.resume import restore_trainer_state, restore_weights
 from twinkle_strategy.strategy import NativeFSDPStrategy
 
 logger = logging.getLogger(__name__)
@@ -126,7 +118,7 @@ class StrategyTrainerMixin:
         self.global_aux_loss = take_over_aux_loss(self, self.model) if self.replaces_model_aux_loss else None
         self.step_core = TrainingStep(self.strategy, self.model, balancing=self.global_aux_loss,
                                       policy=StepPolicy(max_grad_norm=self.args.max_grad_norm))
-        self.step_metrics = StepMetrics(self.step_core)
+        self.step_metrics = self.step_core.metrics
         self._step_router_stats: RouterStats | None = None  # of the current step's micro-batches, over every rank
 
     # Whether the dataloader's batches are the model's inputs. GRPO's are prompts, turned into model inputs by its
@@ -163,35 +155,30 @@ class StrategyTrainerMixin:
         return batch_samples, num_items_in_batch
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # A routing record in the batch (routed_experts): the forwards replay it (R2/R3); the backward, later,
-        # recomputes checkpointed layers with it too (twinkle_strategy.rl.replay).
-        inputs, replay = self.replay_of_inputs(inputs)
-        with replay as replayed:
-            if self.global_aux_loss is None or not model.training:
-                return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                            num_items_in_batch=num_items_in_batch)
-            # Router logits are read off the forward (TRL's fused forwards do not return them).
-            with first_forward_routing(model, self.global_aux_loss) as routing:
-                result = super().compute_loss(model, {**inputs, "output_router_logits": True},
-                                              return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
-        loss, outputs = result if return_outputs else (result, None)
-        # Under replay the global counts are of the experts the forward used (the replayed ones).
-        share, _ = self.global_aux_loss.share(routing, inputs.get("attention_mask"), self._step_router_stats,
-                                              getattr(replayed, "used", None))
-        loss = loss + self.global_aux_loss.coef * share * share_scale(self, num_items_in_batch)
-        if self.aux_loss_window is not None:
-            self.aux_loss_window.add(share, accumulation_steps=self.current_gradient_accumulation_steps)
-        return (loss, outputs) if return_outputs else loss
+        # The step's forward (replay, the global aux-loss share) around the trainer class's own compute_loss.
+        def forward(batch: dict):
+            result = super(StrategyTrainerMixin, self).compute_loss(model, batch, return_outputs=return_outputs,
+                                                                     num_items_in_batch=num_items_in_batch)
+            return result if return_outputs else (result, None)
+
+        share = forward_share(model, inputs, forward=forward, replay_of=self.replay_of_inputs,
+                              balancing=self.global_aux_loss,  # (the step core's)
+                              router=self._step_router_stats if self.global_aux_loss is not None else None)
+        loss = share.loss
+        if share.aux is not None:  # the trainer scales the model's loss itself; the aux share is scaled here
+            loss = share.with_aux(aux_scale=share_scale(self, num_items_in_batch))
+            if self.aux_loss_window is not None:
+                self.aux_loss_window.add(share.aux, accumulation_steps=self.current_gradient_accumulation_steps)
+        return (loss, share.outputs) if return_outputs else loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
+        self.step_core.count_tokens_of(inputs)  # padding stays out of the expert load
+        return super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
 
     def replay_of_inputs(self, inputs: dict):
         """``(inputs without their routing record, the context replaying it)``; a trainer whose batches hold no
         ``input_ids`` (GRPO's prompts and completions) says what the record aligns with."""
         return self.strategy.replay_of_batch(inputs)
-
-    # -- log lines: HF's, plus tokens_per_second, moe_load_imbalance and (on a known device) mfu
-    def training_step(self, model, inputs, num_items_in_batch=None, *args, **kwargs):
-        self.step_core.count_tokens_of(inputs)  # padding stays out of the expert load
-        return super().training_step(model, inputs, num_items_in_batch, *args, **kwargs)
 
     def prediction_step(self, *args, **kwargs):
         if self.sequence_parallel:
@@ -201,7 +188,8 @@ class StrategyTrainerMixin:
 
     def log(self, logs: dict[str, float], *args, **kwargs) -> None:
         if "loss" in logs:  # a training log line, written on every rank: the counts are summed over ranks
-            logs = {**logs, **self.step_metrics.take()}
+            fields, _ = self.step_metrics.take()  # the step's tokens, throughput and expert load
+            logs = {**logs, **fields}
             agreement = self.strategy.take_routing_agreement()  # routing replay's telemetry, per MoE layer
             if agreement is not None:  # (scalars: HF's loggers take numbers) the layer furthest from the record
                 logs["routing_agreement_min"] = round(min(agreement), 4)
@@ -271,27 +259,16 @@ class StrategyTrainerMixin:
         save_items(items, output_dir, model=self.model, ep_plan=self.strategy.ep_plan,
                    subject=f"saving the trainer state into {output_dir}")
 
-    # -- resuming: each rank reads its rows, whatever layout saved them
+    # -- resuming: what a resumed step restores (twinkle_strategy.step.resume), at HF's two seams
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        refuse_incomplete(resume_from_checkpoint)
-        if not os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
+        if not restore_weights(resume_from_checkpoint, model=model or self.model, strategy=self.strategy):
             raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was not saved through "
                               "NativeFSDPStrategy (or with save_only_model); start a new run from its weights instead")
-        self.load_trained_weights(resume_from_checkpoint, model)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         if checkpoint is not None:
-            self.load_trainer_state(checkpoint)
-
-    def load_trained_weights(self, checkpoint: str, model=None) -> None:
-        """The trained weights of ``checkpoint`` (an adapter run's trainable weights, else the model) into this
-        rank's shards."""
-        load_trained_weights(checkpoint, model or self.model, self.strategy.ep_plan)
-
-    def load_trainer_state(self, checkpoint: str) -> None:
-        """Optimizer, scheduler and (same world size) RNG state of ``checkpoint``'s ``trainer_state/``."""
-        load_trainer_state(checkpoint, self.model, self.strategy.ep_plan, optimizer=self.optimizer,
-                           scheduler=self.lr_scheduler)
+            restore_trainer_state(checkpoint, model=self.model, strategy=self.strategy, optimizer=self.optimizer,
+                                  scheduler=self.lr_scheduler)
 
 
 def prepare_for_trainer(strategy: NativeFSDPStrategy, model: nn.Module) -> nn.Module:

@@ -22,7 +22,7 @@ from twinkle_strategy.integrations.swift.parts.options import trainer_options
 from twinkle_strategy.integrations.swift.parts.sequence import chunk_accuracy_inputs, serve_chunks
 from twinkle_strategy.integrations.swift.parts.state import STATE, get_strategy
 from twinkle_strategy.integrations.transformers import StrategyTrainerMixin, with_strategy
-from twinkle_strategy.integrations.transformers.async_save import refuse_incomplete
+from twinkle_strategy.step.resume import refuse_unfinished, restore_trainer_state, restore_weights
 
 logger = logging.getLogger("twinkle_strategy.integrations.swift.plugin")
 
@@ -146,22 +146,22 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
     def _save_model(self, output_dir: str | None = None, state_dict=None):
         return  # written by every rank in save_model, config included
 
-    # -- resuming: the library's trainer_state/ (any layout), or once an older twinkle_state/ (same layout)
+    # -- resuming: what a resumed step restores (twinkle_strategy.step.resume) from trainer_state/ (any layout), or
+    # once an older twinkle_state/ (same layout)
     def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
-        refuse_incomplete(resume_from_checkpoint)
+        refuse_unfinished(resume_from_checkpoint)
         legacy = _legacy_state(self, resume_from_checkpoint)
         if legacy is not None:
             params = dict((model or self.model).named_parameters())
             with torch.no_grad():
                 for name, tensor in legacy["params"].items():
                     local_tensor(params[name]).copy_(tensor)
-        elif os.path.isdir(os.path.join(resume_from_checkpoint, "trainer_state")):
-            self.load_trained_weights(resume_from_checkpoint, model)
-        elif self.args.tuner_type == "full":
-            raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was saved with "
-                              "--save_only_model or without the twinkle plugin; start a new run with --model "
-                              f"{resume_from_checkpoint} instead of resuming")
-        else:  # the adapter was loaded by swift's tuner before the model was sharded
+        elif not restore_weights(resume_from_checkpoint, model=model or self.model, strategy=self.strategy):
+            if self.args.tuner_type == "full":  # no trainer_state/
+                raise ResumeError(f"{resume_from_checkpoint} has no trainer_state/: it was saved with "
+                                  "--save_only_model or without the twinkle plugin; start a new run with --model "
+                                  f"{resume_from_checkpoint} instead of resuming")
+            # the adapter was loaded by swift's tuner before the model was sharded
             logger.warning("twinkle swift plugin: %s has no trainer_state/: weights from the adapter, fresh "
                            "optimizer state", resume_from_checkpoint)
 
@@ -175,8 +175,9 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
             scheduler = os.path.join(checkpoint, scheduler_file_name())
             if os.path.isfile(scheduler):
                 self.lr_scheduler.load_state_dict(torch.load(scheduler, map_location="cpu", weights_only=True))
-        elif os.path.isdir(os.path.join(checkpoint, "trainer_state")):
-            self.load_trainer_state(checkpoint)
+        else:  # (nothing without trainer_state/)
+            restore_trainer_state(checkpoint, model=self.model, strategy=self.strategy, optimizer=self.optimizer,
+                                  scheduler=self.lr_scheduler)
 
 
 def get_trainer_cls(orig, cls, args):

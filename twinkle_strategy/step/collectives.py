@@ -1,0 +1,61 @@
+"""The step's sums over ranks: the global loss-token count, a logged value summed or averaged over every rank.
+
+Every front-end (and ``NativeFSDPStrategy.global_loss_tokens`` / ``reduce_sum`` / ``reduce_mean``, which delegate
+here) sums through :func:`all_reduce_sum`: without a process group (one process) a sum over ranks is the value itself.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from twinkle_strategy.sequence.batch import loss_tokens
+
+
+class DeviceOwner(Protocol):
+    """What a sum needs of the strategy: its process group set up (idempotent), and the device its backend's
+    collectives take (NCCL, HCCL)."""
+
+    device: torch.device
+
+    def setup(self) -> None: ...
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """``value`` summed over every rank, in place (itself without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def global_loss_tokens(*batches: Mapping[str, torch.Tensor], strategy: DeviceOwner) -> torch.Tensor:
+    """The tokens a causal LM's loss is taken over in ``batches``, summed over every rank (collective; int64 on
+    the strategy's device: exact past 2**24 tokens). A batch's tokens are its ``labels`` that are not -100 after
+    the first position, or in a sequence-parallel chunk its ``shift_labels`` that are not -100."""
+    for batch in batches:
+        if not isinstance(batch, Mapping):
+            raise TypeError(f"global_loss_tokens takes the batches (dicts with labels, or split_sequence's chunks "
+                            f"with shift_labels), not a {type(batch).__name__}: whether a tensor of labels is "
+                            "already shifted cannot be told; pass strategy.global_loss_tokens(*micro_batches)")
+    strategy.setup()
+    count = sum(loss_tokens(batch) for batch in batches)
+    return all_reduce_sum(torch.tensor(count, dtype=torch.long).to(strategy.device))
+
+
+def reduce_sum(value: torch.Tensor, *, strategy: DeviceOwner) -> torch.Tensor:
+    """A scalar summed over every rank, detached, in fp32 on the strategy's device (for logging: a step's loss
+    from each rank's share)."""
+    strategy.setup()
+    return all_reduce_sum(value.detach().float().clone().to(strategy.device))
+
+
+def reduce_mean(value: torch.Tensor) -> torch.Tensor:
+    """A scalar averaged over every rank, detached, in fp32 (for logging losses)."""
+    value = value.detach().float().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        value /= dist.get_world_size()
+    return value
