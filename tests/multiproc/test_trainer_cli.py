@@ -95,6 +95,32 @@ def test_demo_cli_trains_and_saves(demo_run):
         f"checkpoint-{STEPS}" in proc.stdout
 
 
+START_PARTS = ["plan", "launch", "imports", "init", "data", "first step"]
+
+
+def test_the_start_line_tells_the_time_to_the_first_step_and_its_parts(demo_run):
+    """Issue 45: rank 0 tells, in one line after the first step, the seconds from twinkle-sft's start to the first
+    step's end and their parts, which add up; the first step's log entry holds the same. The launch ran the fit
+    check (its budget was given): the plan is one of the parts (a fraction of a second here: the plan command
+    above kept the same plan)."""
+    work, run_dir, proc, _ = demo_run
+    lines = [line for line in (run_dir / "logs" / "rank0.log").read_text().splitlines() if line.startswith("start:")]
+    assert len(lines) == 1 and lines[0] in proc.stderr, lines
+    said = re.fullmatch(r"start: (-?[\d.]+) s to the first step \((.*)\)", lines[0])
+    assert said, lines[0]
+    parts = {name: float(value) for name, value in
+             (re.fullmatch(r"(.+) (-?[\d.]+) s", part).groups() for part in said.group(2).split(", "))}
+    total = float(said.group(1))
+    assert list(parts) == START_PARTS and all(seconds >= 0 for seconds in parts.values()), lines[0]
+    assert abs(sum(parts.values()) - total) <= 0.05 * (len(parts) + 1), lines[0]  # each rounded to 0.1 s
+    assert parts["init"] > 0 and parts["first step"] > 0 and total > parts["first step"], lines[0]
+    log = read_log(run_dir)
+    logged = {name.replace("_", " "): seconds for name, seconds in log[0]["start_parts(s)"].items()}
+    assert list(logged) == START_PARTS and abs(log[0]["start(s)"] - total) <= 0.05, (log[0], lines[0])
+    assert all(abs(logged[name] - parts[name]) <= 0.05 for name in START_PARTS), (logged, parts)
+    assert not any("start(s)" in entry for entry in log[1:])
+
+
 def test_merge_lora_writes_the_merged_model_beside_the_last_checkpoint(demo_run):
     """--merge_lora true (swift export's flag): after the last step, checkpoint-{N}-merged is a plain checkpoint of
     the base with the adapters merged. Oracle, in one process: the base with the saved adapter through PEFT

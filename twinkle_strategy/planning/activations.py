@@ -69,6 +69,8 @@ def measure_activations(planned: PlannedModel, request: PlanRequest, *, gathered
     for layer in planned.layers:
         kinds.setdefault(layer_kind(layer), []).append(layer)
     holder, attr = _layer_list(model, planned.layers)
+    firsts = [layers[0] for layers in kinds.values()]
+    setattr(holder, attr, nn.ModuleList(firsts))  # only the layers traced are made fake and cut (seconds for 61)
     mode = th.fake_tensor_mode()
     _to_fake(model, request, mode)
     if dims.ep_enabled:
@@ -81,7 +83,6 @@ def measure_activations(planned: PlannedModel, request: PlanRequest, *, gathered
     slot: list = []  # the holding call and its bytes, one for every layer: their backwards run one after another
     hooks = [_holding_during_backward(layer, gathered_in_backward, mode, slot) for layer in planned.layers] \
         if gathered_in_backward else []
-    firsts = [layers[0] for layers in kinds.values()]
     vocab = getattr(planned.config.get_text_config(), "vocab_size", 2)
 
     def trace(layers: list[nn.Module]) -> int:

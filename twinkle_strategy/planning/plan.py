@@ -147,6 +147,26 @@ class MemoryPlan:
         return dataclasses.replace(self, fixes=fixes)
 
 
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What the fixes read of the measured model, kept beside a plan so that a cached plan proposes them too."""
+
+    num_experts: int | None  # experts of the first MoE block; None: a dense model
+    attention_heads: int  # of the text model (0 when it has none)
+    quantized: bool  # a quantized release (quantized_base=keep is a fix)
+    ep_size: int
+    sequence_parallel_size: int
+    world_size: int
+
+    @classmethod
+    def of(cls, planned: PlannedModel) -> ModelFacts:
+        dims = planned.dims
+        heads = getattr(planned.config.get_text_config(), "num_attention_heads", 0) or 0
+        return cls(num_experts=planned.blocks[0].num_experts if planned.blocks else None, attention_heads=heads,
+                   quantized=planned.quantized is not None, ep_size=dims.ep_size,
+                   sequence_parallel_size=dims.sp_size, world_size=dims.world_size)
+
+
 def plan_once(request: PlanRequest) -> tuple[MemoryPlan, PlannedModel]:
     """The plan of ``request`` without fixes, and the model it measured (``fixes.plan_memory`` adds them)."""
     planned = build_planned_model(request)

@@ -15,6 +15,7 @@ run.py          one rank's job: recipe -> model, data, strategy, Trainer
 trainer.py      the training loop: set-up, steps (through the library's step core, twinkle_strategy.step), saves
                 (through checkpoint.manager), resume
 log_lines.py    the log line after each logging window (logging.jsonl and the console, swift's field names)
+start_time.py   the start line: twinkle-sft to the first step, with its parts (plan, launch, imports, init, data...)
 arguments.py    TrainingArguments
 state.py        TrainState: where the run stands (integer steps, log history), saved in every checkpoint
 run_dir.py      the run directory: v{N}-{time}, the one a torchrun restart continues, args.json, logging.jsonl

@@ -62,6 +62,7 @@ from twinkle_strategy.train.rank_logs import RUN_DIR_ENV, capture_rank_output, l
 from twinkle_strategy.train.recipe import Recipe, RecipeError
 from twinkle_strategy.train.run import prepare_model_path, run_recipe
 from twinkle_strategy.train.run_dir import make_run_dir
+from twinkle_strategy.train.start_time import LaunchClock
 from twinkle_strategy.train.torchrun import cli_rank_program, torchrun_command
 from twinkle_strategy.train.versions import startup_line, version_text
 
@@ -90,6 +91,8 @@ def _launch_torchrun(argv: list[str], recipe: Recipe) -> int | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # The start line's clock: the command's own start (Python's start-up counts), or this call's from Python.
+    clock = LaunchClock.of_this_process() if argv is None else LaunchClock.now()
     argv = list(sys.argv[1:] if argv is None else argv)
     log.apply_level_from_environment()  # read when the program starts, not when the package was imported
     if "--version" in argv:
@@ -104,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["plan"]:
         return plan_command(argv[1:], parse)
     try:
-        return _parse_and_launch(argv)
+        return _parse_and_launch(argv, clock)
     except RunStoppedError as exc:  # SIGTERM / SIGINT during a launched run: every process has ended
         print(f"twinkle-sft: {exc}", file=sys.stderr, flush=True)
         return 128 + exc.signum
@@ -113,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-def _parse_and_launch(argv: list[str]) -> int:
+def _parse_and_launch(argv: list[str], clock: LaunchClock) -> int:
     try:
         recipe = parse(argv)
         check_before_launch(recipe)
@@ -127,19 +130,21 @@ def _parse_and_launch(argv: list[str]) -> int:
     # Build the embedded model (tiny://) once here, before any worker starts; the workers find it built.
     recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
     try:
-        refusal = check_fit_before_launch(recipe)
+        with clock.planning():
+            refusal = check_fit_before_launch(recipe)
     except TwinkleError as exc:
         refusal = f"the memory plan failed: {exc}; --skip_plan true launches without it"
     if refusal:
         print(f"twinkle-sft: error: {refusal}", file=sys.stderr)
         return 2
-    if recipe.launch.simulated_nodes and recipe.launch.nnodes > 1:
-        return _launch_simulated_nodes(argv, recipe)
-    code = _launch_torchrun(argv, recipe)
-    if code is not None:
-        return code
-    print(startup_line(), file=sys.stderr, flush=True)
-    run_recipe(recipe)  # one process: train here
+    with clock.handed_over():
+        if recipe.launch.simulated_nodes and recipe.launch.nnodes > 1:
+            return _launch_simulated_nodes(argv, recipe)
+        code = _launch_torchrun(argv, recipe)
+        if code is not None:
+            return code
+        print(startup_line(), file=sys.stderr, flush=True)
+        run_recipe(recipe)  # one process: train here
     return 0
 
 

@@ -13,7 +13,16 @@ import os
 import sys
 
 from twinkle_strategy.errors import TwinkleError
-from twinkle_strategy.planning import LoraShape, MemoryPlan, PlanRequest, parse_size, plan_memory, table, to_json
+from twinkle_strategy.planning import (
+    LoraShape,
+    MemoryPlan,
+    PlanCache,
+    PlanRequest,
+    parse_size,
+    plan_memory,
+    table,
+    to_json,
+)
 from twinkle_strategy.planning.report import gib
 from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, cached_model_path
 from twinkle_strategy.train.log_lines import PLANNED_PEAK_ENV
@@ -81,7 +90,7 @@ def check_fit_before_launch(recipe: Recipe) -> str | None:
     budget = parse_size(recipe.launch.device_memory, what="launch.device_memory") or _cuda_memory()
     if budget is None:
         return None
-    plan = plan_memory(request_from_recipe(recipe, device_memory=budget))
+    plan = plan_memory(request_from_recipe(recipe, device_memory=budget), cache=PlanCache.default())
     os.environ[PLANNED_PEAK_ENV] = str(plan.peak)
     if plan.fits:
         return None
@@ -100,7 +109,7 @@ def plan_command(argv: list[str], parse) -> int:
     try:
         recipe = parse(argv)
         recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
-        plan: MemoryPlan = plan_memory(request_from_recipe(recipe))
+        plan: MemoryPlan = plan_memory(request_from_recipe(recipe), cache=PlanCache.default())
     except TwinkleError as exc:
         print(f"twinkle-sft plan: error: {exc}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import warnings
@@ -15,6 +16,7 @@ from twinkle_strategy.train.data import DataCollatorForSFT, DatasetSpec, SFTData
 from twinkle_strategy.train.demo_model import prepare_demo_model
 from twinkle_strategy.train.packing import BatchLayout, DataCollatorForPacking, describe_layout
 from twinkle_strategy.train.recipe import Recipe, TunerType, command_line_hubs
+from twinkle_strategy.train.start_time import StartClock
 from twinkle_strategy.train.trainer import Trainer
 
 logger = logging.getLogger(__name__)
@@ -54,19 +56,23 @@ def data_collator(recipe: Recipe, tokenizer, dataset: SFTDataset, *, log: bool):
     return DataCollatorForPacking()
 
 
-def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True):
+def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True,
+                   start_clock: StartClock | None = None):
     """(trainer, strategy) for ``recipe``; used by the CLI and by tests that want the same run in Python.
 
     ``run_dir``: the run directory the launcher chose (default: a new ``v{N}-{time}`` under train.output_dir).
     ``print_summary``: the trainer prints the run directory and last checkpoint at the end.
+    ``start_clock``: times the start (the data apart from the rest); the trainer tells it after the first step.
     """
     from transformers import AutoTokenizer
 
+    timing_data = start_clock.loading_data if start_clock is not None else contextlib.nullcontext
     strategy = NativeFSDPStrategy(recipe.strategy)
     hubs = command_line_hubs(recipe.model.use_hf)
     model = strategy.from_pretrained(recipe.model.path, dtype=float_dtype(recipe.model.dtype), hubs=hubs)
-    tokenizer = strategy.node_local_object(
-        lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path, hubs=hubs)))
+    with timing_data():
+        tokenizer = strategy.node_local_object(
+            lambda: AutoTokenizer.from_pretrained(strategy.resolved_model_path(recipe.model.path, hubs=hubs)))
     if recipe.tuner.type == TunerType.LORA:
         from peft import get_peft_model
 
@@ -78,12 +84,15 @@ def build_training(recipe: Recipe, run_dir: str | None = None, *, print_summary:
                                     category=FutureWarning)
             model = get_peft_model(model, lora_config(recipe))
     data = recipe.data
-    dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing, strict=data.strict,
-                                    seed=recipe.train.seed, truncation_strategy=data.truncation_strategy)
+    with timing_data():
+        dataset = SFTDataset.from_jsonl(list(data.dataset), tokenizer, data.max_length, data.packing,
+                                        strict=data.strict, seed=recipe.train.seed,
+                                        truncation_strategy=data.truncation_strategy)
+        collator = data_collator(recipe, tokenizer, dataset, log=strategy.is_main_process)
     trainer = Trainer(model=model, strategy=strategy, args=recipe.train, train_dataset=dataset,
-                      data_collator=data_collator(recipe, tokenizer, dataset, log=strategy.is_main_process), processing_class=tokenizer,
+                      data_collator=collator, processing_class=tokenizer,
                       run_dir=run_dir, print_summary=print_summary,
-                      model_path=_merge_release_path(recipe, strategy))
+                      model_path=_merge_release_path(recipe, strategy), start_clock=start_clock)
     return trainer, strategy
 
 
@@ -96,7 +105,8 @@ def _merge_release_path(recipe: Recipe, strategy: NativeFSDPStrategy) -> str | N
 
 
 def run_recipe(recipe: Recipe, run_dir: str | None = None, *, print_summary: bool = True) -> list[dict]:
-    trainer, strategy = build_training(recipe, run_dir, print_summary=print_summary)
+    clock = StartClock()  # the trainer's start: what came before was the process's imports (or the launcher's)
+    trainer, strategy = build_training(recipe, run_dir, print_summary=print_summary, start_clock=clock)
     try:
         return trainer.train()
     finally:

@@ -41,6 +41,7 @@ from twinkle_strategy.train.packing import DataCollatorForPacking, prepare_for_p
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag
 from twinkle_strategy.train.run_dir import append_log, open_run_dir, rewrite_log
+from twinkle_strategy.train.start_time import StartClock
 from twinkle_strategy.train.state import TrainState
 
 __all__ = ["Trainer", "TrainingArguments", "TrainState"]
@@ -58,7 +59,7 @@ class Trainer:
 
     def __init__(self, model: nn.Module, strategy: NativeFSDPStrategy, args: TrainingArguments, train_dataset,
                  data_collator, processing_class=None, run_dir: str | None = None, *, print_summary: bool = True,
-                 model_path: str | None = None):
+                 model_path: str | None = None, start_clock: StartClock | None = None):
         self.model = model
         self.strategy = strategy
         self.args = args
@@ -68,6 +69,7 @@ class Trainer:
         self.run_dir = run_dir
         self.print_summary = print_summary
         self.model_path = model_path  # the local directory the base was loaded from (merge_lora's release)
+        self.start_clock = start_clock  # twinkle-sft's start, told in one line after the first step
         # Set by setup():
         self.state: TrainState | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -243,6 +245,8 @@ class Trainer:
 
     def train(self) -> list[dict]:
         state = self.setup()
+        if self.start_clock is not None:
+            self.start_clock.ready()
         args, strategy = self.args, self.strategy
         progress = None
         if strategy.is_main_process:
@@ -279,6 +283,9 @@ class Trainer:
         for step in range(state.global_step, state.max_steps):
             result = self._guarded(f"step{step + 1}", self.training_step, step)
             state.global_step = step + 1
+            if self.start_clock is not None and (start := self.start_clock.first_step_done()) is not None \
+                    and self.strategy.is_main_process:
+                print_line(start.line())
             if self.checkpoints.in_flight is not None:  # a background save's failure stops every rank here
                 self._guarded(f"step{state.global_step}-background-save", self.checkpoints.poll)
             window.add(result)
@@ -319,6 +326,8 @@ class Trainer:
         entry = log_entry(state, fields, elapsed=time.time() - start_time, device=self.strategy.device,
                           learning_rate=self.scheduler.get_last_lr()[0],
                           kept=kept_weight_log(self.strategy.init_report))  # quantized_base=keep: frozen bytes
+        if self.start_clock is not None:
+            entry.update(self.start_clock.take_log_fields())  # the start's parts, in the entry after the first step
         state.log(state.global_step, entry)
         if self.strategy.is_main_process:
             print_line(str(entry))
