@@ -45,7 +45,7 @@ SCRIPT = os.path.abspath(__file__)
 HERE = os.path.dirname(SCRIPT)  # tests/
 
 
-# ---- 1. The rule: what a forked rank's environment may differ in ---------------------------------------------------
+# ---- 1. The rule: what a forked rank's environment may differ in -----------------------------------------------------
 
 # Keys torchrun's agent sets per rank (torch/distributed/elastic/agent/server/local_elastic_agent.py,
 # elastic/multiprocessing/api.py), pytest's and the project's TWINKLE_* variables (none is read at import time): these may
@@ -78,8 +78,7 @@ def env_difference(env: dict[str, str], base: dict[str, str]) -> str | None:
     return None
 
 
-
-# ---- 2. The server -------------------------------------------------------------------------------------------
+# ---- 2. The server ---------------------------------------------------------------------------------------------------
 
 # What a typical worker imports (python -X importtime on tests/workers/*.py); a module this interpreter lacks is
 # skipped. The model classes load lazily in transformers, so the tiny families' classes are imported by name.
@@ -425,7 +424,7 @@ def serve(path: str) -> None:
     server.serve()
 
 
-# ---- 3. The client -------------------------------------------------------------------------------------------
+# ---- 3. The client ---------------------------------------------------------------------------------------------------
 
 SOCKET_ENV, LOG_ENV = "TWINKLE_PRELOAD_SOCKET", "TWINKLE_PRELOAD_LOG"
 FALLBACK_ENV = "TWINKLE_PRELOAD_FALLBACK"  # set by preloaded_command where no server can serve this launch
@@ -474,7 +473,7 @@ def server_socket() -> str:
 
 
 def client(argv: list[str] | None = None, *, as_python: bool = False, executable: str | None = None,
-         programs: dict[str, str] | None = None, fresh: tuple[str, ...] = ()) -> None:
+           programs: dict[str, str] | None = None, fresh: tuple[str, ...] = ()) -> None:
     """``argv``: the worker and its arguments (``sys.argv[1:]``); with ``as_python``, the arguments of a python
     command line, this process standing in for the interpreter (:func:`forking_python`).
 
@@ -539,9 +538,7 @@ def client(argv: list[str] | None = None, *, as_python: bool = False, executable
     os._exit(status.get("exit", 1))
 
 
-
-
-# ---- 4. The pytest side: the servers, the launch command, the stand-in interpreter, the outcomes --------------------
+# ---- 4. The pytest side: the servers, the launch command, the stand-in interpreter, the outcomes ---------------------
 # Every interpreter gets TWO servers, each started with its own random PYTHONHASHSEED; even ranks fork from one, odd
 # ranks from the other (server_socket). A fork inherits its server's string-hash seed: with one server every rank
 # would iterate a set of strings in the same order, and a bug where ranks walk such a set in different orders
@@ -707,7 +704,7 @@ def outcomes(log_path) -> tuple[int, list[str]]:
     return forked, fallbacks
 
 
-# ---- 5. The front ends that build their ranks' commands themselves: twinkle-sft and swift sft ----------------------
+# ---- 5. The front ends that build their ranks' commands themselves: twinkle-sft and swift sft ------------------------
 # twinkle-sft runs ``torchrun ... -m twinkle_strategy.train.cli ARGS`` with the launcher's sys.executable, which
 # torchrun's agents use for their ranks in turn, and the package has no seam for the tests. So the launcher runs under
 # a stand-in interpreter with ``programs``: the launcher forks, with the stand-in for its sys.executable; its torchrun
