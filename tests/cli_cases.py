@@ -7,8 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
-from cli_preload import cli_command, cli_env
 from multinode import REPO
+from preload import cli_command, cli_env
 
 DEMO = str(REPO / "yaml" / "demo.yaml")
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")

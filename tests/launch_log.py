@@ -24,7 +24,7 @@ from pathlib import Path
 # Programs that count as launches; a `git`, `ldconfig` or `uname` some library starts does not.
 LAUNCHERS = ("python", "bash", "torchrun", "twinkle-sft", "swift")
 SAMPLE_S = 0.5
-REAL_POPEN = subprocess.Popen  # before install(): what starts a process that is no launch (tests/preload_servers.py's servers)
+REAL_POPEN = subprocess.Popen  # before install(): what starts a process that is no launch (tests/preload.py's servers)
 
 
 @dataclasses.dataclass
@@ -36,9 +36,9 @@ class Launch:
     pids: set[int] = dataclasses.field(default_factory=set)  # the launch's own top-level processes
     python: set[int] = dataclasses.field(default_factory=set)  # the pid of each Python process under it
     ended: float | None = None
-    forked: int = 0  # ranks forked from a preloaded interpreter (tests/preload_servers.py)
+    forked: int = 0  # ranks forked from a preloaded interpreter (tests/preload.py)
     fallbacks: list[str] = dataclasses.field(default_factory=list)  # why each other rank of it started fresh
-    preload_log: str | None = None  # its preload log (tests/preload_client.py), whose forked children the count follows
+    preload_log: str | None = None  # its preload log (tests/preload.py), whose forked children the count follows
 
     @property
     def seconds(self) -> float:
@@ -118,7 +118,7 @@ class RecordingPopen(subprocess.Popen):
     def __init__(self, args, *rest, **kwargs):
         super().__init__(args, *rest, **kwargs)
         self._launch = None
-        # A twinkle-sft launch whose ranks fork from the preload servers (tests/cli_preload.py) names its log here.
+        # A twinkle-sft launch whose ranks fork from the preload servers (tests/preload.py, cli_env) names its log here.
         self._preload_log = (kwargs.get("env") or {}).get("TWINKLE_PRELOAD_LOG")
         if not _counts(args):
             return
@@ -137,7 +137,7 @@ class RecordingPopen(subprocess.Popen):
         if self._launch is not None and self.returncode is not None and self._launch.ended is None:
             self._launch.ended = time.monotonic()
             if self._preload_log:
-                from preload_servers import outcomes  # not at the top: preload_servers imports this module
+                from preload import outcomes  # not at the top: preload imports this module
 
                 log = Path(self._preload_log)
                 self._launch.forked, self._launch.fallbacks = outcomes(log)
@@ -274,7 +274,7 @@ def preload_lines(launches: list[Launch]) -> list[str]:
             reasons[why] = reasons.get(why, 0) + 1
     if not forked and not reasons:
         return []
-    lines = [f"preloaded ranks and agents (tests/preload_servers.py): {forked} forked, {sum(reasons.values())} started "
+    lines = [f"preloaded ranks and agents (tests/preload.py): {forked} forked, {sum(reasons.values())} started "
              "fresh"]
     lines += [f"  {n:>4} fresh: {why}" for why, n in sorted(reasons.items(), key=lambda kv: -kv[1])]
     return lines

@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import preload_servers
+import preload
 from launch_log import launch_group
 
 from twinkle_strategy.train.launcher import run_simulated_nodes
@@ -66,7 +66,7 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
            node_env: list[dict[str, str]] | None = None, python: str | None = None,
            preloaded: bool = True) -> LaunchResult:
     """``preloaded``: fork each rank from a fork server that imported torch and transformers already
-    (tests/preload_servers.py; off with TWINKLE_TEST_PRELOAD=0). Turn it off for a launch that reads its processes'
+    (tests/preload.py; off with TWINKLE_TEST_PRELOAD=0). Turn it off for a launch that reads its processes'
     memory.
     """
     out_dir = Path(out_dir)
@@ -74,13 +74,13 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
     full_env = {**launch_env(out_dir), **(env or {})}
     command = [str(WORKERS / worker), *args]
     preload_log, agent_python = None, python
-    if preloaded and preload_servers.enabled():
+    if preloaded and preload.enabled():
         preload_log = Path(tempfile.gettempdir()) / f"twinkle-preload-{os.getpid()}-{next(_launch_ids)}.jsonl"
-        command, full_env = preload_servers.preloaded_command(
+        command, full_env = preload.preloaded_command(
             command, {**os.environ, **full_env}, python or sys.executable, preload_log,
             server_env={**os.environ, **launch_env(out_dir)})
-        if preload_servers.agents_enabled():  # the agents fork too
-            agent_python = preload_servers.forking_python(python or sys.executable)
+        if preload.agents_enabled():  # the agents fork too
+            agent_python = preload.forking_python(python or sys.executable)
     shape = "+".join(map(str, nproc_per_node)) if isinstance(nproc_per_node, list) else f"{nnodes}x{nproc_per_node}"
     with launch_group(f"{worker} {shape}") as record:  # the launch table's row (tests/launch_log.py)
         record.preload_log = None if preload_log is None else str(preload_log)
@@ -88,7 +88,7 @@ def launch(worker: str, args: list[str], out_dir: Path, nnodes: int = 2, nproc_p
                                      timeout=timeout, env=full_env, log_dir=out_dir, cwd=str(REPO), node_env=node_env,
                                      python=agent_python)
         if preload_log is not None:
-            record.forked, record.fallbacks = preload_servers.outcomes(preload_log)
+            record.forked, record.fallbacks = preload.outcomes(preload_log)
             preload_log.unlink(missing_ok=True)
     logs = [p.read_text(errors="replace") for p in result.log_paths]
     return LaunchResult(result.returncodes, result.timed_out, logs, out_dir, result.seconds)

@@ -6,7 +6,7 @@ polling a log), so two workers finish the suite sooner than one on this machine'
 
 - **What goes where** (:class:`FileOrTierScheduling`): each test file stays on one worker (its module-scoped
   launches run once), and each tier that runs in another virtualenv (ms-swift's, vLLM's) stays on one worker whole,
-  so only one worker starts that interpreter's fork servers (tests/preload_servers.py). Those tiers are handed out
+  so only one worker starts that interpreter's fork servers (tests/preload.py). Those tiers are handed out
   first and the one-process tier last, so that the end of the run, when one worker may be idle already, is short.
 - **What runs once** (:func:`once_per_run`): a session fixture several files assert on (tests/launches.py's shared
   launches, the demo model) is computed by the first worker that needs it, under a lock, and read by the other.

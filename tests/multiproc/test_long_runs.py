@@ -136,7 +136,7 @@ def run_cli_async(args, cwd):
     import os
     import subprocess
 
-    from cli_preload import cli_command, cli_env
+    from preload import cli_command, cli_env
 
     env = cli_env({**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"})
     return subprocess.Popen([*cli_command(env), *args], cwd=cwd, env=env,

@@ -1,6 +1,6 @@
-"""The fork server of the test launches (tests/preload_server.py, tests/preload_client.py): a rank forked from it
+"""The fork server of the test launches (tests/preload.py): a rank forked from it
 ends as a real process would, in the eyes of torchrun and the tests. Each case runs the client as torchrun would
-(``python -u preload_client.py WORKER ARGS``), with the environment a launch gives its ranks; the cases are one
+(``python -u preload.py WORKER ARGS``), with the environment a launch gives its ranks; the cases are one
 launch in the launch table."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-import preload_servers
+import preload
 import pytest
 from launch_log import launch_group
 from multinode import REPO, WORKERS, launch_env
@@ -27,25 +27,25 @@ def ranks(tmp_path_factory):
     root = tmp_path_factory.mktemp("preload")
     env = {**os.environ, **launch_env(root)}
     log = root / "preload.jsonl"
-    _, client_env = preload_servers.preloaded_command([], env, sys.executable, log, server_env=env)
-    servers = [preload_servers.server_for(sys.executable, env, slot=slot)
-               for slot in range(preload_servers.HASH_SEED_SLOTS)]
+    _, client_env = preload.preloaded_command([], env, sys.executable, log, server_env=env)
+    servers = [preload.server_for(sys.executable, env, slot=slot)
+               for slot in range(preload.HASH_SEED_SLOTS)]
     for server in servers:
         assert server.problem is None, server.problem  # it also refuses to start while a thread besides main lives
 
     def start(mode: str, *, as_module: bool = False, python: str | None = None, module: str = "preload_probe",
               **extra_env) -> tuple[subprocess.Popen, Path]:
         """The probe through the client as torchrun starts a rank; ``as_module``: ``PYTHON -m MODULE`` with
-        preload_servers.forking_python as PYTHON (or ``python``), as multinode.launch starts a torchrun agent."""
+        preload.forking_python as PYTHON (or ``python``), as multinode.launch starts a torchrun agent."""
         out = root / f"{mode}-{len(list(root.glob('*.json')))}.json"
-        command = [python or preload_servers.forking_python(sys.executable), "-m", module] if as_module else \
-            [sys.executable, "-u", str(preload_servers.CLIENT), PROBE]
+        command = [python or preload.forking_python(sys.executable), "-m", module] if as_module else \
+            [sys.executable, "-u", str(preload.SCRIPT), PROBE]
         proc = subprocess.Popen([*command, mode, str(out)], env={**client_env, "RANK": "3", **extra_env},
                                 cwd=str(WORKERS if as_module else REPO), stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
         return proc, out
 
-    with launch_group("preload_client.py cases"):
+    with launch_group("preload.py client cases"):
         yield start, log, servers
 
 
@@ -93,11 +93,11 @@ def test_the_stand_in_interpreter_forks_a_module_as_python_m_runs_it(ranks):
 
 
 def test_a_stand_in_with_programs_is_the_interpreter_of_what_it_runs_forked_or_fresh(ranks):
-    """tests/cli_preload.py's stand-in: a module of ``programs`` runs its script instead, forked, with the stand-in as
+    """preload.cli_command's stand-in: a module of ``programs`` runs its script instead, forked, with the stand-in as
     its ``sys.executable`` (so that what it starts, twinkle-sft's agents and their ranks, runs through it too); a
     module of ``fresh`` runs in a fresh interpreter, with the stand-in as its ``sys.executable`` all the same."""
     start, log, servers = ranks
-    stand_in = preload_servers.forking_python(sys.executable, programs={"probe_alias": PROBE},
+    stand_in = preload.forking_python(sys.executable, programs={"probe_alias": PROBE},
                                               fresh=("preload_probe",))
     proc, out = start("exit", as_module=True, python=stand_in, module="probe_alias")
     assert proc.wait(timeout=60) == 7, proc.stderr.read()

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_preload import cli_command, cli_env
 from multinode import REPO, launch
+from preload import cli_command, cli_env
 
 from twinkle_strategy.train.cli import main
 

@@ -27,11 +27,10 @@ import types
 from pathlib import Path
 
 import pytest
-import swift_preload
 import torch
 from launch_log import launch_group
 from multinode import launch_env
-from preload_servers import outcomes
+from preload import outcomes, swift_command
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
@@ -101,7 +100,7 @@ def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str],
         if reference:  # one process, no torchrun
             for name in ("NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
                 node_env.pop(name)
-        swift, node_env, preload_log = swift_preload.swift_command(swift_bin, node_env)  # its sft ranks forked
+        swift, node_env, preload_log = swift_command(swift_bin, node_env)  # its sft ranks forked
         preload_logs.append(preload_log)
         logs.append(out / f"swift_node{node}.log")
         with open(logs[-1], "w") as log:

@@ -1,6 +1,6 @@
 """No module of the package reads an environment variable when it is imported.
 
-A value read at import is fixed for the life of the process. The suite's fork servers (tests/preload_server.py)
+A value read at import is fixed for the life of the process. The suite's fork servers (tests/preload.py)
 import the package once and fork each rank from there, so a rank whose environment differs from the server's would
 silently keep the server's value. The servers let a rank's ``TWINKLE_*`` variables differ from their own (and
 torchrun's per-rank keys) on the strength of this scan: the package reads every variable when it is called. Any other
@@ -164,12 +164,12 @@ def test_the_scan_finds_each_form_of_read_and_only_at_import(tmp_path):
 
 
 def test_the_fork_servers_let_differ_only_what_no_module_reads_at_import():
-    """tests/preload_server.py's rule (``env_difference``): a rank may be forked although its ``TWINKLE_*``
+    """tests/preload.py's rule (``env_difference``): a rank may be forked although its ``TWINKLE_*``
     variables differ from the server's. That holds only while the package reads none at import, which the scan
     checks; a variable it did read at import must make the rank start fresh."""
     sys.path.insert(0, str(PACKAGE.parent / "tests"))
     try:
-        from preload_server import env_difference
+        from preload import env_difference
     finally:
         sys.path.pop(0)
     assert env_difference({"TWINKLE_ANY": "rank"}, {"TWINKLE_ANY": "server"}) is None  # the rule the scan justifies

@@ -66,13 +66,13 @@ def test_the_table_counts_each_launch_and_the_python_processes_under_it():
 
 
 def test_the_table_counts_forked_ranks_and_each_fallback_by_reason():
-    """tests/preload_servers.py's outcome of each rank (multinode.launch records it on the launch): the table says how
+    """tests/preload.py's outcome of each rank (multinode.launch records it on the launch): the table says how
     many ranks were forked from the preloaded interpreter and why the others started fresh."""
     launches = [launch_log.Launch("t::a", "w.py 2x2", 0.0, forked=4),
                 launch_log.Launch("t::b", "w.py 2x1", 0.0, fallbacks=["TMPDIR differs", "TMPDIR differs"]),
                 launch_log.Launch("t::c", "w.py 1x1", 0.0, fallbacks=["HF_HOME differs"])]
     assert launch_log.preload_lines(launches) == [
-        "preloaded ranks and agents (tests/preload_servers.py): 4 forked, 3 started fresh",
+        "preloaded ranks and agents (tests/preload.py): 4 forked, 3 started fresh",
         "     2 fresh: TMPDIR differs", "     1 fresh: HF_HOME differs"]
     assert launch_log.preload_lines(launches[:0]) == []  # TWINKLE_TEST_PRELOAD=0: no line
 

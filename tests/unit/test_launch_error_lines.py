@@ -161,7 +161,7 @@ def test_each_rank_runs_the_cli_module_with_the_interpreter_that_runs_the_launch
     """torchrun.cli_rank_program: every rank runs ``-m twinkle_strategy.train.cli`` with the launcher's arguments, and
     torchrun (whose ranks start with the interpreter that runs it) with this process's interpreter. The suite relies on
     the second: its ``twinkle-sft`` runs start under a stand-in interpreter whose ranks fork from a preloaded one
-    (tests/cli_preload.py)."""
+    (tests/preload.py, cli_command)."""
     import sys
 
     from twinkle_strategy.train.torchrun import cli_rank_program, torchrun_command

@@ -1,5 +1,5 @@
 """ms-swift's console script (``swift``, i.e. ``swift.cli.main.cli_main``) with ``sft``'s rank program replaced by
-tests/workers/swift_sft_rank.py, which forks each rank from the suite's preload server (tests/swift_preload.py).
+tests/workers/swift_sft_rank.py, which forks each rank from the suite's preload server (tests/preload.py, swift_command).
 
     python tests/workers/swift_cli.py sft ARGS...      # as `swift sft ARGS...`, with the same environment
 """

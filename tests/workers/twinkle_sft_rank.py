@@ -1,5 +1,5 @@
 """What the suite's ``twinkle-sft`` processes run in place of ``python -m twinkle_strategy.train.cli``
-(tests/cli_preload.py): the CLI's ``main``, with the writer pause a test asks for in ``$TWINKLE_TEST_PAUSE_SAVE_WRITER``
+(tests/preload.py, cli_command): the CLI's ``main``, with the writer pause a test asks for in ``$TWINKLE_TEST_PAUSE_SAVE_WRITER``
 installed in this process (tests/workers/save_writer_pause.py)."""
 
 import sys
