@@ -24,26 +24,30 @@ from twinkle_strategy.moe.load import load_imbalance
 from twinkle_strategy.step.collectives import all_reduce_sum
 
 
-def example_lengths(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """The real length of every example of a collated batch (whole rows): a padded row's attention mask, or in a
-    flattened batch (no mask) each run of positions from a 0; one example per row without either."""
+def length_sums(batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """``[tokens, sum over examples of length x length]`` of a collated batch (whole rows), float64 on the batch's
+    device, computed without a host sync (the counts stay on the device until a log line takes them).
+
+    A packed row's example of ``n`` tokens has positions ``0 .. n-1``, and ``sum(2p + 1)`` over them is ``n * n``:
+    no search for where examples start (``nonzero``, which waits for the device) is needed."""
     mask = batch.get("attention_mask")
     if mask is not None:
-        return torch.as_tensor(mask).sum(dim=-1).reshape(-1).long()
+        lengths = torch.as_tensor(mask).sum(dim=-1).double()
+        return torch.stack([lengths.sum(), (lengths * lengths).sum()])
     ids = torch.as_tensor(batch["input_ids"])
     positions = batch.get("position_ids")
     if positions is None:
-        return torch.full((ids.shape[0] if ids.dim() > 1 else 1,), ids.shape[-1], dtype=torch.long)
-    flat = torch.as_tensor(positions).reshape(-1)
-    starts = torch.cat([(flat == 0).nonzero().reshape(-1), torch.tensor([flat.numel()], device=flat.device)])
-    return (starts[1:] - starts[:-1]).long()
+        rows, length = (ids.shape[0] if ids.dim() > 1 else 1), ids.shape[-1]
+        return torch.tensor([rows * length, rows * length * length], dtype=torch.float64, device=ids.device)
+    positions = torch.as_tensor(positions).double()
+    return torch.stack([positions.new_tensor(float(positions.numel())), (2 * positions + 1).sum()])
 
 
 def attention_length(batch: Mapping[str, torch.Tensor]) -> float:
     """The sequence length a token of ``batch`` attends over on average, for the attention FLOPs: each example's
     length weighted by its tokens (sum of squares / tokens)."""
-    lengths = example_lengths(batch).double()
-    return float((lengths * lengths).sum() / lengths.sum().clamp_min(1))
+    tokens, squares = length_sums(batch).tolist()
+    return squares / max(tokens, 1.0)
 
 
 class StepMetrics:
@@ -60,17 +64,14 @@ class StepMetrics:
 
     def restart(self) -> None:
         """Start a new window now (its clock included)."""
-        self.tokens = 0.0
-        self.attended = 0.0  # sum over examples of length x length: tokens x the length each attends over
+        self.sums: list[torch.Tensor] = []  # per micro-batch [tokens, sum of length x length], on its device
         self.expert_counts: torch.Tensor | None = None
         self.since = time.perf_counter()
 
     def observe(self, batch: Mapping[str, torch.Tensor]) -> None:
         """A training micro-batch as collated (whole rows, before the split): count its tokens and their attention
         length."""
-        lengths = example_lengths(batch).double()
-        self.tokens += float(lengths.sum()) * self.share
-        self.attended += float((lengths * lengths).sum()) * self.share
+        self.sums.append(length_sums(batch) * self.share)
 
     def add_expert_counts(self, counts: torch.Tensor | None) -> None:
         """A step's global [layers, experts] counts, where the front-end took them already (twinkle's trainer takes
@@ -84,7 +85,9 @@ class StepMetrics:
         MoE), over every rank (collective); starts a new window."""
         seconds = time.perf_counter() - self.since
         core = self.step_core
-        totals = all_reduce_sum(torch.tensor([self.tokens, self.attended], dtype=torch.float64, device=core.device))
+        totals = sum((sums.to(core.device) for sums in self.sums),
+                     torch.zeros(2, dtype=torch.float64, device=core.device))
+        totals = all_reduce_sum(totals)
         tokens, attended = totals.tolist()
         seq_len = attended / max(tokens, 1.0)
         fields: dict[str, float] = {"tokens": round(tokens, 3), **core.throughput(tokens=tokens, seq_len=seq_len,
