@@ -39,6 +39,13 @@ class QuantizedBase(str, enum.Enum):
     KEEP = "keep"  # kept as stored (quantized bytes and scales), decoded just in time for each use
 
 
+class LoraExperts(str, enum.Enum):
+    """How LoRA on fused expert tensors (PEFT's ``target_parameters``) is computed (``lora_experts``)."""
+
+    ACTIVATIONS = "activations"  # x @ W + scale * ((x @ A) @ B) per expert: W + BA is never formed
+    PEFT = "peft"  # PEFT's own path: W + scale * BA formed for every local expert in each forward
+
+
 # torch's names of devices and of the collective backends that go with them.
 DeviceType = Literal["cuda", "npu", "cpu"]
 Backend = Literal["nccl", "hccl", "gloo"]
@@ -53,6 +60,7 @@ REDUCE_DTYPES = ("float32", "bfloat16", "float16")
 _REDUCE_DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 INIT_TRANSPORTS = tuple(kind.value for kind in InitTransport)
 QUANTIZED_BASES = tuple(kind.value for kind in QuantizedBase)
+LORA_EXPERTS = tuple(kind.value for kind in LoraExperts)
 DEVICE_TYPES = typing.get_args(DeviceType)
 BACKENDS = typing.get_args(Backend)
 DEFAULT_INIT_BUCKET_MB = 256.0
@@ -97,6 +105,11 @@ class StrategyConfig:
                                                 "release (FP8 blocks, DeepSeek-V4 FP4, MXFP4), keep the frozen "
                                                 "quantized weights as stored and dequantize them just in time "
                                                 "(LoRA over the release); dequantize holds them in the model dtype")
+    lora_experts: str = _option("activations", "activations | peft: how LoRA on fused expert tensors "
+                                               "(PEFT target_parameters) is computed; activations adds "
+                                               "scale * (x @ A) @ B to each expert's output and never forms "
+                                               "W + BA (LoRA's memory); peft is PEFT's own path, which forms "
+                                               "W + BA for every local expert in each forward")
     timeout_s: float = _option(1800.0, "seconds any collective may wait for a peer before every rank fails "
                                        "with an error naming it")
     device_type: str | None = _option(None, "cuda | npu | cpu; detected when unset")
@@ -122,6 +135,7 @@ class StrategyConfig:
                or (self.memory_efficient_init and self.stream_checkpoint),
                "keep needs memory_efficient_init=true and stream_checkpoint=true (the release's bytes reach the "
                "ranks only through the streamed init); set them, or use quantized_base=dequantize")
+        _check(self, "lora_experts", self.lora_experts in LORA_EXPERTS, f"use one of {LORA_EXPERTS}")
         _check(self, "timeout_s", self.timeout_s > 0, "use a positive number of seconds")
         _check(self, "device_type", self.device_type in (None, *DEVICE_TYPES), f"use one of {DEVICE_TYPES}")
         _check(self, "backend", self.backend in (None, *BACKENDS), f"use one of {BACKENDS}")
