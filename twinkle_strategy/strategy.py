@@ -310,6 +310,14 @@ class NativeFSDPStrategy:
 
         return strategy_methods.take_routing_agreement(self.routing)
 
+    def take_routing_agreement_counts(self) -> torch.Tensor | None:
+        """:meth:`take_routing_agreement` without a host sync: the [layers, (agreeing, replayed)] token counts on
+        the device (``twinkle_strategy.rl.replay.agreement_shares`` reads them), for a training step that reads them
+        only at its log line; None as there."""
+        from twinkle_strategy.rl import strategy_methods
+
+        return strategy_methods.take_routing_agreement_counts(self.routing)
+
     def generate(self, model: nn.Module, *, input_ids: torch.Tensor, return_routing: bool = False, **kwargs):
         """``model.generate`` on every rank (collective), where some ranks may have no prompt (``input_ids`` of
         zero rows); with ``return_routing``, also the routing record of the sequences (R3 replays it)."""

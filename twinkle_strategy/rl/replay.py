@@ -191,15 +191,18 @@ class RoutingHooks:
     def take_agreement(self, *, reduce: bool = True) -> list[float] | None:
         """Per MoE layer, the share of replayed tokens whose recorded top-k set equals the router's own choice,
         since the last call (summed over ranks when ``reduce``: collective); None if nothing was replayed."""
+        return agreement_shares(self.take_agreement_counts(reduce=reduce))
+
+    def take_agreement_counts(self, *, reduce: bool = True) -> torch.Tensor:
+        """:meth:`take_agreement`'s [layers, (agreeing, replayed)] token counts, left on the device (a training
+        step takes them without a host sync; :func:`agreement_shares` reads them at the log line)."""
         self.check_served()
         device = self.layers[0].router.weight.device
         counts = self._agree if self._agree is not None else torch.zeros(self.num_layers, 2, device=device)
         self._agree = None
         if reduce and dist.is_initialized() and dist.get_world_size() > 1:
             dist.all_reduce(counts)
-        if float(counts[:, 1].sum()) == 0:
-            return None
-        return (counts[:, 0] / counts[:, 1].clamp_min(1)).tolist()
+        return counts
 
     def _route(self, index: int, rule: RouterRule, router: nn.Module, args: tuple, output: tuple) -> tuple:
         """The router's output ``(logits, weights, ids)``, with the replayed ids and their weights, recorded."""
@@ -238,3 +241,11 @@ def routing_hooks(model: nn.Module) -> RoutingHooks:
         hooks = RoutingHooks(model)
         object.__setattr__(model, "_twinkle_routing_hooks", hooks)  # not a submodule, not a parameter
     return hooks
+
+
+def agreement_shares(counts: torch.Tensor) -> list[float] | None:
+    """Per MoE layer, agreeing / replayed tokens of :meth:`RoutingHooks.take_agreement_counts`'s counts (read on the
+    host); None if nothing was replayed."""
+    if float(counts[:, 1].sum()) == 0:
+        return None
+    return (counts[:, 0] / counts[:, 1].clamp_min(1)).tolist()

@@ -47,6 +47,14 @@ def take_routing_agreement(routing: RoutingHooks | None) -> list[float] | None:
     return routing.take_agreement()
 
 
+def take_routing_agreement_counts(routing: RoutingHooks | None) -> torch.Tensor | None:
+    """``NativeFSDPStrategy.take_routing_agreement_counts``: the counts behind :func:`take_routing_agreement`, on
+    the device; None, without a collective, when the model's routing cannot be replayed."""
+    if routing is None or routing.refusal is not None:
+        return None
+    return routing.take_agreement_counts()
+
+
 def generate_on_every_rank(routing: RoutingHooks | None, model: nn.Module, *, input_ids: torch.Tensor,
                            return_routing: bool = False, **kwargs):
     """``NativeFSDPStrategy.generate``: the routing hooks are required only when the routing is returned."""

@@ -29,9 +29,15 @@ def loss_tokens(batch: dict[str, torch.Tensor]) -> int:
     """Tokens of ``batch`` a causal LM's loss is taken over: its ``shift_labels`` that are not -100 (a chunk of
     :func:`split_batch`, shifted on the whole row), else its ``labels`` after the first position (the model shifts
     them: the first label of a row is never predicted)."""
+    return int(loss_token_count(batch))
+
+
+def loss_token_count(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`loss_tokens` as an int64 scalar on the labels' device, read by nobody: a step counts its tokens
+    without waiting for the device (the count goes into a collective and the loss, never to the host)."""
     if "shift_labels" in batch:
-        return int((batch["shift_labels"] != IGNORE_INDEX).sum())
-    return int((batch["labels"][..., 1:] != IGNORE_INDEX).sum())
+        return (batch["shift_labels"] != IGNORE_INDEX).sum()
+    return (batch["labels"][..., 1:] != IGNORE_INDEX).sum()
 
 
 def split_batch(batch: dict[str, torch.Tensor], *, rank: int, size: int) -> dict[str, torch.Tensor]:

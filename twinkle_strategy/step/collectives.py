@@ -2,10 +2,14 @@
 
 Every front-end (and ``NativeFSDPStrategy.global_loss_tokens`` / ``reduce_sum`` / ``reduce_mean``, which delegate
 here) sums through :func:`all_reduce_sum`: without a process group (one process) a sum over ranks is the value itself.
+
+:func:`any_rank` agrees on a host-side flag (a SIGTERM, a refused batch) without the device: its collective runs on
+the host (gloo), so reading the answer never waits for the kernels queued before it.
 """
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -59,3 +63,34 @@ def reduce_mean(value: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(value, op=dist.ReduceOp.SUM)
         value /= dist.get_world_size()
     return value
+
+
+# The host-side group of each default process group (by identity): made once, on every rank, at the first agreement.
+_HOST_GROUPS: dict[int, tuple[dist.ProcessGroup, dist.ProcessGroup | None]] = {}
+
+
+def host_group(*, timeout_s: float | None = None) -> dist.ProcessGroup | None:
+    """A group of every rank whose collectives take CPU tensors (gloo): the default group where it is gloo already
+    (None), else a gloo group made once (collective, on the first call, on every rank alike), as torch DCP's
+    async_save keeps one. ``timeout_s``: its collectives' bound (the default group's, so a dead peer is named)."""
+    world = dist.group.WORLD
+    if dist.get_backend() == "gloo":
+        return None
+    known = _HOST_GROUPS.get(id(world))
+    if known is None or known[0] is not world:
+        timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+        known = (world, dist.new_group(backend="gloo", timeout=timeout))
+        _HOST_GROUPS[id(world)] = known
+    return known[1]
+
+
+def any_rank(flag: bool, *, timeout_s: float | None = None) -> bool:
+    """Whether ``flag`` is set on any rank (collective; ``flag`` itself without a process group). A host value in,
+    a host value out: the collective runs on the host (:func:`host_group`), never behind the device's queue, so a
+    step can agree on it without a device sync (an all-reduce on the device read back with ``.item()`` waits for
+    every kernel queued before it)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return flag
+    value = torch.tensor([int(flag)], dtype=torch.int32)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=host_group(timeout_s=timeout_s))
+    return bool(value[0])

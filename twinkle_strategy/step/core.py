@@ -32,7 +32,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.errors import ModelStructureError, ParallelConfigError
@@ -40,8 +39,8 @@ from twinkle_strategy.moe.balance import GlobalBatchAuxLoss, RouterStats
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.flops import FlopsModel, device_peak_tflops, throughput
 from twinkle_strategy.moe.load import ExpertLoad
-from twinkle_strategy.sequence.batch import ROUTED_EXPERTS, loss_tokens
-from twinkle_strategy.step.collectives import all_reduce_sum
+from twinkle_strategy.sequence.batch import ROUTED_EXPERTS, loss_token_count
+from twinkle_strategy.step.collectives import all_reduce_sum, any_rank
 from twinkle_strategy.step.forward import forward_share
 from twinkle_strategy.step.metrics import StepMetrics
 
@@ -72,10 +71,11 @@ class StepBatches:
 
 @dataclasses.dataclass(frozen=True)
 class TokenCounts:
-    """A step's tokens over every rank: those its loss is taken over, and the non-padding input tokens."""
+    """A step's tokens over every rank: those its loss is taken over, and the non-padding input tokens. Both stay
+    on the device (a step reads neither on the host: a log line does, if it needs them)."""
 
     loss: torch.Tensor  # int64 on the device: pass as num_items_in_batch
-    inputs: int
+    inputs: torch.Tensor  # int64 on the device
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +103,16 @@ def expert_load_or_none(model: nn.Module, *, ep_size: int) -> ExpertLoad | None:
 
 def real_token_count(batch: dict[str, torch.Tensor]) -> int:
     """Non-padding tokens of a collated batch (a flattened batch has no padding)."""
+    return int(real_tokens(batch))
+
+
+def real_tokens(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """:func:`real_token_count` as an int64 scalar on the batch's device, without a host sync."""
     mask = batch.get("attention_mask")
-    return int(mask.sum()) if mask is not None else batch["input_ids"].numel()
+    if mask is not None:
+        return torch.as_tensor(mask).sum().long()
+    ids = torch.as_tensor(batch["input_ids"])
+    return torch.full((), ids.numel(), dtype=torch.long, device=ids.device)  # a fill, not a copy from the host
 
 
 def left_padded(batch: dict) -> bool:
@@ -172,22 +180,23 @@ class TrainingStep:
                 f"sequence_parallel_size={sp} cannot split the batch key(s) {unknown} along the sequence (it splits "
                 f"{sorted(SPLIT_KEYS)}); drop them from the data collator's output, or use sequence_parallel_size=1")
         # Rows padded on the left would let real tokens attend to the padding before them (the split keeps
-        # attention causal, with no padding mask): refused on every rank at once, whichever rank holds one.
-        left = torch.tensor(float(any(left_padded(batch) for batch in batches)), device=self.strategy.device)
-        if dist.is_initialized():
-            dist.all_reduce(left, op=dist.ReduceOp.MAX)
-        if left.item():
+        # attention causal, with no padding mask): refused on every rank at once, whichever rank holds one. The
+        # batches are as collated (host tensors in twinkle's Trainer): the check reads them there and the ranks
+        # agree on the host (any_rank), so the step never waits for the device to answer.
+        if any_rank(any(left_padded(batch) for batch in batches), timeout_s=self.strategy.timeout_s):
             raise ParallelConfigError(f"sequence_parallel_size={sp} needs rows padded on the right; a batch of this "
                                       "step is padded on the left: set the tokenizer's padding_side='right' (or the "
                                       "data collator's), or use sequence_parallel_size=1")
 
     def global_tokens(self, chunks: list[dict]) -> TokenCounts:
         """The step's loss and input tokens over every rank (collective): each token once, whichever rank's chunk
-        holds it."""
-        sizes = torch.tensor([sum(loss_tokens(b) for b in chunks), sum(real_token_count(b) for b in chunks)],
-                             dtype=torch.long, device=self.strategy.device)  # int64: exact past 2**24 tokens
+        holds it. Counted on the device and left there (int64: exact past 2**24 tokens): no host sync."""
+        device = self.strategy.device
+        sizes = torch.zeros(2, dtype=torch.long, device=device)
+        for chunk in chunks:
+            sizes += torch.stack([loss_token_count(chunk).to(device), real_tokens(chunk).to(device)])
         loss, inputs = all_reduce_sum(sizes)
-        return TokenCounts(loss=loss, inputs=int(inputs))
+        return TokenCounts(loss=loss, inputs=inputs)
 
     def router_prepass(self, model: nn.Module, chunks: list[dict]) -> RouterStats | None:
         """The global router statistics of the step's forwards (collective, one gradient-free forward each), or None

@@ -75,9 +75,10 @@ class StepMetrics:
 
     def add_expert_counts(self, counts: torch.Tensor | None) -> None:
         """A step's global [layers, experts] counts, where the front-end took them already (twinkle's trainer takes
-        them every step, for the aux-loss-free biases); otherwise :meth:`take` takes them."""
+        them every step, for the aux-loss-free biases); otherwise :meth:`take` takes them. Summed on the device
+        (integer counts in fp32: exact, in any order, below 2**24 per expert): the host reads them at :meth:`take`."""
         if counts is not None:
-            counts = counts.detach().float().cpu()
+            counts = counts.detach().float()
             self.expert_counts = counts if self.expert_counts is None else self.expert_counts + counts
 
     def take(self) -> tuple[dict[str, float], torch.Tensor | None]:
@@ -95,8 +96,8 @@ class StepMetrics:
         fields["flops_per_token"] = round(core.flops.per_token(seq_len), 3)
         counts = self.expert_counts
         if counts is None:
-            taken = core.take_expert_counts()
-            counts = taken.detach().float().cpu() if taken is not None else None
+            counts = core.take_expert_counts()
+        counts = counts.detach().float().cpu() if counts is not None else None
         if counts is not None and counts.sum() > 0:
             fields["moe_load_imbalance"] = round(load_imbalance(counts), 6)
         self.restart()

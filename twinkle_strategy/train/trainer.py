@@ -8,6 +8,14 @@
 Loss normalisation: every optimizer step averages the loss over all response
 tokens of the global batch (all ranks, all accumulation micro-batches), so the
 result does not depend on how the batch is split across ranks.
+
+No host sync inside a step: a step's loss, aux loss, grad norm, token and expert
+counts stay tensors on the device until the logging window's line reads them
+(:class:`~twinkle_strategy.train.metrics.StepWindow`), so the host keeps queuing
+work ahead of the device; the one per-step agreement, whether to stop
+(SIGTERM), is a host collective (:meth:`PreemptionFlag.agreed`). Nothing else
+needs a host value per step: the loop counts steps in Python, and there is no
+inf/NaN guard to read (a non-finite loss shows in the log line).
 """
 
 from __future__ import annotations
@@ -217,26 +225,29 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
     def training_step(self, step: int) -> dict:
-        """One optimizer step: the global batch's mean loss per response token, grad norm, and statistics."""
+        """One optimizer step: the global batch's mean loss per response token, grad norm, and statistics, as device
+        tensors (read by the log line: no host sync here); ``preempted``: whether every rank stops after it."""
         result = self.compute_gradients(step)
-        result["grad_norm"] = float(self.step_core.clip(self.model))
+        result["grad_norm"] = self.step_core.clip(self.model)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         result["expert_counts"] = self.step_core.take_expert_counts()
-        result["routing_agreement"] = self.strategy.take_routing_agreement()  # None unless a record was replayed
+        # [layers, (agreeing, replayed)] counts; None unless the model's routing can be replayed
+        result["routing_agreement"] = self.strategy.take_routing_agreement_counts()
         if self.correction_biases:
             update_correction_bias(self.correction_biases, result["expert_counts"], self.args.load_balance_coeff)
+        # Ranks asked to stop (SIGTERM): agreed on the host, so that no step waits for the device to answer.
+        result["preempted"] = self._preemption is not None and self._preemption.agreed(
+            timeout_s=self.strategy.timeout_s)
         return result
 
     def compute_gradients(self, step: int) -> dict:
         """Forward and backward of every micro-batch of step ``step`` (the step core's); global loss, aux loss and
-        token sums."""
+        input-token sums, as device scalars (summed over ranks on the device: the log line reads them)."""
         gradients = self.step_core.accumulate(self.model, self._collated(step), forward=self._forward)
-        preempted = torch.tensor([float(self._preemption is not None and self._preemption.requested)],
-                                 device=gradients.shares.device)  # ranks asked to stop (SIGTERM), with the losses
-        loss, aux, preempted = all_reduce_sum(torch.cat([gradients.shares, preempted])).tolist()
-        return {"loss": loss, "aux_loss": aux, "tokens": float(gradients.tokens.inputs), "preempted": preempted > 0}
+        loss, aux = all_reduce_sum(gradients.shares)
+        return {"loss": loss, "aux_loss": aux, "tokens": gradients.tokens.inputs}
 
     def _forward(self, chunk: dict, global_tokens: torch.Tensor):
         """The model's loss share of one chunk (this rank's token-loss sum / all tokens of the step), its output."""
