@@ -5,9 +5,10 @@ the host wait until the device has run every kernel queued before it: the device
 the next work. The Trainer keeps a step's values on the device and reads them once per logging window.
 
 The reads are counted on real steps (the tiny MoE demo model, one process, a world of one) through a dispatch mode
-(``aten._local_scalar_dense``: what ``.item()``, ``float()`` and ``bool()`` of a tensor run, and ``aten.nonzero``)
-and a function mode (``Tensor.tolist`` / ``.cpu`` / ``.numpy``: on the CPU they never reach the dispatcher, on a
-GPU they copy to the host). A read is the package's when the innermost caller outside torch is in
+(``aten._local_scalar_dense``: what ``.item()``, ``float()`` and ``bool()`` of a tensor run; ``torch.equal``; and the
+ops whose output size depends on the values, which a GPU must tell the host: ``nonzero``, ``unique``, indexing with
+a boolean mask, ``masked_select``, ``repeat_interleave`` by a tensor) and a function mode (``Tensor.tolist`` /
+``.cpu`` / ``.numpy``: on the CPU they never reach the dispatcher, on a GPU they copy to the host). A read is the package's when the innermost caller outside torch is in
 ``twinkle_strategy``; the model's own (transformers' causal-mask check) are the model's, as plain transformers runs
 them too. The data path (``twinkle_strategy/train/data.py``: the sampler's order, the collator) works on host tensors
 that never reach the device, so its reads are no syncs.
@@ -36,7 +37,20 @@ PACKAGE = os.path.dirname(twinkle_strategy.__file__) + os.sep
 TORCH = os.path.dirname(torch.__file__) + os.sep
 HOST_DATA = os.path.join(PACKAGE, "train", "data.py")
 HOST_READS = {torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy}
-SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default}
+aten = torch.ops.aten
+SCALAR_READS = {aten._local_scalar_dense.default, aten.equal.default, aten.nonzero.default, aten.argwhere.default,
+                aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default,
+                aten.masked_select.default, aten.repeat_interleave.Tensor, aten.repeat_interleave.self_Tensor}
+MASK_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default, aten._index_put_impl_.default}
+
+
+def waits_for_values(func, args) -> bool:
+    """Whether ``func`` on ``args`` makes a GPU tell the host a value (a scalar, or an output size it computed)."""
+    if func in SCALAR_READS:
+        return True
+    if func in MASK_INDEXING:  # a boolean mask's True count is the output's size (a tensor index of ints is not)
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+    return False
 STEPS = 4
 
 
@@ -59,7 +73,7 @@ class _Reads:
 
         class Scalars(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if func in SCALAR_READS:
+                if waits_for_values(func, args):
                     counter.record()
                 return func(*args, **(kwargs or {}))
 

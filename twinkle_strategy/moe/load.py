@@ -55,8 +55,12 @@ class ExpertLoad:
             mask = self.token_mask
             if mask is not None and mask.numel() == chosen.shape[0]:
                 weight = weight * mask.reshape(-1, 1).to(weight)
-            routed = chosen < num_experts  # LongCat-Flash's identity experts are not experts to balance
-            self.counts[layer].index_add_(0, chosen[routed], weight[routed])
+            # LongCat-Flash's identity experts (indices past the routed ones) are not experts to balance: they add a
+            # weight of 0 to expert 0. Masked, not selected: selecting (chosen[routed]) makes the device tell the
+            # host how many were selected, a host sync in every forward.
+            routed = chosen < num_experts
+            self.counts[layer].index_add_(0, torch.where(routed, chosen, 0).reshape(-1),
+                                          (weight * routed).reshape(-1))
 
     def take_global(self) -> torch.Tensor:
         """[layers, experts] counts since the last call, summed over every rank (collective); resets."""

@@ -164,9 +164,12 @@ class TrainingStep:
         if self.sequence_parallel > 1:
             self._refuse_unsplittable(batches)
         device = self.strategy.device
+        # CUDA: a blocking copy from the host waits for the device's queue to drain (a host sync at every step's
+        # start); a non-blocking one from pageable memory is staged at once and waits for nothing.
+        non_blocking = device.type == "cuda"
         tensors = []
         for batch in batches:
-            batch = {k: torch.as_tensor(v).to(device) for k, v in batch.items()
+            batch = {k: torch.as_tensor(v).to(device, non_blocking=non_blocking) for k, v in batch.items()
                      if v is not None and not (self.sequence_parallel > 1 and k in WHOLE_ROW_KEYS)}
             tensors.append(self.strategy.split_sequence(batch))
         return StepBatches(tensors=tensors)
