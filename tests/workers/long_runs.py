@@ -95,7 +95,7 @@ def aux_case(args, dataset, collator, tokenizer) -> dict:
         diff = float((grads[name] - grad).abs().max())
         if diff > worst:
             worst, where = diff, name
-    return {"loss": result["loss"], "ref_loss": ref["loss"], "aux": result["aux_loss"], "ref_aux": ref["aux"],
+    return {"loss": float(result["loss"]), "ref_loss": ref["loss"], "aux": float(result["aux_loss"]), "ref_aux": ref["aux"],
             "grad_diff": worst, "grad_where": where, "grads_compared": len(ref["grads"]),
             "counts": counts.tolist(), "ref_counts": ref["counts"].tolist(),
             "imbalance": load_imbalance(counts), "ref_imbalance": load_imbalance(ref["counts"])}
@@ -107,7 +107,8 @@ def checkpointing_case(args, dataset, collator, tokenizer, *, lora: bool, gc: bo
     for step in range(2):
         before = ALL_TO_ALLS[0]
         result = trainer.training_step(step)
-        steps.append({"loss": result["loss"], "grad_norm": result["grad_norm"], "all_to_alls": ALL_TO_ALLS[0] - before,
+        steps.append({"loss": float(result["loss"]), "grad_norm": float(result["grad_norm"]),
+                      "all_to_alls": ALL_TO_ALLS[0] - before,
                       "counts": result["expert_counts"].tolist()})
     return {"steps": steps}
 

@@ -118,8 +118,8 @@ def run_case(args, strategy, *, lora: bool, packing: bool, out: str) -> dict:
     grad_norm = float(strategy.clip_grad_norm_(trainer.model, float("inf")))
     order = [examples.index(e) for e in trained]
     mine = example_losses(trainer, examples)
-    case = {"lora": lora, "packing": packing, "loss": result["loss"], "aux_loss": result["aux_loss"], "grad_norm": grad_norm,
-            "tokens": result["tokens"], "step_tokens": sum(len(e["input_ids"]) for e in trained),
+    case = {"lora": lora, "packing": packing, "loss": float(result["loss"]), "aux_loss": float(result["aux_loss"]),
+            "grad_norm": grad_norm, "tokens": float(result["tokens"]), "step_tokens": sum(len(e["input_ids"]) for e in trained),
             "example_losses": mine, "rows": [len(b["input_ids"]) for b in trainer._micro_batches(0)],
             "batch_shapes": [list(b["input_ids"].shape) for b in trainer._micro_batches(0)]}
     if ref is not None:
