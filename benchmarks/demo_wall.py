@@ -137,6 +137,7 @@ def main() -> None:
     args = parser.parse_args()
     from twinkle_strategy.train.run import prepare_model_path
 
+    load_before = os.getloadavg()[0]  # the machine's load (other jobs share it): said beside the figures
     cwd = os.getcwd()
     os.chdir(ROOT)  # twinkle-sft builds tiny://demo under ./output/tiny: the same place, built once, untimed
     try:
@@ -148,7 +149,8 @@ def main() -> None:
         for index in range(args.repeat):
             rounds.append(one_round(index, model_path, scratch))
             print(json.dumps(dataclasses.asdict(rounds[-1])), flush=True)
-    header = (f"Command: `{command_line('demo_wall.py')}`; {args.repeat} round(s) on this machine, "
+    header = (f"Command: `{command_line('demo_wall.py')}`; {args.repeat} round(s) on this machine (load average "
+              f"{load_before:.1f} before, {os.getloadavg()[0]:.1f} after), "
               f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')}; twinkle-sft: "
               f"`twinkle-sft --model tiny://demo --dataset {DATASET} --max_steps {STEPS}`.")
     text = render(rounds, header)

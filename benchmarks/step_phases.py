@@ -179,7 +179,7 @@ def build_checkpoint(path: str, shape: ModelShape, *, device: str, dtype_name: s
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
     config = Qwen3MoeConfig(**dataclasses.asdict(shape),
-                            intermediate_size=4 * shape.hidden_size, norm_topk_prob=True, decoder_sparse_step=1,
+                            intermediate_size=3 * shape.hidden_size, norm_topk_prob=True, decoder_sparse_step=1,
                             max_position_embeddings=40960, rope_theta=1e6, tie_word_embeddings=False)
     torch.manual_seed(0)
     with torch.device(device):
@@ -427,6 +427,7 @@ def main() -> None:
     import torch
     import transformers
 
+    load_before = os.getloadavg()[0]  # the machine's load (other jobs share a CPU): said beside the figures
     torch.set_num_threads(args.threads)
     transformers.logging.set_verbosity_error()  # the per-arm load bars and notices would bury the table
     transformers.logging.disable_progress_bar()
@@ -465,7 +466,8 @@ def main() -> None:
                                       "total_ms": [round(1e3 * t, 2) for t in measured.totals]}), flush=True)
         results = [summarize(ARMS[name], tuner, rounds[(tuner, name)], work)
                    for tuner in (Tuner(t) for t in args.tuners) for name in args.arms]
-    device_name = torch.cuda.get_device_name() if args.device == "cuda" else f"CPU, {args.threads} thread(s)"
+    device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"CPU, {args.threads} thread(s), load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after"
     model_text = (f"Qwen3-MoE `{args.shape}` shape, {shape.num_hidden_layers} layers, {shape.num_experts} experts "
                   f"top-{shape.num_experts_per_tok}, hidden {shape.hidden_size}"
                   + (f", {parameters / 1e9:.3g} B parameters" if parameters else "") if args.model is None
