@@ -24,8 +24,10 @@ parameters. The arms:
                     forward and backward, the loss all-reduce, clipping, fused AdamW and the scheduler (constant)
 
 Each step is timed with the device synchronized around every phase (forward; backward; clip; optimizer step with
-zero_grad) and as a whole; the trainer's step only as a whole. ``--repeat`` runs every arm again (a fresh model), the
-arms' order rotated, and pools the steps. Reported: the median over the timed steps (after ``--warmup`` steps that
+zero_grad) and as a whole; the trainer's step only as a whole. On CPU the arms take turns step by step, every arm's
+model built at once, so that other jobs' load falls on all of them alike (``--no-interleave``: one arm after the
+other, each freed first, as on a GPU, where one 3 B model's full-parameter training is what the memory holds).
+``--repeat`` runs every arm again (fresh models, the first arm changing) and pools the steps. Reported: the median over the timed steps (after ``--warmup`` steps that
 are not timed in each round), tokens/s and the ratio to the plain arms, TFLOPS and MFU from the package's
 FLOPs model (twinkle_strategy.moe.flops: what twinkle-sft logs as mfu; MFU only where the device's peak is known, or
 given with ``--peak-tflops``), peak device memory (GPU), and the first step's loss (every arm starts from the same
@@ -43,13 +45,20 @@ import dataclasses
 import enum
 import gc
 import json
+import math
 import os
+import shutil
 import socket
 import statistics
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -230,17 +239,46 @@ def synchronize(device: str) -> None:
 
 # ---------------------------------------------------------------------------------------------------- the arms
 @dataclasses.dataclass
-class Measured:
-    """What an arm's steps gave: per timed step its phases' and total seconds, and the first step's loss."""
+class StepTimes:
+    """One step of one arm: its phases' seconds (None: timed only as a whole), its total, its loss."""
 
-    phases: dict[str, list[float]] | None
-    totals: list[float]
-    first_loss: float
+    phases: dict[str, float] | None
+    total: float
+    loss: torch.Tensor | float  # a tensor until the report (no sync inside the step)
+
+
+@dataclasses.dataclass
+class Runner:
+    """An arm ready to step: ``step(index)`` runs and times training step ``index``; ``close()`` frees it."""
+
+    step: Callable[[int], StepTimes]
     flops_model: object  # twinkle_strategy.moe.flops.FlopsModel of the arm's model (adapters included)
-    peak_gib: float | None = None  # GPU: torch.cuda.max_memory_allocated over the arm's round
+    close: Callable[[], None] = lambda: None
 
 
-def run_loop(arm: Arm, tuner: Tuner, work: Workload) -> Measured:
+@dataclasses.dataclass
+class Measured:
+    """What an arm's timed steps gave, over every round: per phase and in total, seconds; the first step's loss."""
+
+    flops_model: object
+    phases: dict[str, list[float]] | None = None
+    totals: list[float] = dataclasses.field(default_factory=list)
+    first_loss: float = float("nan")
+    peak_gib: float | None = None  # GPU, one arm at a time: torch.cuda.max_memory_allocated over its steps
+
+    def add(self, index: int, times: StepTimes, *, warmup: int) -> None:
+        if index == 0 and math.isnan(self.first_loss):
+            self.first_loss = float(times.loss)
+        if index < warmup:
+            return
+        if times.phases is not None:
+            self.phases = self.phases or {name: [] for name in PHASES}
+            for name, seconds in times.phases.items():
+                self.phases[name].append(seconds)
+        self.totals.append(times.total)
+
+
+def loop_runner(arm: Arm, tuner: Tuner, work: Workload) -> Runner:
     """The plain and the strategy arms: forward, backward, clip, optimizer step, each timed apart."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -270,10 +308,9 @@ def run_loop(arm: Arm, tuner: Tuner, work: Workload) -> Measured:
             strategy.clip_grad_norm_(model, MAX_GRAD_NORM)
 
     model.train()
-    phases: dict[str, list[float]] = {name: [] for name in PHASES}
-    totals, first_loss = [], float("nan")
-    for step in range(work.warmup + work.steps):
-        batch = work.batch_of(step)
+
+    def step(index: int) -> StepTimes:
+        batch = work.batch_of(index)
         synchronize(work.device)
         marks = [time.perf_counter()]
         loss = model(**batch).loss
@@ -289,16 +326,13 @@ def run_loop(arm: Arm, tuner: Tuner, work: Workload) -> Measured:
         optimizer.zero_grad(set_to_none=True)
         synchronize(work.device)
         marks.append(time.perf_counter())
-        if step == 0:
-            first_loss = loss.item()  # after the step's clock: no sync inside it
-        if step >= work.warmup:
-            for name, begin, end in zip(PHASES, marks[:-1], marks[1:], strict=True):
-                phases[name].append(end - begin)
-            totals.append(marks[-1] - marks[0])
-    return Measured(phases, totals, first_loss, flops_model)
+        phases = {name: end - begin for name, begin, end in zip(PHASES, marks[:-1], marks[1:], strict=True)}
+        return StepTimes(phases, marks[-1] - marks[0], loss.detach())
+
+    return Runner(step=step, flops_model=flops_model)
 
 
-def run_trainer(arm: Arm, tuner: Tuner, work: Workload) -> Measured:
+def trainer_runner(arm: Arm, tuner: Tuner, work: Workload) -> Runner:
     """twinkle-sft's step: Trainer.training_step on the same rows (its dataset and sampler), timed as a whole."""
     from twinkle_strategy import NativeFSDPStrategy
     from twinkle_strategy.moe.flops import FlopsModel
@@ -311,67 +345,91 @@ def run_trainer(arm: Arm, tuner: Tuner, work: Workload) -> Measured:
     model = with_lora(model) if tuner is Tuner.LORA else model
     flops_model = FlopsModel.of(model)
     optim = OptimizerName.ADAMW_TORCH_FUSED if arm.fused else OptimizerName.ADAMW_TORCH
-    with tempfile.TemporaryDirectory() as output_dir:
-        args = TrainingArguments(output_dir=output_dir, max_steps=work.warmup + work.steps,
-                                 per_device_train_batch_size=work.batch, learning_rate=LEARNING_RATE,
-                                 weight_decay=0.0, optim=optim.value, lr_scheduler_type="constant",
-                                 max_grad_norm=MAX_GRAD_NORM, seed=SEED)
-        dataset = SFTDataset([work.example(i) for i in range(len(work.rows))], max_length=work.seq)
-        trainer = Trainer(model=model, strategy=strategy, args=args, train_dataset=dataset,
-                          data_collator=DataCollatorForSFT(pad_token_id=0), print_summary=False)
-        trainer.setup()
-        assert [trainer.sampler.rows(s) for s in range(args.max_steps)] == work.order[:args.max_steps]
-        totals, first_loss = [], float("nan")
-        for step in range(args.max_steps):
-            synchronize(work.device)
-            began = time.perf_counter()
-            result = trainer.training_step(step)
-            synchronize(work.device)
-            if step == 0:
-                first_loss = result["loss"]
-            if step >= work.warmup:
-                totals.append(time.perf_counter() - began)
-        del trainer
-    return Measured(None, totals, first_loss, flops_model)
+    output_dir = tempfile.mkdtemp(prefix="step_phases_trainer_")  # its run directory (args.json; no checkpoint)
+    args = TrainingArguments(output_dir=output_dir, max_steps=len(work.order), per_device_train_batch_size=work.batch,
+                             learning_rate=LEARNING_RATE, weight_decay=0.0, optim=optim.value,
+                             lr_scheduler_type="constant", max_grad_norm=MAX_GRAD_NORM, seed=SEED)
+    dataset = SFTDataset([work.example(i) for i in range(len(work.rows))], max_length=work.seq)
+    trainer = Trainer(model=model, strategy=strategy, args=args, train_dataset=dataset,
+                      data_collator=DataCollatorForSFT(pad_token_id=0), print_summary=False)
+    trainer.setup()
+    assert [trainer.sampler.rows(s) for s in range(args.max_steps)] == work.order  # the other arms' rows
+
+    def step(index: int) -> StepTimes:
+        synchronize(work.device)
+        began = time.perf_counter()
+        result = trainer.training_step(index)
+        synchronize(work.device)
+        return StepTimes(None, time.perf_counter() - began, result["loss"])
+
+    return Runner(step=step, flops_model=flops_model, close=lambda: shutil.rmtree(output_dir, ignore_errors=True))
 
 
-def run_arm(arm: Arm, tuner: Tuner, work: Workload) -> Measured:
-    """One round of ``arm``: its model built afresh, its steps run; the device's memory freed afterwards."""
+def build_runner(arm: Arm, tuner: Tuner, work: Workload) -> Runner:
+    return (trainer_runner if arm.loop is Loop.TRAINER else loop_runner)(arm, tuner, work)
+
+
+def free_device_memory(device: str) -> None:
     import torch
 
-    if work.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    measured = (run_trainer if arm.loop is Loop.TRAINER else run_loop)(arm, tuner, work)
-    if work.device == "cuda":
-        measured.peak_gib = torch.cuda.max_memory_allocated() / 2**30
     gc.collect()
-    if work.device == "cuda":
+    if device == "cuda":
         torch.cuda.empty_cache()
-    return measured
 
 
-def summarize(arm: Arm, tuner: Tuner, rounds: list[Measured], work: Workload) -> ArmResult:
-    """The arm's figures over every timed step of every round (medians)."""
+def run_round(arms: list[Arm], tuner: Tuner, work: Workload, measured: dict[str, Measured], *,
+              interleave: bool) -> None:
+    """One round of every arm, added to ``measured``. Interleaved: every arm's model at once, the arms taking turns
+    step by step (their order rotating), so that a load on the machine falls on all of them alike; otherwise one arm
+    after the other, each freed before the next (a GPU's memory holds one 3 B model's full-parameter training)."""
+    import torch
+
+    steps = range(len(work.order))
+    if interleave:
+        runners = {arm.name: build_runner(arm, tuner, work) for arm in arms}
+        for index in steps:
+            turn = arms[index % len(arms):] + arms[:index % len(arms)]
+            for arm in turn:
+                times = runners[arm.name].step(index)
+                measured.setdefault(arm.name, Measured(runners[arm.name].flops_model)).add(
+                    index, times, warmup=work.warmup)
+        for runner in runners.values():
+            runner.close()
+        del runners
+        free_device_memory(work.device)
+        return
+    for arm in arms:
+        if work.device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        runner = build_runner(arm, tuner, work)
+        record = measured.setdefault(arm.name, Measured(runner.flops_model))
+        for index in steps:
+            record.add(index, runner.step(index), warmup=work.warmup)
+        if work.device == "cuda":
+            peak = torch.cuda.max_memory_allocated() / 2**30
+            record.peak_gib = max(peak, record.peak_gib or 0.0)
+        runner.close()
+        del runner
+        free_device_memory(work.device)
+
+
+def summarize(arm: Arm, tuner: Tuner, measured: Measured, work: Workload) -> ArmResult:
+    """The arm's figures: medians over every timed step of every round."""
     import torch
 
     from twinkle_strategy.moe.flops import device_peak_tflops, throughput
 
-    totals = [t for measured in rounds for t in measured.totals]
-    total = statistics.median(totals)
-    flops_model = rounds[0].flops_model
+    total = statistics.median(measured.totals)
     peak_tflops = work.peak_tflops or device_peak_tflops(torch.device(work.device))
-    fields = throughput(flops_model, tokens=work.batch * work.seq, seq_len=work.seq, seconds=total, world_size=1,
-                        peak_tflops=peak_tflops)
-    phases = None
-    if rounds[0].phases is not None:
-        phases = {name: 1e3 * statistics.median([t for measured in rounds for t in measured.phases[name]])
-                  for name in PHASES}
-    peaks = [measured.peak_gib for measured in rounds if measured.peak_gib is not None]
+    fields = throughput(measured.flops_model, tokens=work.batch * work.seq, seq_len=work.seq, seconds=total,
+                        world_size=1, peak_tflops=peak_tflops)
+    phases = None if measured.phases is None else \
+        {name: 1e3 * statistics.median(seconds) for name, seconds in measured.phases.items()}
     return ArmResult(arm=arm.name, tuner=tuner.value, phases_ms=phases, total_ms=1e3 * total,
                      tokens_per_s=fields["tokens_per_second"], tflops_per_device=fields["tflops_per_device"],
-                     mfu=fields.get("mfu"), peak_gib=max(peaks) if peaks else None,
-                     first_loss=rounds[0].first_loss, flops_per_token=flops_model.per_token(work.seq),
-                     steps_ms=[1e3 * t for t in totals])
+                     mfu=fields.get("mfu"), peak_gib=measured.peak_gib, first_loss=measured.first_loss,
+                     flops_per_token=measured.flops_model.per_token(work.seq),
+                     steps_ms=[1e3 * t for t in measured.totals])
 
 
 # ---------------------------------------------------------------------------------------------------- report
@@ -410,7 +468,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2, help="rows per step")
     parser.add_argument("--warmup", type=int, default=3, help="steps before the timed ones")
     parser.add_argument("--steps", type=int, default=6, help="timed steps (the median is reported)")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of every arm (a fresh model each), pooled")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of every arm (fresh models), steps pooled")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None,
+                        help="every arm's model at once, the arms taking turns step by step (default: on CPU, "
+                             "where other jobs' load comes and goes; off on a GPU, one model in memory at a time)")
     parser.add_argument("--tuners", nargs="+", default=[t.value for t in Tuner], choices=[t.value for t in Tuner])
     parser.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -454,18 +515,17 @@ def main() -> None:
                         seq=args.seq, batch=args.batch,
                         warmup=args.warmup, steps=args.steps, peak_tflops=args.peak_tflops)
         init_world_of_one(args.device)
-        rounds: dict[tuple[Tuner, str], list[Measured]] = {}
-        for index in range(args.repeat):
-            # The arms' order rotates from round to round: a load on the machine falls on all of them.
-            arms = args.arms[index % len(args.arms):] + args.arms[:index % len(args.arms)]
-            for tuner in (Tuner(t) for t in args.tuners):
-                for name in arms:
-                    measured = run_arm(ARMS[name], tuner, work)
-                    rounds.setdefault((tuner, name), []).append(measured)
-                    print(json.dumps({"round": index, "tuner": tuner.value, "arm": name,
-                                      "total_ms": [round(1e3 * t, 2) for t in measured.totals]}), flush=True)
-        results = [summarize(ARMS[name], tuner, rounds[(tuner, name)], work)
-                   for tuner in (Tuner(t) for t in args.tuners) for name in args.arms]
+        arms = [ARMS[name] for name in args.arms]
+        interleave = args.interleave if args.interleave is not None else args.device == "cpu"
+        results = []
+        for tuner in (Tuner(t) for t in args.tuners):
+            measured: dict[str, Measured] = {}
+            for index in range(args.repeat):
+                rotated = arms[index % len(arms):] + arms[:index % len(arms)]  # who goes first changes
+                run_round(rotated, tuner, work, measured, interleave=interleave)
+                print(json.dumps({"round": index, "tuner": tuner.value, "total_ms": {
+                    name: round(1e3 * statistics.median(m.totals), 2) for name, m in measured.items()}}), flush=True)
+            results += [summarize(arm, tuner, measured[arm.name], work) for arm in arms]
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
         f"CPU, {args.threads} thread(s), load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after"
     model_text = (f"Qwen3-MoE `{args.shape}` shape, {shape.num_hidden_layers} layers, {shape.num_experts} experts "
