@@ -123,7 +123,9 @@ def render(rounds: list[Round], header: str) -> str:
              "", "twinkle-sft's wall time, medians: its start line (process start to the end of the first step) "
              f"{median([r.start_s for r in rounds]):.2f} s = "
              + ", ".join(f"{name} {seconds:.2f} s" for name, seconds in parts.items())
-             + f"; then {rest:.2f} s (steps 2-{STEPS}, the save, the plots, the exit).", "",
+             + f"; then {rest:.2f} s (steps 2-{STEPS}, the save, the plots, the exit). One process trains in the "
+             "launcher's own process, so its launch is Python's start, every import (torch, transformers and this "
+             "package's) and the recipe's checks; init includes PEFT's import.", "",
              f"First step's loss: twinkle-sft {rounds[0].twinkle_first_loss:.6f}, plain "
              f"{rounds[0].plain_first_loss:.6f}."]
     return "\n".join(lines) + "\n"
@@ -134,7 +136,15 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5, help="rounds (medians are reported)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--no-write", dest="write", action="store_false", help="print only")
+    parser.add_argument("--render", metavar="JSON", help="re-make the table from a results JSON, no run")
     args = parser.parse_args()
+    if args.render:
+        with open(args.render) as f:
+            saved = json.load(f)
+        text = render([Round(**r) for r in saved["rounds"]], saved["header"])
+        print(text)
+        write_results(os.path.dirname(os.path.abspath(args.render)), "demo_wall", text=text, payload=saved)
+        return
     from twinkle_strategy.train.run import prepare_model_path
 
     load_before = os.getloadavg()[0]  # the machine's load (other jobs share it): said beside the figures
@@ -157,6 +167,7 @@ def main() -> None:
     print(text)
     if args.write:
         write_results(args.out, "demo_wall", text=text, payload={"command": command_line("demo_wall.py"),
+                                                                 "header": header,
                                                                  "rounds": [dataclasses.asdict(r) for r in rounds]})
 
 

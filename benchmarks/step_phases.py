@@ -501,6 +501,7 @@ def main() -> None:
         if model_path is None:
             model_path = os.path.join(scratch, "model")
             parameters = build_checkpoint(model_path, shape, device=args.device, dtype_name=args.dtype)
+            free_device_memory(args.device)  # the built model's memory, before the first arm
         from transformers import AutoConfig
 
         from twinkle_strategy.train.data import StepSampler
