@@ -3,10 +3,10 @@
     python benchmarks/step_phases.py --repeat 3 --steps 8    # CPU, the reported run: a small Qwen3-MoE (~3 min)
     python benchmarks/step_phases.py --quick                 # smoke run
     # a GPU: Qwen3-30B-A3B's layer shapes, 4 layers (3.11 B parameters), the issue's batches
-    python benchmarks/step_phases.py --device cuda --shape qwen3-30b-a3b --layers 4 --seq 4096 --batch 2 \
-        --steps 7 --tuners lora --name step_phases_cuda_lora
-    python benchmarks/step_phases.py --device cuda --shape qwen3-30b-a3b --layers 4 --seq 4096 --batch 1 \
-        --steps 7 --tuners full --name step_phases_cuda_full
+    python benchmarks/step_phases.py --device cuda --shape qwen3-30b-a3b --layers 4 --model /tmp/moe4 \
+        --seq 4096 --batch 2 --steps 7 --tuners lora --name step_phases_cuda_lora
+    python benchmarks/step_phases.py --device cuda --shape qwen3-30b-a3b --layers 4 --model /tmp/moe4 \
+        --seq 4096 --batch 1 --steps 7 --tuners full --name step_phases_cuda_full
 
 One process, one rank (gloo on CPU, NCCL on a GPU). Every arm trains the same model (one checkpoint of random
 weights, built once, in ``--dtype``), on the same rows of random token ids (the rows twinkle-sft's sampler picks for
@@ -100,7 +100,8 @@ ARMS = {arm.name: arm for arm in (
     Arm("plain_fused", Loop.PLAIN, True, "transformers + PEFT, AdamW(fused=True): HF Trainer's default"),
     Arm("strategy_foreach", Loop.STRATEGY, False, "strategy.wrap_model loop, foreach AdamW"),
     Arm("strategy_fused", Loop.STRATEGY, True, "strategy.wrap_model loop, fused AdamW (twinkle-sft's default)"),
-    Arm("trainer", Loop.TRAINER, True, "twinkle-sft's Trainer.training_step, fused AdamW"),
+    Arm("trainer", Loop.TRAINER, True, "twinkle-sft's Trainer.training_step, fused AdamW (its collation, loss "
+                                       "all-reduce and grad-norm read included)"),
 )}
 BASELINES = ("plain_foreach", "plain_fused")  # the ratio columns
 
@@ -159,8 +160,7 @@ class Workload:
     mixed_precision: str  # the strategy's and the trainer's
     seq: int
     batch: int
-    warmup: int
-    steps: int
+    warmup: int  # steps not timed, each round
     peak_tflops: float | None
 
     @property
@@ -171,7 +171,6 @@ class Workload:
 
     def batch_of(self, step: int) -> dict:
         """Step ``step``'s batch as twinkle-sft's collator makes it (no padding: every row is ``seq`` long)."""
-
         from twinkle_strategy.train.data import DataCollatorForSFT
 
         batch = DataCollatorForSFT(pad_token_id=0)([self.example(i) for i in self.order[step]])
@@ -182,8 +181,8 @@ class Workload:
 
 
 # ---------------------------------------------------------------------------------------------------- set-up
-def build_checkpoint(path: str, shape: ModelShape, *, device: str, dtype_name: str) -> int:
-    """A Qwen3-MoE of ``shape`` with random weights (seed 0), saved at ``path``; its parameter count."""
+def build_checkpoint(path: str, shape: ModelShape, *, device: str, dtype_name: str) -> None:
+    """A Qwen3-MoE of ``shape`` with random weights (seed 0), saved at ``path``."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -194,9 +193,17 @@ def build_checkpoint(path: str, shape: ModelShape, *, device: str, dtype_name: s
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype_name))
     model.save_pretrained(path, max_shard_size="4GB")
-    count = sum(p.numel() for p in model.parameters())
     del model
-    return count
+
+
+def parameter_count(path: str) -> int:
+    """The parameters of the checkpoint's model (built on the meta device: no memory, no weights read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
 
 
 def init_world_of_one(device: str) -> None:
@@ -460,7 +467,9 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shape", default="small", choices=sorted(SHAPES), help="the model's sizes")
     parser.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's)")
-    parser.add_argument("--model", default=None, help="an existing Qwen3-MoE checkpoint instead of building one")
+    parser.add_argument("--model", default=None, help="a Qwen3-MoE checkpoint's directory: used if it holds one, "
+                                                      "else built there from --shape and kept (default: built in a "
+                                                      "temporary directory)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--mixed-precision", default="bf16", choices=["bf16", "no"],
                         help="the strategy's and the trainer's (twinkle-sft's default: bf16)")
@@ -497,11 +506,12 @@ def main() -> None:
     if args.layers is not None:
         shape = dataclasses.replace(shape, num_hidden_layers=args.layers)
     with tempfile.TemporaryDirectory() as scratch:
-        model_path, parameters = args.model, None
-        if model_path is None:
-            model_path = os.path.join(scratch, "model")
-            parameters = build_checkpoint(model_path, shape, device=args.device, dtype_name=args.dtype)
+        model_path = args.model or os.path.join(scratch, "model")
+        built = not os.path.exists(os.path.join(model_path, "config.json"))
+        if built:
+            build_checkpoint(model_path, shape, device=args.device, dtype_name=args.dtype)
             free_device_memory(args.device)  # the built model's memory, before the first arm
+        parameters = parameter_count(model_path)
         from transformers import AutoConfig
 
         from twinkle_strategy.train.data import StepSampler
@@ -513,8 +523,7 @@ def main() -> None:
         sampler = StepSampler(len(rows), per_step=args.batch, seed=SEED)
         work = Workload(model_path=model_path, rows=rows, order=[sampler.rows(s) for s in range(steps)],
                         device=args.device, dtype_name=args.dtype, mixed_precision=args.mixed_precision,
-                        seq=args.seq, batch=args.batch,
-                        warmup=args.warmup, steps=args.steps, peak_tflops=args.peak_tflops)
+                        seq=args.seq, batch=args.batch, warmup=args.warmup, peak_tflops=args.peak_tflops)
         init_world_of_one(args.device)
         arms = [ARMS[name] for name in args.arms]
         interleave = args.interleave if args.interleave is not None else args.device == "cpu"
@@ -530,9 +539,8 @@ def main() -> None:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else \
         f"CPU, {args.threads} thread(s), load average {load_before:.1f} before and {os.getloadavg()[0]:.1f} after"
     model_text = (f"Qwen3-MoE `{args.shape}` shape, {shape.num_hidden_layers} layers, {shape.num_experts} experts "
-                  f"top-{shape.num_experts_per_tok}, hidden {shape.hidden_size}"
-                  + (f", {parameters / 1e9:.3g} B parameters" if parameters else "") if args.model is None
-                  else f"`{args.model}`")
+                  f"top-{shape.num_experts_per_tok}, hidden {shape.hidden_size}" if built else f"`{args.model}`")
+    model_text += f", {parameters / 1e9:.3g} B parameters"
     header = (f"Command: `{command_line('step_phases.py')}`\n\n{device_name}; torch {torch.__version__}, transformers "
               f"{transformers.__version__}, peft {peft.__version__}; {model_text}; {args.dtype}, strategy mixed "
               f"precision {args.mixed_precision}; {args.batch} x {args.seq} tokens a step; medians of {args.steps} "
