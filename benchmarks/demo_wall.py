@@ -71,15 +71,21 @@ def plain_command(model_path: str, output_dir: str) -> list[str]:
 IMPORTS_COMMAND = [sys.executable, "-c", "import torch, transformers, peft"]
 
 
-def timed(command: list[str]) -> tuple[float, str]:
-    """Wall seconds of ``command`` run from the checkout's root, and its standard output (it must succeed)."""
+@dataclasses.dataclass(frozen=True)
+class Finished:
+    seconds: float  # wall time, from start to exit
+    stdout: str
+
+
+def timed(command: list[str]) -> Finished:
+    """``command`` run from the checkout's root (it must succeed): its wall time and standard output."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     began = time.perf_counter()
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
     seconds = time.perf_counter() - began
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
-    return seconds, done.stdout
+    return Finished(seconds, done.stdout)
 
 
 def first_log_entry(output_dir: str) -> dict:
@@ -96,8 +102,9 @@ def one_round(index: int, model_path: str, scratch: str) -> Round:
     order = list(runs) if index % 2 == 0 else list(reversed(runs))
     measured = {name: runs[name]() for name in order}
     entry = first_log_entry(twinkle_dir)
-    plain = json.loads(measured["plain"][1].strip().splitlines()[-1])
-    return Round(twinkle_s=measured["twinkle"][0], plain_s=measured["plain"][0], imports_s=measured["imports"][0],
+    plain = json.loads(measured["plain"].stdout.strip().splitlines()[-1])  # its last line: the losses
+    return Round(twinkle_s=measured["twinkle"].seconds, plain_s=measured["plain"].seconds,
+                 imports_s=measured["imports"].seconds,
                  start_s=entry["start(s)"], start_parts_s=entry["start_parts(s)"],
                  twinkle_first_loss=entry["loss"], plain_first_loss=plain["losses"][0])
 
