@@ -13,8 +13,8 @@ expert by expert with the experts' own weights; EP's dispatch buffers (rows sent
 return trip) are allocated as the all-to-alls allocate them. Each experts module becomes a
 :class:`BalancedRoutingExperts` for this (its class swapped, as EP swaps it). LoRA on the fused experts
 is computed as ``lora_experts`` computes it: on the activations (``x @ W_e + scale * (x @ A_e) @ B_e``, so
-autograd keeps the rank-wide ``x @ A_e`` and no expert-sized tensor), or PEFT's way (``W + scale * B @ A``
-formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
+autograd keeps the rows each LoRA'd projection reads and the rank-wide ``x @ A_e``, no expert-sized tensor),
+or PEFT's way (``W + scale * B @ A`` formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
 accumulated, as FSDP2 frees them after its reduce-scatter.
 """
 
@@ -219,8 +219,9 @@ class ExpertLowRank:
     scale: float
 
     def project(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """``scale * (x @ A_e) @ B_e``: autograd keeps ``x @ A_e`` [rows, r] for B's gradient, nothing
-        expert-sized (the factors are views of the adapters, cast to the compute dtype where kept apart)."""
+        """``scale * (x @ A_e) @ B_e``: autograd keeps ``x`` for A's gradient (the frozen base alone keeps no
+        input) and ``x @ A_e`` [rows, r] for B's, nothing expert-sized (the factors are views of the adapters,
+        cast to the compute dtype where they are kept in another)."""
         a = self.lora_a.reshape(self.num_experts, -1, self.lora_a.shape[-1])[expert].to(x.dtype)  # [r, in]
         b = self.lora_b.reshape(self.lora_b.shape[0], -1, self.num_experts)[:, :, expert].to(x.dtype)  # [out, r]
         return F.linear(F.linear(x, a), b) * self.scale

@@ -48,8 +48,8 @@ ASSUMPTIONS = (
 )
 # The one phrase a plan with LoRA on the fused experts adds to its assumptions: the path it counted.
 EXPERT_LORA_COUNTED = {
-    LoraExperts.ACTIVATIONS: "LoRA on the experts counted as lora_experts=activations computes it: (x @ A) @ B per "
-                             "expert, the rank-wide x @ A kept, W + BA never formed",
+    LoraExperts.ACTIVATIONS: "LoRA on the experts counted as lora_experts=activations computes it: x @ W + (x @ A) @ B "
+                             "per expert, the rows read and x @ A kept, W + BA never formed",
     LoraExperts.PEFT: "LoRA on the experts counted as lora_experts=peft computes it: W + BA formed for every local "
                       "expert and kept to the backward",
 }
