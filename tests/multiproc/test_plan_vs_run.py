@@ -29,8 +29,13 @@ CONFIGS = {
                      "strategy.quantized_base=keep", "model.dtype=bfloat16"],
     # A sharded Qwen3-MoE of 217 MiB (hub layout, 5 safetensors files; model.path: below): the init streams real
     # shards through real buckets, and the step's FSDP2 buffers are megabytes, not the demo's kilobytes.
+    # Its LoRA on attention and experts takes lora_experts' default (activations: W + BA never formed).
     "sharded_217m_lora_ep2": ["strategy.ep_size=2", "tuner.type=lora", "strategy.memory_efficient_init=true"],
+    # The same with PEFT's own path, W + BA formed for every local expert (issue 46: the fall-back stays planned).
+    "sharded_217m_lora_ep2_peft": ["strategy.ep_size=2", "tuner.type=lora", "strategy.memory_efficient_init=true",
+                                   "strategy.lora_experts=peft"],
 }
+SHARDED = [name for name in CONFIGS if name.startswith("sharded_217m")]
 SHARDED_SIZES = {"hidden_size": 512, "intermediate_size": 512, "num_layers": 8, "max_shard_size": "50MB"}
 
 
@@ -54,7 +59,7 @@ def runs(long_rows, tmp_path_factory):
     model = prepare_demo_model(str(work / "demo"), long_rows)
     release = _fp8_release_with_tokenizer(work / "fp8", model)
     sharded = prepare_demo_model(str(work / "sharded"), long_rows, **SHARDED_SIZES)
-    paths = {"fp8_keep_ep2": release, "sharded_217m_lora_ep2": sharded}
+    paths = {"fp8_keep_ep2": release, **{name: sharded for name in SHARDED}}
     configs = {name: keys + ([f"model.path={paths[name]}"] if name in paths else []) for name, keys in CONFIGS.items()}
     common = [f"model.path={model}", f"data.dataset=[{long_rows}]", "data.max_length=64",
               "data.truncation_strategy=right", "model.dtype=float32", "strategy.mixed_precision=no",
@@ -116,3 +121,4 @@ def test_the_plans_init_is_within_10_percent_of_source_and_receiver(runs, name):
         kinds.add(got["is_source"])
         assert got["nodes"] == [plan.request.nnodes, plan.request.nproc_per_node], (name, rank, got["nodes"])
     assert kinds == {True, False}  # both kinds of rank were compared
+

@@ -9,10 +9,13 @@ FakeTensorMode (no storage) and torch's MemTracker, in this process, whatever th
 
 What is not the model's own code: the experts' routing. A fake tensor has no values, so each rank's
 experts get a balanced share of the rows (``routing_skew`` times it on the busiest EP rank), computed
-expert by expert with the experts' own weights (LoRA deltas included); EP's dispatch buffers (rows
-sent, rows received, the return trip) are allocated as the all-to-alls allocate them. Each experts
-module becomes a :class:`BalancedRoutingExperts` for this (its class swapped, as EP swaps it). Gradients are
-dropped as soon as they are accumulated, as FSDP2 frees them after its reduce-scatter.
+expert by expert with the experts' own weights; EP's dispatch buffers (rows sent, rows received, the
+return trip) are allocated as the all-to-alls allocate them. Each experts module becomes a
+:class:`BalancedRoutingExperts` for this (its class swapped, as EP swaps it). LoRA on the fused experts
+is computed as ``lora_experts`` computes it: on the activations (``x @ W_e + scale * (x @ A_e) @ B_e``, so
+autograd keeps the rows each LoRA'd projection reads and the rank-wide ``x @ A_e``, no expert-sized tensor),
+or PEFT's way (``W + scale * B @ A`` formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
+accumulated, as FSDP2 frees them after its reduce-scatter.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twinkle_strategy.compat import torch_internals as th
+from twinkle_strategy.config import LoraExperts
 from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
 from twinkle_strategy.errors import PlanInputError
 from twinkle_strategy.moe.class_swap import swap_class
@@ -76,7 +80,8 @@ def measure_activations(planned: PlannedModel, request: PlanRequest, *, gathered
     if dims.ep_enabled:
         apply_expert_parallel(model, dims, 0, ep_group=None)  # this rank's slice of the experts, as the run cuts
     for block in planned.blocks:
-        block.experts.balanced_routing = BalancedRouting(ep_size=dims.ep_size, skew=request.routing_skew)
+        block.experts.balanced_routing = BalancedRouting(ep_size=dims.ep_size, skew=request.routing_skew,
+                                                         lora_experts=LoraExperts(request.strategy.lora_experts))
         swap_class(block.experts, BalancedRoutingExperts)
     if request.gradient_checkpointing:
         apply_activation_checkpointing(planned.layers)
@@ -200,6 +205,26 @@ def _drop_grad(param: torch.Tensor) -> None:
 class BalancedRouting:
     ep_size: int
     skew: float  # the busiest EP rank's rows, as a multiple of a balanced share
+    lora_experts: LoraExperts = LoraExperts.ACTIVATIONS  # how LoRA on the fused experts is computed
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLowRank:
+    """One adapter of one fused expert parameter, as PEFT's ``ParamWrapper`` stores it: ``lora_A`` [E*r, in]
+    (expert blocks of r rows) and ``lora_B`` [out, r*E] (the expert index fastest)."""
+
+    lora_a: torch.Tensor
+    lora_b: torch.Tensor
+    num_experts: int  # expert slots of the wrapped parameter on this rank (PEFT's reshape)
+    scale: float
+
+    def project(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """``scale * (x @ A_e) @ B_e``: autograd keeps ``x`` for A's gradient (the frozen base alone keeps no
+        input) and ``x @ A_e`` [rows, r] for B's, nothing expert-sized (the factors are views of the adapters,
+        cast to the compute dtype where they are kept in another)."""
+        a = self.lora_a.reshape(self.num_experts, -1, self.lora_a.shape[-1])[expert].to(x.dtype)  # [r, in]
+        b = self.lora_b.reshape(self.lora_b.shape[0], -1, self.num_experts)[:, :, expert].to(x.dtype)  # [out, r]
+        return F.linear(F.linear(x, a), b) * self.scale
 
 
 class BalancedRoutingExperts(nn.Module):
@@ -211,14 +236,21 @@ class BalancedRoutingExperts(nn.Module):
     def forward(self, hidden_states, top_k_index, top_k_weights):
         ep_size, skew = self.balanced_routing.ep_size, self.balanced_routing.skew
         inner, wrappers = unwrap_experts(self)
+        form_sums = self.balanced_routing.lora_experts == LoraExperts.PEFT
 
-        def weight(attr: str) -> torch.Tensor:
-            value = getattr(inner, attr)
+        def weight(attr: str) -> tuple[torch.Tensor, list[ExpertLowRank]]:
+            """The expert stack ``attr`` computes with, and its adapters still to apply to the activations."""
+            value, low_ranks = getattr(inner, attr), []
             for wrapper in wrappers:
                 if getattr(wrapper, "parameter_name", None) == attr:
                     for adapter in wrapper.lora_A:
-                        value = value + wrapper.get_delta_weight(adapter)
-            return value
+                        if form_sums:  # PEFT's path: W + BA, the expert stack's size, kept to the backward
+                            value = value + wrapper.get_delta_weight(adapter)
+                        else:
+                            low_ranks.append(ExpertLowRank(
+                                lora_a=wrapper.lora_A[adapter].weight, lora_b=wrapper.lora_B[adapter].weight,
+                                num_experts=wrapper.num_experts, scale=wrapper.scaling[adapter]))
+            return value, low_ranks
 
         tokens, top_k = top_k_index.shape
         rows = tokens * top_k
@@ -227,21 +259,26 @@ class BalancedRoutingExperts(nn.Module):
         received = math.ceil(rows * skew) if ep_size > 1 else rows
         if ep_size > 1:
             x = x[torch.arange(received, device=x.device) % rows]  # the all-to-all's output buffer
-        gate_up = weight("gate_up_proj") if hasattr(inner, "gate_up_proj") else weight("up_proj")
         gated = hasattr(inner, "gate_up_proj")
-        down = weight("down_proj")
+        gate_up, gate_up_lora = weight("gate_up_proj" if gated else "up_proj")
+        down, down_lora = weight("down_proj")
         act = getattr(inner, "act_fn", F.silu)
         local = gate_up.shape[0]
         sizes = [received // local + (1 if e < received % local else 0) for e in range(local)]
         outs = []
         for e, chunk in enumerate(x.split(sizes)):
             h = _project(chunk, gate_up[e])
+            for low_rank in gate_up_lora:
+                h = h + low_rank.project(chunk, e)
             if gated:
                 g, u = h.chunk(2, dim=-1)
                 h = act(g) * u
             else:
                 h = act(h)
-            outs.append(_project(h, down[e]))
+            out = _project(h, down[e])
+            for low_rank in down_lora:
+                out = out + low_rank.project(h, e)
+            outs.append(out)
         y = torch.cat(outs)
         if ep_size > 1:
             y = y[torch.arange(rows, device=y.device) % received]  # the return trip's buffer

@@ -30,6 +30,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from twinkle_strategy.config import LoraExperts
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.loading import read_config_text
 from twinkle_strategy.planning.activations import ActivationPeak
@@ -37,7 +38,7 @@ from twinkle_strategy.planning.plan import CommBytes, InitMemory, MemoryPlan, Mo
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.states import ModelStates, UnitBytes
 
-CACHE_FORMAT = 1  # raise it when a record's fields change
+CACHE_FORMAT = 2  # raise it when a record's fields change
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # twinkle_strategy/
 
 
@@ -135,6 +136,7 @@ def _record(plan: MemoryPlan, facts: ModelFacts) -> dict:
     return {"notes": list(plan.notes), "states": dataclasses.asdict(plan.states),
             "activations": dataclasses.asdict(plan.activations), "step": dataclasses.asdict(plan.step),
             "init": dataclasses.asdict(plan.init), "comm": dataclasses.asdict(plan.comm),
+            "expert_lora": None if plan.expert_lora is None else plan.expert_lora.value,
             "facts": dataclasses.asdict(facts)}
 
 
@@ -143,5 +145,6 @@ def _from_record(record: dict, request: PlanRequest) -> tuple[MemoryPlan, ModelF
     states.update(root=UnitBytes(**states["root"]), layers=tuple(UnitBytes(**unit) for unit in states["layers"]))
     plan = MemoryPlan(request=request, notes=tuple(record["notes"]), states=ModelStates(**states),
                       activations=ActivationPeak(**record["activations"]), step=StepPeak(**record["step"]),
-                      init=InitMemory(**record["init"]), comm=CommBytes(**record["comm"]))
+                      init=InitMemory(**record["init"]), comm=CommBytes(**record["comm"]),
+                      expert_lora=None if record["expert_lora"] is None else LoraExperts(record["expert_lora"]))
     return plan, ModelFacts(**record["facts"])

@@ -23,8 +23,10 @@ import dataclasses
 import math
 from collections.abc import Callable
 
+from twinkle_strategy.config import LoraExperts
 from twinkle_strategy.dtypes import FLOAT_DTYPES
 from twinkle_strategy.init.send_pool import FLAG_BYTES, SEND_BUFFERS
+from twinkle_strategy.moe.discovery import unwrap_experts
 from twinkle_strategy.planning.activations import ActivationPeak, measure_activations
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel, build_planned_model
@@ -44,6 +46,13 @@ ASSUMPTIONS = (
     "tensor bytes only: the allocator's caching and fragmentation (often 5-15% on GPUs) and the CUDA context "
     "(about 0.5 GiB) come on top",
 )
+# The one phrase a plan with LoRA on the fused experts adds to its assumptions: the path it counted.
+EXPERT_LORA_COUNTED = {
+    LoraExperts.ACTIVATIONS: "LoRA on the experts counted as lora_experts=activations computes it: x @ W + (x @ A) @ B "
+                             "per expert, the rows read and x @ A kept, W + BA never formed",
+    LoraExperts.PEFT: "LoRA on the experts counted as lora_experts=peft computes it: W + BA formed for every local "
+                      "expert and kept to the backward",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,7 +133,13 @@ class MemoryPlan:
     step: StepPeak
     init: InitMemory
     comm: CommBytes
+    expert_lora: LoraExperts | None = None  # how LoRA on the fused experts was counted; None: no LoRA on them
     fixes: tuple[Fix, ...] = ()
+
+    @property
+    def assumptions(self) -> tuple[str, ...]:
+        """What the figures assume, printed with every plan (with the LoRA-on-experts path it counted)."""
+        return ASSUMPTIONS + ((EXPERT_LORA_COUNTED[self.expert_lora],) if self.expert_lora is not None else ())
 
     @property
     def peak(self) -> int:
@@ -171,6 +186,7 @@ def plan_once(request: PlanRequest) -> tuple[MemoryPlan, PlannedModel]:
     """The plan of ``request`` without fixes, and the model it measured (``fixes.plan_memory`` adds them)."""
     planned = build_planned_model(request)
     states = model_states(planned, request)
+    expert_lora = LoraExperts(request.strategy.lora_experts) if _lora_on_experts(planned) else None
     # Without activation checkpointing the run's peak is the last layer's forward or the start of the backward,
     # with every activation alive: measured by the test's byte counter (which sees FSDP2's resized unsharded
     # storages), a layer's backward does not exceed it, and the plain trace is within 1% of the run (217 MiB
@@ -179,8 +195,13 @@ def plan_once(request: PlanRequest) -> tuple[MemoryPlan, PlannedModel]:
     activations = measure_activations(planned, request)  # (after the states)
     plan = MemoryPlan(request=request, notes=tuple(planned.notes), states=states, activations=activations,
                       step=_step_peak(states, activations, request), init=_init_memory(states, request),
-                      comm=_comm_bytes(planned, states, request))
+                      comm=_comm_bytes(planned, states, request), expert_lora=expert_lora)
     return plan, planned
+
+
+def _lora_on_experts(planned: PlannedModel) -> bool:
+    """Whether PEFT put an adapter on a fused expert parameter (a ``ParamWrapper`` around an experts module)."""
+    return any(unwrap_experts(block.experts)[1] for block in planned.blocks)
 
 
 def _step_peak(states: ModelStates, activations: ActivationPeak, request: PlanRequest) -> StepPeak:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from twinkle_strategy.planning.plan import ASSUMPTIONS, MemoryPlan, Spelling
+from twinkle_strategy.planning.plan import MemoryPlan, Spelling
 
 GIB = 2**30
 
@@ -56,7 +56,7 @@ def table(plan: MemoryPlan, *, spelling: Spelling | None = None) -> str:
         lines.append("fixes, ranked (each re-planned):")
         lines += [f"  {f.spelled(spelling):<50} peak {gib(f.peak)}{'' if f.fits else ' (still too big)'}"
                   for f in plan.fixes]
-    lines.append("assumptions: " + "; ".join(ASSUMPTIONS))
+    lines.append("assumptions: " + "; ".join(plan.assumptions))
     lines.append(verdict_line(plan, spelling=spelling))
     return "\n".join(lines)
 
@@ -67,7 +67,7 @@ def to_json(plan: MemoryPlan, *, spelling: Spelling | None = None) -> dict:
         "model": r.model_path, "nnodes": r.nnodes, "nproc_per_node": r.nproc_per_node,
         "strategy": dataclasses.asdict(r.strategy), "lora": None if r.lora is None else dataclasses.asdict(r.lora),
         "micro_batch": r.micro_batch, "max_length": r.max_length, "gradient_checkpointing": r.gradient_checkpointing,
-        "routing_skew": r.routing_skew, "notes": list(plan.notes), "assumptions": list(ASSUMPTIONS),
+        "routing_skew": r.routing_skew, "notes": list(plan.notes), "assumptions": list(plan.assumptions),
         "step_peak_bytes": plan.peak, "step_parts_bytes": plan.step.parts(),
         "optimizer_step_bytes": plan.step.optimizer_step,
         "init_bytes": dataclasses.asdict(plan.init), "comm_bytes_per_micro_batch": dataclasses.asdict(plan.comm),
