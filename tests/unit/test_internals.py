@@ -465,6 +465,28 @@ def _attn_implementation(tiny):
                               **{_MASK_CACHE_ARGUMENT: None}) is None
 
 
+@checks("PreTrainedConfig._experts_implementation", "use_experts_implementation: Experts._apply_gate",
+        "use_experts_implementation: Experts._is_expert_parallel")
+def _experts_internals(tiny):
+    qwen = tiny.model("qwen3_moe")
+    experts = qwen.model.layers[0].mlp.experts
+    assert hf.experts_implementation(qwen.config) == "grouped_mm"  # transformers' default where torch has it
+    assert hf.experts_implementation(experts.config) == "grouped_mm"  # what the experts module dispatches on
+    assert hf.experts_implementation(None) is None
+    assert hf.under_transformers_expert_parallel(experts) is False
+    gate_up = torch.randn(3, experts.gate_up_proj.shape[1])
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(hf.experts_gate(experts)(gate_up), experts.act_fn(gate) * up)
+    # gpt-oss: its own gate on the interleaved gate_up (gate at even columns, up at odd ones), clamped.
+    oss = tiny.model("gpt_oss").model.layers[0].mlp.experts
+    gate_up = torch.randn(3, 8) * 20
+    gate, up = gate_up[..., ::2].clamp(max=oss.limit), gate_up[..., 1::2].clamp(-oss.limit, oss.limit)
+    assert torch.equal(hf.experts_gate(oss)(gate_up), (up + 1) * (gate * torch.sigmoid(gate * oss.alpha)))
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    assert not hasattr(Llama4TextExperts, "_apply_gate")  # undecorated: lora_experts applies act(gate) * up
+
+
 @checks("utils.hub.convert_file_size_to_int")
 def _file_size(tiny):
     assert hf.file_size_bytes("5GB") == 5 * 10**9

@@ -6,7 +6,8 @@ checkpoints.py               hub checkpoint keys: conversion rules, their order,
 building.py                  a model built as transformers builds it: from its config, one module's init, its layers
 activation_checkpointing.py  transformers' activation checkpointing enabled, asked, recomputed through our context_fn
 trainer.py                   the HF Trainer's private hooks the strategy's mixin overrides or calls; accelerate's mark
-modeling.py                  what a model's forward calls: its attention implementation, its load-balancing loss
+modeling.py                  what a model's forward calls: its attention implementation, its load-balancing loss,
+                             its experts' implementation and gate
 checked.py                   what they share: the versions checked, "no public API", a PreTrainedModel attribute's check
 
 Each wrapper is declared with an :class:`~twinkle_strategy.compat.Internal` (what it is used for, the versions
@@ -48,6 +49,9 @@ from twinkle_strategy.compat.transformers_internals.modeling import (
     attention_implementation,
     balancing_loss_function,
     config_with_attention,
+    experts_gate,
+    experts_implementation,
+    under_transformers_expert_parallel,
 )
 from twinkle_strategy.compat.transformers_internals.trainer import (
     TRAINER_HOOKS,
@@ -71,6 +75,8 @@ __all__ = [
     "conversion_rules",
     "dtype_plan",
     "enable_activation_checkpointing",
+    "experts_gate",
+    "experts_implementation",
     "file_size_bytes",
     "fp8_scale_renamings",
     "glob_alternation",
@@ -90,6 +96,7 @@ __all__ = [
     "set_weight_conversions",
     "trainer_prepare_inputs",
     "trainer_save",
+    "under_transformers_expert_parallel",
     "weight_conversions",
     "wrap_checkpointing_enable",
     "wrap_checkpointing_function",

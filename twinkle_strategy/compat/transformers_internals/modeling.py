@@ -1,5 +1,6 @@
 """What a model's forward calls: the attention implementation its config names (sequence parallelism wraps it)
-and its family's MoE load-balancing loss function.
+and its family's MoE load-balancing loss function; what its experts modules compute with (their implementation,
+their gate, transformers' own expert parallelism).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import sys
 from torch import nn
 
 from twinkle_strategy.compat.registry import Internal
-from twinkle_strategy.compat.transformers_internals.checked import CHECKED
+from twinkle_strategy.compat.transformers_internals.checked import CHECKED, NO_PUBLIC_API
 
 ATTN_IMPLEMENTATION = Internal(
     "PreTrainedConfig._attn_implementation", "transformers",
@@ -62,3 +63,43 @@ def balancing_loss_function(model: nn.Module):
                 return None
             return function if tuple(parameters)[:4] == _BALANCING_PARAMETERS else None
     return None
+
+
+EXPERTS_IMPLEMENTATION = Internal(
+    "PreTrainedConfig._experts_implementation", "transformers",
+    used_for="read which compute a model's experts dispatch to (eager, grouped_mm, batched_mm), so LoRA on the "
+             "experts' activations computes grouped where the model's experts do",
+    checked="5.24", replacement="none for reading it (set_experts_implementation only sets it)")
+
+
+@EXPERTS_IMPLEMENTATION.wrapper
+def experts_implementation(config) -> str | None:
+    """The experts implementation ``config``'s experts modules dispatch to (None for a config without one)."""
+    return getattr(config, "_experts_implementation", None)
+
+
+EXPERTS_GATE = Internal(
+    "use_experts_implementation: Experts._apply_gate", "transformers",
+    used_for="apply an experts family's own gate to its gate_up output (gpt-oss's interleaved, clamped one; "
+             "the default act(gate) * up), as transformers' grouped_mm forward does",
+    checked="5.24", replacement=NO_PUBLIC_API)
+
+
+@EXPERTS_GATE.wrapper
+def experts_gate(experts: nn.Module):
+    """``experts``'s gate (a bound method: gate_up [S, 2I] -> [S, I]), or None for a class transformers'
+    ``@use_experts_implementation`` did not decorate."""
+    return getattr(experts, "_apply_gate", None)
+
+
+EXPERTS_EXPERT_PARALLEL = Internal(
+    "use_experts_implementation: Experts._is_expert_parallel", "transformers",
+    used_for="tell an experts module under transformers' own expert parallelism (sentinel rows past its experts), "
+             "which LoRA on the activations leaves to PEFT's path",
+    checked="5.24", replacement=NO_PUBLIC_API)
+
+
+@EXPERTS_EXPERT_PARALLEL.wrapper
+def under_transformers_expert_parallel(experts: nn.Module) -> bool:
+    """Whether transformers' own expert parallelism (its ``tp_plan``'s EP) drives ``experts``."""
+    return bool(getattr(experts, "_is_expert_parallel", False))
