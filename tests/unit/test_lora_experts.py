@@ -127,13 +127,14 @@ def test_bf16_routes_the_same_and_loses_nearly_the_same(family):
         model = lora_model(family, "eager" if family in UNDECORATED else "grouped_mm", activations=activations,
                            dtype=torch.bfloat16)
         first = next(m for m in model.modules() if isinstance(getattr(m, "experts", None), torch.nn.Module))
-        seen = []
-        handle = first.experts.register_forward_pre_hook(lambda m, args: seen.append(args[1:] or args[:1]))
+        seen: list = []
+        # The block's call: (hidden_states, top_k_index, top_k_weights), or Llama-4's (routed_in,).
+        handle = first.experts.register_forward_pre_hook(lambda m, args, seen=seen: seen.append(args[1:] or args))
         loss, _ = loss_and_grads(model, ids)
         handle.remove()
         losses.append(float(loss))
         routes.append(seen[0])
-    assert all(torch.equal(a, b) for a, b in zip(*routes)), f"{family}: first-layer routing differs"
+    assert all(torch.equal(a, b) for a, b in zip(*routes, strict=True)), f"{family}: first-layer routing differs"
     two_ulps = 2 * 2**-7 * abs(losses[0])
     assert abs(losses[1] - losses[0]) <= two_ulps, f"{family}: bf16 loss {losses[1]} vs {losses[0]}"
 
