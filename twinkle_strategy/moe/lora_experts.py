@@ -177,11 +177,13 @@ class Projection:
 
 def _aligned(hidden_size: int, operands: list[torch.Tensor]) -> bool:
     """Whether ``grouped_mm`` takes the operands [E, k, n] and the rows [S, hidden_size] (and every
-    intermediate [S, k]): 16-byte aligned data, sizes and non-unit strides."""
+    intermediate [S, k]): 16-byte aligned offsets, sizes and non-unit strides. (Storages themselves are
+    allocator-aligned; offsets are read, not data pointers, so the planner's fake tensors trace this too.)"""
     for t in operands:
         size = t.element_size()
         sizes = (hidden_size, *t.shape[-2:])
-        if t.data_ptr() % _GROUPED_ALIGNMENT_BYTES or any((n * size) % _GROUPED_ALIGNMENT_BYTES for n in sizes):
+        if (t.storage_offset() * size) % _GROUPED_ALIGNMENT_BYTES or \
+                any((n * size) % _GROUPED_ALIGNMENT_BYTES for n in sizes):
             return False
         if any(stride != 1 and (stride * size) % _GROUPED_ALIGNMENT_BYTES for stride in t.stride()):
             return False
