@@ -46,6 +46,7 @@ from torch import nn
 from twinkle_strategy.compat.transformers_internals import (
     experts_gate,
     experts_implementation,
+    lora_delta_factors,
     under_transformers_expert_parallel,
 )
 from twinkle_strategy.moe.class_swap import swap_class
@@ -96,19 +97,20 @@ def read_layout(inner: nn.Module) -> ExpertsLayout | None:
                              has_post_expert_norm=False, has_zero_experts=True)
     # @use_experts_implementation records the layout on every instance; its grouped_mm and batched_mm forwards
     # (the same numbers as the class's eager one) compute from these attributes alone, and so do we.
-    recorded = ("has_gate", "has_bias", "is_transposed", "has_post_expert_norm")
+    recorded = ("has_gate", "has_bias", "is_transposed")
     if not all(isinstance(getattr(inner, name, None), bool) for name in recorded):
         return None
+    # (transformers before 5.24 records no has_post_expert_norm: no family of theirs had one.)
     return ExpertsLayout(CallKind.ROUTED, gated=inner.has_gate, weight_on_right=inner.is_transposed,
-                         has_bias=inner.has_bias, has_post_expert_norm=inner.has_post_expert_norm,
+                         has_bias=inner.has_bias, has_post_expert_norm=getattr(inner, "has_post_expert_norm", False),
                          has_zero_experts=False)
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraFactors:
     """One adapter's LoRA on a fused tensor: its delta is ``scaling * lhs @ rhs``, ``lhs`` [E, d1, r] and
-    ``rhs`` [E, r, d2] (d1, d2: one expert's slice of the tensor). Read with PEFT's ``get_delta_factors``,
-    which knows its ``lora_A``/``lora_B`` layout and orientation (``_did_swap_in_out_features``)."""
+    ``rhs`` [E, r, d2] (d1, d2: one expert's slice of the tensor), as PEFT's ``get_delta_weight`` lays out its
+    ``lora_A``/``lora_B`` (:func:`~twinkle_strategy.compat.transformers_internals.lora_delta_factors`)."""
 
     lhs: torch.Tensor
     rhs: torch.Tensor
@@ -238,7 +240,7 @@ class LoraOnActivationsExperts(nn.Module):
             if wrapper.get_param().dtype not in _COMPUTE_DTYPES:
                 return None
             if active:
-                lhs, rhs, scaling = wrapper.get_delta_factors(active[0])
+                lhs, rhs, scaling = lora_delta_factors(wrapper, active[0])
                 lora[wrapper.parameter_name] = LoraFactors(lhs, rhs, scaling)
         layout = self.experts_layout
         projections = {}

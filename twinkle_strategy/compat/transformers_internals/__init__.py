@@ -1,4 +1,5 @@
-"""The wrappers of transformers' internals (and accelerate's, which its Trainer drives), one module per area.
+"""The wrappers of transformers' internals (and accelerate's, which its Trainer drives; PEFT's one), one module per
+area.
 
 dtypes.py                    which tensors from_pretrained keeps in fp32 (the dtype plan, its globs matched)
 checkpoints.py               hub checkpoint keys: conversion rules, their order, recorded and reversed; FP8 scale
@@ -7,7 +8,7 @@ building.py                  a model built as transformers builds it: from its c
 activation_checkpointing.py  transformers' activation checkpointing enabled, asked, recomputed through our context_fn
 trainer.py                   the HF Trainer's private hooks the strategy's mixin overrides or calls; accelerate's mark
 modeling.py                  what a model's forward calls: its attention implementation, its load-balancing loss,
-                             its experts' implementation and gate
+                             its experts' implementation and gate; PEFT's LoRA factors on fused expert tensors
 checked.py                   what they share: the versions checked, "no public API", a PreTrainedModel attribute's check
 
 Each wrapper is declared with an :class:`~twinkle_strategy.compat.Internal` (what it is used for, the versions
@@ -51,6 +52,7 @@ from twinkle_strategy.compat.transformers_internals.modeling import (
     config_with_attention,
     experts_gate,
     experts_implementation,
+    lora_delta_factors,
     under_transformers_expert_parallel,
 )
 from twinkle_strategy.compat.transformers_internals.trainer import (
@@ -84,6 +86,7 @@ __all__ = [
     "is_activation_checkpointing",
     "keep_in_fp32_strict",
     "keys_to_ignore_on_load_unexpected",
+    "lora_delta_factors",
     "mark_accelerate_prepared",
     "natural_order",
     "no_split_modules",

@@ -103,3 +103,31 @@ EXPERTS_EXPERT_PARALLEL = Internal(
 def under_transformers_expert_parallel(experts: nn.Module) -> bool:
     """Whether transformers' own expert parallelism (its ``tp_plan``'s EP) drives ``experts``."""
     return bool(getattr(experts, "_is_expert_parallel", False))
+
+
+PEFT_EXPERTS_ORIENTATION = Internal(
+    "ParamWrapper._did_swap_in_out_features", "peft",
+    used_for="read the orientation of PEFT's LoRA on a fused expert tensor ([E, out, in] swapped, or [E, in, out]), "
+             "so LoRA on the experts' activations multiplies lora_A and lora_B as PEFT's get_delta_weight does",
+    checked="0.20.0, 0.21.2",
+    replacement="ParamWrapper.get_delta_factors (peft 0.21.2 on), used where it exists")
+
+
+@PEFT_EXPERTS_ORIENTATION.wrapper
+def lora_delta_factors(wrapper: nn.Module, adapter: str):
+    """``(lhs [E, d1, r], rhs [E, r, d2], scaling)`` with PEFT's delta of ``adapter`` on ``wrapper``'s fused tensor
+    [E, d1, d2] equal to ``scaling * lhs @ rhs`` (PEFT's ``ParamWrapper.get_delta_factors``; on PEFT versions
+    without it, the same from ``get_delta_weight``'s layout: lora_A [E*r, in] expert-major, lora_B [out, r*E]
+    expert index fastest)."""
+    factors = getattr(wrapper, "get_delta_factors", None)
+    if factors is not None:
+        return factors(adapter)
+    weight_a = wrapper.lora_A[adapter].weight
+    weight_b = wrapper.lora_B[adapter].weight
+    weight_a = weight_a.reshape(wrapper.num_experts, -1, weight_a.shape[-1])  # [E, r, in]
+    weight_b = weight_b.reshape(weight_b.shape[0], -1, wrapper.num_experts).permute(2, 0, 1)  # [E, out, r]
+    swapped = PEFT_EXPERTS_ORIENTATION.attribute(wrapper, "_did_swap_in_out_features")
+    # get_delta_weight: "o r e, e r i -> e o i" when swapped (tensor [E, out, in]), else "-> e i o".
+    lhs, rhs = (weight_b, weight_a) if swapped else (weight_a.transpose(-2, -1), weight_b.transpose(-2, -1))
+    dtype = wrapper.get_param().dtype
+    return lhs.to(dtype), rhs.to(dtype), wrapper.scaling[adapter]
