@@ -200,6 +200,23 @@ def test_a_model_without_lora_on_experts_is_untouched():
     assert [type(m) for m in model.modules()] == classes
 
 
+def test_an_experts_subclass_with_its_own_forward_keeps_peft_path():
+    """It inherits @use_experts_implementation's attributes, not their meaning: left to PEFT's path."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    class HalvedExperts(Qwen3MoeExperts):
+        def forward(self, hidden_states, top_k_index, top_k_weights):
+            return super().forward(hidden_states, top_k_index, top_k_weights) / 2
+
+    model = build_tiny_model("qwen3_moe")
+    for module in model.modules():
+        if isinstance(module, Qwen3MoeExperts):
+            module.__class__ = HalvedExperts
+    model = with_expert_lora(model)
+    assert compute_lora_on_activations(model) == []
+    assert not any(isinstance(m, LoraOnActivationsExperts) for m in model.modules())
+
+
 def test_the_swap_keeps_names_and_is_idempotent():
     model = lora_model("gpt_oss", "grouped_mm", activations=False)
     names = [n for n, _ in model.named_parameters()]

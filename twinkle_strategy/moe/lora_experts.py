@@ -49,7 +49,7 @@ from twinkle_strategy.compat.transformers_internals import (
     lora_delta_factors,
     under_transformers_expert_parallel,
 )
-from twinkle_strategy.moe.class_swap import swap_class
+from twinkle_strategy.moe.class_swap import swap_class, unswapped_class
 from twinkle_strategy.moe.contracts import CallKind
 from twinkle_strategy.moe.discovery import EXPERTS_ATTR, unwrap_experts
 
@@ -84,9 +84,16 @@ def _forward_is(cls: type, module_path: str, class_name: str) -> bool:
     return known is not None and inspect.unwrap(cls.forward) is inspect.unwrap(known.forward)
 
 
+def _dispatches(cls: type) -> bool:
+    """Whether ``cls.forward`` is ``@use_experts_implementation``'s dispatcher (a ``functools.wraps`` of the
+    decorated class's own forward), not a forward a subclass wrote."""
+    owner = next(base for base in cls.__mro__ if "forward" in vars(base))
+    return hasattr(vars(owner)["forward"], "__wrapped__") and experts_gate(owner) is not None
+
+
 def read_layout(inner: nn.Module) -> ExpertsLayout | None:
     """The layout of the experts module ``inner`` (the model's class), or None for one we do not know."""
-    cls = type(inner)
+    cls = unswapped_class(type(inner))
     if _forward_is(cls, "transformers.models.llama4.modeling_llama4", "Llama4TextExperts"):
         # bmm(x [E, T, H], gate_up_proj [E, H, 2I]); gate, up = chunk; up * act(gate)
         return ExpertsLayout(CallKind.PRE_ROUTED, gated=True, weight_on_right=True, has_bias=False,
@@ -96,9 +103,11 @@ def read_layout(inner: nn.Module) -> ExpertsLayout | None:
         return ExpertsLayout(CallKind.ROUTED, gated=True, weight_on_right=False, has_bias=False,
                              has_post_expert_norm=False, has_zero_experts=True)
     # @use_experts_implementation records the layout on every instance; its grouped_mm and batched_mm forwards
-    # (the same numbers as the class's eager one) compute from these attributes alone, and so do we.
+    # (the same numbers as the class's eager one) compute from these attributes alone, and so do we. Only
+    # while the forward the module runs is that decorator's dispatcher: a subclass with its own forward
+    # (another call, other math) inherits the attributes but not their meaning.
     recorded = ("has_gate", "has_bias", "is_transposed")
-    if not all(isinstance(getattr(inner, name, None), bool) for name in recorded):
+    if not all(isinstance(getattr(inner, name, None), bool) for name in recorded) or not _dispatches(cls):
         return None
     # (transformers before 5.24 records no has_post_expert_norm: no family of theirs had one.)
     return ExpertsLayout(CallKind.ROUTED, gated=inner.has_gate, weight_on_right=inner.is_transposed,
