@@ -1,6 +1,7 @@
 """LoRA on fused experts at EP: ``lora_experts: activations`` against ``lora_experts: peft``, one launch for all.
 
-For each family, both paths run the same steps on the same ranks (memory_efficient_init, ep=2, FSDP2):
+For each family, both paths run the same steps on the same ranks (memory_efficient_init, ep=2, FSDP2; ``--ep1``:
+without EP):
 the loss, and this rank's shard of every gradient, must agree (fp32: 1e-5); the experts modules carry
 the classes in the right order (EP outermost, then LoRA on the activations, then PEFT's wrapper) on the
 activations path and no LoRA mixin on PEFT's. In bf16 (``--bf16``): the first MoE layer's routing is
@@ -37,8 +38,8 @@ def class_order(model) -> list[list[str]]:
     return found
 
 
-def run_path(path: str, mode: str, dtype: torch.dtype, world: int, rank: int) -> dict:
-    strategy = NativeFSDPStrategy(ep_size=2, mixed_precision="no", lora_experts=mode, timeout_s=120)
+def run_path(path: str, mode: str, dtype: torch.dtype, ep: int, world: int, rank: int) -> dict:
+    strategy = NativeFSDPStrategy(ep_size=ep, mixed_precision="no", lora_experts=mode, timeout_s=120)
     model = with_expert_lora(strategy.from_pretrained(path, dtype=dtype))
     model, _ = strategy.wrap_model(model)
     _, mine = local_batch(AutoConfig.from_pretrained(path).get_text_config().vocab_size, world, rank)
@@ -55,14 +56,14 @@ def run_path(path: str, mode: str, dtype: torch.dtype, world: int, rank: int) ->
                 classes=class_order(model))
 
 
-def compare(family: str, dtype: torch.dtype, world: int, rank: int, ckpt_root: str) -> dict:
+def compare(family: str, dtype: torch.dtype, world: int, rank: int, ckpt_root: str, ep: int = 2) -> dict:
     path = os.path.join(ckpt_root, family)
-    peft = run_path(path, "peft", dtype, world, rank)
-    ours = run_path(path, "activations", dtype, world, rank)
+    peft = run_path(path, "peft", dtype, ep, world, rank)
+    ours = run_path(path, "activations", dtype, ep, world, rank)
     grad_diffs = {name: float((ours["grads"][name] - ref).abs().max()) / max(1.0, float(ref.abs().max()))
                   for name, ref in peft["grads"].items() if name in ours["grads"] and ref.numel()}
     return dict(
-        family=family, dtype=str(dtype), loss=ours["loss"], ref_loss=peft["loss"],
+        family=family, dtype=str(dtype), ep=ep, loss=ours["loss"], ref_loss=peft["loss"],
         same_grad_names=sorted(ours["grads"]) == sorted(peft["grads"]),
         expert_lora_grads=len([n for n in peft["grads"] if ".experts." in n and "lora_" in n]),
         max_grad_diff=max(grad_diffs.values()), worst_grad=max(grad_diffs, key=grad_diffs.get),
@@ -76,10 +77,12 @@ def main():
     p.add_argument("--ckpt-root", required=True)
     p.add_argument("--families", required=True)
     p.add_argument("--bf16", default="", help="families also compared in bf16")
+    p.add_argument("--ep1", default="", help="families also compared without expert parallelism (FSDP2 only)")
     args = p.parse_args()
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     cases = [compare(f, torch.float32, world, rank, args.ckpt_root) for f in args.families.split(",") if f]
     cases += [compare(f, torch.bfloat16, world, rank, args.ckpt_root) for f in args.bf16.split(",") if f]
+    cases += [compare(f, torch.float32, world, rank, args.ckpt_root, ep=1) for f in args.ep1.split(",") if f]
     return {"cases": cases}
 
 
