@@ -69,7 +69,7 @@ EXPERTS_IMPLEMENTATION = Internal(
     "PreTrainedConfig._experts_implementation", "transformers",
     used_for="read which compute a model's experts dispatch to (eager, grouped_mm, batched_mm), so LoRA on the "
              "experts' activations computes grouped where the model's experts do",
-    checked="5.24", replacement="none for reading it (set_experts_implementation only sets it)")
+    checked="5.19, 5.24", replacement="none for reading it (set_experts_implementation only sets it)")
 
 
 @EXPERTS_IMPLEMENTATION.wrapper
@@ -82,7 +82,7 @@ EXPERTS_GATE = Internal(
     "use_experts_implementation: Experts._apply_gate", "transformers",
     used_for="apply an experts family's own gate to its gate_up output (gpt-oss's interleaved, clamped one; "
              "the default act(gate) * up), as transformers' grouped_mm forward does",
-    checked="5.24", replacement=NO_PUBLIC_API)
+    checked="5.19, 5.24", replacement=NO_PUBLIC_API)
 
 
 @EXPERTS_GATE.wrapper
@@ -96,7 +96,7 @@ EXPERTS_EXPERT_PARALLEL = Internal(
     "use_experts_implementation: Experts._is_expert_parallel", "transformers",
     used_for="tell an experts module under transformers' own expert parallelism (sentinel rows past its experts), "
              "which LoRA on the activations leaves to PEFT's path",
-    checked="5.24", replacement=NO_PUBLIC_API)
+    checked="5.19, 5.24", replacement=NO_PUBLIC_API)
 
 
 @EXPERTS_EXPERT_PARALLEL.wrapper
