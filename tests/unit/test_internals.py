@@ -17,6 +17,7 @@ import functools
 import importlib.metadata
 import inspect
 import os
+import types
 import warnings
 from pathlib import Path
 
@@ -463,6 +464,52 @@ def _attn_implementation(tiny):
     positions = torch.tensor([[0, 1, 0, 1]])
     assert create_causal_mask(config=custom, inputs_embeds=embeds, attention_mask=None, position_ids=positions,
                               **{_MASK_CACHE_ARGUMENT: None}) is None
+
+
+@checks("PreTrainedConfig._experts_implementation", "use_experts_implementation: Experts._apply_gate",
+        "use_experts_implementation: Experts._is_expert_parallel")
+def _experts_internals(tiny):
+    qwen = tiny.model("qwen3_moe")
+    experts = qwen.model.layers[0].mlp.experts
+    assert hf.experts_implementation(qwen.config) == "grouped_mm"  # transformers' default where torch has it
+    assert hf.experts_implementation(experts.config) == "grouped_mm"  # what the experts module dispatches on
+    assert hf.experts_implementation(None) is None
+    assert hf.under_transformers_expert_parallel(experts) is False
+    gate_up = torch.randn(3, experts.gate_up_proj.shape[1])
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert torch.equal(hf.experts_gate(experts)(gate_up), experts.act_fn(gate) * up)
+    # gpt-oss: its own gate on the interleaved gate_up (gate at even columns, up at odd ones), clamped.
+    oss = tiny.model("gpt_oss").model.layers[0].mlp.experts
+    gate_up = torch.randn(3, 8) * 20
+    gate, up = gate_up[..., ::2].clamp(max=oss.limit), gate_up[..., 1::2].clamp(-oss.limit, oss.limit)
+    assert torch.equal(hf.experts_gate(oss)(gate_up), (up + 1) * (gate * torch.sigmoid(gate * oss.alpha)))
+    from transformers.models.llama4.modeling_llama4 import Llama4TextExperts
+
+    assert not hasattr(Llama4TextExperts, "_apply_gate")  # undecorated: lora_experts applies act(gate) * up
+
+
+@checks("ParamWrapper._did_swap_in_out_features")
+def _peft_delta_factors(tiny):
+    """PEFT's delta on a fused expert tensor is scaling * lhs @ rhs, in both orientations ([E, out, in]: Qwen3;
+    [E, in, out]: gpt-oss), with and without PEFT's own get_delta_factors."""
+    from peft import LoraConfig, get_peft_model
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for family in ("qwen3_moe", "gpt_oss"):
+        model = get_peft_model(tiny.fresh(family), LoraConfig(
+            r=2, lora_alpha=4, init_lora_weights=False, target_modules=[],
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        wrappers = [m for m in model.modules() if isinstance(m, ParamWrapper)]
+        assert wrappers
+        for wrapper in wrappers:
+            lhs, rhs, scaling = hf.lora_delta_factors(wrapper, "default")
+            delta = scaling * lhs @ rhs
+            assert delta.shape == wrapper.get_param().shape
+            assert torch.allclose(delta, wrapper.get_delta_weight("default"), atol=1e-6)
+            without = types.SimpleNamespace(**{name: getattr(wrapper, name) for name in (
+                "lora_A", "lora_B", "num_experts", "_did_swap_in_out_features", "scaling", "get_param")})
+            lhs2, rhs2, _ = hf.lora_delta_factors(without, "default")  # as on PEFT 0.20 (no get_delta_factors)
+            assert torch.equal(lhs2, lhs) and torch.equal(rhs2, rhs)
 
 
 @checks("utils.hub.convert_file_size_to_int")

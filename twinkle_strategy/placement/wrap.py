@@ -2,7 +2,8 @@
 
 In order: refuse a model expert or sequence parallelism cannot serve (the same answer on every rank, before any
 collective); under memory_efficient_init, keep the source's loaded tensors by reference and move the model to meta,
-so that EP and FSDP run identically on every rank; cut the experts (:mod:`twinkle_strategy.moe`), shard
+so that EP and FSDP run identically on every rank; make LoRA on fused experts compute on the activations
+(:mod:`twinkle_strategy.moe.lora_experts`, unless ``lora_experts: peft``); cut the experts (:mod:`twinkle_strategy.moe`), shard
 (:mod:`twinkle_strategy.fsdp`); under memory_efficient_init, allocate this rank's shards and fill them from the
 node's source (:mod:`twinkle_strategy.init`); split the attention for sequence parallelism
 (:mod:`twinkle_strategy.sequence`); point the optimizer at the sharded parameters.
@@ -16,7 +17,7 @@ import logging
 import torch
 from torch import nn
 
-from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.config import LoraExperts, StrategyConfig
 from twinkle_strategy.distributed.node import NodeLink
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy, rebind_optimizer
 from twinkle_strategy.init.capture import (
@@ -28,6 +29,7 @@ from twinkle_strategy.init.capture import (
 )
 from twinkle_strategy.init.engine import InitReport, distribute
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan, apply_expert_parallel, plan_expert_parallel
+from twinkle_strategy.moe.lora_experts import compute_lora_on_activations
 from twinkle_strategy.placement.process import ProcessPlace
 from twinkle_strategy.sequence import apply_sequence_parallel, check_sequence_parallel, refuse_generation
 
@@ -62,6 +64,9 @@ def wrap_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | None,
     elif any(p.is_meta for p in model.parameters()):
         raise ValueError("wrap_model got a model on the meta device; load it with strategy.from_pretrained "
                          "or set memory_efficient_init=True")
+    if config.lora_experts == LoraExperts.ACTIVATIONS:
+        # Before EP: its class is swapped on top, so it dispatches and the local experts compute LoRA this way.
+        compute_lora_on_activations(model)
     ep_plan = None
     experts_modules: list[nn.Module] = []
     if dims.ep_enabled:

@@ -1,4 +1,5 @@
-"""The wrappers of transformers' internals (and accelerate's, which its Trainer drives), one module per area.
+"""The wrappers of transformers' internals (and accelerate's, which its Trainer drives; PEFT's one), one module per
+area.
 
 dtypes.py                    which tensors from_pretrained keeps in fp32 (the dtype plan, its globs matched)
 checkpoints.py               hub checkpoint keys: conversion rules, their order, recorded and reversed; FP8 scale
@@ -6,7 +7,8 @@ checkpoints.py               hub checkpoint keys: conversion rules, their order,
 building.py                  a model built as transformers builds it: from its config, one module's init, its layers
 activation_checkpointing.py  transformers' activation checkpointing enabled, asked, recomputed through our context_fn
 trainer.py                   the HF Trainer's private hooks the strategy's mixin overrides or calls; accelerate's mark
-modeling.py                  what a model's forward calls: its attention implementation, its load-balancing loss
+modeling.py                  what a model's forward calls: its attention implementation, its load-balancing loss,
+                             its experts' implementation and gate; PEFT's LoRA factors on fused expert tensors
 checked.py                   what they share: the versions checked, "no public API", a PreTrainedModel attribute's check
 
 Each wrapper is declared with an :class:`~twinkle_strategy.compat.Internal` (what it is used for, the versions
@@ -48,6 +50,10 @@ from twinkle_strategy.compat.transformers_internals.modeling import (
     attention_implementation,
     balancing_loss_function,
     config_with_attention,
+    experts_gate,
+    experts_implementation,
+    lora_delta_factors,
+    under_transformers_expert_parallel,
 )
 from twinkle_strategy.compat.transformers_internals.trainer import (
     TRAINER_HOOKS,
@@ -71,6 +77,8 @@ __all__ = [
     "conversion_rules",
     "dtype_plan",
     "enable_activation_checkpointing",
+    "experts_gate",
+    "experts_implementation",
     "file_size_bytes",
     "fp8_scale_renamings",
     "glob_alternation",
@@ -78,6 +86,7 @@ __all__ = [
     "is_activation_checkpointing",
     "keep_in_fp32_strict",
     "keys_to_ignore_on_load_unexpected",
+    "lora_delta_factors",
     "mark_accelerate_prepared",
     "natural_order",
     "no_split_modules",
@@ -90,6 +99,7 @@ __all__ = [
     "set_weight_conversions",
     "trainer_prepare_inputs",
     "trainer_save",
+    "under_transformers_expert_parallel",
     "weight_conversions",
     "wrap_checkpointing_enable",
     "wrap_checkpointing_function",
