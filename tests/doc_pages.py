@@ -92,7 +92,10 @@ def run_pages(pages: list[str], work: Path) -> PagesRun:
     argv = [sys.executable, "-m", "torch.distributed.run", *options[pages[0]],
             str(WORKERS / "doc_blocks.py"), str(work / "pages.json"), str(out)]
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-           "TWINKLE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets")}
+           "TWINKLE_CACHE": str(work / "cache"), "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(work / "datasets"),
+           # The ranks share one stdout: unbuffered, each printed line's text reaches it in one write (a buffer
+           # flushed at exit could cut a line in two around the other rank's output).
+           "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     records = {int(p.stem[4:]): json.loads(p.read_text())["pages"] for p in out.glob("rank*.json")}
     return PagesRun(proc.returncode, proc.stdout, proc.stderr, work, commands, records)

@@ -62,11 +62,12 @@ def test_the_pages_python_runs_under_their_torchrun_commands(doc_pages):
     grpo = rl[0][0]
     assert grpo["trained"] and grpo["trainer_class"] == "GRPOTrainer" and len(grpo["log"]) == 4, grpo
     assert (doc_pages.work / "output" / "grpo" / "checkpoint-4" / "adapter_model.safetensors").is_file()
-    # The export block sent the model to its receiver: each rank prints the report's line.
-    exported = re.findall(r"^weight export: (\d+) tensors", doc_pages.stdout, flags=re.M)
+    # The export block sent the model to its receiver: each rank prints the report's line. (Not anchored to line
+    # starts: the ranks share one stdout, and print writes a line's text and its newline apart, so lines interleave.)
+    exported = re.findall(r"weight export: (\d+) tensors", doc_pages.stdout)
     assert len(exported) == 2 and int(exported[0]) > 0, doc_pages.stdout[-2000:]
     # strategy.md's loop: the step's loss and token count, the same on every rank
-    losses = dict(re.findall(r"^rank (\d): (loss \S+ over \d+ tokens)$", doc_pages.stdout, flags=re.M))
+    losses = dict(re.findall(r"rank (\d): (loss [\d.]+ over \d+ tokens)", doc_pages.stdout))
     assert sorted(losses) == ["0", "1"] and losses["0"] == losses["1"], doc_pages.stdout[-2000:]
 
 
