@@ -11,6 +11,9 @@ again. conftest.py registers this module as a plugin; the launch table and budge
 * :func:`swift_style_relaunch` - twinkle-sft with swift's flags and NPROC_PER_NODE=2 (its torchrun re-launch, one
   node x 2 ranks) on 20 rows of which 3 are bad: the re-launch (test_trainer_cli.py) and the bad rows skipped
   (test_launch_errors.py).
+* :func:`doc_pages` - the python blocks of docs/transformers.md, docs/rl.md and docs/strategy.md, each page as one
+  script, under their shared single-machine torchrun command (1 node x 2 ranks): test_docs_transformers.py and
+  test_docs_rl.py.
 """
 
 from __future__ import annotations
@@ -25,11 +28,13 @@ from pathlib import Path
 
 import pytest
 from cli_cases import twenty_rows_three_bad
+from doc_pages import PagesRun, run_pages
 from header_edit import EDITS, corrupt_copy
 from multinode import REPO, LaunchResult, launch
 from parallel_workers import once_per_run
 
 DATASET = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+DOC_PAGES = ["docs/transformers.md", "docs/rl.md", "docs/strategy.md"]  # pages whose python blocks run as written
 
 
 @pytest.fixture(scope="session")
@@ -238,3 +243,11 @@ def _fault_batch(demo_model: str, tmp_path_factory) -> FaultRun:
     result = launch("faults.py", ["--batch", ",".join(FAULT_BATCH), "--model", demo_model, "--dataset", DATASET,
                                   "--output-dir", str(root / "out")], root / "logs", timeout=FAULT_LIMIT)
     return FaultRun(result, root / "out")
+
+
+# ------------------------------------------------------------------ the doc pages' blocks (1 node x 2 ranks)
+@pytest.fixture(scope="session")
+def doc_pages(tmp_path_factory) -> PagesRun:
+    """One launch runs every page of DOC_PAGES as written: the pages share their torchrun command's options (each
+    names its own script), so they ride one launch instead of one each."""
+    return once_per_run(tmp_path_factory, "doc_pages", lambda: run_pages(DOC_PAGES, tmp_path_factory.mktemp("docs")))

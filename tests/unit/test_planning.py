@@ -162,3 +162,58 @@ def test_the_fixes_speak_the_python_api_and_each_front_end_spells_them(demo_conf
     assert first.spelled(recipe_spelling) in table(tight, spelling=recipe_spelling)
     assert first.spelled(swift_spelling) in verdict_line(tight, spelling=swift_spelling)
     assert to_json(tight, spelling=recipe_spelling)["fixes"][0]["change"] == tight.fixes[0].spelled(recipe_spelling)
+
+
+def test_twinkle_sft_plan_speaks_the_users_spelling(demo_config, capsys, monkeypatch):
+    """Issue 47: a user who typed flags reads the fixes as flags (``--nnodes 2``), one who set recipe keys reads
+    keys (``launch.nnodes=2``); an option the user did not set reads as the command line's own kind of words."""
+    from twinkle_strategy.train.fit_check import UserSpelling, plan_command
+    from twinkle_strategy.train.flags import parse
+
+    monkeypatch.delenv("NNODES", raising=False)
+    dataset = str(REPO / "examples" / "data" / "demo_sft.jsonl")
+
+    def fixes(argv):
+        assert plan_command([*argv, "--json"], parse) == 1  # 1 MiB fits nothing; every fix is listed
+        return {f["option"]: f["change"] for f in json.loads(capsys.readouterr().out)["fixes"]}
+
+    typed = ["--model", demo_config, "--dataset", dataset, "--nnodes", "1", "--nproc_per_node", "4",
+             "--per_device_train_batch_size", "4", "--expert_parallel_size", "2"]
+    flags = fixes([*typed, "--device_memory", "1MiB"])
+    assert flags["nnodes"] == "--nnodes 2" and flags["ep_size"] == "--expert_parallel_size 4", flags
+    assert flags["micro_batch"] == "--per_device_train_batch_size 2 (double the gradient accumulation)", flags
+    assert flags["gradient_checkpointing"] == "--gradient_checkpointing true", flags  # not typed: a flag still
+    keys = fixes([f"model.path={demo_config}", f"data.dataset=[{dataset}]", "launch.nnodes=1", "launch.nproc_per_node=4",
+                  "launch.device_memory=1MiB", "train.per_device_train_batch_size=4", "strategy.ep_size=2"])
+    assert keys["nnodes"] == "launch.nnodes=2" and keys["ep_size"] == "strategy.ep_size=4", keys
+    assert keys["gradient_checkpointing"] == "train.gradient_checkpointing=true", keys
+    # A mix: each option as the user set it; one not set, as a key (the line has key=value words)
+    mixed = fixes(["--model", demo_config, "--dataset", dataset, "launch.nnodes=1", "--nproc_per_node", "4", "--device_memory", "1MiB",
+                   "--per_device_train_batch_size", "4", "strategy.ep_size=2"])  # the same plan: cached
+    assert mixed["nnodes"] == "launch.nnodes=2" and mixed["micro_batch"].startswith("--per_device_train_batch_size 2")
+    assert mixed["gradient_checkpointing"] == "train.gradient_checkpointing=true", mixed
+    # The refusal before a launch speaks the same words (cli.py passes the same spelling; a budget one byte short
+    # of the peak: some fix fits)
+    from twinkle_strategy.train.fit_check import check_fit_before_launch
+    from twinkle_strategy.train.log_lines import PLANNED_PEAK_ENV
+
+    monkeypatch.setenv(PLANNED_PEAK_ENV, "0")  # the check sets it (for a launch's workers); restored after the test
+    assert plan_command([*typed, "--json"], parse) == 0
+    argv = [*typed, "--device_memory", str(json.loads(capsys.readouterr().out)["step_peak_bytes"] - 1)]
+    refusal = check_fit_before_launch(parse(argv), spelling=UserSpelling.of_argv(argv))
+    assert "first fix: --" in refusal, refusal
+    # Set in the environment (NNODES=1 twinkle-sft ...), where the run reads it first: that variable
+    monkeypatch.setenv("NNODES", "1")
+    assert UserSpelling.of_argv(["--nnodes", "1"])("nnodes", 2) == "NNODES=2"
+
+
+def test_the_plans_assumptions_are_wrapped(demo_config):
+    """Issue 47: the assumptions read as a list of lines of at most 100 columns, every word kept."""
+    from twinkle_strategy.planning import PlanCache, table
+    from twinkle_strategy.planning.plan import ASSUMPTIONS
+
+    lines = table(plan_memory(_request(demo_config), cache=PlanCache.default())).splitlines()  # traced once
+    start = lines.index("assumptions:")
+    part = lines[start + 1:-1]  # up to the verdict line
+    assert len(part) > len(ASSUMPTIONS) and all(len(line) <= 100 for line in part), part
+    assert " ".join(" ".join(part).split()) == " ".join(f"- {a}" for a in ASSUMPTIONS)

@@ -7,6 +7,7 @@ Each takes a front-end's ``spelling`` of the fixes (``train.per_device_train_bat
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 from twinkle_strategy.planning.plan import MemoryPlan, Spelling
 
@@ -56,7 +57,7 @@ def table(plan: MemoryPlan, *, spelling: Spelling | None = None) -> str:
         lines.append("fixes, ranked (each re-planned):")
         lines += [f"  {f.spelled(spelling):<50} peak {gib(f.peak)}{'' if f.fits else ' (still too big)'}"
                   for f in plan.fixes]
-    lines.append("assumptions: " + "; ".join(plan.assumptions))
+    lines += assumption_lines(plan.assumptions)
     lines.append(verdict_line(plan, spelling=spelling))
     return "\n".join(lines)
 
@@ -77,6 +78,17 @@ def to_json(plan: MemoryPlan, *, spelling: Spelling | None = None) -> dict:
         "host_fits": plan.host_fits, "verdict": verdict_line(plan, spelling=spelling),
         "fixes": [{**dataclasses.asdict(f), "change": f.spelled(spelling)} for f in plan.fixes],
     }
+
+
+ASSUMPTIONS_WIDTH = 100  # the assumptions' lines, wrapped to be read in a terminal (they were one line of ~550)
+
+
+def assumption_lines(assumptions: tuple[str, ...]) -> list[str]:
+    """A plan's assumptions, one item each, wrapped at ASSUMPTIONS_WIDTH columns."""
+    lines = ["assumptions:"]
+    for assumption in assumptions:
+        lines += textwrap.wrap(assumption, width=ASSUMPTIONS_WIDTH, initial_indent="  - ", subsequent_indent="    ")
+    return lines
 
 
 def _count(n: int) -> str:

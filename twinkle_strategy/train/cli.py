@@ -51,7 +51,7 @@ from twinkle_strategy import log
 from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import TwinkleError
 from twinkle_strategy.train.errors import RunStoppedError
-from twinkle_strategy.train.fit_check import check_fit_before_launch, plan_command
+from twinkle_strategy.train.fit_check import UserSpelling, check_fit_before_launch, plan_command
 
 # The command line's reading lives in .flags; SWIFT_FLAGS, build_parser and split_argv are named here too (tests).
 from twinkle_strategy.train.flags import SWIFT_FLAGS, build_parser, check_value, flag_for, parse, split_argv  # noqa: F401
@@ -131,7 +131,7 @@ def _parse_and_launch(argv: list[str], clock: LaunchClock) -> int:
     recipe.model.path = prepare_model_path(recipe.model.path, recipe.data.dataset)
     try:
         with clock.planning():
-            refusal = check_fit_before_launch(recipe)
+            refusal = check_fit_before_launch(recipe, spelling=UserSpelling.of_argv(argv))  # the user's words
     except TwinkleError as exc:
         refusal = f"the memory plan failed: {exc}; --skip_plan true launches without it"
     if refusal:

@@ -8,6 +8,7 @@ run that will not fit is refused in one line: the peak, the budget, the first fi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -23,8 +24,10 @@ from twinkle_strategy.planning import (
     table,
     to_json,
 )
+from twinkle_strategy.planning.plan import Spelling
 from twinkle_strategy.planning.report import gib
 from twinkle_strategy.sources.model_ids import HF_PREFIX, MS_PREFIX, cached_model_path
+from twinkle_strategy.train.flags import SWIFT_FLAGS, flag_for, split_argv
 from twinkle_strategy.train.log_lines import PLANNED_PEAK_ENV
 from twinkle_strategy.train.recipe import Recipe, TunerType
 from twinkle_strategy.train.run import prepare_model_path
@@ -73,15 +76,51 @@ def _cuda_memory() -> int | None:
 # twinkle-sft user sets them as recipe keys, on the command line as key=value.
 _RECIPE_KEYS = {"micro_batch": "train.per_device_train_batch_size", "gradient_checkpointing": "train.gradient_checkpointing",
                 "nnodes": "launch.nnodes"}
+# What the run reads before the recipe (request_from_recipe, cli.py): a user who set it there sets it there again.
+_ENVIRONMENT_KEYS = {"launch.nnodes": "NNODES", "launch.nproc_per_node": "NPROC_PER_NODE"}
+
+
+def recipe_key(option: str) -> str:
+    """The recipe key that sets a fix's option: ``launch.nnodes``, ``strategy.ep_size``."""
+    return _RECIPE_KEYS.get(option, f"strategy.{option}")
+
+
+def _value_text(value) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def recipe_spelling(option: str, value) -> str:
     """A fix as a recipe override: ``train.per_device_train_batch_size=2``, ``strategy.ep_size=4``."""
-    text = str(value).lower() if isinstance(value, bool) else str(value)
-    return f"{_RECIPE_KEYS.get(option, f'strategy.{option}')}={text}"
+    return f"{recipe_key(option)}={_value_text(value)}"
 
 
-def check_fit_before_launch(recipe: Recipe) -> str | None:
+@dataclasses.dataclass(frozen=True)
+class UserSpelling:
+    """A fix spelled the way this command line set things (issue 47): the user who typed ``--nnodes 1`` reads
+    ``--nnodes 2``, not ``launch.nnodes=2``. An option the user set by a flag is spelled as that flag; one set by
+    a recipe or a ``key=value`` as its key; one the user did not set, as a flag when the command line is flags
+    alone (no recipe, no ``key=value``), else as its key. ``NNODES`` / ``NPROC_PER_NODE`` in the environment, which
+    the run reads before the recipe, are spelled as that variable."""
+
+    flags: dict[str, str]  # recipe key -> the flag this command line set it with, as typed (``--nnodes``)
+    flags_only: bool  # no YAML recipe and no key=value override: the user speaks flags
+
+    @classmethod
+    def of_argv(cls, argv: list[str]) -> UserSpelling:
+        positionals, flag_values = split_argv(argv)
+        return cls(flags={SWIFT_FLAGS[name][0]: f"--{name}" for name, _ in flag_values},
+                   flags_only=not any(p not in ("-h", "--help") for p in positionals))
+
+    def __call__(self, option: str, value) -> str:
+        key, text = recipe_key(option), _value_text(value)
+        variable = _ENVIRONMENT_KEYS.get(key)
+        if variable is not None and variable in os.environ:
+            return f"{variable}={text}"
+        flag = self.flags.get(key) or (flag_for(key) if self.flags_only else None)
+        return f"{flag} {text}" if flag else f"{key}={text}"
+
+
+def check_fit_before_launch(recipe: Recipe, *, spelling: Spelling = recipe_spelling) -> str | None:
     """The refusal line when the plan says ``recipe`` will not fit its devices, else None (and the plan's peak
     goes to the workers' environment for the step log). Skipped with launch.skip_plan, and on a machine with no
     device memory found unless launch.device_memory is set."""
@@ -95,7 +134,7 @@ def check_fit_before_launch(recipe: Recipe) -> str | None:
     if plan.fits:
         return None
     first = next((f for f in plan.fixes if f.fits), None)
-    fix = (f"first fix: {first.spelled(recipe_spelling)} (peak {gib(first.peak)})" if first
+    fix = (f"first fix: {first.spelled(spelling)} (peak {gib(first.peak)})" if first
            else "no single change fits: see twinkle-sft plan")
     return (f"the memory plan's step peak {gib(plan.peak)} per device exceeds the budget {gib(budget)} "
             f"(launch.device_memory, --device_memory); {fix}; twinkle-sft plan shows every part; --skip_plan true "
@@ -113,6 +152,6 @@ def plan_command(argv: list[str], parse) -> int:
     except TwinkleError as exc:
         print(f"twinkle-sft plan: error: {exc}", file=sys.stderr)
         return 2
-    print(json.dumps(to_json(plan, spelling=recipe_spelling), indent=1) if as_json
-          else table(plan, spelling=recipe_spelling))
+    spelling = UserSpelling.of_argv(argv)
+    print(json.dumps(to_json(plan, spelling=spelling), indent=1) if as_json else table(plan, spelling=spelling))
     return 0 if plan.fits is not False else 1
