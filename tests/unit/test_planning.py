@@ -210,10 +210,9 @@ def test_twinkle_sft_plan_speaks_the_users_spelling(demo_config, capsys, monkeyp
 def test_the_plans_assumptions_are_wrapped(demo_config):
     """Issue 47: the assumptions read as a list of lines of at most 100 columns, every word kept."""
     from twinkle_strategy.planning import PlanCache, table
-    from twinkle_strategy.planning.plan import ASSUMPTIONS
-
-    lines = table(plan_memory(_request(demo_config), cache=PlanCache.default())).splitlines()  # traced once
+    plan = plan_memory(_request(demo_config), cache=PlanCache.default())  # traced once
+    lines = table(plan).splitlines()
     start = lines.index("assumptions:")
     part = lines[start + 1:-1]  # up to the verdict line
-    assert len(part) > len(ASSUMPTIONS) and all(len(line) <= 100 for line in part), part
-    assert " ".join(" ".join(part).split()) == " ".join(f"- {a}" for a in ASSUMPTIONS)
+    assert len(part) > len(plan.assumptions) and all(len(line) <= 100 for line in part), part
+    assert " ".join(" ".join(part).split()) == " ".join(f"- {a}" for a in plan.assumptions)
