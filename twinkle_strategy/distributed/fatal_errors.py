@@ -1,4 +1,4 @@
-"""What a rank prints when one of this package's errors ends it: one line, the root cause first.
+"""What a rank prints when an exception ends it: the root cause first, once per node.
 
 Left to Python (and to torch.distributed's excepthook, which prefixes each line with ``[rank<R>]: ``), an error
 on one rank of a ``torchrun`` job prints a traceback on every rank: the rank that failed, and each peer whose
@@ -14,8 +14,15 @@ under a plain ``torchrun`` gets it: HF Trainer, TRL, a user's script) replaces t
   a node's terminal shows its own ranks' output, and every node's terminal names the cause; a refusal that
   every rank makes on its own is one line, not one per rank.
 
-Every rank's traceback is in ``<temp dir>/twinkle-errors-<job>/rank<R>.txt``. Any other exception, when no peer
-recorded one of ours, keeps the hook that was there (Python's, or torch's).
+An exception that is not the package's (the user's code, TRL's, transformers') is a cause too, but its message
+alone may not say where it came from: the first rank of a node to claim it prints its traceback (Python's own,
+under one line naming the rank), the node's other ranks that raised the same print nothing more, and a rank it
+stranded names it in one line as above. Only a lost connection that no peer recorded a cause for keeps the hook
+that was there (Python's, or torch's).
+
+Every rank's traceback is in ``<temp dir>/twinkle-errors-<job>/rank<R>.txt``. Under torchrun each failed rank also
+writes its line to the error file torchrun gave it (``TORCHELASTIC_ERROR_FILE``): torchrun's failure report, which
+its agent prints after the workers end whatever they do, then names that line instead of a link to its docs.
 """
 
 from __future__ import annotations
@@ -102,27 +109,34 @@ def install(place: RankPlace) -> None:
 
 
 def report(exc: BaseException, place: RankPlace, *, out=None, board: ErrorBoard | None = None) -> bool:
-    """Write ``exc``'s traceback to its file and print its line (at most one) on ``out`` (stderr); False where
-    ``exc`` is not for this module (not ours, and no peer recorded one of ours): the caller's hook prints it."""
+    """Write ``exc``'s traceback to its file and print what this rank says of it on ``out`` (stderr): one line, or
+    for an error not the package's its traceback under one; nothing where its node said it already. False where
+    ``exc`` is not for this module (a lost connection no peer recorded a cause for, Ctrl-C, sys.exit): the
+    caller's hook prints it."""
     if not isinstance(exc, Exception):  # Ctrl-C, sys.exit: as Python shows them
         return False
     out = sys.stderr if out is None else out
     board = ErrorBoard.of_job() if board is None else board
-    ours = isinstance(exc, TwinkleError)
-    if ours and not stopped_by_peer(exc, place.rank):
+    ours, stranded = isinstance(exc, TwinkleError), stopped_by_peer(exc, place.rank)
+    if ours and not stranded:
         record = own_record(exc, place, board)
         board.publish(record)  # before this process ends: the peers it strands look it up
     else:
         # Only a rank a peer stranded waits for that peer's record; any other error is looked up once.
-        grace_s = PEER_GRACE_S if stopped_by_peer(exc, place.rank) else 0.0
-        record = board.first_failure(not_rank=place.rank, grace_s=grace_s)
-        if record is None and not ours:
-            return False
+        record = board.first_failure(not_rank=place.rank, grace_s=PEER_GRACE_S if stranded else 0.0)
+        if record is None and stranded and not ours:
+            return False  # a lost connection, and no peer said why: as Python (or torch) shows it
+        # The user's, TRL's, transformers': a cause of its own, unless a peer recorded another error first (this one
+        # may be its consequence, e.g. a collective's timeout). The same error a peer raised, this rank raised too.
+        if not ours and not stranded and (record is None or record.error == one_line(exc)):
+            record = foreign_record(exc, place, board)
+            board.publish(record)
         record = record or own_record(exc, place, board)
     board.write_traceback(place, exc)
     line = record.line if record.rank == place.rank or record.collective else (
         f"twinkle_strategy: rank {place.rank} stopped because rank {record.rank} failed: {record.error} "
         f"(tracebacks: {board.traceback_path('<R>')})")
+    write_torchrun_error_file(line.splitlines()[0])
     if board.claim(place.node_rank, record.error, place.rank):
         print(line, file=out, flush=True)
     return True
@@ -147,6 +161,29 @@ def own_record(exc: TwinkleError, place: RankPlace, board: ErrorBoard) -> Failur
         return FailureRecord(place.rank, error, line, True, time.time())
     line = f"twinkle_strategy: rank {place.rank}: {error} (traceback: {board.traceback_path(place.rank)})"
     return FailureRecord(place.rank, error, line, False, time.time())
+
+
+def foreign_record(exc: BaseException, place: RankPlace, board: ErrorBoard) -> FailureRecord:
+    """The record of an exception that is not the package's: its line is its traceback, under a line naming the
+    rank (its message alone may not say where it came from)."""
+    lines = (f"twinkle_strategy: rank {place.rank} failed; its traceback (every rank's: "
+             f"{board.traceback_path('<R>')}):\n{''.join(traceback.format_exception(exc)).rstrip()}")
+    return FailureRecord(place.rank, one_line(exc), lines, False, time.time())
+
+
+def write_torchrun_error_file(line: str) -> None:
+    """``line`` as this worker's failure in the error file torchrun gave it (``TORCHELASTIC_ERROR_FILE``, in the
+    JSON its ``@record`` writes): torchrun's failure report shows it. Nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # The report shows py_callstack; a "message" that is not a dict makes torchrun warn about its format.
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # torchrun's report then says what it says without one
 
 
 class ErrorBoard:
