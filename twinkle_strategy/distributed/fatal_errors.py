@@ -40,6 +40,7 @@ from twinkle_strategy.compat.torch_internals import default_store
 from twinkle_strategy.errors import RanksFailedError, TrainingAbortedError, TwinkleError
 
 PEER_GRACE_S = 2.0  # how long a rank whose collective failed waits for the failing peer's record
+SAID_WAIT_S = 3.0  # how long a rank whose line another rank of its node says waits for it to be said
 # What gloo and NCCL say when a peer's process ended under a collective.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 _HOOK_MARK = "_twinkle_fatal_errors"
@@ -139,6 +140,11 @@ def report(exc: BaseException, place: RankPlace, *, out=None, board: ErrorBoard 
     write_torchrun_error_file(line.splitlines()[0])
     if board.claim(place.node_rank, record.error, place.rank):
         print(line, file=out, flush=True)
+        board.mark_said(place.node_rank, record.error)
+    else:
+        # This rank ending makes torchrun stop the node's others at once (SIGTERM): the one saying the line must
+        # have said it first, or the node's terminal shows none, or half a traceback.
+        board.wait_said(place.node_rank, record.error, timeout_s=SAID_WAIT_S)
     return True
 
 
@@ -251,8 +257,21 @@ class ErrorBoard:
                 return min(found, key=lambda record: record.time) if found else None
             time.sleep(0.1)
 
+    def _said_key(self, node_rank: int, error: str) -> str:
+        return f"{self.prefix}/said/{node_rank}/{hashlib.sha1(error.encode()).hexdigest()}"
+
     def claim(self, node_rank: int, error: str, rank: int) -> bool:
         """Whether this rank is the first of its node to say the line of ``error`` (True without a store)."""
-        digest = hashlib.sha1(error.encode()).hexdigest()
-        said = f"{self.prefix}/said/{node_rank}/{digest}"
+        said = self._said_key(node_rank, error)
         return self._try(lambda: self.store.compare_set(said, "", str(rank)).decode() == str(rank), True)
+
+    def mark_said(self, node_rank: int, error: str) -> None:
+        """The claimed line of ``error`` is on the node's terminal."""
+        self._try(lambda: self.store.set(f"{self._said_key(node_rank, error)}/done", "1"), None)
+
+    def wait_said(self, node_rank: int, error: str, *, timeout_s: float) -> None:
+        """Until the rank that claimed ``error``'s line on this node has said it, at most ``timeout_s``."""
+        done = f"{self._said_key(node_rank, error)}/done"
+        deadline = time.monotonic() + timeout_s
+        while not self._try(lambda: self.store.check([done]), True) and time.monotonic() < deadline:
+            time.sleep(0.05)
