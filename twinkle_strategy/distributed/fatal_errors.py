@@ -81,7 +81,8 @@ _REPORTING = {"now": False}  # a hook of ours is handling an exception (another 
 
 
 def install(place: RankPlace) -> None:
-    """Make this package's errors end this rank in one line (see the module). A no-op on one process.
+    """Make an exception end this rank with its root cause said once per node: one line for this package's errors,
+    the traceback for another's (see the module). A no-op on one process.
 
     Called before the process group exists (errors raised before it: one line per rank, no store to agree
     through) and again once it does: torch then wraps the hook it finds with its own, and this one must come first.

@@ -150,7 +150,8 @@ def init_distributed(
 
 
 def install_error_report(env: LaunchEnv | None = None) -> None:
-    """For a process of a torchrun job: this package's errors end it in one line (:mod:`.fatal_errors`)."""
+    """For a process of a torchrun job: an exception ends it with its root cause said once per node, one line for
+    this package's errors (:mod:`.fatal_errors`)."""
     try:
         env = LaunchEnv.from_environ() if env is None else env
     except TopologyError:
