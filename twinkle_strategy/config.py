@@ -14,7 +14,7 @@ import enum
 import typing
 from typing import Any, Literal
 
-from twinkle_strategy.errors import StrategyConfigError
+from twinkle_strategy.errors import ArgumentError, StrategyConfigError, UnknownKeywordError, did_you_mean
 
 
 class MixedPrecision(str, enum.Enum):
@@ -145,12 +145,21 @@ class StrategyConfig:
         return int(self.init_bucket_mb * 2**20)
 
     def replace(self, **changes: Any) -> StrategyConfig:
+        refuse_unknown_options(changes)
         return dataclasses.replace(self, **changes)
 
 
 def _check(config: StrategyConfig, name: str, ok: bool, fix: str) -> None:
     if not ok:
         raise StrategyConfigError(name, f"{name}={getattr(config, name)!r} is not valid: {fix}")
+
+
+def refuse_unknown_options(options: typing.Mapping[str, Any]) -> None:
+    """A misspelt option (``ep_sise=2``) as one line naming the closest option, not the dataclass's TypeError."""
+    for name in options:
+        if name not in option_names():
+            hint = did_you_mean(name, option_names()) or f"the options are {', '.join(option_names())}"
+            raise UnknownKeywordError(f"NativeFSDPStrategy has no option {name}=; {hint}")
 
 
 def option_names() -> list[str]:
@@ -171,7 +180,7 @@ def parse_option(name: str, raw: Any) -> Any:
     if raw is None or (isinstance(raw, str) and raw.strip() in ("", "none", "None", "null")):
         if _optional(name):
             return None
-        raise ValueError(f"{name} needs a {kind.__name__}, got {raw!r}")
+        raise StrategyConfigError(name, f"{name} needs a {kind.__name__}, got {raw!r}")
     if kind is bool:
         return parse_bool(raw)
     return kind(raw)
@@ -186,7 +195,7 @@ def parse_bool(value: Any) -> bool:
         return value
     word = str(value).strip().lower()
     if word not in _BOOL_WORDS:
-        raise ValueError(f"expected true/false, got {value!r}")
+        raise ArgumentError(f"expected true/false, got {value!r}")
     return _BOOL_WORDS[word]
 
 

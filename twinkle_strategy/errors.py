@@ -11,6 +11,7 @@ plugin's in :mod:`twinkle_strategy.integrations.swift.errors`, subclasses of the
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable
 
 
@@ -26,6 +27,25 @@ class StrategyConfigError(TwinkleError):
         super().__init__(reason)
         self.key = key
         self.reason = reason
+
+
+class ArgumentError(TwinkleError):
+    """An argument of one of the package's functions with a value that cannot work (not a strategy option: those
+    are :class:`StrategyConfigError`); the message names the argument and the fix."""
+
+
+class ArgumentTypeError(ArgumentError, TypeError):
+    """An argument of a type the function cannot use; a TypeError too, as Python's own error for it is."""
+
+
+class UnknownKeywordError(ArgumentTypeError):
+    """A keyword argument the function or class does not take (a misspelt option), named with the closest one it
+    does; a TypeError, as Python's own "unexpected keyword argument" is."""
+
+
+class CallOrderError(TwinkleError, RuntimeError):
+    """A method called before what it needs has run (routing replay before ``wrap_model``); a RuntimeError too,
+    as it was before it became one of the package's errors."""
 
 
 class TopologyError(TwinkleError):
@@ -106,6 +126,13 @@ class OutputDirNotSharedError(TwinkleError):
 
 class PlanInputError(TwinkleError):
     """A memory plan cannot be made from what it was given (a missing config.json, a size it cannot read)."""
+
+
+def did_you_mean(name: str, known: Iterable[str], *, prefix: str = "") -> str:
+    """``did you mean <prefix><closest>?`` for the name in ``known`` closest to a misspelt ``name``, or "" when none
+    is close (difflib's ratio at least 0.6): the hint of every "unknown option / flag / keyword" message."""
+    close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+    return f"did you mean {prefix}{close[0]}?" if close else ""
 
 
 def shorten(items: Iterable[object], n: int, sep: str = ", ") -> str:

@@ -12,7 +12,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from twinkle_strategy.compat.transformers_internals import no_split_modules
 from twinkle_strategy.config import MixedPrecision
 from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
-from twinkle_strategy.errors import ModelStructureError
+from twinkle_strategy.errors import CallOrderError, ModelStructureError, StrategyConfigError
 from twinkle_strategy.parallel import Meshes
 
 _NO_MIXED_PRECISION = {None, MixedPrecision.NO, "fp32", "float32"}
@@ -28,13 +28,15 @@ def mixed_precision_policy(mixed_precision: MixedPrecision | str | None, *,
     gets the same gradients whatever ``reduce_dtype`` says.
     """
     if reduce_dtype not in FLOAT_DTYPES:
-        raise ValueError(f"reduce_dtype={reduce_dtype!r} is not supported; use 'float32', 'bfloat16' or 'float16'")
+        raise StrategyConfigError(
+            "reduce_dtype", f"reduce_dtype={reduce_dtype!r} is not supported; use 'float32', 'bfloat16' or 'float16'"
+        )
     reduce = FLOAT_DTYPES[reduce_dtype]
     if mixed_precision in _NO_MIXED_PRECISION:
         return MixedPrecisionPolicy() if reduce == torch.float32 else MixedPrecisionPolicy(reduce_dtype=reduce)
     if mixed_precision not in FLOAT_DTYPES:
-        raise ValueError(
-            f"mixed_precision={mixed_precision!r} is not supported; use 'bf16', 'fp16' or 'no'"
+        raise StrategyConfigError(
+            "mixed_precision", f"mixed_precision={mixed_precision!r} is not supported; use 'bf16', 'fp16' or 'no'"
         )
     return MixedPrecisionPolicy(param_dtype=FLOAT_DTYPES[mixed_precision], reduce_dtype=reduce)
 
@@ -187,7 +189,7 @@ def rebind_optimizer(optimizer, names_by_param: dict[int, str], model: nn.Module
     """Point ``optimizer`` at ``model``'s sharded parameters (``names_by_param``: id of each parameter it was built
     with -> its name): its class, hyper-parameters and groups stay as the user built them."""
     if len(optimizer.state) > 0:
-        raise ValueError(
+        raise CallOrderError(
             "wrap_model got an optimizer that has already stepped; its state belongs to the unsharded "
             "parameters. Create the optimizer before training, or load its state after wrap_model"
         )

@@ -32,7 +32,7 @@ from torch import nn
 from twinkle_strategy.checkpoint.merged_export import MergedFormat, save_merged
 from twinkle_strategy.checkpoint.training import save_pretrained
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
-from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.config import StrategyConfig, refuse_unknown_options
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
 from twinkle_strategy.distributed.runtime import install_error_report
@@ -65,6 +65,8 @@ class NativeFSDPStrategy:
     """
 
     def __init__(self, config: StrategyConfig | None = None, /, **options: Any) -> None:
+        install_error_report()  # a bad option below is one line per rank too, as every later refusal is
+        refuse_unknown_options(options)
         if config is not None and options:
             config = config.replace(**options)
         self.config = config if config is not None else StrategyConfig(**options)

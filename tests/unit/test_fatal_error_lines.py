@@ -82,12 +82,9 @@ def test_a_refusal_every_rank_makes_is_one_line_per_node(board):
     assert lines[2].startswith("twinkle_strategy: rank 2: ConflictingShardingError: ")
 
 
-def test_other_errors_keep_their_traceback_without_waiting(board, tmp_path):
-    """No package error recorded: a user's own error, and even a lost connection, go to the previous hook."""
+def test_a_lost_connection_nobody_explains_keeps_its_traceback(board, tmp_path):
+    """No error recorded: a lost connection, and Ctrl-C, go to the previous hook."""
     place = RankPlace(rank=0, world_size=4, node_rank=0)
-    start = time.monotonic()
-    assert not report(raised(KeyError("a user's bug")), place, out=io.StringIO(), board=board)
-    assert time.monotonic() - start < 1  # only a stranded rank waits for its peer's record
     assert not report(raised(PEER_GONE), place, out=io.StringIO(), board=board)
     assert not report(KeyboardInterrupt(), place, out=io.StringIO(), board=board)
     assert not os.path.exists(board.traceback_path(0))
@@ -95,6 +92,43 @@ def test_other_errors_keep_their_traceback_without_waiting(board, tmp_path):
     out = io.StringIO()
     assert report(raised(CheckpointError("model.safetensors: truncated")), place, out=out, board=board)
     assert out.getvalue().startswith("twinkle_strategy: rank 0: CheckpointError: model.safetensors: truncated")
+
+
+def test_a_foreign_error_is_its_traceback_once_per_node_and_one_line_where_it_stranded_a_rank(board):
+    """A user's (or TRL's) own error (issue 47: a reward function with the wrong signature printed 151 lines): its
+    traceback once per node, said without waiting, and the ranks it stranded name it in one line."""
+    bug = KeyError("a user's bug")
+    start = time.monotonic()
+    first = said(board, bug, rank=1, node=0)
+    assert time.monotonic() - start < 1  # only a stranded rank waits for its peer's record
+    lines = first.splitlines()
+    assert lines[0] == f"twinkle_strategy: rank 1 failed; its traceback (every rank's: {board.traceback_path('<R>')}):"
+    assert lines[1] == "Traceback (most recent call last):" and lines[-1] == 'KeyError: "a user\'s bug"', first
+    assert first.count("Traceback (most recent call last)") == 1 and "[rank" not in first
+    assert said(board, bug, rank=0, node=0) == ""  # the same error on the same node: said already
+    assert said(board, PEER_GONE, rank=2, node=1) == (f"twinkle_strategy: rank 2 stopped because rank 1 failed: "
+                                                      f"KeyError: \"a user's bug\" (tracebacks: "
+                                                      f"{board.traceback_path('<R>')})\n")
+    assert said(board, bug, rank=3, node=1) == ""  # node 1's terminal names it already
+    for rank in range(4):
+        assert "Traceback (most recent call last)" in open(board.traceback_path(rank)).read()
+
+
+def test_torchruns_failure_report_gets_the_ranks_line(board, tmp_path, monkeypatch):
+    """Under torchrun each failed rank writes its line where torchrun's agent reads the worker's failure from, as
+    its ``@record`` would: torchrun's report then shows the line, not a link to its docs."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    refusal = ConflictingShardingError("TrainingArguments.deepspeed: drop it")
+    line = said(board, refusal, rank=0, node=0)
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=1, error_file=str(error_file))
+    assert failure.message["extraInfo"]["py_callstack"] == line.rstrip("\n")
+    assert said(board, KeyError("late"), rank=1, node=0) == ""  # a peer's error came first: rank 1 names it
+    assert ProcessFailure(local_rank=1, pid=2, exitcode=1, error_file=str(error_file)).message["message"] == (
+        f"twinkle_strategy: rank 1 stopped because rank 0 failed: ConflictingShardingError: {refusal} "
+        f"(tracebacks: {board.traceback_path('<R>')})")
 
 
 def test_without_a_store_each_rank_says_its_own_line(tmp_path, monkeypatch):
@@ -129,9 +163,14 @@ def test_the_hook_installed_before_and_after_torchs_reports_once(tmp_path, monke
     monkeypatch.setattr(sys, "excepthook", torch_hook)
     fatal_errors.install(place)
     fatal_errors.install(place)  # idempotent
-    error = raised(KeyError("a user's bug"))
-    sys.excepthook(type(error), error, error.__traceback__)
+    lost = raised(PEER_GONE)  # no peer recorded why: Python's hook shows it
+    sys.excepthook(type(lost), lost, lost.__traceback__)
     assert calls == ["report", "torch", "python"]  # looked at once, by the outer hook
+    calls.clear()
+    error = raised(KeyError("a user's bug"))  # the user's own error: its traceback, said by the outer hook
+    sys.excepthook(type(error), error, error.__traceback__)
+    assert calls == ["report"]
+    assert capsys.readouterr().err.startswith("twinkle_strategy: rank 1 failed; its traceback (every rank's: ")
     calls.clear()
     refusal = raised(ConflictingShardingError("TrainingArguments.deepspeed: drop it"))
     sys.excepthook(type(refusal), refusal, refusal.__traceback__)

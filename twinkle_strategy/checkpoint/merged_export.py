@@ -50,6 +50,7 @@ from twinkle_strategy.checkpoint.save_plan import (
 from twinkle_strategy.checkpoint.training import SaveKind, SaveSources, declare, save_pretrained
 from twinkle_strategy.checkpoint.writing import DEFAULT_MAX_FILE_BYTES, plan_model_files
 from twinkle_strategy.compat.torch_internals import replace_local_tensor
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.formats import QuantFormat, QuantizedIndex, quant_format
 
@@ -86,10 +87,10 @@ def save_merged(model: nn.Module, directory: str, *, ep_plan: ExpertParallelPlan
     merged_format = MergedFormat(merged_format)
     if merged_format == MergedFormat.RELEASE and (release is None or not os.path.isfile(
             os.path.join(release, "config.json"))):
-        raise ValueError(f"save_merged(merged_format='release') needs release= the local directory of the "
+        raise ArgumentError(f"save_merged(merged_format='release') needs release= the local directory of the "
                          f"quantized release the model was loaded from (got {release!r})")
     if not is_peft_model(model):
-        raise ValueError("save_merged takes a PEFT model (its adapters are what is merged); "
+        raise ArgumentError("save_merged takes a PEFT model (its adapters are what is merged); "
                          "save a full model with save_pretrained")
     merged = merge_adapters(model, ep_plan)
     if merged_format == MergedFormat.BF16:

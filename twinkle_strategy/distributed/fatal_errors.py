@@ -1,4 +1,4 @@
-"""What a rank prints when one of this package's errors ends it: one line, the root cause first.
+"""What a rank prints when an exception ends it: the root cause first, once per node.
 
 Left to Python (and to torch.distributed's excepthook, which prefixes each line with ``[rank<R>]: ``), an error
 on one rank of a ``torchrun`` job prints a traceback on every rank: the rank that failed, and each peer whose
@@ -14,8 +14,15 @@ under a plain ``torchrun`` gets it: HF Trainer, TRL, a user's script) replaces t
   a node's terminal shows its own ranks' output, and every node's terminal names the cause; a refusal that
   every rank makes on its own is one line, not one per rank.
 
-Every rank's traceback is in ``<temp dir>/twinkle-errors-<job>/rank<R>.txt``. Any other exception, when no peer
-recorded one of ours, keeps the hook that was there (Python's, or torch's).
+An exception that is not the package's (the user's code, TRL's, transformers') is a cause too, but its message
+alone may not say where it came from: the first rank of a node to claim it prints its traceback (Python's own,
+under one line naming the rank), the node's other ranks that raised the same print nothing more, and a rank it
+stranded names it in one line as above. Only a lost connection that no peer recorded a cause for keeps the hook
+that was there (Python's, or torch's).
+
+Every rank's traceback is in ``<temp dir>/twinkle-errors-<job>/rank<R>.txt``. Under torchrun each failed rank also
+writes its line to the error file torchrun gave it (``TORCHELASTIC_ERROR_FILE``): torchrun's failure report, which
+its agent prints after the workers end whatever they do, then names that line instead of a link to its docs.
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from twinkle_strategy.compat.torch_internals import default_store
 from twinkle_strategy.errors import RanksFailedError, TrainingAbortedError, TwinkleError
 
 PEER_GRACE_S = 2.0  # how long a rank whose collective failed waits for the failing peer's record
+SAID_WAIT_S = 3.0  # how long a rank whose line another rank of its node says waits for it to be said
 # What gloo and NCCL say when a peer's process ended under a collective.
 PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited")
 _HOOK_MARK = "_twinkle_fatal_errors"
@@ -73,7 +81,8 @@ _REPORTING = {"now": False}  # a hook of ours is handling an exception (another 
 
 
 def install(place: RankPlace) -> None:
-    """Make this package's errors end this rank in one line (see the module). A no-op on one process.
+    """Make an exception end this rank with its root cause said once per node: one line for this package's errors,
+    the traceback for another's (see the module). A no-op on one process.
 
     Called before the process group exists (errors raised before it: one line per rank, no store to agree
     through) and again once it does: torch then wraps the hook it finds with its own, and this one must come first.
@@ -102,29 +111,41 @@ def install(place: RankPlace) -> None:
 
 
 def report(exc: BaseException, place: RankPlace, *, out=None, board: ErrorBoard | None = None) -> bool:
-    """Write ``exc``'s traceback to its file and print its line (at most one) on ``out`` (stderr); False where
-    ``exc`` is not for this module (not ours, and no peer recorded one of ours): the caller's hook prints it."""
+    """Write ``exc``'s traceback to its file and print what this rank says of it on ``out`` (stderr): one line, or
+    for an error not the package's its traceback under one; nothing where its node said it already. False where
+    ``exc`` is not for this module (a lost connection no peer recorded a cause for, Ctrl-C, sys.exit): the
+    caller's hook prints it."""
     if not isinstance(exc, Exception):  # Ctrl-C, sys.exit: as Python shows them
         return False
     out = sys.stderr if out is None else out
     board = ErrorBoard.of_job() if board is None else board
-    ours = isinstance(exc, TwinkleError)
-    if ours and not stopped_by_peer(exc, place.rank):
+    ours, stranded = isinstance(exc, TwinkleError), stopped_by_peer(exc, place.rank)
+    if ours and not stranded:
         record = own_record(exc, place, board)
         board.publish(record)  # before this process ends: the peers it strands look it up
     else:
         # Only a rank a peer stranded waits for that peer's record; any other error is looked up once.
-        grace_s = PEER_GRACE_S if stopped_by_peer(exc, place.rank) else 0.0
-        record = board.first_failure(not_rank=place.rank, grace_s=grace_s)
-        if record is None and not ours:
-            return False
+        record = board.first_failure(not_rank=place.rank, grace_s=PEER_GRACE_S if stranded else 0.0)
+        if record is None and stranded and not ours:
+            return False  # a lost connection, and no peer said why: as Python (or torch) shows it
+        # The user's, TRL's, transformers': a cause of its own, unless a peer recorded another error first (this one
+        # may be its consequence, e.g. a collective's timeout). The same error a peer raised, this rank raised too.
+        if not ours and not stranded and (record is None or record.error == one_line(exc)):
+            record = foreign_record(exc, place, board)
+            board.publish(record)
         record = record or own_record(exc, place, board)
     board.write_traceback(place, exc)
     line = record.line if record.rank == place.rank or record.collective else (
         f"twinkle_strategy: rank {place.rank} stopped because rank {record.rank} failed: {record.error} "
         f"(tracebacks: {board.traceback_path('<R>')})")
+    write_torchrun_error_file(line.splitlines()[0])
     if board.claim(place.node_rank, record.error, place.rank):
         print(line, file=out, flush=True)
+        board.mark_said(place.node_rank, record.error)
+    else:
+        # This rank ending makes torchrun stop the node's others at once (SIGTERM): the one saying the line must
+        # have said it first, or the node's terminal shows none, or half a traceback.
+        board.wait_said(place.node_rank, record.error, timeout_s=SAID_WAIT_S)
     return True
 
 
@@ -147,6 +168,29 @@ def own_record(exc: TwinkleError, place: RankPlace, board: ErrorBoard) -> Failur
         return FailureRecord(place.rank, error, line, True, time.time())
     line = f"twinkle_strategy: rank {place.rank}: {error} (traceback: {board.traceback_path(place.rank)})"
     return FailureRecord(place.rank, error, line, False, time.time())
+
+
+def foreign_record(exc: BaseException, place: RankPlace, board: ErrorBoard) -> FailureRecord:
+    """The record of an exception that is not the package's: its line is its traceback, under a line naming the
+    rank (its message alone may not say where it came from)."""
+    lines = (f"twinkle_strategy: rank {place.rank} failed; its traceback (every rank's: "
+             f"{board.traceback_path('<R>')}):\n{''.join(traceback.format_exception(exc)).rstrip()}")
+    return FailureRecord(place.rank, one_line(exc), lines, False, time.time())
+
+
+def write_torchrun_error_file(line: str) -> None:
+    """``line`` as this worker's failure in the error file torchrun gave it (``TORCHELASTIC_ERROR_FILE``, in the
+    JSON its ``@record`` writes): torchrun's failure report shows it. Nothing outside torchrun."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    # The report shows py_callstack; a "message" that is not a dict makes torchrun warn about its format.
+    data = {"message": {"message": line, "extraInfo": {"py_callstack": line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass  # torchrun's report then says what it says without one
 
 
 class ErrorBoard:
@@ -214,8 +258,21 @@ class ErrorBoard:
                 return min(found, key=lambda record: record.time) if found else None
             time.sleep(0.1)
 
+    def _said_key(self, node_rank: int, error: str) -> str:
+        return f"{self.prefix}/said/{node_rank}/{hashlib.sha1(error.encode()).hexdigest()}"
+
     def claim(self, node_rank: int, error: str, rank: int) -> bool:
         """Whether this rank is the first of its node to say the line of ``error`` (True without a store)."""
-        digest = hashlib.sha1(error.encode()).hexdigest()
-        said = f"{self.prefix}/said/{node_rank}/{digest}"
+        said = self._said_key(node_rank, error)
         return self._try(lambda: self.store.compare_set(said, "", str(rank)).decode() == str(rank), True)
+
+    def mark_said(self, node_rank: int, error: str) -> None:
+        """The claimed line of ``error`` is on the node's terminal."""
+        self._try(lambda: self.store.set(f"{self._said_key(node_rank, error)}/done", "1"), None)
+
+    def wait_said(self, node_rank: int, error: str, *, timeout_s: float) -> None:
+        """Until the rank that claimed ``error``'s line on this node has said it, at most ``timeout_s``."""
+        done = f"{self._said_key(node_rank, error)}/done"
+        deadline = time.monotonic() + timeout_s
+        while not self._try(lambda: self.store.check([done]), True) and time.monotonic() < deadline:
+            time.sleep(0.05)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from twinkle_strategy import log
 from twinkle_strategy.distributed import fatal_errors
-from twinkle_strategy.errors import TopologyError
+from twinkle_strategy.errors import StrategyConfigError, TopologyError
 
 # Backend that goes with each device type. Ascend's HCCL only exists when
 # torch_npu is installed; it registers the "npu" device type on import.
@@ -43,8 +43,8 @@ def detect_device_type(requested: str | None = None) -> str:
     requested = requested or os.environ.get("TWINKLE_DEVICE")
     if requested:
         if requested not in _BACKEND_FOR_DEVICE:
-            raise ValueError(
-                f"device {requested!r} is not supported; use one of {sorted(_BACKEND_FOR_DEVICE)}"
+            raise StrategyConfigError(
+                "device_type", f"device {requested!r} is not supported; use one of {sorted(_BACKEND_FOR_DEVICE)}"
             )
         return requested
     if torch.cuda.is_available():
@@ -150,7 +150,8 @@ def init_distributed(
 
 
 def install_error_report(env: LaunchEnv | None = None) -> None:
-    """For a process of a torchrun job: this package's errors end it in one line (:mod:`.fatal_errors`)."""
+    """For a process of a torchrun job: an exception ends it with its root cause said once per node, one line for
+    this package's errors (:mod:`.fatal_errors`)."""
     try:
         env = LaunchEnv.from_environ() if env is None else env
     except TopologyError:

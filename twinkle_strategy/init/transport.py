@@ -20,6 +20,7 @@ import torch.distributed as dist
 from twinkle_strategy.config import INIT_TRANSPORTS, InitTransport
 from twinkle_strategy.distributed import messages
 from twinkle_strategy.distributed.node import NodeLink, max_over_node
+from twinkle_strategy.errors import StrategyConfigError
 from twinkle_strategy.init import send_pool
 from twinkle_strategy.init.streams import StreamReader, StreamWriter
 
@@ -83,7 +84,7 @@ def move_streams(
     if node.group is None or node.topology.local_world_size == 1:
         return Outcome()
     if kind not in TRANSPORTS:
-        raise ValueError(f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
+        raise StrategyConfigError("init_transport", f"unknown init transport {kind!r}; choose one of {TRANSPORTS}")
     move = _move_p2p if kind == InitTransport.P2P else _move_scatter
     return move(readers, writer, node=node, bucket_bytes=bucket_bytes, stats=stats, progress=progress,
                 between_rounds=between_rounds)

@@ -19,6 +19,7 @@ import dataclasses
 
 from torch import nn
 
+from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.moe.contracts import ExpertsContract, read_contract
 from twinkle_strategy.moe.expert_axis import ExpertAxis
 
@@ -89,7 +90,7 @@ def _expert_tensors(experts_fqn: str, outer: nn.Module, contract: ExpertsContrac
             found.append(ExpertTensor(lora_b, "weight", ExpertAxis(1, num, rank, 1, zero),
                                       f"{prefix}.lora_B.{adapter}.weight"))
             if getattr(lora_b, "bias", None) is not None:
-                raise ValueError(f"{prefix}: LoRA bias on expert parameters cannot be split across EP ranks")
+                raise ModelStructureError(f"{prefix}: LoRA bias on expert parameters cannot be split across EP ranks")
         prefix = f"{prefix}.base_layer"
     for attr, param in inner.named_parameters(recurse=False):
         # read_contract checked that dim 0 holds the routed experts, plus the zero-computation ones for some.

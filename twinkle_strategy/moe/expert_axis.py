@@ -27,6 +27,8 @@ import dataclasses
 
 import torch
 
+from twinkle_strategy.errors import ParallelConfigError
+
 
 @dataclasses.dataclass(frozen=True)
 class ExpertAxis:
@@ -40,7 +42,7 @@ class ExpertAxis:
         """How many zero-expert slots go with ``count`` routed experts."""
         share, remainder = divmod(count * self.zero_experts, self.num_experts)
         if remainder:
-            raise ValueError(
+            raise ParallelConfigError(
                 f"{count} of {self.num_experts} routed experts do not carry a whole share of the "
                 f"{self.zero_experts} zero-computation experts; the EP size must divide both"
             )

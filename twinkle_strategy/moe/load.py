@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.moe.contracts import CallKind
 from twinkle_strategy.moe.discovery import find_moe_blocks
 from twinkle_strategy.moe.recompute import is_replaying
@@ -34,7 +35,7 @@ class ExpertLoad:
         """``ep_size``: the expert parallelism ``model`` is already cut by (1 before ``wrap_model``)."""
         blocks = find_moe_blocks(model)
         if not blocks:
-            raise ValueError(f"{type(model).__name__} has no MoE block: there is no expert load to count")
+            raise ModelStructureError(f"{type(model).__name__} has no MoE block: there is no expert load to count")
         sizes = [block.num_experts * ep_size for block in blocks]  # EP leaves each block its local count
         self.num_layers, self.num_experts = len(blocks), max(sizes)
         self.counts: torch.Tensor | None = None

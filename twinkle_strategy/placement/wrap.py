@@ -19,6 +19,7 @@ from torch import nn
 
 from twinkle_strategy.config import LoraExperts, StrategyConfig
 from twinkle_strategy.distributed.node import NodeLink
+from twinkle_strategy.errors import CallOrderError
 from twinkle_strategy.fsdp import apply_fsdp, mixed_precision_policy, rebind_optimizer
 from twinkle_strategy.init.capture import (
     Capture,
@@ -62,7 +63,7 @@ def wrap_for_training(model: nn.Module, optimizer: torch.optim.Optimizer | None,
         capture = capture_state(model) if place.topology.is_source else None
         move_to_meta(model)
     elif any(p.is_meta for p in model.parameters()):
-        raise ValueError("wrap_model got a model on the meta device; load it with strategy.from_pretrained "
+        raise CallOrderError("wrap_model got a model on the meta device; load it with strategy.from_pretrained "
                          "or set memory_efficient_init=True")
     if config.lora_experts == LoraExperts.ACTIVATIONS:
         # Before EP: its class is swapped on top, so it dispatches and the local experts compute LoRA this way.

@@ -31,7 +31,7 @@ from torch import nn
 from twinkle_strategy.compat import torch_internals as th
 from twinkle_strategy.config import LoraExperts
 from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
-from twinkle_strategy.errors import PlanInputError
+from twinkle_strategy.errors import ModelStructureError, PlanInputError
 from twinkle_strategy.moe.class_swap import swap_class
 from twinkle_strategy.moe.discovery import unwrap_experts
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
@@ -159,7 +159,7 @@ def _layer_list(model: nn.Module, layers: list[nn.Module]) -> tuple[nn.Module, s
         for name, child in module.named_children():
             if isinstance(child, nn.ModuleList) and any(m is first for m in child):
                 return module, name
-    raise ValueError(f"{type(model).__name__}: no ModuleList holds its decoder layers; the plan cannot trace it")
+    raise ModelStructureError(f"{type(model).__name__}: no ModuleList holds its decoder layers; the plan cannot trace it")
 
 
 def _to_fake(model: nn.Module, request: PlanRequest, mode) -> None:

@@ -13,6 +13,7 @@ from torch import nn
 
 from twinkle_strategy.checkpoint.merged_export import MergedFormat
 from twinkle_strategy.checkpoint.training import is_peft_model
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.rl.export_plan import EngineExperts, OneReceiver
 from twinkle_strategy.rl.export_release import release_tensors
@@ -45,7 +46,7 @@ def export_weights(model: nn.Module, ep_plan: ExpertParallelPlan | None, *, buck
     in_release = merged_format == MergedFormat.RELEASE
     if in_release and (lora != LoraExport.MERGED or not isinstance(receivers, OneReceiver)
                        or not is_peft_model(model)):
-        raise ValueError("merged_format='release' exports a LoRA model's merged weights (lora='merged') to one "
+        raise ArgumentError("merged_format='release' exports a LoRA model's merged weights (lora='merged') to one "
                          f"receiver (OneReceiver); got lora='{lora.value}', receivers={receivers}"
                          + ("" if is_peft_model(model) else ", and a model without adapters"))
     source = export_source(model, ep_plan, lora=lora, dtype=dtype)

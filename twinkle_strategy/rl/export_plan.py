@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from twinkle_strategy.errors import ArgumentError
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorPlan:
@@ -68,7 +70,7 @@ class EngineExperts:
 
     def __post_init__(self):
         if not self.ranks or len(set(self.ranks)) != len(self.ranks):
-            raise ValueError(f"EngineExperts(ranks={self.ranks}) needs one distinct trainer rank per engine rank")
+            raise ArgumentError(f"EngineExperts(ranks={self.ranks}) needs one distinct trainer rank per engine rank")
 
 
 def _rows_bytes(spec: TensorPlan, rows: tuple[int, int] | None) -> int:
@@ -100,7 +102,7 @@ def plan_items(specs: list[TensorPlan], *, bucket_bytes: int, receivers: OneRece
                 if not spec.by_experts or spec.experts % n:
                     why = ("its checkpoint stores the experts fused, not per expert" if not spec.by_experts
                            else f"its {spec.experts} experts do not divide over {n} engine ranks")
-                    raise ValueError(f"EngineExperts cannot give each of {n} engine ranks its experts of tensor "
+                    raise ArgumentError(f"EngineExperts cannot give each of {n} engine ranks its experts of tensor "
                                      f"'{spec.name or i}' {spec.shape}: {why}; use OneReceiver and let the engine "
                                      "cut the experts")
                 lo, hi = _experts_range(spec, j, n)

@@ -29,7 +29,7 @@ from twinkle_strategy.checkpoint.merged_export import release_rewrite, untouched
 from twinkle_strategy.checkpoint.reading import SafetensorsIndex
 from twinkle_strategy.distributed.fail_together import raise_together
 from twinkle_strategy.distributed.messages import collective_device
-from twinkle_strategy.errors import WeightSyncError
+from twinkle_strategy.errors import ArgumentError, WeightSyncError
 from twinkle_strategy.quantized.formats import quant_format
 
 
@@ -70,7 +70,7 @@ def release_tensors(model: nn.Module, layout, merged: set[str], *, release: str 
     if here:
         try:
             if release is None:
-                raise ValueError("merged_format='release' needs release= the local directory of the quantized "
+                raise ArgumentError("merged_format='release' needs release= the local directory of the quantized "
                                  "release the model was loaded from")
             from transformers import AutoConfig
 

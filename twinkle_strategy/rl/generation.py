@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from twinkle_strategy.errors import ModelStructureError
 from twinkle_strategy.rl.replay import RoutingHooks
 
 
@@ -48,7 +49,7 @@ def generate(model: nn.Module, hooks: RoutingHooks | None, *, input_ids: torch.T
         kwargs = {**kwargs, "max_new_tokens": 1, "min_new_tokens": 0}
         kwargs.pop("max_length", None)
     if return_routing and hooks is None:
-        raise ValueError("generate(return_routing=True) needs a model whose routing can be recorded")
+        raise ModelStructureError("generate(return_routing=True) needs a model whose routing can be recorded")
     recording = hooks.recording() if return_routing else contextlib.nullcontext()
     _settle_fsdp_root(model, ids[:1, :1])
     with recording as recorder, _root_unsharded(model):

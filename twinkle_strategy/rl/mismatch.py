@@ -17,6 +17,7 @@ import dataclasses
 import torch
 import torch.distributed as dist
 
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.rl.record import NOT_RECORDED
 
 
@@ -41,7 +42,7 @@ def logprob_mismatch(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Ten
     """The mismatch over the tokens where ``mask`` (completion tokens; default all) is set, ``[batch, completion]``
     each; None when no token was compared (on any rank)."""
     if trainer_logprobs.shape != rollout_logprobs.shape:
-        raise ValueError(f"logprob_mismatch: trainer logprobs {list(trainer_logprobs.shape)} and rollout logprobs "
+        raise ArgumentError(f"logprob_mismatch: trainer logprobs {list(trainer_logprobs.shape)} and rollout logprobs "
                          f"{list(rollout_logprobs.shape)} must have the same shape [batch, completion tokens]")
     mask = torch.ones_like(trainer_logprobs, dtype=torch.bool) if mask is None else mask.bool()
     log_ratio = (trainer_logprobs.detach().float() - rollout_logprobs.detach().float()).masked_fill(~mask, 0.0)
@@ -57,7 +58,7 @@ def routing_disagreement(reference: torch.Tensor, routed: torch.Tensor, *, mask:
     """The share of (token, layer) decisions where ``routed``'s expert set differs from ``reference``'s (records
     ``[..., layers, top_k]`` alike), over the tokens where ``mask`` (``[...]``) is set and both have a record."""
     if reference.shape != routed.shape:
-        raise ValueError(f"routing_disagreement: records of shapes {list(reference.shape)} and {list(routed.shape)}")
+        raise ArgumentError(f"routing_disagreement: records of shapes {list(reference.shape)} and {list(routed.shape)}")
     compared = (reference != NOT_RECORDED).all(-1) & (routed != NOT_RECORDED).all(-1)  # [..., layers]
     if mask is not None:
         compared &= mask.bool()[..., None]

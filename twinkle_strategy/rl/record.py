@@ -19,6 +19,8 @@ from collections.abc import Sequence
 
 import torch
 
+from twinkle_strategy.errors import ArgumentError
+
 # The batch key front-ends pass a record under (the name vLLM and SGLang give it), and the id of no record.
 from twinkle_strategy.sequence.batch import NOT_RECORDED, ROUTED_EXPERTS
 
@@ -30,11 +32,11 @@ def pad_records(records: Sequence[torch.Tensor], *, length: int | None = None,
     """``[batch, length, layers, top_k]`` from each sequence's ``[tokens, layers, top_k]``, padded with -1 on
     ``padding_side`` (the tokenizer's), as their ``input_ids`` are padded."""
     if padding_side not in ("left", "right"):
-        raise ValueError(f"padding_side is 'left' or 'right', not {padding_side!r}")
+        raise ArgumentError(f"padding_side is 'left' or 'right', not {padding_side!r}")
     longest = max(r.shape[0] for r in records)
     length = longest if length is None else length
     if length < longest:
-        raise ValueError(f"pad_records: length={length} is shorter than the longest record ({longest} tokens)")
+        raise ArgumentError(f"pad_records: length={length} is shorter than the longest record ({longest} tokens)")
     layers, top_k = records[0].shape[1:]
     out = torch.full((len(records), length, layers, top_k), NOT_RECORDED, dtype=torch.long)
     for row, record in enumerate(records):

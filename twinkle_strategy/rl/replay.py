@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from twinkle_strategy.errors import ModelStructureError
+from twinkle_strategy.errors import ArgumentError, CallOrderError, ModelStructureError
 from twinkle_strategy.moe.discovery import find_moe_blocks, model_family
 from twinkle_strategy.moe.recompute import carry_into_recomputation, is_replaying
 from twinkle_strategy.rl.record import NOT_RECORDED, record_problem
@@ -70,7 +70,7 @@ class RoutingRecorder:
         """``[rows, layers, top_k]`` (rows of every forward recorded, in order), or with ``like`` (the
         forward's ``input_ids``) ``[*like.shape, layers, top_k]``."""
         if any(not calls for calls in self.per_layer):
-            raise RuntimeError("routing record: no forward ran inside strategy.routing_record()")
+            raise CallOrderError("routing record: no forward ran inside strategy.routing_record()")
         record = torch.stack([torch.cat(calls) for calls in self.per_layer], dim=1)
         return record if like is None else record.reshape(*like.shape, *record.shape[1:])
 
@@ -85,7 +85,7 @@ class RoutingRecorder:
         if batch == 0:
             return torch.full((0, length, len(self.per_layer), self.top_k), NOT_RECORDED, dtype=torch.long)
         if any(not calls for calls in self.per_layer):
-            raise RuntimeError("routing record: no forward ran inside strategy.routing_record()")
+            raise CallOrderError("routing record: no forward ran inside strategy.routing_record()")
         per_layer = [torch.cat([call.view(batch, -1, call.shape[-1]) for call in calls], dim=1)
                      for calls in self.per_layer]
         fed = torch.stack(per_layer, dim=2)[:, :length - 1]
@@ -149,7 +149,7 @@ class RoutingHooks:
         self.check_served()
         problem = self.record_problem(record, input_ids)
         if problem is not None:
-            raise ValueError(problem)
+            raise ArgumentError(problem)
         rows = record.reshape(-1, self.num_layers, self.top_k).to(device=input_ids.device, dtype=torch.long)
         state = dataclasses.replace(self._current(), replay=rows, used=[None] * self.num_layers)
         token = _CURRENT.set(state)
@@ -213,7 +213,7 @@ class RoutingHooks:
         if state.replay is not None:
             forced = state.replay[:, index]
             if forced.shape[0] != ids.shape[0]:
-                raise ValueError(f"routing replay: {self.layers[index].name} routes {ids.shape[0]} tokens but the "
+                raise ArgumentError(f"routing replay: {self.layers[index].name} routes {ids.shape[0]} tokens but the "
                                  f"record has {forced.shape[0]}; replay a record inside the forward of its batch")
             recorded = (forced != NOT_RECORDED).all(dim=-1, keepdim=True)
             ids_own = ids

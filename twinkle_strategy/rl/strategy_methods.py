@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from twinkle_strategy.distributed.fail_together import raise_together
-from twinkle_strategy.errors import RoutingRecordError
+from twinkle_strategy.errors import CallOrderError, RoutingRecordError
 from twinkle_strategy.rl.generation import generate
 from twinkle_strategy.rl.record import ROUTED_EXPERTS
 from twinkle_strategy.rl.replay import RoutingHooks
@@ -22,7 +22,7 @@ from twinkle_strategy.rl.replay import RoutingHooks
 def served_hooks(routing: RoutingHooks | None) -> RoutingHooks:
     """``routing``, checked: the model is wrapped and its routers can replay (else one clear error)."""
     if routing is None:
-        raise RuntimeError("routing replay needs the model: call strategy.wrap_model(model) first")
+        raise CallOrderError("routing replay needs the model: call strategy.wrap_model(model) first")
     routing.check_served()
     return routing
 

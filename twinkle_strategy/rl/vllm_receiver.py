@@ -17,6 +17,7 @@ Each stage runs on every engine worker through ``LLM.collective_rpc`` with a fun
 
 from __future__ import annotations
 
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
 
 
@@ -98,10 +99,10 @@ class VLLMReceiver:
         if self.model_type is not None:
             engine_types = set(self.llm.collective_rpc(_model_type))
             if engine_types != {self.model_type}:
-                raise ValueError(f"the vLLM engine serves model_type {sorted(engine_types)}, the export is of "
+                raise ArgumentError(f"the vLLM engine serves model_type {sorted(engine_types)}, the export is of "
                                  f"'{self.model_type}': start the engine from the trained model's own checkpoint")
         if not manifest:
-            raise ValueError("the export holds no tensor; nothing to load into the vLLM engine")
+            raise ArgumentError("the export holds no tensor; nothing to load into the vLLM engine")
         self.llm.collective_rpc(_start)
         self.started, self.buckets, self.loaded = True, 0, set()
 

@@ -25,6 +25,7 @@ import functools
 
 import torch
 
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.rl.record import NOT_RECORDED
 
 
@@ -87,7 +88,7 @@ def generate_with_routing(llm, prompts: list[list[int]], *, max_tokens: int) -> 
     from vllm.inputs import TokensPrompt
 
     if llm.llm_engine.vllm_config.cache_config.enable_prefix_caching:
-        raise ValueError("vllm_routing: start the engine with enable_prefix_caching=False (a cached prefix is not "
+        raise ArgumentError("vllm_routing: start the engine with enable_prefix_caching=False (a cached prefix is not "
                          "routed again, so its tokens would have no record)")
     (layers,) = set(llm.collective_rpc(capture_routing))  # (every worker holds the same layers)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, logprobs=0, detokenize=False)

@@ -30,7 +30,7 @@ from twinkle_strategy.checkpoint.layout import CheckpointLayout, RowMode
 from twinkle_strategy.distributed.fail_together import raise_together
 from twinkle_strategy.distributed.messages import collective_device, wait_all
 from twinkle_strategy.distributed.runtime import peak_rss_since_reset, reset_peak_rss, rss_bytes
-from twinkle_strategy.errors import WeightSyncError
+from twinkle_strategy.errors import ArgumentError, WeightSyncError
 from twinkle_strategy.moe.expert_parallel import ExpertParallelPlan
 from twinkle_strategy.quantized.kept import KeptWeight
 from twinkle_strategy.rl.export_plan import (
@@ -88,13 +88,13 @@ class WeightExport:
     def __init__(self, source: ExportSource, *, ep_plan: ExpertParallelPlan | None, bucket_bytes: int,
                  receivers: OneReceiver | EngineExperts, on_done: Callable[[], None] = lambda: None):
         if bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be positive, got {bucket_bytes}")
+            raise ArgumentError(f"bucket_bytes must be positive, got {bucket_bytes}")
         self.source, self.ep_plan = source, ep_plan
         self.tensors: list[ExportTensor] = source.tensors
         self.rank = dist.get_rank()
         outside = [r for r in receivers.ranks if not 0 <= r < dist.get_world_size()]
         if outside:
-            raise ValueError(f"receivers {receivers} name rank(s) {outside}, outside this job's "
+            raise ArgumentError(f"receivers {receivers} name rank(s) {outside}, outside this job's "
                              f"{dist.get_world_size()} ranks")
         needs = [t.region.need for t in self.tensors]
         # Who keeps which rows of every tensor (one all_gather each), and a whole-tensor gather per destination

@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from twinkle_strategy.errors import ArgumentTypeError
 from twinkle_strategy.sequence.batch import loss_tokens
 
 
@@ -41,7 +42,7 @@ def global_loss_tokens(*batches: Mapping[str, torch.Tensor], strategy: DeviceOwn
     the first position, or in a sequence-parallel chunk its ``shift_labels`` that are not -100."""
     for batch in batches:
         if not isinstance(batch, Mapping):
-            raise TypeError(f"global_loss_tokens takes the batches (dicts with labels, or split_sequence's chunks "
+            raise ArgumentTypeError(f"global_loss_tokens takes the batches (dicts with labels, or split_sequence's chunks "
                             f"with shift_labels), not a {type(batch).__name__}: whether a tensor of labels is "
                             "already shifted cannot be told; pass strategy.global_loss_tokens(*micro_batches)")
     strategy.setup()

@@ -14,6 +14,7 @@ import torch
 import transformers as tf
 from transformers import PretrainedConfig
 
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.sources.tiny import (
     ConfigBuilder,
     TinySizes,
@@ -264,7 +265,7 @@ def shrunk_default_config(model_type: str, s: TinySizes) -> PretrainedConfig:
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     if model_type not in CONFIG_MAPPING:
-        raise ValueError(f"unknown tiny model family {model_type!r}; choose one of {sorted(TINY_CONFIGS)} "
+        raise ArgumentError(f"unknown tiny model family {model_type!r}; choose one of {sorted(TINY_CONFIGS)} "
                          "or a transformers model_type")
     config_class = CONFIG_MAPPING[model_type]
     defaults = config_class().to_dict()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 
+from twinkle_strategy.errors import ArgumentError
 from twinkle_strategy.sources.tiny import build_once, build_tokenizer
 from twinkle_strategy.testing.families import VISION_LANGUAGE_FAMILIES
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint, tiny_config
@@ -118,7 +119,7 @@ def prepare_vl_demo_model(path: str, dataset_path: str, family: str = "qwen3_vl_
     class, with its processor and a tokenizer trained on ``dataset_path``'s texts. Written once to
     ``path`` (through a temporary directory, so an interrupted build leaves nothing half-written)."""
     if family not in VISION_LANGUAGE_FAMILIES:
-        raise ValueError(f"prepare_vl_demo_model: family {family!r} is not vision-language; "
+        raise ArgumentError(f"prepare_vl_demo_model: family {family!r} is not vision-language; "
                          f"choose one of {VISION_LANGUAGE_FAMILIES}")
     if os.path.exists(os.path.join(path, "config.json")):
         return path

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import difflib
 import enum
 import os
 import re
 import typing
 
 from twinkle_strategy import config
-from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.errors import TwinkleError, did_you_mean
 from twinkle_strategy.train.arguments import TrainingArguments
 from twinkle_strategy.train.recipe import Recipe, RecipeError, load_recipe
 from twinkle_strategy.train.swift_flags import SWIFT_FLAGS_NOT_TAKEN
@@ -186,8 +185,8 @@ def _unknown_flag(flag: str) -> str:
     name = flag.lstrip("-").replace("-", "_")
     if name in SWIFT_FLAGS_NOT_TAKEN:
         return f"swift's --{name} is not a twinkle-sft flag: {SWIFT_FLAGS_NOT_TAKEN[name]}"
-    close = difflib.get_close_matches(name, list(SWIFT_FLAGS), n=1, cutoff=0.6)
-    hint = f"did you mean --{close[0]}?" if close else "twinkle-sft --help lists them, and key=value sets any recipe key"
+    hint = (did_you_mean(name, SWIFT_FLAGS, prefix="--")
+            or "twinkle-sft --help lists them, and key=value sets any recipe key")
     return f"unknown flag {flag}; {hint}"
 
 
@@ -260,8 +259,7 @@ def check_value(key: str, value: str, flag: str | None) -> None:
     types = _schema_types()
     if key not in types:
         if flag is None:
-            close = difflib.get_close_matches(key, list(types), n=1, cutoff=0.6)
-            hint = f"did you mean {close[0]}?" if close else "the recipe keys are the fields of yaml/demo.yaml"
+            hint = did_you_mean(key, types) or "the recipe keys are the fields of yaml/demo.yaml"
             raise RecipeError(f"unknown recipe key {key!r} in {key}={value}; {hint}")
         return
     hint, _ = types[key]

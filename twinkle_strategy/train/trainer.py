@@ -43,6 +43,7 @@ from twinkle_strategy.step.resume import restore_step
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import OptimizerName, TrainingArguments
 from twinkle_strategy.train.data import StepSampler
+from twinkle_strategy.train.errors import RecipeError
 from twinkle_strategy.train.log_lines import lines_above, log_entry, print_line
 from twinkle_strategy.train.metrics import StepWindow
 from twinkle_strategy.train.packing import DataCollatorForPacking, prepare_for_packed_batches
@@ -137,7 +138,7 @@ class Trainer:
         args = self.args
         trainable = [p for p in self.model.parameters() if p.requires_grad]
         if not trainable:
-            raise ValueError("the model has no trainable parameters")
+            raise RecipeError("the model has no trainable parameters")
         # Fused by default (HF Trainer's adamw_torch_fused, torchtitan's default): one kernel per device and dtype
         # instead of a chain of foreach ops, the same state either way (args.optim chooses; see OptimizerName).
         self.optimizer = torch.optim.AdamW(trainable, lr=args.learning_rate, weight_decay=args.weight_decay,
@@ -158,7 +159,7 @@ class Trainer:
         per_step = args.per_device_train_batch_size * world * args.gradient_accumulation_steps
         sampler = StepSampler(len(self.train_dataset), per_step=per_step, seed=args.seed)
         if sampler.steps_per_epoch == 0:
-            raise ValueError(
+            raise RecipeError(
                 f"the dataset has {len(self.train_dataset)} examples, fewer than one optimizer step needs "
                 f"({args.per_device_train_batch_size} per device x {world} data-parallel ranks x "
                 f"{args.gradient_accumulation_steps} accumulation steps = {per_step}); lower the batch size"
@@ -194,7 +195,7 @@ class Trainer:
                                       policy=StepPolicy(max_grad_norm=args.max_grad_norm, peak_tflops=args.peak_tflops))
         self.correction_biases = correction_biases(model) if args.load_balance_coeff > 0 else []
         if args.load_balance_coeff > 0 and not self.correction_biases:
-            raise ValueError("load_balance_coeff > 0 needs routers with an e_score_correction_bias (DeepSeek-V3 "
+            raise RecipeError("load_balance_coeff > 0 needs routers with an e_score_correction_bias (DeepSeek-V3 "
                              f"style); {type(model).__name__} has none: use router_aux_loss_coef instead")
         if args.gradient_checkpointing:
             apply_activation_checkpointing(find_decoder_layers(model))

@@ -40,7 +40,7 @@ import contextlib
 import torch
 
 from twinkle_strategy.compat.trl_internals import grpo_parent, replace_logged_metric
-from twinkle_strategy.errors import ParallelConfigError
+from twinkle_strategy.errors import ParallelConfigError, StrategyConfigError
 from twinkle_strategy.integrations.transformers.aux_loss import GlobalAuxLossWindow
 from twinkle_strategy.integrations.transformers.grpo_vllm import install_vllm_sync, refuse_vllm_server
 from twinkle_strategy.integrations.transformers.trainer import StrategyTrainerMixin
@@ -63,7 +63,8 @@ class StrategyGRPOTrainerMixin(StrategyTrainerMixin):
         logprob forward's, ``"off"`` none; ``"auto"`` is ``"r3"`` for a model whose routing can be replayed, else
         ``"off"``. An explicit mode on a model that cannot replay raises the reason (the family, the router)."""
         if routing_replay not in REPLAY_MODES:
-            raise ValueError(f"routing_replay is one of {REPLAY_MODES}, not {routing_replay!r}")
+            raise StrategyConfigError("routing_replay",
+                                      f"routing_replay is one of {REPLAY_MODES}, not {routing_replay!r}")
         self._batch_record: torch.Tensor | None = None  # the record of the sequences being scored, [B, S, layers, k]
         self._record_old_policy = False  # R2: the next policy forward of the scored batch records
         self._training_logps: list[torch.Tensor] | None = None  # set while a loss forward's logprobs are kept

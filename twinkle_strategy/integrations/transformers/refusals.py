@@ -1,4 +1,4 @@
-"""Settings that would shard the model a second time, refused in one line.
+"""Settings that would shard the model a second time, refused in one line; and a misspelt keyword of the trainer.
 
 NativeFSDPStrategy owns EP and FSDP2. DeepSpeed, accelerate's FSDP plugin and transformers' own
 ``distributed_config`` EP each shard (or broadcast) the same parameters their own way: combined,
@@ -19,8 +19,13 @@ When each check runs:
 
 from __future__ import annotations
 
+import contextlib
+import inspect
+import re
+from collections.abc import Iterable
+
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding, zero_stage
-from twinkle_strategy.errors import ConflictingShardingError
+from twinkle_strategy.errors import ConflictingShardingError, UnknownKeywordError, did_you_mean, shorten
 
 
 def refuse_conflicting_sharding(training_args=None, *, environ=None) -> None:
@@ -81,3 +86,40 @@ def refuse_transformers_expert_parallel(model) -> None:
 
 def _shown(value) -> str:
     return repr(value) if isinstance(value, str) else "{...}"
+
+
+# Python's own words for a keyword a function does not take (the name in quotes).
+_UNEXPECTED_KEYWORD = re.compile(r"got an unexpected keyword argument '(\w+)'")
+
+
+@contextlib.contextmanager
+def naming_unknown_keywords(trainer_class: type, keywords: Iterable[str]):
+    """Inside, Python's "unexpected keyword argument" for one of ``keywords`` (what the user passed to
+    ``trainer_class``) becomes an :class:`UnknownKeywordError` naming the closest keyword the class takes (a
+    misspelt ``routing_reply=``): one line under torchrun, where the bare TypeError is a traceback on every rank.
+
+    The TypeError itself says which keyword was not taken, so a keyword that a class of the trainer's takes through
+    ``**kwargs`` is never refused here."""
+    try:
+        yield
+    except TypeError as exc:
+        unexpected = _UNEXPECTED_KEYWORD.search(str(exc))
+        if unexpected is None or unexpected.group(1) not in keywords:
+            raise
+        name = unexpected.group(1)
+        known = accepted_keywords(trainer_class)
+        hint = did_you_mean(name, known) or f"it takes {shorten(sorted(known), 12)}"
+        raise UnknownKeywordError(f"{trainer_class.__name__} takes no keyword argument {name}=; {hint}") from exc
+
+
+def accepted_keywords(trainer_class: type) -> set[str]:
+    """The named parameters of every ``__init__`` in ``trainer_class``'s MRO (the strategy's mixins' and the
+    trainer's own)."""
+    names = set()
+    for cls in trainer_class.__mro__:
+        init = vars(cls).get("__init__")
+        if init is None or cls is object:
+            continue
+        names.update(name for name, parameter in inspect.signature(init).parameters.items()
+                     if name != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD))
+    return names

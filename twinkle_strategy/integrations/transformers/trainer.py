@@ -68,6 +68,7 @@ from twinkle_strategy.errors import ParallelConfigError, ResumeError
 from twinkle_strategy.integrations.transformers.async_save import AsyncCheckpoints, refuse_unserved
 from twinkle_strategy.integrations.transformers.aux_loss import share_scale, take_over_aux_loss
 from twinkle_strategy.integrations.transformers.refusals import (
+    naming_unknown_keywords,
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
@@ -102,7 +103,8 @@ class StrategyTrainerMixin:
         if async_save:
             refuse_unserved(training_args)
         self.strategy = strategy
-        super().__init__(*args, **kwargs)
+        with naming_unknown_keywords(type(self), kwargs):  # a misspelt keyword: one line naming the closest
+            super().__init__(*args, **kwargs)
         # Packed rows and sequence parallelism (.sequence): refusals before any rank receives its weights.
         self.packed_rows = serve_sequences(self, strategy)
         self._wrap_with_strategy()

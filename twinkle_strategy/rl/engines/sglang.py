@@ -10,6 +10,7 @@ only; this adapter needs the ``sglang`` package only for the engine it is given.
 
 from __future__ import annotations
 
+from twinkle_strategy.errors import ArgumentError, ArgumentTypeError
 from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
 
 
@@ -19,14 +20,14 @@ class SGLangReceiver:
 
     def __init__(self, engine, *, load_format: str | None = None):
         if not all(callable(getattr(engine, m, None)) for m in ("update_weights_from_tensor", "flush_cache")):
-            raise TypeError(f"SGLangReceiver needs an SGLang engine (sglang.Engine: update_weights_from_tensor and "
+            raise ArgumentTypeError(f"SGLangReceiver needs an SGLang engine (sglang.Engine: update_weights_from_tensor and "
                             f"flush_cache), got {type(engine).__name__}: pip install sglang")
         self.engine, self.load_format = engine, load_format
         self.buckets = 0
 
     def prepare(self, manifest: list[TensorMeta]) -> None:
         if not manifest:
-            raise ValueError("the export holds no tensor; nothing to send to the SGLang engine")
+            raise ArgumentError("the export holds no tensor; nothing to send to the SGLang engine")
         self.buckets = 0
 
     def __call__(self, bucket: Bucket) -> None:

@@ -23,6 +23,7 @@ import datetime
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import BackendConfig
 
+from twinkle_strategy.errors import ArgumentError, ArgumentTypeError
 from twinkle_strategy.rl.engines.sglang import _check
 from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
 
@@ -39,10 +40,10 @@ class SGLangDistributedReceiver:
     def __init__(self, engine, *, master_address: str, master_port: int, engine_ranks: int = 1,
                  group_name: str = "weight_update_group", backend: str = "nccl", timeout_s: float = 600.0):
         if not all(callable(getattr(engine, m, None)) for m in _METHODS):
-            raise TypeError(f"SGLangDistributedReceiver needs an SGLang engine or server client ({', '.join(_METHODS)}),"
+            raise ArgumentTypeError(f"SGLangDistributedReceiver needs an SGLang engine or server client ({', '.join(_METHODS)}),"
                             f" got {type(engine).__name__}: pip install sglang")
         if engine_ranks < 1:
-            raise ValueError(f"engine_ranks must be at least 1 (the engine's tensor-parallel size), got {engine_ranks}")
+            raise ArgumentError(f"engine_ranks must be at least 1 (the engine's tensor-parallel size), got {engine_ranks}")
         self.engine, self.group_name, self.backend = engine, group_name, dist.Backend(backend)
         self.master_address, self.master_port, self.world_size = master_address, master_port, 1 + engine_ranks
         self.timeout = datetime.timedelta(seconds=timeout_s)
@@ -53,7 +54,7 @@ class SGLangDistributedReceiver:
 
     def prepare(self, manifest: list[TensorMeta]) -> None:
         if not manifest:
-            raise ValueError("the export holds no tensor; nothing to send to the SGLang engine")
+            raise ArgumentError("the export holds no tensor; nothing to send to the SGLang engine")
         self.buckets = 0
         if not self.groups:
             answer = self._thread.submit(self.engine.init_weights_update_group, master_address=self.master_address,

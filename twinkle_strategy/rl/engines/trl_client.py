@@ -11,6 +11,7 @@ the old weights). Only the destination rank holds the client.
 
 from __future__ import annotations
 
+from twinkle_strategy.errors import ArgumentError, ArgumentTypeError
 from twinkle_strategy.rl.weight_export import Bucket, TensorMeta
 
 
@@ -20,7 +21,7 @@ class VLLMClientReceiver:
 
     def __init__(self, client, *, reset_prefix_cache: bool = True):
         if not all(callable(getattr(client, m, None)) for m in ("weight_update", "update_named_params")):
-            raise TypeError(f"VLLMClientReceiver needs TRL's VLLMClient (trl >= 1.16: weight_update and "
+            raise ArgumentTypeError(f"VLLMClientReceiver needs TRL's VLLMClient (trl >= 1.16: weight_update and "
                             f"update_named_params), got {type(client).__name__}: pip install 'trl>=1.16'")
         self.client, self.reset_prefix_cache = client, reset_prefix_cache
         self._update = None
@@ -28,7 +29,7 @@ class VLLMClientReceiver:
 
     def prepare(self, manifest: list[TensorMeta]) -> None:
         if not manifest:
-            raise ValueError("the export holds no tensor; nothing to send to the vLLM server")
+            raise ArgumentError("the export holds no tensor; nothing to send to the vLLM server")
         self._update = self.client.weight_update()
         self._update.__enter__()
         self.buckets = 0
