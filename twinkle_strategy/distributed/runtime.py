@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy import log
-from twinkle_strategy.distributed import fatal_errors
+from twinkle_strategy.distributed import fatal_errors, teardown
 from twinkle_strategy.errors import TopologyError
 
 # Backend that goes with each device type. Ascend's HCCL only exists when
@@ -128,6 +128,7 @@ def init_distributed(
     """
     log.apply_level_from_environment()  # this process's TWINKLE_LOG_LEVEL, read as its work starts
     device_type = detect_device_type(device_type)
+    tell_accelerate_the_device(device_type)
     env = LaunchEnv.from_environ()
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
@@ -144,9 +145,25 @@ def init_distributed(
             # this process, so that device meshes and FSDP2 work as in a launched job.
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend=backend, **kwargs)
+        # Destroyed while Python still runs, whether or not the script calls strategy.shutdown() (.teardown).
+        teardown.on_exit(destroy_process_group, what="the process group")
     # After the group exists (whoever made it): torch wraps sys.excepthook then, and ours must see errors first.
     install_error_report(env)
     return device_type, env
+
+
+# What ``accelerate launch --cpu`` exports. transformers' TrainingArguments (and so TRL's configs) read it when they
+# first ask accelerate for the world: without it (or ``use_cpu=True``), on a machine without a GPU accelerate counts
+# 1 process although the process group holds more, and TRL's GRPOConfig then refuses ``generation_batch_size``.
+ACCELERATE_CPU_VARIABLE = "ACCELERATE_USE_CPU"
+
+
+def tell_accelerate_the_device(device_type: str) -> None:
+    """On a CPU run, tell accelerate (and every ``TrainingArguments`` made after this) that the job runs on the CPU,
+    as ``accelerate launch --cpu`` would, so that a trainer sees every rank without ``use_cpu=True``. A value the
+    user set wins (a trainer then checks the world it sees: ``integrations.transformers``)."""
+    if device_type == "cpu":
+        os.environ.setdefault(ACCELERATE_CPU_VARIABLE, "true")
 
 
 def install_error_report(env: LaunchEnv | None = None) -> None:
@@ -156,6 +173,12 @@ def install_error_report(env: LaunchEnv | None = None) -> None:
     except TopologyError:
         return  # init_distributed says what is missing
     fatal_errors.install(fatal_errors.RankPlace(rank=env.rank, world_size=env.world_size, node_rank=env.node_rank))
+
+
+def destroy_process_group() -> None:
+    """Destroy the process group and every group made beside it, the newest first (torch's order), if it exists."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def global_rank() -> int:

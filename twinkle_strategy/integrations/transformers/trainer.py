@@ -67,6 +67,7 @@ from twinkle_strategy.compat.transformers_internals import (
 from twinkle_strategy.errors import ParallelConfigError, ResumeError
 from twinkle_strategy.integrations.transformers.async_save import AsyncCheckpoints, refuse_unserved
 from twinkle_strategy.integrations.transformers.aux_loss import share_scale, take_over_aux_loss
+from twinkle_strategy.integrations.transformers.cpu import serve_cpu
 from twinkle_strategy.integrations.transformers.refusals import (
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
@@ -101,6 +102,7 @@ class StrategyTrainerMixin:
         refuse_transformers_expert_parallel(kwargs.get("model", args[0] if args else None))
         if async_save:
             refuse_unserved(training_args)
+        serve_cpu(training_args, strategy)  # a CPU run: transformers and TRL see every rank (.cpu)
         self.strategy = strategy
         super().__init__(*args, **kwargs)
         # Packed rows and sequence parallelism (.sequence): refusals before any rank receives its weights.
