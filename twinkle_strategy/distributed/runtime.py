@@ -13,11 +13,13 @@ import dataclasses
 import datetime
 import os
 import resource
+import time
 
 import torch
 import torch.distributed as dist
 
 from twinkle_strategy import log
+from twinkle_strategy.compat.torch_internals import gloo_worker_states
 from twinkle_strategy.distributed import fatal_errors, teardown
 from twinkle_strategy.errors import TopologyError
 
@@ -176,9 +178,39 @@ def install_error_report(env: LaunchEnv | None = None) -> None:
 
 
 def destroy_process_group() -> None:
-    """Destroy the process group and every group made beside it, the newest first (torch's order), if it exists."""
+    """Destroy the process group and every group made beside it, the newest first (torch's order), if it exists;
+    then wait until gloo's worker threads have let go of their last collective (:func:`settle_gloo_workers`)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        settle_gloo_workers()
+
+
+GLOO_SETTLE_S = 2.0  # the longest the exit waits for gloo's workers (they need a moment of CPU, not seconds)
+GLOO_SETTLE_POLL_S = 0.005
+
+
+def settle_gloo_workers(*, timeout_s: float = GLOO_SETTLE_S) -> bool:
+    """Wait (the GIL released) until every gloo worker thread of this process is waiting for work, seen so twice
+    in a row; whether they were, within ``timeout_s``.
+
+    Why: a gloo worker releases a collective's tensors after the rank's ``wait()`` has returned, and their Python
+    objects need the GIL. A worker the scheduler delays past the script's end does so while the interpreter
+    finalises: Python ends that thread with ``pthread_exit``, whose forced unwind cannot cross the work's
+    destructor, and the process aborts (``terminate called without an active exception``). destroy_process_group
+    does not stop the workers (gloo's shutdown does nothing; only the group's destructor joins them, and FSDP's
+    meshes keep the group alive until the interpreter's end)."""
+    deadline = time.monotonic() + timeout_s
+    idle_polls = 0
+    while idle_polls < 2:
+        states = gloo_worker_states()
+        if states is None:  # threads cannot be read: give them a moment
+            time.sleep(min(0.1, timeout_s))
+            return False
+        idle_polls = idle_polls + 1 if all(state != "R" for state in states) else 0
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(GLOO_SETTLE_POLL_S)
+    return True
 
 
 def global_rank() -> int:
