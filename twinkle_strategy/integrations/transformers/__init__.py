@@ -8,6 +8,7 @@ cpu.py           a CPU strategy: transformers and TRL count every rank without u
 refusals.py      settings that would shard the model a second time, refused in one line
 async_save.py    async_save=True: checkpoints copied into host memory at the save step, written in the
                  background, renamed when complete
+run_log.py       output_dir/logging.jsonl, and where the results are, printed when training ends
 grpo.py          TRL's GRPOTrainer: generation on every rank, routing replay (R3/R2) of its rollouts
 """
 
