@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import worker_common  # noqa: E402
 
 DATASET = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "demo_sft.jsonl")
-CHILD_TIMEOUT_S = 240.0
+CHILD_TIMEOUT_S = 120.0  # a run takes 10-20 s on 2 busy cores
 
 
 def grpo(out: str, *, check_early_config: bool) -> dict:
@@ -162,11 +162,26 @@ def main() -> None:
                     traceback.print_exc()
                     sys.stdout.flush()
                     os._exit(1)
-            _, status = os.waitpid(pid, 0)
-            code = os.waitstatus_to_exitcode(status)  # -6: SIGABRT
+            code = wait_for(pid)  # -6: SIGABRT
             exits.append({"run": run, "exit": code})
             worker_common.write_result({"exits": exits})
+            if code != 0:  # the next runs would only wait for this rank's peer: stop, the test shows why
+                sys.exit(1)
     worker_common.write_result({"exits": exits, "done": True})
+
+
+def wait_for(pid: int) -> int:
+    """The child's exit code (negative: the signal that ended it); killed past CHILD_TIMEOUT_S (a peer that failed
+    leaves it waiting in a collective)."""
+    deadline = time.monotonic() + CHILD_TIMEOUT_S
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
