@@ -795,7 +795,7 @@ def _default_store(tiny):
             dist.destroy_process_group()
 
 
-@checks("ProcessGroupGloo's worker threads (pt_gloo_runloop)")
+@checks("ProcessGroupGloo.runLoop")
 def _gloo_worker_threads(tiny):
     """A gloo group's workers are found by their name, and are seen waiting once its collective is done."""
     import torch.distributed as dist

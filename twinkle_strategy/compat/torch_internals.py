@@ -107,7 +107,7 @@ def default_store():
 
 # ------------------------------------------------------------------ gloo's worker threads, at exit
 GLOO_WORKER_THREADS = Internal(
-    "ProcessGroupGloo's worker threads (pt_gloo_runloop)", "torch",
+    "ProcessGroupGloo.runLoop", "torch",  # its worker threads, which torch names pt_gloo_runloop
     used_for="wait, before the interpreter finalises, until every gloo worker thread has let go of its last "
              "collective: it releases that collective's tensors, whose Python objects need the GIL, and a thread "
              "taking the GIL after finalisation began is ended by a forced unwind that aborts the process",
