@@ -32,36 +32,53 @@ class Stop:
     action: Callable[[], None]
 
 
-_STOPS: list[Stop] = []
-_LOCK = threading.Lock()
-_HOOKED = False  # whether the atexit hook is registered (once per process)
+class Teardown:
+    """Stops, run the last registered first, each once; :data:`AT_EXIT` is the process's, run by ``atexit``."""
+
+    def __init__(self) -> None:
+        self._stops: list[Stop] = []
+        self._lock = threading.Lock()
+
+    def on_exit(self, action: Callable[[], None], *, what: str) -> None:
+        with self._lock:
+            self._stops.append(Stop(what=what, action=action))
+
+    def stop_all(self) -> None:
+        """Run every registered stop, the last registered first, each once; one that fails is logged and the others
+        still run (the process is ending: nothing is left to raise to)."""
+        while True:
+            with self._lock:
+                if not self._stops:
+                    return
+                stop = self._stops.pop()
+            try:
+                stop.action()
+            except Exception as exc:  # noqa: BLE001 - the next stops must run; a warning names what failed
+                logger.warning("stopping %s failed: %s: %s", stop.what, type(exc).__name__, exc)
+
+    def pending(self) -> list[str]:
+        """What is registered and not stopped yet, the next to stop first."""
+        with self._lock:
+            return [stop.what for stop in reversed(self._stops)]
+
+
+AT_EXIT = Teardown()
+_hooked = threading.Event()  # whether atexit runs AT_EXIT (registered once per process, on the first stop)
 
 
 def on_exit(action: Callable[[], None], *, what: str) -> None:
     """Run ``action`` before the interpreter exits (or at :func:`stop_all`), before every stop registered earlier."""
-    global _HOOKED
-    with _LOCK:
-        _STOPS.append(Stop(what=what, action=action))
-        if not _HOOKED:
-            atexit.register(stop_all)
-            _HOOKED = True
+    AT_EXIT.on_exit(action, what=what)
+    if not _hooked.is_set():
+        _hooked.set()
+        atexit.register(AT_EXIT.stop_all)
 
 
 def stop_all() -> None:
-    """Run every registered stop, the last registered first, each once; one that fails is logged and the others
-    still run (the process is ending: nothing is left to raise to)."""
-    while True:
-        with _LOCK:
-            if not _STOPS:
-                return
-            stop = _STOPS.pop()
-        try:
-            stop.action()
-        except Exception as exc:  # noqa: BLE001 - the next stops must run; a warning names what failed
-            logger.warning("stopping %s failed: %s: %s", stop.what, type(exc).__name__, exc)
+    """Run the process's stops now (``NativeFSDPStrategy.shutdown``): the exit hook then has nothing left to do."""
+    AT_EXIT.stop_all()
 
 
 def pending() -> list[str]:
-    """What is registered and not stopped yet, the next to stop first."""
-    with _LOCK:
-        return [stop.what for stop in reversed(_STOPS)]
+    """What the process has registered and not stopped yet, the next to stop first."""
+    return AT_EXIT.pending()
