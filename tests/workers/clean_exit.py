@@ -102,6 +102,25 @@ def sft(out: str) -> dict:
     return {"steps": [h["step"] for h in trainer.state.log_history if "loss" in h], "use_cpu": args.use_cpu}
 
 
+def collectives() -> dict:
+    """A script whose last act is a collective on a gloo group made beside the process group (as ``any_rank``'s
+    host group and the background saves' group are): the exit the abort is likeliest after, cheap enough to repeat."""
+    import torch
+    import torch.distributed as dist
+
+    from twinkle_strategy import NativeFSDPStrategy
+
+    strategy = NativeFSDPStrategy(device_type="cpu")
+    strategy.setup()
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    gathered = [torch.empty(1) for _ in range(strategy.world_size)]
+    dist.all_gather(gathered, value)
+    side = dist.new_group(backend="gloo")
+    dist.all_reduce(value, group=side)
+    return {"sum": value.item()}
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -128,7 +147,12 @@ def child(kind: str, run: str, out: str, first: bool) -> None:
     """The forked child: a user's script body in a process group of its own, then the interpreter's own end."""
     os.environ["MASTER_PORT"] = str(shared_port(run, out))
     os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)  # the child's rank 0 hosts its group's store
-    result = grpo(os.path.join(out, run), check_early_config=first) if kind == "grpo" else sft(os.path.join(out, run))
+    if kind == "grpo":
+        result = grpo(os.path.join(out, run), check_early_config=first)
+    elif kind == "sft":
+        result = sft(os.path.join(out, run))
+    else:
+        result = collectives()
     with open(os.path.join(out, f"{run}.rank{worker_common.rank()}.json"), "w") as f:
         json.dump(result, f)
     sys.stdout.flush()
@@ -138,7 +162,8 @@ def child(kind: str, run: str, out: str, first: bool) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--runs", type=int, default=2, help="runs of each script")
+    p.add_argument("--runs", type=int, default=2, help="runs of each training script")
+    p.add_argument("--collective-runs", type=int, default=6, help="runs of the collectives-only script")
     a = p.parse_args()
     out = os.environ["TWINKLE_TEST_OUT"]
     # Imported once here (the children are forks): what each child pays is its run, not the imports.
@@ -149,24 +174,26 @@ def main() -> None:
     import twinkle_strategy.integrations.transformers  # noqa: F401
 
     exits = []
-    for index in range(a.runs):
-        for kind in ("grpo", "sft"):
-            run = f"{kind}{index}"
-            pid = os.fork()
-            if pid == 0:
-                try:
-                    child(kind, run, out, first=index == 0)
-                except Exception:  # noqa: BLE001 - the child's own error, for the test to show (SystemExit passes)
-                    import traceback
+    runs = [("grpo", index) for index in range(a.runs)] + [("sft", index) for index in range(a.runs)] + \
+        [("collectives", index) for index in range(a.collective_runs)]
+    runs.sort(key=lambda kind_index: kind_index[1])  # grpo0 sft0 collectives0 grpo1 ...
+    for kind, index in runs:
+        run = f"{kind}{index}"
+        pid = os.fork()
+        if pid == 0:
+            try:
+                child(kind, run, out, first=index == 0)
+            except Exception:  # noqa: BLE001 - the child's own error, for the test to show (SystemExit passes)
+                import traceback
 
-                    traceback.print_exc()
-                    sys.stdout.flush()
-                    os._exit(1)
-            code = wait_for(pid)  # -6: SIGABRT
-            exits.append({"run": run, "exit": code})
-            worker_common.write_result({"exits": exits})
-            if code != 0:  # the next runs would only wait for this rank's peer: stop, the test shows why
-                sys.exit(1)
+                traceback.print_exc()
+                sys.stdout.flush()
+                os._exit(1)
+        code = wait_for(pid)  # -6: SIGABRT
+        exits.append({"run": run, "exit": code})
+        worker_common.write_result({"exits": exits})
+        if code != 0:  # the next runs would only wait for this rank's peer: stop, the test shows why
+            sys.exit(1)
     worker_common.write_result({"exits": exits, "done": True})
 
 
