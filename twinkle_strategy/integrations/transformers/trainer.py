@@ -17,6 +17,7 @@ What changes, and why:
 * The model is wrapped (EP, then FSDP2, and with memory_efficient_init each rank receives its
   shards from its node's source) once the trainer class has finished building it, so that
   TRL's ``peft_config`` is applied to the whole, un-split model first.
+* On a CPU strategy, transformers and TRL count every rank without ``use_cpu=True`` (:mod:`.cpu`).
 * accelerate sees a prepared model: no DDP, no FSDP plugin, no ``cpu_ram_efficient_loading``
   broadcast from rank 0. Settings that would shard again are refused in one line
   (:mod:`.refusals`). The data stays accelerate's: each data-parallel rank its own part of every global batch.
