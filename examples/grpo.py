@@ -13,7 +13,9 @@ On this machine (CPU, the embedded tiny Qwen3-MoE ``tiny://demo``, 2 simulated n
 
 ``--dataset`` takes JSONL rows ``{"prompt": [{"role": "user", "content": ...}], "answer": "7"}``; without it the
 arithmetic questions of the demo's data are used. Each log line carries ``reward``, ``routing_agreement_min`` and
-``routing_agreement_mean`` (the share of tokens the trainer would have routed as the rollout did). See docs/rl.md.
+``routing_agreement_mean`` (the share of tokens the trainer would have routed as the rollout did), and goes to
+``<output-dir>/logging.jsonl``; at the end the script prints its output directory, last checkpoint and log file.
+See docs/rl.md.
 """
 
 from __future__ import annotations
@@ -71,15 +73,14 @@ def train(args) -> None:
         num_generations=args.num_generations, max_completion_length=args.max_completion_length,
         learning_rate=1e-4 if not args.demo_lr else 5e-2, logging_steps=1, save_steps=args.max_steps, report_to=[],
         bf16=False,  # precision is the strategy's mixed_precision (FSDP2), not accelerate's autocast
-        use_vllm=False,  # the policy generates on every rank (strategy.generate), recording what it routed
-        use_cpu=strategy.device.type == "cpu")
+        use_vllm=False)  # the policy generates on every rank (strategy.generate), recording what it routed
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     trainer = with_strategy(GRPOTrainer)(model=model, args=config, reward_funcs=correct_answer, train_dataset=dataset,
                                          processing_class=tokenizer, peft_config=lora, strategy=strategy,
                                          routing_replay="r3")
-    trainer.train()
-    strategy.shutdown()
+    trainer.train()  # logs to output_dir/logging.jsonl; at the end, prints where the checkpoints and the log are
+    strategy.shutdown()  # optional: the strategy also tears down at exit
 
 
 def demo() -> None:

@@ -47,15 +47,14 @@ def train(args) -> None:
     config = SFTConfig(
         output_dir=args.output_dir, max_steps=args.max_steps, per_device_train_batch_size=args.batch_size,
         learning_rate=1e-4, logging_steps=1, save_steps=args.max_steps, report_to=[],
-        bf16=False,  # precision is the strategy's mixed_precision (FSDP2), not accelerate's autocast
-        use_cpu=strategy.device.type == "cpu")
+        bf16=False)  # precision is the strategy's mixed_precision (FSDP2), not accelerate's autocast
     lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,  # dropout 0: LoRA on fused expert weights
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
                       target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
     trainer = with_strategy(SFTTrainer)(model=model, args=config, train_dataset=dataset,
                                         processing_class=tokenizer, peft_config=lora, strategy=strategy)
-    trainer.train()
-    strategy.shutdown()
+    trainer.train()  # logs to output_dir/logging.jsonl; at the end, prints where the checkpoints and the log are
+    strategy.shutdown()  # optional: the strategy also tears down at exit
 
 
 def demo() -> None:

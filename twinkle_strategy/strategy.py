@@ -26,16 +26,16 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.checkpoint.merged_export import MergedFormat, save_merged
 from twinkle_strategy.checkpoint.training import save_pretrained
 from twinkle_strategy.compat.transformers_internals import file_size_bytes
 from twinkle_strategy.config import StrategyConfig, refuse_unknown_options
+from twinkle_strategy.distributed import teardown
 from twinkle_strategy.distributed.grad_clip import clip_grad_norm_
 from twinkle_strategy.distributed.launch_conflicts import refuse_accelerate_sharding
-from twinkle_strategy.distributed.runtime import install_error_report
+from twinkle_strategy.distributed.runtime import destroy_process_group, install_error_report
 from twinkle_strategy.fsdp import mixed_precision_policy
 from twinkle_strategy.placement.load import ModelPaths, load_model, node_local
 from twinkle_strategy.placement.process import ProcessPlace, place_process
@@ -342,6 +342,11 @@ class NativeFSDPStrategy:
         return strategy_methods.served_hooks(self.routing)
 
     def shutdown(self) -> None:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        """Stop what the strategy started in this process, in order: background checkpoint writers, the gloo groups
+        made beside the process group, then the process group (collective in spirit: call it on every rank, after
+        the last collective). Idempotent. Optional: the same runs when the interpreter exits
+        (:mod:`twinkle_strategy.distributed.teardown`); call it to free the group earlier, e.g. before the script
+        goes on without the strategy."""
+        teardown.stop_all()
+        destroy_process_group()  # (a group the strategy joined but did not make: destroyed too, as always)
         self._ready = False

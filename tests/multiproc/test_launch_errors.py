@@ -89,7 +89,8 @@ def test_bad_rows_are_skipped_and_the_run_trains_on_the_rest(swift_style_relaunc
     assert steps == ["1/4", "2/4", "3/4", "4/4"]
     assert re.search(warning, (run_dir / "logs" / "rank0.log").read_text())
     assert "rows that cannot become" not in (run_dir / "logs" / "rank1.log").read_text()  # once per run
-    assert proc.stdout == f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
+    assert proc.stdout == (f"run directory: {run_dir}\nlast checkpoint: {run_dir / 'checkpoint-4'}\n"
+                           f"log: {run_dir / 'logging.jsonl'}\n")
     # The versions, once (the launcher on rank 0's node; no rank repeats them), before the launch's line.
     assert proc.stderr.count(f"{startup_line()}\ntwinkle-sft: torchrun, 2 ranks on this node;") == 1, proc.stderr[:3000]
     assert proc.stderr.count(": tested versions; within the declared ranges ") == 1

@@ -842,6 +842,26 @@ def _default_store(tiny):
             dist.destroy_process_group()
 
 
+@checks("ProcessGroupGloo.runLoop")
+def _gloo_worker_threads(tiny):
+    """A gloo group's workers are found by their name, and are seen waiting once its collective is done."""
+    import torch.distributed as dist
+
+    from twinkle_strategy.distributed.runtime import settle_gloo_workers
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        dist.all_reduce(torch.ones(1))
+        states = th.gloo_worker_states()
+        assert states, f"no thread named {th.GLOO_WORKER_THREAD_NAME}: {states}"
+        assert settle_gloo_workers(timeout_s=5.0), th.gloo_worker_states()
+    finally:
+        if started:
+            dist.destroy_process_group()
+
+
 @checks("DTensor._local_tensor")
 def _dtensor_local_tensor(tiny):
     """A swapped local tensor is what to_local gives and what FSDP2 gathers after its lazy init (which re-reads

@@ -45,20 +45,24 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
-from twinkle_strategy.checkpoint.directories import abandon_pending
+from twinkle_strategy.checkpoint.directories import abandon_pending, pending_path
 from twinkle_strategy.checkpoint.host_copies import CopiedPiece, DeferredWrite, HostCopies
 from twinkle_strategy.checkpoint.writing import write_at
+from twinkle_strategy.distributed import teardown
 from twinkle_strategy.distributed.fail_together import step_reporter
 from twinkle_strategy.distributed.messages import collective_device
 from twinkle_strategy.distributed.runtime import global_rank
 from twinkle_strategy.errors import CheckpointSaveError
 
 logger = logging.getLogger(__name__)
+
+EXIT_WAIT_S = 30.0  # at interpreter exit, how long a writer still in flight may take to stop after its piece
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +97,11 @@ class BackgroundWrite:
     def start(self) -> None:
         self._thread.start()
 
-    def cancel(self) -> None:
-        """Stop after the piece being written (another rank failed: this save is abandoned)."""
+    def cancel(self, *, timeout_s: float | None = None) -> None:
+        """Stop after the piece being written (another rank failed: this save is abandoned); ``timeout_s``: how long
+        to wait for the thread (default: until it stops)."""
         self._cancelled.set()
-        self._thread.join()
+        self._thread.join(timeout_s)
 
     def _run(self) -> None:
         self.started_at = time.time()
@@ -288,6 +293,10 @@ class AsyncSaves:
             # DCP's async_save keeps its own gloo group): their exchanges cannot interleave with training's.
             timeout = datetime.timedelta(seconds=self.timeout_s) if self.timeout_s else None
             self.host_copies.group = dist.new_group(backend="gloo", timeout=timeout)
+            # Before that group and the process group are destroyed at exit: no writer left using them.
+            saves = weakref.ref(self)  # (the stop must not keep the run's host buffers alive)
+            teardown.on_exit(lambda: saves() is not None and saves().stop_at_exit(),
+                             what="the background checkpoint writers")
         self.host_copies.begin()
         return self.host_copies
 
@@ -310,6 +319,19 @@ class AsyncSaves:
         waited = self.in_flight.wait()
         self._finished()
         return waited
+
+    def stop_at_exit(self, *, timeout_s: float = EXIT_WAIT_S) -> None:
+        """The process is ending (its front-end did not :meth:`wait`, e.g. after an error): a save still in flight
+        is stopped after the piece being written and left pending (resume never takes it), so that no writer uses
+        a group while it is destroyed; the save's own group is let go."""
+        in_flight, self.in_flight = self.in_flight, None
+        if in_flight is not None:
+            logger.warning("the process is ending with %s still being written: left pending (%s), not a "
+                           "checkpoint; wait for saves before exiting", in_flight.name, pending_path(in_flight.path))
+            in_flight.write.cancel(timeout_s=timeout_s)
+            if in_flight._commit_thread is not None:
+                in_flight._commit_thread.join(timeout_s)
+        self.host_copies.group = None
 
     def _finished(self) -> None:
         done, self.in_flight = self.in_flight, None

@@ -6,6 +6,8 @@ the versions checked, the public replacement) and tested in ``tests/unit/test_in
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -101,6 +103,39 @@ DEFAULT_STORE = Internal(
 def default_store():
     """The key-value store of the default process group (torch raises if there is none)."""
     return DEFAULT_STORE.attribute(dist.distributed_c10d, "_get_default_store")()
+
+
+# ------------------------------------------------------------------ gloo's worker threads, at exit
+GLOO_WORKER_THREADS = Internal(
+    "ProcessGroupGloo.runLoop", "torch",  # its worker threads, which torch names pt_gloo_runloop
+    used_for="wait, before the interpreter finalises, until every gloo worker thread has let go of its last "
+             "collective: it releases that collective's tensors, whose Python objects need the GIL, and a thread "
+             "taking the GIL after finalisation began is ended by a forced unwind that aborts the process",
+    checked=_CHECKED,
+    replacement="none: ProcessGroupGloo does not override shutdown() (destroy_process_group leaves its threads "
+                "running); only its destructor joins them, once every reference to the group is gone")
+
+GLOO_WORKER_THREAD_NAME = "pt_gloo_runloop"  # what torch names them (ProcessGroupGloo::runLoop)
+
+
+@GLOO_WORKER_THREADS.wrapper
+def gloo_worker_states() -> list[str] | None:
+    """The scheduler state of each gloo worker thread of this process (``"S"`` waiting, ``"R"`` running or
+    runnable: Linux's ``/proc/self/task/*/stat``), or None where threads cannot be read (not Linux)."""
+    tasks = "/proc/self/task"
+    if not os.path.isdir(tasks):
+        return None
+    states = []
+    for task in os.listdir(tasks):
+        try:
+            with open(os.path.join(tasks, task, "stat")) as f:
+                stat = f.read()
+        except OSError:  # (the thread ended meanwhile)
+            continue
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
+        if name == GLOO_WORKER_THREAD_NAME:
+            states.append(rest.split(" ", 1)[0])
+    return states
 
 
 # ------------------------------------------------------------------ a sharded parameter's local tensor

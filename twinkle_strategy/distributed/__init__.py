@@ -9,6 +9,7 @@ fatal_errors.py   the one line a rank prints when a package error ends it (root 
 dtensor.py        helpers for tensors that may be DTensors
 grad_clip.py      gradient-norm clipping over parameters on several meshes
 launch_conflicts.py  what accelerate's launcher asks for that would shard the model too, refused before the load
+teardown.py       what the strategy started, stopped in order while Python runs: at exit, or at shutdown()
 
 Nothing above this package knows how a message travels.
 """

@@ -13,12 +13,14 @@ import dataclasses
 import datetime
 import os
 import resource
+import time
 
 import torch
 import torch.distributed as dist
 
 from twinkle_strategy import log
-from twinkle_strategy.distributed import fatal_errors
+from twinkle_strategy.compat.torch_internals import gloo_worker_states
+from twinkle_strategy.distributed import fatal_errors, teardown
 from twinkle_strategy.errors import StrategyConfigError, TopologyError
 
 # Backend that goes with each device type. Ascend's HCCL only exists when
@@ -128,6 +130,7 @@ def init_distributed(
     """
     log.apply_level_from_environment()  # this process's TWINKLE_LOG_LEVEL, read as its work starts
     device_type = detect_device_type(device_type)
+    tell_accelerate_the_device(device_type)
     env = LaunchEnv.from_environ()
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
@@ -144,9 +147,25 @@ def init_distributed(
             # this process, so that device meshes and FSDP2 work as in a launched job.
             kwargs.update(store=dist.HashStore(), rank=0, world_size=1)
         dist.init_process_group(backend=backend, **kwargs)
+        # Destroyed while Python still runs, whether or not the script calls strategy.shutdown() (.teardown).
+        teardown.on_exit(destroy_process_group, what="the process group")
     # After the group exists (whoever made it): torch wraps sys.excepthook then, and ours must see errors first.
     install_error_report(env)
     return device_type, env
+
+
+# What ``accelerate launch --cpu`` exports. transformers' TrainingArguments (and so TRL's configs) read it when they
+# first ask accelerate for the world: without it (or ``use_cpu=True``), on a machine without a GPU accelerate counts
+# 1 process although the process group holds more, and TRL's GRPOConfig then refuses ``generation_batch_size``.
+ACCELERATE_CPU_VARIABLE = "ACCELERATE_USE_CPU"
+
+
+def tell_accelerate_the_device(device_type: str) -> None:
+    """On a CPU run, tell accelerate (and every ``TrainingArguments`` made after this) that the job runs on the CPU,
+    as ``accelerate launch --cpu`` would, so that a trainer sees every rank without ``use_cpu=True``. A value the
+    user set wins (a trainer then checks the world it sees: ``integrations.transformers``)."""
+    if device_type == "cpu":
+        os.environ.setdefault(ACCELERATE_CPU_VARIABLE, "true")
 
 
 def install_error_report(env: LaunchEnv | None = None) -> None:
@@ -157,6 +176,42 @@ def install_error_report(env: LaunchEnv | None = None) -> None:
     except TopologyError:
         return  # init_distributed says what is missing
     fatal_errors.install(fatal_errors.RankPlace(rank=env.rank, world_size=env.world_size, node_rank=env.node_rank))
+
+
+def destroy_process_group() -> None:
+    """Destroy the process group and every group made beside it, the newest first (torch's order), if it exists;
+    then wait until gloo's worker threads have let go of their last collective (:func:`settle_gloo_workers`)."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+        settle_gloo_workers()
+
+
+GLOO_SETTLE_S = 2.0  # the longest the exit waits for gloo's workers (they need a moment of CPU, not seconds)
+GLOO_SETTLE_POLL_S = 0.005
+
+
+def settle_gloo_workers(*, timeout_s: float = GLOO_SETTLE_S) -> bool:
+    """Wait (the GIL released) until every gloo worker thread of this process is waiting for work, seen so twice
+    in a row; whether they were, within ``timeout_s``.
+
+    Why: a gloo worker releases a collective's tensors after the rank's ``wait()`` has returned, and their Python
+    objects need the GIL. A worker the scheduler delays past the script's end does so while the interpreter
+    finalises: Python ends that thread with ``pthread_exit``, whose forced unwind cannot cross the work's
+    destructor, and the process aborts (``terminate called without an active exception``). destroy_process_group
+    does not stop the workers (gloo's shutdown does nothing; only the group's destructor joins them, and FSDP's
+    meshes keep the group alive until the interpreter's end)."""
+    deadline = time.monotonic() + timeout_s
+    idle_polls = 0
+    while idle_polls < 2:
+        states = gloo_worker_states()
+        if states is None:  # threads cannot be read: give them a moment
+            time.sleep(min(0.1, timeout_s))
+            return False
+        idle_polls = idle_polls + 1 if all(state != "R" for state in states) else 0
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(GLOO_SETTLE_POLL_S)
+    return True
 
 
 def global_rank() -> int:

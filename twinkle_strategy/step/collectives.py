@@ -16,6 +16,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from twinkle_strategy.distributed import teardown
 from twinkle_strategy.errors import ArgumentTypeError
 from twinkle_strategy.sequence.batch import loss_tokens
 
@@ -82,6 +83,8 @@ def host_group(*, timeout_s: float | None = None) -> dist.ProcessGroup | None:
         timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
         known = (world, dist.new_group(backend="gloo", timeout=timeout))
         _HOST_GROUPS[id(world)] = known
+        # Destroyed with the process group (torch destroys every group); not kept alive past it by this cache.
+        teardown.on_exit(_HOST_GROUPS.clear, what="any_rank's host group")
     return known[1]
 
 

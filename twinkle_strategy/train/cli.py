@@ -50,6 +50,7 @@ from collections.abc import Callable
 from twinkle_strategy import log
 from twinkle_strategy.checkpoint import latest_checkpoint
 from twinkle_strategy.errors import TwinkleError
+from twinkle_strategy.step.run_files import log_path, where_results_are
 from twinkle_strategy.train.errors import RunStoppedError
 from twinkle_strategy.train.fit_check import UserSpelling, check_fit_before_launch, plan_command
 
@@ -202,8 +203,10 @@ def _run_logged(commands: list[list[str]] | Callable[[int], list[list[str]]], re
         return 1
     if 0 in ranks:  # with several real nodes, rank 0's node holds the checkpoints; its trainer does not print them
         last = latest_checkpoint(run_dir)
-        merged = f"\nmerged model: {last}-merged" if last and os.path.isdir(f"{last}-merged") else ""
-        print(f"run directory: {run_dir}\nlast checkpoint: {last}{merged}", flush=True)
+        merged = f"{last}-merged" if last and os.path.isdir(f"{last}-merged") else None
+        log_file = log_path(run_dir) if os.path.isfile(log_path(run_dir)) else None
+        print(where_results_are(run_directory=run_dir, last_checkpoint=last, log_file=log_file, merged=merged),
+              flush=True)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The run directory: ``output_dir/v{N}-{YYYYMMDD-HHMMSS}`` (like swift), its ``args.json`` and ``logging.jsonl``.
+"""The run directory: ``output_dir/v{N}-{YYYYMMDD-HHMMSS}`` (like swift), its ``args.json`` and ``logging.jsonl``
+(written through :mod:`twinkle_strategy.step.run_files`, as every front-end writes it).
 
 A new run gets the next version. A worker that torchrun restarted (``launch.max_restarts``)
 sees ``TORCHELASTIC_RESTART_COUNT`` > 0 and continues the newest run directory instead,
@@ -25,7 +26,6 @@ if TYPE_CHECKING:
     from twinkle_strategy.train.arguments import TrainingArguments
 
 ARGS_FILE = "args.json"
-LOG_FILE = "logging.jsonl"
 _VERSION = re.compile(r"v(\d+)-")
 
 
@@ -87,16 +87,3 @@ def _write_args(run_dir: str, args: TrainingArguments, strategy: NativeFSDPStrat
     with open(os.path.join(run_dir, ARGS_FILE), "w") as f:
         json.dump({"training_args": dataclasses.asdict(args), "world_size": strategy.world_size,
                    "ep_size": strategy.ep_size, "memory_efficient_init": strategy.memory_efficient_init}, f, indent=2)
-
-
-def append_log(run_dir: str, entry: dict) -> None:
-    with open(os.path.join(run_dir, LOG_FILE), "a") as f:
-        f.write(json.dumps(entry) + "\n")
-
-
-def rewrite_log(run_dir: str, entries: list[dict]) -> None:
-    """``logging.jsonl`` holding exactly ``entries`` (written aside, then renamed over the old one)."""
-    path = os.path.join(run_dir, LOG_FILE)
-    with open(path + ".tmp", "w") as f:
-        f.writelines(json.dumps(entry) + "\n" for entry in entries)
-    os.replace(path + ".tmp", path)

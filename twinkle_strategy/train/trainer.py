@@ -40,6 +40,7 @@ from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.quantized.kept import kept_weight_log
 from twinkle_strategy.step import StepBatches, StepPolicy, TrainingStep, all_reduce_sum
 from twinkle_strategy.step.resume import restore_step
+from twinkle_strategy.step.run_files import append_log, log_path, rewrite_log, where_results_are
 from twinkle_strategy.strategy import NativeFSDPStrategy
 from twinkle_strategy.train.arguments import OptimizerName, TrainingArguments
 from twinkle_strategy.train.data import StepSampler
@@ -49,7 +50,7 @@ from twinkle_strategy.train.metrics import StepWindow
 from twinkle_strategy.train.packing import DataCollatorForPacking, prepare_for_packed_batches
 from twinkle_strategy.train.plots import plot_expert_load, plot_loss
 from twinkle_strategy.train.preemption import PreemptionFlag
-from twinkle_strategy.train.run_dir import append_log, open_run_dir, rewrite_log
+from twinkle_strategy.train.run_dir import open_run_dir
 from twinkle_strategy.train.start_time import StartClock
 from twinkle_strategy.train.state import TrainState
 
@@ -281,12 +282,13 @@ class Trainer:
             merged = self._guarded("merge_lora", self.save_merged, final)
         if strategy.is_main_process:
             self._plot()
-            if merged is not None:
+            if merged is not None and not self.print_summary:
                 print(f"merged model: {merged}", flush=True)
             if self._preemption.requested:
                 logger.info("stopped by SIGTERM after step %d of %d", state.global_step, state.max_steps)
             if self.print_summary:
-                print(f"run directory: {self.run_dir}\nlast checkpoint: {final}", flush=True)
+                print(where_results_are(run_directory=self.run_dir, last_checkpoint=final, merged=merged,
+                                        log_file=log_path(self.run_dir)), flush=True)
         return state.log_history
 
     def _run_steps(self, state: TrainState, window: StepWindow, progress) -> str | None:

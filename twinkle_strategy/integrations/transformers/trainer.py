@@ -17,6 +17,7 @@ What changes, and why:
 * The model is wrapped (EP, then FSDP2, and with memory_efficient_init each rank receives its
   shards from its node's source) once the trainer class has finished building it, so that
   TRL's ``peft_config`` is applied to the whole, un-split model first.
+* On a CPU strategy, transformers and TRL count every rank without ``use_cpu=True`` (:mod:`.cpu`).
 * accelerate sees a prepared model: no DDP, no FSDP plugin, no ``cpu_ram_efficient_loading``
   broadcast from rank 0. Settings that would shard again are refused in one line
   (:mod:`.refusals`). The data stays accelerate's: each data-parallel rank its own part of every global batch.
@@ -34,6 +35,8 @@ What changes, and why:
 * Log lines keep HF's fields and add the step's: ``tokens``, ``tokens_per_second``, ``flops_per_token``,
   ``tflops_per_device``, ``mfu`` (on a device with a known peak) and ``moe_load_imbalance``, the same fields as
   twinkle-sft's from the same counts (:mod:`twinkle_strategy.step.metrics`).
+* Log lines also go to ``output_dir/logging.jsonl``, as twinkle-sft's, and when training ends process zero prints
+  where the results are: the output directory, the last checkpoint, the log file (:mod:`.run_log`).
 * Saves write the model as a Hugging Face checkpoint from every rank (a LoRA run: the full
   adapter in PEFT's format), and ``trainer_state/`` by full tensor: a run resumes on another
   number of nodes, ranks or ep_size (:mod:`twinkle_strategy.checkpoint.training`). With
@@ -67,11 +70,13 @@ from twinkle_strategy.compat.transformers_internals import (
 from twinkle_strategy.errors import ParallelConfigError, ResumeError
 from twinkle_strategy.integrations.transformers.async_save import AsyncCheckpoints, refuse_unserved
 from twinkle_strategy.integrations.transformers.aux_loss import share_scale, take_over_aux_loss
+from twinkle_strategy.integrations.transformers.cpu import serve_cpu
 from twinkle_strategy.integrations.transformers.refusals import (
     naming_unknown_keywords,
     refuse_conflicting_sharding,
     refuse_transformers_expert_parallel,
 )
+from twinkle_strategy.integrations.transformers.run_log import RunLog
 from twinkle_strategy.integrations.transformers.sequence import serve_sequences, share_examples_in_groups
 from twinkle_strategy.moe.balance import RouterStats
 from twinkle_strategy.moe.recompute import replay_in_transformers_checkpointing
@@ -93,6 +98,9 @@ class StrategyTrainerMixin:
     replaces_model_aux_loss = True
     # Where a trainer logs the global-batch aux loss, its training forwards' shares (.aux_loss.GlobalAuxLossWindow).
     aux_loss_window = None
+    # Whether the trainer writes output_dir/logging.jsonl and prints where its results are at the end (.run_log);
+    # False for trainer classes that do so themselves (swift's).
+    writes_run_log = True
 
     def __init__(self, *args, strategy: NativeFSDPStrategy, async_save: bool = False, **kwargs) -> None:
         """``async_save``: save checkpoints in the background, training waiting only while each rank copies its
@@ -102,6 +110,7 @@ class StrategyTrainerMixin:
         refuse_transformers_expert_parallel(kwargs.get("model", args[0] if args else None))
         if async_save:
             refuse_unserved(training_args)
+        serve_cpu(training_args, strategy)  # a CPU run: transformers and TRL see every rank (.cpu)
         self.strategy = strategy
         with naming_unknown_keywords(type(self), kwargs):  # a misspelt keyword: one line naming the closest
             super().__init__(*args, **kwargs)
@@ -112,6 +121,8 @@ class StrategyTrainerMixin:
         if async_save:
             self.async_checkpoints = AsyncCheckpoints(self, pin_memory=self.strategy.device.type != "cpu")
             self.add_callback(self.async_checkpoints)
+        if self.writes_run_log:  # after the asynchronous saves: the last one is complete when the end is printed
+            self.add_callback(RunLog())
 
     def _wrap_with_strategy(self) -> None:
         prepare_for_trainer(self.strategy, self.model)  # in place: the trainer's references stay valid

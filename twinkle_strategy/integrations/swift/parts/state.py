@@ -7,9 +7,8 @@ import dataclasses
 import logging
 from typing import Any
 
-import torch.distributed as dist
-
 from twinkle_strategy.config import StrategyConfig
+from twinkle_strategy.distributed.runtime import destroy_process_group
 from twinkle_strategy.errors import ParallelConfigError
 from twinkle_strategy.integrations.swift.parts.options import resolve_options
 from twinkle_strategy.strategy import NativeFSDPStrategy
@@ -33,12 +32,10 @@ STATE = PluginState()
 
 
 def _destroy_process_group() -> None:
-    # swift leaves the process group to interpreter teardown. With the strategy's own groups (node groups,
-    # point-to-point transfers) gloo's threads could then be destroyed while still joinable: a finished run
-    # once ended in "terminate called without an active exception" (SIGABRT). Tear it down while Python runs,
-    # as twinkle-sft does through strategy.shutdown().
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # swift leaves the process group to interpreter teardown, where a gloo worker still releasing its last
+    # collective aborts the process ("terminate called without an active exception", SIGABRT; see
+    # twinkle_strategy.distributed.teardown). Tear it down while Python runs, and let the workers settle.
+    destroy_process_group()
 
 
 def strategy_options() -> dict[str, Any]:

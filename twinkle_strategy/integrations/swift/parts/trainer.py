@@ -80,6 +80,7 @@ class TwinkleTrainerMixin(StrategyTrainerMixin):
     # swift's --router_aux_loss_coef: swift sets the model's coefficient before every forward and adds the aux
     # loss itself (per micro-batch and rank); the global-batch one is not wired into swift's loss yet.
     replaces_model_aux_loss = False
+    writes_run_log = False  # swift writes logging.jsonl and prints its checkpoints itself
 
     def __init__(self, *args, **kwargs):
         async_save = trainer_options(STATE.fsdp_options)["async_save"]
