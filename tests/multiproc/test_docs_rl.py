@@ -30,8 +30,9 @@ def test_the_rl_page_leads_with_a_complete_grpo_script_and_its_command():
     script = python[0]
     assert script.not_run is None and script.line > blocks[0].line
     for needed in ("import torch\n", "from trl import GRPOConfig, GRPOTrainer", "def correct_answer(", "LoraConfig(",
-                   "use_cpu=", "with_strategy(GRPOTrainer)(", "routing_replay=", "trainer.train()"):
+                   "with_strategy(GRPOTrainer)(", "routing_replay=", "trainer.train()"):
         assert needed in script.code, needed
+    assert "use_cpu" not in script.code  # issue 47: a CPU run needs no use_cpu (the strategy tells accelerate)
     assert "### Why `grad_norm`" in text and "frac_reward_zero_std" in text
 
 
