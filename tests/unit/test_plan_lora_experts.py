@@ -73,19 +73,21 @@ def test_qwen3_lora_on_experts_keeps_the_rows_received_and_rank_wide_intermediat
 
 
 def test_the_peft_path_keeps_todays_figures(qwen3):
-    """lora_experts=peft is counted as before the activations path existed (the issue's figures)."""
+    """lora_experts=peft is counted as before the activations path existed (the issue's activations; its peaks
+    with one layer gathered more, as the plan now counts the step's peak without checkpointing: 65.4 and
+    194.1 GiB in the issue)."""
     figures = {name: (round(plan.activations.total / GIB, 1), round(plan.peak / GIB, 1)) for name, plan in qwen3.items()}
-    assert figures["attention"] == (41.7, 50.0) and figures["peft"] == (56.7, 65.4), figures
-    assert figures["activations"] == (45.5, 54.2), figures
+    assert figures["attention"] == (41.7, 50.2) and figures["peft"] == (56.7, 65.6), figures
+    assert figures["activations"] == (45.5, 54.4), figures
     deepseek = _deepseek_v3(experts=True, lora_experts="peft")
-    assert (round(deepseek.activations.total / GIB, 1), round(deepseek.peak / GIB, 1)) == (170.7, 194.1)
+    assert (round(deepseek.activations.total / GIB, 1), round(deepseek.peak / GIB, 1)) == (170.7, 197.2)
     assert deepseek.fits is False
 
 
 def test_deepseek_v3_with_lora_on_experts_fits_80gib_without_checkpointing():
     plan = _deepseek_v3(experts=True, lora_experts="activations")
     assert plan.fits is True and plan.peak < 80 * GIB, table(plan)
-    assert round(plan.peak / GIB, 1) == 35.4 and round(plan.activations.total / GIB, 1) == 12.0, table(plan)
+    assert round(plan.peak / GIB, 1) == 38.5 and round(plan.activations.total / GIB, 1) == 12.0, table(plan)
 
 
 def test_the_report_says_which_path_it_counted(qwen3, tmp_path):
