@@ -80,7 +80,7 @@ def test_the_peft_path_keeps_todays_figures(qwen3):
     assert figures["attention"] == (41.7, 50.2) and figures["peft"] == (56.7, 65.6), figures
     assert figures["activations"] == (45.5, 54.4), figures
     deepseek = _deepseek_v3(experts=True, lora_experts="peft")
-    assert (round(deepseek.activations.total / GIB, 1), round(deepseek.peak / GIB, 1)) == (170.7, 197.2)
+    assert (round(deepseek.activations.total / GIB, 1), round(deepseek.peak / GIB, 1)) == (170.7, 197.1)
     assert deepseek.fits is False
 
 
