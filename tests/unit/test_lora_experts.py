@@ -8,6 +8,8 @@ PEFT's own forward (bit-equal). The adapter saved is PEFT's and loads into plain
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 from lora_experts_cases import with_expert_lora
@@ -111,6 +113,51 @@ def test_w_plus_ba_is_never_kept_for_the_backward(family):
     assert saved_stacks(lora_model(family, implementation, activations=True), ids) == []
     # PEFT's own path keeps the formed W + BA of every experts tensor (what this test exists to catch).
     assert saved_stacks(lora_model(family, implementation, activations=False), ids) != []
+
+
+def saved_row_sized(model, ids) -> collections.Counter:
+    """How many tensors one forward saves for the backward that are whole tensors of the routed rows' size
+    [T*k, H] or the down projection's input's [T*k, I] (a view of a larger tensor, as the gate's halves of
+    ``gate_up``, is that tensor's, not one of these)."""
+    config = model.config.get_text_config()
+    rows = ids.numel() * config.num_experts_per_tok
+    inter = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    sizes = {(rows, config.hidden_size): "rows [T*k, H]", (rows, inter): "h [T*k, I]"}
+    found: dict[int, str] = {}
+
+    def pack(t: torch.Tensor):
+        name = sizes.get(tuple(t.shape))
+        if name is not None and t.untyped_storage().nbytes() == t.numel() * t.element_size():
+            found[t.untyped_storage().data_ptr()] = name
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return collections.Counter(found.values())
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_expert_lora_keeps_no_routed_rows_nor_down_input(family):
+    """A's gradient needs the rows each projection reads, but they are recomputed in the backward (a gather of
+    the layer's tokens, the gate of ``gate_up``): the forward keeps no more row-sized tensors than with LoRA on
+    attention only (where the frozen experts keep none of their inputs). On the grouped path, whose combine is
+    transformers' grouped_mm forward's (the per-expert path concatenates its outputs where transformers' eager
+    forward adds them expert by expert: another count of output rows, not of inputs; it regathers the same)."""
+    implementation = "grouped_mm"
+    ids = batch()
+    # (An intermediate size that is neither hidden / 2 nor hidden: each of the sizes is its own tensors' only.)
+    sizes = {"moe_intermediate_size" if family == "qwen3_moe" else "intermediate_size": 24}
+    kept = {}
+    for name, targets in (("attention only", []), ("with experts", None)):
+        model = build_tiny_model(family, **sizes)
+        model.set_experts_implementation(implementation)
+        model = with_expert_lora(model, **({} if targets is None else {"target_parameters": targets}))
+        if targets is None:
+            assert compute_lora_on_activations(model)
+        kept[name] = saved_row_sized(model, ids)
+    with_experts, attention_only = kept["with experts"], kept["attention only"]
+    assert with_experts <= attention_only, (with_experts, attention_only)
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "llama4", "nemotron_h", "longcat_flash", "mixtral"])

@@ -7,8 +7,14 @@ expert's weights until the backward, layer after layer. Here, each expert comput
 
     y = x @ W_e  +  scale * ((x @ A_e) @ B_e)        (in the orientation the family multiplies W_e)
 
-so autograd keeps what LoRA needs: the inputs ``x``, the rank-sized ``x @ A_e``, and views of ``W``
-(``W[e]`` and ``W.transpose`` are views; no copy). No custom ``autograd.Function`` is needed.
+so autograd keeps, beside views of ``W`` (``W[e]`` and ``W.transpose`` are views; no copy), the rank-sized
+``x @ A_e`` and what ``x`` is recomputed from in the backward (:func:`read_with_low_rank`): A's gradient needs
+``x``, which the frozen base alone would not keep. The up projection's rows are a gather of the module's
+input (each token ``top_k`` times): the input and the index are kept, the rows regathered. The down
+projection's input is the gate of ``gate_up``, which is kept (the gate's own backward keeps it anyway): the
+gate is recomputed. Exactly the same ops: the same numbers. Llama-4's batched path keeps its up projection's
+input (the module's input itself: nothing to regather) and recomputes its gate likewise. Under expert
+parallelism the module's input is the rows this rank received, so those are what is kept.
 
 :func:`compute_lora_on_activations` swaps the class of the OUTERMOST ``ParamWrapper`` of each experts
 module whose fused tensors carry LoRA (:mod:`.class_swap`: the instance, its parameters, their names and
@@ -38,10 +44,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from twinkle_strategy.compat.transformers_internals import (
     experts_gate,
@@ -143,23 +151,33 @@ class Projection:
         # F.linear(x, W + s * lhs @ rhs) = x @ W^T + s * (x @ rhs^T) @ lhs^T
         return lora.rhs.transpose(-2, -1), lora.lhs.transpose(-2, -1)
 
-    def per_expert(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """Expert ``expert`` on its rows ``x`` [n, in]."""
+    def low_rank_in(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """The LoRA branch's first, rank-sized product ``x @ A_e`` for expert ``expert``'s rows ``x`` [n, in]."""
+        down, _ = self._lora_in_out()
+        return x @ down[expert]
+
+    def per_expert(self, x: torch.Tensor, low_rank_in: torch.Tensor | None, expert: int) -> torch.Tensor:
+        """Expert ``expert`` on its rows ``x`` [n, in], ``low_rank_in`` its :meth:`low_rank_in` (None without LoRA)."""
         w = self.weight[expert]  # a view: autograd saves it without a copy
         out = x @ w if self.weight_on_right else F.linear(x, w)
         if self.lora is not None:
-            down, up = self._lora_in_out()
-            out = out + self.lora.scaling * ((x @ down[expert]) @ up[expert])
+            _, up = self._lora_in_out()
+            out = out + self.lora.scaling * (low_rank_in @ up[expert])
         if self.bias is not None:
             out = out + self.bias[expert]
         return out
 
-    def batched(self, x: torch.Tensor) -> torch.Tensor:
+    def batched_low_rank_in(self, x: torch.Tensor) -> torch.Tensor:
+        """``x @ A_e`` for every expert's block of ``x`` [E, T, in]."""
+        down, _ = self._lora_in_out()
+        return torch.bmm(x, down)
+
+    def batched(self, x: torch.Tensor, low_rank_in: torch.Tensor | None) -> torch.Tensor:
         """Every expert on its block of ``x`` [E, T, in] (Llama-4's pre-routed layout: weight on the right)."""
         out = torch.bmm(x, self.weight)
         if self.lora is not None:
-            down, up = self._lora_in_out()
-            out = out + self.lora.scaling * torch.bmm(torch.bmm(x, down), up)
+            _, up = self._lora_in_out()
+            out = out + self.lora.scaling * torch.bmm(low_rank_in, up)
         return out
 
     def grouped_operands(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
@@ -173,17 +191,53 @@ class Projection:
         pad = -down.shape[-1] % per_row
         return weight, F.pad(down, (0, pad)).contiguous(), F.pad(up, (0, 0, 0, pad)).contiguous()
 
-    def grouped(self, x: torch.Tensor, offsets: torch.Tensor, expert_of_row: torch.Tensor,
-                operands: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]) -> torch.Tensor:
-        """Every row of ``x`` [S, in] (sorted by expert, ``offsets`` the groups' ends) through its expert."""
-        weight, down, up = operands
-        x = x.to(weight.dtype)
+    def grouped(self, x: torch.Tensor, low_rank_in: torch.Tensor | None, offsets: torch.Tensor,
+                expert_of_row: torch.Tensor, operands: GroupedOperands) -> torch.Tensor:
+        """Every row of ``x`` [S, in] (sorted by expert, ``offsets`` the groups' ends, in the weight's dtype)
+        through its expert; ``low_rank_in`` the rows' ``x @ A_e`` (:func:`grouped_low_rank_in`)."""
+        weight, _, up = operands
         out = F.grouped_mm(x, weight, offs=offsets)
-        if down is not None:
-            out = out + self.lora.scaling * F.grouped_mm(F.grouped_mm(x, down, offs=offsets), up, offs=offsets)
+        if up is not None:
+            out = out + self.lora.scaling * F.grouped_mm(low_rank_in, up, offs=offsets)
         if self.bias is not None:
             out = out + self.bias[expert_of_row]
         return out
+
+
+GroupedOperands = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]  # Projection.grouped_operands
+
+
+def grouped_low_rank_in(x: torch.Tensor, offsets: torch.Tensor, operands: GroupedOperands) -> torch.Tensor:
+    """Every row's ``x @ A_e`` [S, r'] (rows sorted by expert), for :meth:`Projection.grouped`."""
+    return F.grouped_mm(x, operands[1], offs=offsets)
+
+
+def read_with_low_rank(read, inputs: tuple[torch.Tensor, ...], low_rank_in) -> tuple:
+    """``x = read(*inputs)`` and, where ``low_rank_in`` is given (the projection has LoRA), ``low_rank_in(x)``:
+    the LoRA branch's rank-sized first product(s), ``x @ A_e``. Returns ``(x, low_rank_in(x) or None)``.
+
+    A's gradient needs ``x``, and ``x`` is larger than what it is read from: the rows each expert reads are
+    the layer's tokens gathered ``top_k`` times (``read`` = a gather), the down projection's input is the gate of
+    the up projection's output (``read`` = the gate, whose own backward keeps that output anyway). So only
+    ``inputs`` are kept for the backward, and ``x`` and the product are recomputed from them there: a gather
+    or an element-wise gate, and the rank-sized GEMM (about 1% of the base GEMM's FLOPs). The same ops
+    recompute the same numbers. The base GEMM consumes ``x`` in the forward without keeping it (its weight
+    is frozen). ``torch.utils.checkpoint`` (non-reentrant) rather than a custom ``autograd.Function``:
+    the recomputation reuses autograd's own backward of every op (grouped_mm's with offsets, the gather's,
+    gpt-oss's clamped gate), so the gradients are those of the plain compute by construction, and it nests
+    inside the layer-level checkpointing of :mod:`.recompute`.
+    """
+    if low_rank_in is None:
+        return read(*inputs), None
+    if not torch.is_grad_enabled():
+        x = read(*inputs)
+        return x, low_rank_in(x)
+
+    def region(*kept):
+        x = read(*kept)
+        return x, low_rank_in(x)
+
+    return checkpoint(region, *inputs, use_reentrant=False, preserve_rng_state=False)
 
 
 def _aligned(hidden_size: int, operands: list[torch.Tensor]) -> bool:
@@ -260,11 +314,15 @@ class LoraOnActivationsExperts(nn.Module):
 
     # ------------------------------------------------------------------ the compute
     def _expert(self, inner: nn.Module, projections: dict[str, Projection], x: torch.Tensor,
-                expert: int) -> torch.Tensor:
+                up_low_rank_in: torch.Tensor | None, expert: int) -> torch.Tensor:
+        """Expert ``expert`` on its rows ``x``, whose up projection's ``x @ A_e`` is ``up_low_rank_in``."""
         layout = self.experts_layout
-        hidden = projections[layout.up_name].per_expert(x, expert)
-        hidden = _gate(inner, layout, hidden)
-        out = projections["down_proj"].per_expert(hidden, expert)
+        hidden = projections[layout.up_name].per_expert(x, up_low_rank_in, expert)
+        down = projections["down_proj"]
+        hidden, down_low_rank_in = read_with_low_rank(
+            lambda up_out: _gate(inner, layout, up_out), (hidden,),
+            (lambda h: down.low_rank_in(h, expert)) if down.lora is not None else None)
+        out = down.per_expert(hidden, down_low_rank_in, expert)
         return inner.post_expert_norm(out) if layout.has_post_expert_norm else out
 
     def _routed(self, inner: nn.Module, projections: dict[str, Projection], hidden_states: torch.Tensor,
@@ -289,17 +347,26 @@ class LoraOnActivationsExperts(nn.Module):
         # One host sync for the rows per expert (the eager forward syncs once per expert).
         counts = torch.bincount(flat_expert, minlength=num_slots).tolist()
         num_routed = getattr(inner, "num_routed_experts", None) if self.experts_layout.has_zero_experts else None
-        rows = hidden_states[token]
-        outputs, start = [], 0
+        computed = [(expert, count) for expert, count in enumerate(counts)
+                    if count and (num_routed is None or expert < num_routed)]  # (not the identity experts)
+        starts = [0, *itertools.accumulate(counts)]  # each expert's first row
+        up = projections[self.experts_layout.up_name]
+
+        def up_low_rank_in(rows: torch.Tensor) -> list[torch.Tensor]:
+            return [up.low_rank_in(rows[starts[e]:starts[e] + n], e) for e, n in computed]
+
+        rows, low_rank_ins = read_with_low_rank(lambda tokens, index: tokens[index], (hidden_states, token),
+                                                up_low_rank_in if up.lora is not None else None)
+        low_rank_in_of = dict(zip([e for e, _ in computed], low_rank_ins or [None] * len(computed), strict=True))
+        outputs = []
         for expert, count in enumerate(counts):
             if count == 0:
                 continue
-            mine = rows[start:start + count]
-            start += count
-            if num_routed is not None and expert >= num_routed:  # a zero-computation expert: the identity
+            mine = rows[starts[expert]:starts[expert] + count]
+            if expert not in low_rank_in_of:  # a zero-computation expert: the identity
                 outputs.append(mine)
             else:
-                outputs.append(self._expert(inner, projections, mine, expert))
+                outputs.append(self._expert(inner, projections, mine, low_rank_in_of[expert], expert))
         per_row = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
         return torch.zeros_like(hidden_states).index_add(0, token, per_row.to(hidden_states.dtype))
 
@@ -311,13 +378,18 @@ class LoraOnActivationsExperts(nn.Module):
         layout = self.experts_layout
         num_tokens, top_k = top_k_index.shape
         expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-        rows = hidden_states[perm // top_k]
         num_experts = projections[layout.up_name].weight.shape[0]
         offsets = torch.cumsum(torch.bincount(expert_ids, minlength=num_experts), dim=0, dtype=torch.int32)
-        up_name = layout.up_name
-        hidden = projections[up_name].grouped(rows, offsets, expert_ids, operands[up_name])
-        hidden = _gate(inner, layout, hidden)
-        out = projections["down_proj"].grouped(hidden, offsets, expert_ids, operands["down_proj"])
+        up, down = projections[layout.up_name], projections["down_proj"]
+        up_ops, down_ops = operands[layout.up_name], operands["down_proj"]
+        rows, rows_low_rank_in = read_with_low_rank(
+            lambda tokens, index: tokens[index].to(up_ops[0].dtype), (hidden_states, perm // top_k),
+            (lambda x: grouped_low_rank_in(x, offsets, up_ops)) if up.lora is not None else None)
+        hidden = up.grouped(rows, rows_low_rank_in, offsets, expert_ids, up_ops)
+        hidden, hidden_low_rank_in = read_with_low_rank(
+            lambda up_out: _gate(inner, layout, up_out).to(down_ops[0].dtype), (hidden,),
+            (lambda h: grouped_low_rank_in(h, offsets, down_ops)) if down.lora is not None else None)
+        out = down.grouped(hidden, hidden_low_rank_in, offsets, expert_ids, down_ops)
         if layout.has_post_expert_norm:
             out = inner.post_expert_norm(out)
         weighted = out * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
@@ -329,10 +401,13 @@ class LoraOnActivationsExperts(nn.Module):
     def _pre_routed(self, inner: nn.Module, projections: dict[str, Projection],
                     hidden_states: torch.Tensor) -> torch.Tensor:
         """Llama-4: ``hidden_states`` [E*T, H] holds each expert's block of (score-scaled) tokens."""
-        up = projections["gate_up_proj"]
+        up, down = projections["gate_up_proj"], projections["down_proj"]
         per_expert = hidden_states.view(up.weight.shape[0], -1, hidden_states.shape[-1])
-        hidden = _gate(inner, self.experts_layout, up.batched(per_expert))
-        out = projections["down_proj"].batched(hidden)
+        # (The up projection's rows are the module's input itself, which A's gradient keeps: nothing to regather.)
+        gate_up = up.batched(per_expert, up.batched_low_rank_in(per_expert) if up.lora is not None else None)
+        hidden, low_rank_in = read_with_low_rank(lambda up_out: _gate(inner, self.experts_layout, up_out), (gate_up,),
+                                                 down.batched_low_rank_in if down.lora is not None else None)
+        out = down.batched(hidden, low_rank_in)
         return out.view(-1, out.shape[-1])
 
     def extra_repr(self) -> str:

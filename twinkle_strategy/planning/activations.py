@@ -12,9 +12,10 @@ experts get a balanced share of the rows (``routing_skew`` times it on the busie
 expert by expert with the experts' own weights; EP's dispatch buffers (rows sent, rows received, the
 return trip) are allocated as the all-to-alls allocate them. Each experts module becomes a
 :class:`BalancedRoutingExperts` for this (its class swapped, as EP swaps it). LoRA on the fused experts
-is computed as ``lora_experts`` computes it: on the activations (``x @ W_e + scale * (x @ A_e) @ B_e``, so
-autograd keeps the rows each LoRA'd projection reads and the rank-wide ``x @ A_e``, no expert-sized tensor),
-or PEFT's way (``W + scale * B @ A`` formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
+is computed as ``lora_experts`` computes it: on the activations (``x @ W_e + scale * (x @ A_e) @ B_e``, with
+its :func:`~twinkle_strategy.moe.lora_experts.read_with_low_rank`: autograd keeps the rank-wide ``x @ A_e`` and
+what the rows each LoRA'd projection reads are recomputed from in the backward, the module's input and the
+index, ``gate_up``; no expert-sized tensor), or PEFT's way (``W + scale * B @ A`` formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
 accumulated, as FSDP2 frees them after its reduce-scatter.
 """
 
@@ -35,6 +36,7 @@ from twinkle_strategy.errors import ModelStructureError, PlanInputError
 from twinkle_strategy.moe.class_swap import swap_class
 from twinkle_strategy.moe.discovery import unwrap_experts
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
+from twinkle_strategy.moe.lora_experts import read_with_low_rank
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
@@ -218,13 +220,19 @@ class ExpertLowRank:
     num_experts: int  # expert slots of the wrapped parameter on this rank (PEFT's reshape)
     scale: float
 
-    def project(self, x: torch.Tensor, expert: int) -> torch.Tensor:
-        """``scale * (x @ A_e) @ B_e``: autograd keeps ``x`` for A's gradient (the frozen base alone keeps no
-        input) and ``x @ A_e`` [rows, r] for B's, nothing expert-sized (the factors are views of the adapters,
-        cast to the compute dtype where they are kept in another)."""
-        a = self.lora_a.reshape(self.num_experts, -1, self.lora_a.shape[-1])[expert].to(x.dtype)  # [r, in]
-        b = self.lora_b.reshape(self.lora_b.shape[0], -1, self.num_experts)[:, :, expert].to(x.dtype)  # [out, r]
-        return F.linear(F.linear(x, a), b) * self.scale
+    def factors(self, expert: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A_e [r, in], B_e [out, r]): views of the adapters, cast to the compute dtype where kept in another."""
+        a = self.lora_a.reshape(self.num_experts, -1, self.lora_a.shape[-1])[expert].to(dtype)
+        b = self.lora_b.reshape(self.lora_b.shape[0], -1, self.num_experts)[:, :, expert].to(dtype)
+        return a, b
+
+    def low_rank_in(self, x: torch.Tensor, expert: int) -> torch.Tensor:
+        """``x @ A_e`` [rows, r]: kept for B's gradient (rank-sized)."""
+        return F.linear(x, self.factors(expert, x.dtype)[0])
+
+    def project(self, low_rank_in: torch.Tensor, expert: int) -> torch.Tensor:
+        """``scale * (x @ A_e) @ B_e`` from :meth:`low_rank_in`; nothing expert-sized is kept."""
+        return F.linear(low_rank_in, self.factors(expert, low_rank_in.dtype)[1]) * self.scale
 
 
 class BalancedRoutingExperts(nn.Module):
@@ -255,29 +263,47 @@ class BalancedRoutingExperts(nn.Module):
         tokens, top_k = top_k_index.shape
         rows = tokens * top_k
         token_of_row = torch.arange(rows, device=hidden_states.device) // top_k
-        x = hidden_states[token_of_row]  # the rows sent, one per (token, choice)
         received = math.ceil(rows * skew) if ep_size > 1 else rows
+        # The rows the local experts read: the module's input gathered (without EP: the tokens, each top_k times;
+        # with EP: the all-to-all's output buffer, gathered in expert order as lora_experts sorts it).
+        source, index = hidden_states, token_of_row
         if ep_size > 1:
-            x = x[torch.arange(received, device=x.device) % rows]  # the all-to-all's output buffer
+            source = hidden_states[token_of_row]  # the rows sent, one per (token, choice)
+            source = source[torch.arange(received, device=source.device) % rows]  # the all-to-all's output buffer
+            index = torch.arange(received, device=source.device)
         gated = hasattr(inner, "gate_up_proj")
         gate_up, gate_up_lora = weight("gate_up_proj" if gated else "up_proj")
         down, down_lora = weight("down_proj")
         act = getattr(inner, "act_fn", F.silu)
         local = gate_up.shape[0]
         sizes = [received // local + (1 if e < received % local else 0) for e in range(local)]
+
+        def gate(h: torch.Tensor) -> torch.Tensor:
+            if gated:
+                g, u = h.chunk(2, dim=-1)
+                return act(g) * u
+            return act(h)
+
+        def low_rank_ins(adapters: list[ExpertLowRank], expert: int | None = None):
+            """Each adapter's ``x @ A_e``, per expert of ``sizes`` (``expert`` None) or for ``expert``."""
+            if not adapters:
+                return None
+            if expert is not None:
+                return lambda h: [a.low_rank_in(h, expert) for a in adapters]
+            return lambda x: [[a.low_rank_in(chunk, e) for a in adapters] for e, chunk in enumerate(x.split(sizes))]
+
+        # As lora_experts computes it (its read_with_low_rank): LoRA-A's input is not kept but recomputed in the
+        # backward, from the module's input and the index (the up projection) and from gate_up (the down one).
+        x, up_ins = read_with_low_rank(lambda t, i: t[i], (source, index), low_rank_ins(gate_up_lora))
         outs = []
         for e, chunk in enumerate(x.split(sizes)):
             h = _project(chunk, gate_up[e])
-            for low_rank in gate_up_lora:
-                h = h + low_rank.project(chunk, e)
-            if gated:
-                g, u = h.chunk(2, dim=-1)
-                h = act(g) * u
-            else:
-                h = act(h)
+            for adapter, low_rank_in in zip(gate_up_lora, up_ins[e] if up_ins else [], strict=True):
+                h = h + adapter.project(low_rank_in, e)
+            h, down_ins = read_with_low_rank(gate, (h,), low_rank_ins(down_lora, e))
             out = _project(h, down[e])
-            for low_rank in down_lora:
-                out = out + low_rank.project(h, e)
+            for adapter, low_rank_in in zip(down_lora, down_ins or [], strict=True):
+                out = out + adapter.project(low_rank_in, e)
             outs.append(out)
         y = torch.cat(outs)
         if ep_size > 1:
