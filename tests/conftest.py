@@ -32,8 +32,9 @@ pytest_plugins = ["launches", "swift_fixtures", "parallel_workers"]
 # swift_plugin: 35 fused to 26 (issue 36: one process for the env check, for the swift-env PEFT loads, for the
 # vision-language build and swift's flags, for the parse-time refusals, for the async-save comparison's
 # training_args.bin), then 2 for the swift leg of one SP meaning (swift sft 2x2 and the HF leg's worker in swift's
-# env): 28, with 1 of room.
-LAUNCH_BUDGET = {"unit": 2, "multiproc": 107, "swift_plugin": 29, "vllm_engine": 8}
+# env): 28, with 1 of room. Issues 46-47 added three multiproc launches (LoRA on the experts at 2x2, the six usual
+# mistakes, a clean exit, which must not be preloaded): 110.
+LAUNCH_BUDGET = {"unit": 2, "multiproc": 110, "swift_plugin": 29, "vllm_engine": 8}
 
 
 def pytest_configure(config):
@@ -122,6 +123,19 @@ LAYOUT_CHECKPOINTS = {
     "qwen3_vl_moe": ("qwen3_vl_moe", {"intermediate_size": 8}),
 }
 assert {family for family, _ in LAYOUT_CHECKPOINTS.values()} >= set(LAYOUT_FAMILIES)
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_device_as_before():
+    """A strategy set up in this process on a CPU exports ACCELERATE_USE_CPU (as ``accelerate launch --cpu``
+    does) for the rest of the process; a test's launches must not inherit it from an earlier test: it would
+    change what a user's fresh process sees, and start every later launch fresh instead of preloaded."""
+    before = os.environ.get("ACCELERATE_USE_CPU")
+    yield
+    if before is None:
+        os.environ.pop("ACCELERATE_USE_CPU", None)
+    else:
+        os.environ["ACCELERATE_USE_CPU"] = before
 
 
 @pytest.fixture(scope="session")

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 
-import torch.distributed as dist
-
-from twinkle_strategy import NativeFSDPStrategy
 from twinkle_strategy.distributed import teardown
 
 
@@ -27,11 +28,21 @@ def test_stops_run_last_registered_first_once_each_past_a_failing_one(caplog):
 
 
 def test_setup_registers_the_process_group_it_makes_and_shutdown_tears_it_down_once():
-    assert not dist.is_initialized()  # (a test that made a group destroys it: this one makes its own)
-    strategy = NativeFSDPStrategy(device_type="cpu")
-    strategy.setup()  # a group of one (no torchrun): made by the strategy, so stopped at exit
-    assert dist.is_initialized() and teardown.pending()[0] == "the process group"
-    strategy.shutdown()
-    assert not dist.is_initialized() and teardown.pending() == []
-    strategy.shutdown()  # idempotent
-    assert not dist.is_initialized()
+    # In a fresh interpreter: this pytest process may hold a group an earlier test made.
+    script = textwrap.dedent("""
+        import torch.distributed as dist
+        from twinkle_strategy import NativeFSDPStrategy
+        from twinkle_strategy.distributed import teardown
+        assert not dist.is_initialized()
+        strategy = NativeFSDPStrategy(device_type="cpu")
+        strategy.setup()  # a group of one (no torchrun): made by the strategy, so stopped at exit
+        assert dist.is_initialized() and teardown.pending()[0] == "the process group", teardown.pending()
+        strategy.shutdown()
+        assert not dist.is_initialized() and teardown.pending() == [], teardown.pending()
+        strategy.shutdown()  # idempotent
+        assert not dist.is_initialized()
+        print("torn down once")
+    """)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "MASTER_", "LOCAL_"))}
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0 and "torn down once" in done.stdout, done.stderr[-3000:]

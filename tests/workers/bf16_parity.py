@@ -27,6 +27,7 @@ from transformers import AutoConfig  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.loading import model_class_for  # noqa: E402
+from twinkle_strategy.moe.lora_experts import compute_lora_on_activations  # noqa: E402
 
 SEQ, PER_RANK = 16, 2
 U = 2.0 ** -8  # bf16 unit roundoff
@@ -109,6 +110,9 @@ def batch(vocab: int, world: int):
 def reference(path: str, family: str, lora: bool, ids, mine):
     model = model_class_for(AutoConfig.from_pretrained(path)).from_pretrained(path, dtype=torch.bfloat16)
     model = with_adapter(model, family, lora)
+    # The same compute as the strategy's model: LoRA on the experts' activations (lora_experts' default), which
+    # rounds otherwise than PEFT's W + BA in bf16 (tests/unit/test_lora_experts.py compares the two paths).
+    compute_lora_on_activations(model)
     state = {k: v.clone() for k, v in model.state_dict().items()}
     # What transformers keeps in fp32 (adapters aside: PEFT keeps LoRA in fp32 by design).
     kept = sorted(k for k, v in state.items() if v.dtype == torch.float32 and "lora_" not in k)
