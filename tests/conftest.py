@@ -33,8 +33,8 @@ pytest_plugins = ["launches", "swift_fixtures", "parallel_workers"]
 # vision-language build and swift's flags, for the parse-time refusals, for the async-save comparison's
 # training_args.bin), then 2 for the swift leg of one SP meaning (swift sft 2x2 and the HF leg's worker in swift's
 # env): 28, with 1 of room. Issues 46-47 added three multiproc launches (LoRA on the experts at 2x2, the six usual
-# mistakes, a clean exit, which must not be preloaded): 110.
-LAUNCH_BUDGET = {"unit": 2, "multiproc": 110, "swift_plugin": 29, "vllm_engine": 8}
+# mistakes, a clean exit, which must not be preloaded): 110; unit 3: the teardown test's fresh interpreter.
+LAUNCH_BUDGET = {"unit": 3, "multiproc": 110, "swift_plugin": 29, "vllm_engine": 8}
 
 
 def pytest_configure(config):
@@ -125,17 +125,26 @@ LAYOUT_CHECKPOINTS = {
 assert {family for family, _ in LAYOUT_CHECKPOINTS.values()} >= set(LAYOUT_FAMILIES)
 
 
-@pytest.fixture(autouse=True)
-def _accelerate_device_as_before():
-    """A strategy set up in this process on a CPU exports ACCELERATE_USE_CPU (as ``accelerate launch --cpu``
-    does) for the rest of the process; a test's launches must not inherit it from an earlier test: it would
-    change what a user's fresh process sees, and start every later launch fresh instead of preloaded."""
-    before = os.environ.get("ACCELERATE_USE_CPU")
-    yield
-    if before is None:
+# ACCELERATE_USE_CPU as the suite was started with (see _accelerate_device_as_started).
+_ACCELERATE_USE_CPU_AT_START = os.environ.get("ACCELERATE_USE_CPU")
+
+
+def _restore_accelerate_device() -> None:
+    if _ACCELERATE_USE_CPU_AT_START is None:
         os.environ.pop("ACCELERATE_USE_CPU", None)
     else:
-        os.environ["ACCELERATE_USE_CPU"] = before
+        os.environ["ACCELERATE_USE_CPU"] = _ACCELERATE_USE_CPU_AT_START
+
+
+@pytest.fixture(autouse=True)
+def _accelerate_device_as_started():
+    """A strategy set up in this process on a CPU exports ACCELERATE_USE_CPU (as ``accelerate launch --cpu``
+    does) for the rest of the process, a session fixture's included; a test's launches must not inherit it from
+    an earlier one: it would change what a user's fresh process sees, and start later launches fresh instead of
+    from the preloaded interpreter (tests/preload.py), whose environment they must match."""
+    _restore_accelerate_device()
+    yield
+    _restore_accelerate_device()
 
 
 @pytest.fixture(scope="session")
