@@ -16,6 +16,7 @@ from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 FP32_FAMILIES = tuple(dict.fromkeys(MATRIX_FAMILIES + FAMILIES))
 BF16_FAMILIES = ("qwen3_moe", "gpt_oss", "llama4", "longcat_flash")
 EP1_FAMILIES = ("qwen3_moe", "llama4")  # FSDP2 without EP: the same compute, no dispatch around it
+ROWS_CHECKPOINT = "rows_qwen3_moe"  # what the rows received cost, with and without layer-level checkpointing
 
 
 @pytest.fixture(scope="module")
@@ -23,12 +24,15 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_experts")
     for family in FP32_FAMILIES:
         save_tiny_checkpoint(family, str(root / family), seed=0)
+    # (An intermediate size that is neither the hidden size nor half of it: a [rows, hidden] tensor is a row's.)
+    save_tiny_checkpoint("qwen3_moe", str(root / ROWS_CHECKPOINT), seed=0, moe_intermediate_size=24)
     return root
 
 
 def test_activations_path_matches_peft_at_ep2(checkpoints, tmp_path):
     result = launch("lora_experts.py", ["--ckpt-root", str(checkpoints), "--families", ",".join(FP32_FAMILIES),
-                                        "--bf16", ",".join(BF16_FAMILIES), "--ep1", ",".join(EP1_FAMILIES)],
+                                        "--bf16", ",".join(BF16_FAMILIES), "--ep1", ",".join(EP1_FAMILIES),
+                                        "--rows", ROWS_CHECKPOINT],
                     tmp_path, nnodes=2, nproc_per_node=2, timeout=900)
     assert result.ok(), result.describe()
     ranks = result.rank_results()
@@ -52,3 +56,24 @@ def test_activations_path_matches_peft_at_ep2(checkpoints, tmp_path):
             else:
                 two_ulps = 2 * 2**-7 * abs(c["ref_loss"])
                 assert abs(c["loss"] - c["ref_loss"]) <= two_ulps, f"{case}: loss {c['loss']} vs {c['ref_loss']}"
+        check_received_rows(rank, data["rows"])
+
+
+def check_received_rows(rank: int, rows: dict):
+    """Under EP the experts' input is the rows this rank received, which A's gradient needs. They are not kept
+    for the backward: the region that reads them starts from the tokens before the dispatch, and its
+    recomputation sends them again, one more all-to-all per MoE layer in the backward. So the forward keeps no
+    more tensors of the received rows' shape than with LoRA on attention alone (where the frozen experts keep
+    none of their inputs). Inside layer-level checkpointing the record keeps them anyway: the rows are at hand,
+    and the result is still PEFT's within 1e-5."""
+    experts, attention = rows["experts"], rows["attention"]
+    layers = experts["moe_layers"]
+    assert experts["received_counts"], f"rank {rank}: no rows received"
+    assert experts["kept_received_rows"] <= attention["kept_received_rows"], (rank, experts, attention)
+    assert experts["forward_all_to_alls"] == attention["forward_all_to_alls"], (rank, experts, attention)
+    assert experts["backward_all_to_alls"] == attention["backward_all_to_alls"] + layers, (rank, experts, attention)
+    checkpointed = rows["checkpointed"]
+    case = f"rank {rank} {checkpointed['family']} with layer checkpointing"
+    assert checkpointed["checkpointing"] and checkpointed["same_grad_names"], case
+    assert abs(checkpointed["loss"] - checkpointed["ref_loss"]) <= 1e-5, case
+    assert checkpointed["max_grad_diff"] <= 1e-5, f"{case}: {checkpointed['worst_grad']}"

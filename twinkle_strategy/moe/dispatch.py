@@ -7,8 +7,11 @@ rank's experts received; :meth:`ExpertTrip.send_back` returns their outputs to t
 from. All movement is ``all_to_all_single`` with uneven splits, wrapped in autograd functions so
 gradients take the reverse path.
 
-Inside activation checkpointing (:mod:`.recompute`) a trip keeps what it communicated, and the
-recomputation replays it instead of communicating again.
+The rows travel when the experts read them (:class:`~twinkle_strategy.moe.row_source.RowSource`): LoRA on the
+experts reads them inside a recomputed region, so they are not kept for the backward but sent again there, one
+more all-to-all per layer in place of keeping ``top_k`` rows per token (:mod:`.lora_experts`). Inside activation
+checkpointing (:mod:`.recompute`) a trip instead keeps what it communicated, and the recomputation replays it
+instead of communicating again.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from twinkle_strategy.moe.recompute import active_record
+from twinkle_strategy.moe.row_source import RowSource
 
 
 class _AllToAll(torch.autograd.Function):
@@ -56,12 +60,13 @@ def all_to_all(tensor: torch.Tensor, send_splits: list[int], recv_splits: list[i
 
 @dataclasses.dataclass
 class _Exchange:
-    """One dispatch's communication results, kept for activation checkpointing's recomputation."""
+    """One dispatch's split sizes and, inside a checkpointed forward, what it communicated (kept for the
+    recomputation)."""
 
     send_splits: list[int]
     recv_splits: list[int]
-    received: torch.Tensor  # the rows this rank's experts received
-    local_expert: torch.Tensor  # their local expert index
+    local_expert: torch.Tensor  # the received rows' local expert index
+    received: torch.Tensor | None = None  # the rows this rank's experts received
     returned: torch.Tensor | None = None  # the expert outputs that came back, one per sent row
     routing: torch.Tensor | None = None  # the router's choices the rows were grouped by
 
@@ -82,19 +87,54 @@ class _Replayed(torch.autograd.Function):
         return back, None, None, None
 
 
-def _send_to_owners(rows: torch.Tensor, row_expert: torch.Tensor, num_local_experts: int,
-                    group: dist.ProcessGroup) -> tuple[torch.Tensor, _Exchange]:
-    """All-to-all of ``rows`` to the ranks owning ``row_expert``: (received rows with autograd, the exchange)."""
+def _exchange_splits(row_expert: torch.Tensor, num_local_experts: int, group: dist.ProcessGroup) -> _Exchange:
+    """How many rows go to each rank and come from each (a count exchange, read on the host), and the local
+    expert of each row this rank will receive."""
     ep_size = dist.get_world_size(group)
     dest_rank = torch.div(row_expert, num_local_experts, rounding_mode="floor")
     send_counts = torch.bincount(dest_rank, minlength=ep_size)
     recv_counts = torch.empty_like(send_counts)
     dist.all_to_all_single(recv_counts, send_counts, group=group)
     send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-    received_rows = all_to_all(rows, send_splits, recv_splits, group)
     with torch.no_grad():
         local_expert = all_to_all(row_expert - dest_rank * num_local_experts, send_splits, recv_splits, group)
-    return received_rows, _Exchange(send_splits, recv_splits, received_rows.detach(), local_expert)
+    return _Exchange(send_splits, recv_splits, local_expert)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Arrival:
+    """What every received row goes through before the local experts (see :func:`dispatch`)."""
+
+    ep_size: int
+
+    def __call__(self, received_rows: torch.Tensor) -> torch.Tensor:
+        if received_rows.shape[0] == 0:
+            # Run the experts on one zero row anyway: every rank must produce a
+            # gradient (zeros) for its expert parameters, or FSDP's reduce-scatter
+            # would see different parameter sets on different ranks.
+            received_rows = torch.cat([received_rows,
+                                       received_rows.new_zeros((1,) + tuple(received_rows.shape[1:]))])
+        return _ScaleGrad.apply(received_rows, float(self.ep_size))
+
+
+@dataclasses.dataclass(frozen=True)
+class _SendOnRead:
+    """The read of a :class:`RowSource` whose rows travel when read: the sender's rows, then the all-to-all.
+
+    Read in the forward, and again in the backward where the rows are recomputed rather than kept
+    (:func:`~twinkle_strategy.moe.lora_experts.read_with_low_rank`): every rank reads in the same place of the
+    same backward, so the all-to-alls pair up. The split sizes are the forward's (no count exchange again).
+    """
+
+    sender: RowSource
+    exchange: _Exchange
+    group: dist.ProcessGroup
+    arrival: _Arrival
+
+    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
+        exchange = self.exchange
+        rows = all_to_all(self.sender.read(*inputs), exchange.send_splits, exchange.recv_splits, self.group)
+        return self.arrival(rows)
 
 
 @dataclasses.dataclass
@@ -102,10 +142,12 @@ class ExpertTrip:
     """Rows at the experts that own them: what this rank's experts compute, and the way back.
 
     ``rows`` [M, H] reach the local experts with their gradient scaled (see :func:`dispatch`); when no
-    row came, ``rows`` is one zero row for local expert 0, whose output :meth:`send_back` drops.
+    row came, ``rows`` is one zero row for local expert 0, whose output :meth:`send_back` drops. Outside
+    activation checkpointing they are not yet sent: they travel when read (:class:`RowSource`), so a
+    module that recomputes them in the backward sends them again there instead of keeping them.
     """
 
-    rows: torch.Tensor
+    rows: RowSource
     local_expert: torch.Tensor  # [M]: each row's expert, counted among this rank's experts
     num_received: int
     exchange: _Exchange
@@ -125,11 +167,15 @@ class ExpertTrip:
         return returned
 
 
-def dispatch(rows: torch.Tensor, row_expert: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup,
+def dispatch(rows: RowSource, row_expert: torch.Tensor, *, num_local_experts: int, group: dist.ProcessGroup,
              routing: torch.Tensor) -> ExpertTrip:
     """Send each row of ``rows`` [N, H] to the EP rank owning its expert ``row_expert`` [N] (sorted ascending:
     rows grouped by owner). ``routing``: the router's choices the rows come from; a recomputation under
     activation checkpointing replays the trip the forward made for them, and refuses other choices.
+
+    The split sizes are exchanged now. The rows themselves travel when the trip's ``rows`` are read, except
+    inside a checkpointed forward, whose record keeps the rows received for its recomputation: they travel
+    now, and the recomputation replays them.
 
     Gradient scale: an expert's gradient collects the tokens of all ``ep_size``
     ranks of its EP group, and FSDP then averages it over the ``ep_fsdp``
@@ -140,24 +186,26 @@ def dispatch(rows: torch.Tensor, row_expert: torch.Tensor, *, num_local_experts:
     the factor. This keeps FSDP's default reduction (no PREMUL_SUM, which gloo
     and HCCL lack) and is correct whatever the size of the ep_fsdp group.
     """
-    ep_size = dist.get_world_size(group)
+    arrival = _Arrival(dist.get_world_size(group))
     replay = _recorded_exchange(routing)
-    if replay is None:
-        received_rows, exchange = _send_to_owners(rows, row_expert, num_local_experts, group)
-    else:
+    if replay is not None:
         exchange = replay
         splits = (exchange.send_splits, exchange.recv_splits, group)
-        received_rows = _Replayed.apply(rows, exchange, "received", splits)
+        received = RowSource.of(arrival(_Replayed.apply(rows.read_now(), exchange, "received", splits)))
+    else:
+        exchange = _exchange_splits(row_expert, num_local_experts, group)
+        if active_record() is not None:  # a checkpointed forward: its record keeps what this rank received
+            received_rows = all_to_all(rows.read_now(), exchange.send_splits, exchange.recv_splits, group)
+            exchange.received = received_rows.detach()
+            received = RowSource.of(arrival(received_rows))
+        else:
+            received = RowSource(inputs=rows.inputs, read=_SendOnRead(rows, exchange, group, arrival),
+                                 num_rows=max(sum(exchange.recv_splits), 1))
     local_expert = exchange.local_expert
-    received = received_rows.shape[0]
-    if received == 0:
-        # Run the experts on one zero row anyway: every rank must produce a
-        # gradient (zeros) for its expert parameters, or FSDP's reduce-scatter
-        # would see different parameter sets on different ranks.
-        received_rows = torch.cat([received_rows, received_rows.new_zeros((1,) + tuple(received_rows.shape[1:]))])
+    num_received = sum(exchange.recv_splits)
+    if num_received == 0:
         local_expert = torch.zeros(1, dtype=local_expert.dtype, device=local_expert.device)
-    received_rows = _ScaleGrad.apply(received_rows, float(ep_size))
-    return ExpertTrip(received_rows, local_expert, received, exchange, group, routing, replayed=replay is not None)
+    return ExpertTrip(received, local_expert, num_received, exchange, group, routing, replayed=replay is not None)
 
 
 def _recorded_exchange(routing: torch.Tensor) -> _Exchange | None:

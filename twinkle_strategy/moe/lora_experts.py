@@ -14,7 +14,10 @@ input (each token ``top_k`` times): the input and the index are kept, the rows r
 projection's input is the gate of ``gate_up``, which is kept (the gate's own backward keeps it anyway): the
 gate is recomputed. Exactly the same ops: the same numbers. Llama-4's batched path keeps its up projection's
 input (the module's input itself: nothing to regather) and recomputes its gate likewise. Under expert
-parallelism the module's input is the rows this rank received, so those are what is kept.
+parallelism the rows are those this rank receives: the region reads them from the tokens before the
+dispatch, so its recomputation sends them again (one more all-to-all per layer, in the backward) and the
+tokens, not ``top_k`` rows per token, are kept (:class:`~twinkle_strategy.moe.row_source.RowSource`). Inside
+layer-level activation checkpointing, whose record keeps the rows received anyway, the rows are at hand.
 
 :func:`compute_lora_on_activations` swaps the class of the OUTERMOST ``ParamWrapper`` of each experts
 module whose fused tensors carry LoRA (:mod:`.class_swap`: the instance, its parameters, their names and
@@ -60,6 +63,7 @@ from twinkle_strategy.compat.transformers_internals import (
 from twinkle_strategy.moe.class_swap import swap_class, unswapped_class
 from twinkle_strategy.moe.contracts import CallKind
 from twinkle_strategy.moe.discovery import EXPERTS_ATTR, unwrap_experts
+from twinkle_strategy.moe.row_source import ReadsRowSource, RowSource
 
 # Dtypes PEFT folds the delta into W in (others, e.g. float8, it upcasts: PEFT's own path serves them).
 _COMPUTE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -255,22 +259,25 @@ def _aligned(hidden_size: int, operands: list[torch.Tensor]) -> bool:
     return True
 
 
-def _grouped_kernel_available(x: torch.Tensor) -> bool:
-    """Whether torch has a grouped_mm kernel for ``x``'s device and dtype."""
+def _grouped_kernel_available(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch has a grouped_mm kernel for rows of ``dtype`` on ``device``."""
     if not hasattr(F, "grouped_mm"):
         return False
-    if x.device.type == "cpu":
+    if device.type == "cpu":
         return True
-    if x.device.type == "cuda":  # documented: bf16 on SM80+
-        return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
+    if device.type == "cuda":  # documented: bf16 on SM80+
+        return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (8, 0)
     return False
 
 
-class LoraOnActivationsExperts(nn.Module):
+class LoraOnActivationsExperts(ReadsRowSource, nn.Module):
     """Mixin for PEFT's outermost ``ParamWrapper`` around an experts module: LoRA on the activations.
 
     Never instantiated: :func:`compute_lora_on_activations` puts it in front of the wrapper's class and sets
-    :attr:`experts_layout`. ``super().forward`` is PEFT's own (the fallback).
+    :attr:`experts_layout`. ``super().forward`` is PEFT's own (the fallback). Under expert parallelism the
+    rows come as a :class:`~twinkle_strategy.moe.row_source.RowSource` (:meth:`forward_reading`): the rows
+    this rank receives travel inside the region that reads them, and again in the backward, so they are
+    not kept.
     """
 
     experts_layout: ExpertsLayout
@@ -282,7 +289,16 @@ class LoraOnActivationsExperts(nn.Module):
         inner, _ = unwrap_experts(self)
         if self.experts_layout.kind == CallKind.PRE_ROUTED:
             return self._pre_routed(inner, projections, *args, **kwargs)
-        return self._routed(inner, projections, *args, **kwargs)
+        return self._routed_tokens(inner, projections, *args, **kwargs)
+
+    def forward_reading(self, rows: RowSource, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The routed forward on rows still to be read (expert parallelism's received rows)."""
+        projections = self._projections({})
+        if projections is None:
+            return super().forward(rows.read_now(), top_k_index, top_k_weights)
+        inner, _ = unwrap_experts(self)
+        return self._routed(inner, projections, rows, top_k_index, top_k_weights)
 
     # ------------------------------------------------------------------ what is served
     def _projections(self, kwargs: dict) -> dict[str, Projection] | None:
@@ -325,17 +341,24 @@ class LoraOnActivationsExperts(nn.Module):
         out = down.per_expert(hidden, down_low_rank_in, expert)
         return inner.post_expert_norm(out) if layout.has_post_expert_norm else out
 
-    def _routed(self, inner: nn.Module, projections: dict[str, Projection], hidden_states: torch.Tensor,
+    def _routed_tokens(self, inner: nn.Module, projections: dict[str, Projection], hidden_states: torch.Tensor,
+                       top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The routed call contract: the tokens ``hidden_states`` [T, H] are at hand."""
+        return self._routed(inner, projections, RowSource.of(hidden_states), top_k_index, top_k_weights)
+
+    def _routed(self, inner: nn.Module, projections: dict[str, Projection], hidden_states: RowSource,
                 top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
-        """``sum_j w_j * expert_{e_j}(x)`` for each token of ``hidden_states`` [T, H]."""
+        """``sum_j w_j * expert_{e_j}(x)`` for each token of ``hidden_states`` [T, H] (read where the up projection
+        reads them: see :func:`read_with_low_rank`)."""
         if (experts_implementation(getattr(inner, "config", None)) == "grouped_mm"
-                and not self.experts_layout.has_zero_experts and _grouped_kernel_available(hidden_states)):
+                and not self.experts_layout.has_zero_experts
+                and _grouped_kernel_available(hidden_states.device, hidden_states.dtype)):
             operands = {name: p.grouped_operands() for name, p in projections.items()}
-            if _aligned(hidden_states.shape[-1], [t for ops in operands.values() for t in ops if t is not None]):
+            if _aligned(hidden_states.hidden_size, [t for ops in operands.values() for t in ops if t is not None]):
                 return self._routed_grouped(inner, projections, operands, hidden_states, top_k_index, top_k_weights)
         return self._routed_per_expert(inner, projections, hidden_states, top_k_index, top_k_weights)
 
-    def _routed_per_expert(self, inner: nn.Module, projections: dict[str, Projection], hidden_states: torch.Tensor,
+    def _routed_per_expert(self, inner: nn.Module, projections: dict[str, Projection], hidden_states: RowSource,
                            top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """As transformers' eager forward: experts in ascending order, each on its rows, then one index_add
         adding each token's rows in that order (the order the eager forward's per-expert index_add_ adds them)."""
@@ -355,7 +378,8 @@ class LoraOnActivationsExperts(nn.Module):
         def up_low_rank_in(rows: torch.Tensor) -> list[torch.Tensor]:
             return [up.low_rank_in(rows[starts[e]:starts[e] + n], e) for e, n in computed]
 
-        rows, low_rank_ins = read_with_low_rank(lambda tokens, index: tokens[index], (hidden_states, token),
+        gathered = hidden_states.gather(token)
+        rows, low_rank_ins = read_with_low_rank(gathered.read, gathered.inputs,
                                                 up_low_rank_in if up.lora is not None else None)
         low_rank_in_of = dict(zip([e for e, _ in computed], low_rank_ins or [None] * len(computed), strict=True))
         outputs = []
@@ -368,10 +392,10 @@ class LoraOnActivationsExperts(nn.Module):
             else:
                 outputs.append(self._expert(inner, projections, mine, low_rank_in_of[expert], expert))
         per_row = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(hidden_states).index_add(0, token, per_row.to(hidden_states.dtype))
+        return hidden_states.new_zeros().index_add(0, token, per_row.to(hidden_states.dtype))
 
     def _routed_grouped(self, inner: nn.Module, projections: dict[str, Projection], operands: dict,
-                        hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        hidden_states: RowSource, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
         """As transformers' grouped_mm forward: rows sorted by expert, one grouped GEMM per matrix (the
         LoRA branch's two rank-sized ones included), each token's rows summed in its top-k order."""
@@ -382,8 +406,9 @@ class LoraOnActivationsExperts(nn.Module):
         offsets = torch.cumsum(torch.bincount(expert_ids, minlength=num_experts), dim=0, dtype=torch.int32)
         up, down = projections[layout.up_name], projections["down_proj"]
         up_ops, down_ops = operands[layout.up_name], operands["down_proj"]
+        gathered = hidden_states.gather(perm // top_k)
         rows, rows_low_rank_in = read_with_low_rank(
-            lambda tokens, index: tokens[index].to(up_ops[0].dtype), (hidden_states, perm // top_k),
+            lambda *inputs: gathered.read(*inputs).to(up_ops[0].dtype), gathered.inputs,
             (lambda x: grouped_low_rank_in(x, offsets, up_ops)) if up.lora is not None else None)
         hidden = up.grouped(rows, rows_low_rank_in, offsets, expert_ids, up_ops)
         hidden, hidden_low_rank_in = read_with_low_rank(

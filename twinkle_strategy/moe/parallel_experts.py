@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from twinkle_strategy.moe.dispatch import dispatch
+from twinkle_strategy.moe.row_source import ReadsRowSource, RowSource
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,28 +93,33 @@ class ExpertParallelExperts(nn.Module):
         rows = RoutedRows.of(top_k_index, num_experts=ep.num_experts,
                              has_identity_experts=ep.num_local_zero_experts > 0)
         routed = slice(0, rows.num_routed)  # identity experts' rows never travel
-        trip = dispatch(hidden_states[rows.token[routed]], rows.expert[routed], num_local_experts=ep.num_local_experts,
-                        group=ep.group, routing=top_k_index)
+        sent = RowSource.of(hidden_states).gather(rows.token[routed])  # one row per (token, choice), read on sending
+        trip = dispatch(sent, rows.expert[routed], num_local_experts=ep.num_local_experts, group=ep.group,
+                        routing=top_k_index)
         expert_out = self.run_local_experts(trip.rows, trip.local_expert, weights_dtype=top_k_weights.dtype)
         return rows.combine(trip.send_back(expert_out), hidden_states, top_k_weights)
 
-    def run_local_experts(self, rows: torch.Tensor, local_expert: torch.Tensor, *,
+    def run_local_experts(self, rows: RowSource, local_expert: torch.Tensor, *,
                           weights_dtype: torch.dtype) -> torch.Tensor:
         """This rank's experts on the rows they received: one output row per row of ``rows`` [M, H].
 
         The module's own forward, each row a token with one choice of weight 1: the router's weights are
         applied after the return trip, so the compute stays a pure per-row function of the token. A forward
         that needs ``min_top_k`` choices (LongCat-Flash's) gets extra choices of weight 0 on a local identity
-        expert (or, without one, the same expert again): they add exactly zero.
+        expert (or, without one, the same expert again): they add exactly zero. A module that takes its rows as a
+        :class:`RowSource` (LoRA on the activations, which recomputes them in the backward) gets the source: the
+        rows then travel inside its recomputed region. Any other reads them now.
         """
         ep = self.expert_parallel
         index = local_expert.unsqueeze(-1)
-        weights = torch.ones((rows.shape[0], 1), dtype=weights_dtype, device=rows.device)
+        weights = torch.ones((rows.num_rows, 1), dtype=weights_dtype, device=rows.device)
         if ep.min_top_k > 1:
             pad = torch.full_like(index, ep.num_local_experts) if ep.num_local_zero_experts else index
             index = torch.cat([index] + [pad] * (ep.min_top_k - 1), dim=1)
             weights = torch.cat([weights] + [torch.zeros_like(weights)] * (ep.min_top_k - 1), dim=1)
-        return self.own_forward(rows, index, weights)
+        if isinstance(self, ReadsRowSource):
+            return self.forward_reading(rows, index, weights)
+        return self.own_forward(rows.read_now(), index, weights)
 
     def own_forward(self, *args, **kwargs):
         """The module's own ``forward`` (the model's class, or PEFT's ``ParamWrapper`` around it)."""
@@ -140,16 +146,18 @@ class PreRoutedExpertParallelExperts(ExpertParallelExperts):
         per_expert = routed_in.view(ep.num_experts, -1, routed_in.shape[-1])
         with torch.no_grad():  # route: the non-zero rows, expert-major
             row_expert, row_token = (per_expert != 0).any(dim=-1).nonzero(as_tuple=True)
-        trip = dispatch(per_expert[row_expert, row_token], row_expert, num_local_experts=ep.num_local_experts,
-                        group=ep.group, routing=row_expert)
+        trip = dispatch(RowSource.of(per_expert[row_expert, row_token]), row_expert,
+                        num_local_experts=ep.num_local_experts, group=ep.group, routing=row_expert)
         per_row = trip.send_back(self.run_local_experts(trip.rows, trip.local_expert))
         out = per_row.new_zeros((ep.num_experts, per_expert.shape[1], per_row.shape[-1]))
         return out.index_put((row_expert, row_token), per_row).view(-1, per_row.shape[-1])
 
-    def run_local_experts(self, rows: torch.Tensor, local_expert: torch.Tensor, *,
+    def run_local_experts(self, rows: RowSource, local_expert: torch.Tensor, *,
                           weights_dtype: torch.dtype | None = None) -> torch.Tensor:
         """The module's own forward wants the same number of rows per local expert: each expert's rows are
-        padded with zero rows, whose outputs are dropped."""
+        padded with zero rows, whose outputs are dropped. (Its module input, the padded rows, is what LoRA's
+        gradient reads: the rows are read now.)"""
+        rows = rows.read_now()
         num_local = self.expert_parallel.num_local_experts
         with torch.no_grad():
             counts = torch.bincount(local_expert, minlength=num_local)
