@@ -92,15 +92,20 @@ def test_a_misspelt_trainer_keyword_names_the_closest():
 
     from twinkle_strategy.integrations.transformers import with_strategy
 
-    strategy = NativeFSDPStrategy(device_type="cpu")  # no process group: the refusal comes before any
-    with pytest.raises(UnknownKeywordError, match=r"^StrategyGRPOTrainer takes no keyword argument routing_reply=; "
-                                                  r"did you mean routing_replay\?$"):
-        with_strategy(GRPOTrainer)(model=None, strategy=strategy, routing_reply="r3")
-    with pytest.raises(UnknownKeywordError, match=r"^StrategyTrainer takes no keyword argument data_colator=; did "
-                                                  r"you mean data_collator\?$"):
-        with_strategy(Trainer)(model=None, strategy=strategy, data_colator=None)
-    with pytest.raises(UnknownKeywordError, match=r"takes no keyword argument zzzz=; it takes args, async_save, "):
-        with_strategy(Trainer)(model=None, strategy=strategy, zzzz=1)
+    # (The trainer's CPU set-up starts the strategy's world of one before the trainer class reads its keywords:
+    # it is ended here, so that later tests in this process start without a process group.)
+    strategy = NativeFSDPStrategy(device_type="cpu")
+    try:
+        with pytest.raises(UnknownKeywordError, match=r"^StrategyGRPOTrainer takes no keyword argument "
+                                                      r"routing_reply=; did you mean routing_replay\?$"):
+            with_strategy(GRPOTrainer)(model=None, strategy=strategy, routing_reply="r3")
+        with pytest.raises(UnknownKeywordError, match=r"^StrategyTrainer takes no keyword argument data_colator=; "
+                                                      r"did you mean data_collator\?$"):
+            with_strategy(Trainer)(model=None, strategy=strategy, data_colator=None)
+        with pytest.raises(UnknownKeywordError, match=r"takes no keyword argument zzzz=; it takes args, async_save, "):
+            with_strategy(Trainer)(model=None, strategy=strategy, zzzz=1)
+    finally:
+        strategy.shutdown()
 
 
 def test_a_routing_replay_mode_it_does_not_have_is_a_strategy_config_error():

@@ -194,7 +194,7 @@ def dispatch(rows: RowSource, row_expert: torch.Tensor, *, num_local_experts: in
         received = RowSource.of(arrival(_Replayed.apply(rows.read_now(), exchange, "received", splits)))
     else:
         exchange = _exchange_splits(row_expert, num_local_experts, group)
-        if active_record() is not None:  # a checkpointed forward: its record keeps what this rank received
+        if not rows_travel_when_read():  # a checkpointed forward: its record keeps what this rank received
             received_rows = all_to_all(rows.read_now(), exchange.send_splits, exchange.recv_splits, group)
             exchange.received = received_rows.detach()
             received = RowSource.of(arrival(received_rows))
@@ -206,6 +206,12 @@ def dispatch(rows: RowSource, row_expert: torch.Tensor, *, num_local_experts: in
     if num_received == 0:
         local_expert = torch.zeros(1, dtype=local_expert.dtype, device=local_expert.device)
     return ExpertTrip(received, local_expert, num_received, exchange, group, routing, replayed=replay is not None)
+
+
+def rows_travel_when_read() -> bool:
+    """Whether a dispatch now leaves its rows to travel when they are read (:func:`dispatch`): everywhere but
+    inside a checkpointed forward, whose record keeps the rows received for its recomputation."""
+    return active_record() is None
 
 
 def _recorded_exchange(routing: torch.Tensor) -> _Exchange | None:

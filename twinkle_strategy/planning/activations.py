@@ -14,8 +14,9 @@ return trip) are allocated as the all-to-alls allocate them. Each experts module
 :class:`BalancedRoutingExperts` for this (its class swapped, as EP swaps it). LoRA on the fused experts
 is computed as ``lora_experts`` computes it: on the activations (``x @ W_e + scale * (x @ A_e) @ B_e``, with
 its :func:`~twinkle_strategy.moe.lora_experts.read_with_low_rank`: autograd keeps the rank-wide ``x @ A_e`` and
-what the rows each LoRA'd projection reads are recomputed from in the backward, the module's input and the
-index, ``gate_up``; no expert-sized tensor), or PEFT's way (``W + scale * B @ A`` formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
+what the rows each LoRA'd projection reads are recomputed from in the backward: the tokens and the index,
+under EP the tokens before the dispatch, whose all-to-all the backward makes again, and ``gate_up``; no
+expert-sized tensor), or PEFT's way (``W + scale * B @ A`` formed for every local expert and kept to the backward). Gradients are dropped as soon as they are
 accumulated, as FSDP2 frees them after its reduce-scatter.
 """
 
@@ -35,9 +36,11 @@ from twinkle_strategy.dtypes import FLOAT_DTYPES, kept_parameters, loaded_dtype
 from twinkle_strategy.errors import ModelStructureError, PlanInputError
 from twinkle_strategy.moe.class_swap import swap_class
 from twinkle_strategy.moe.discovery import unwrap_experts
+from twinkle_strategy.moe.dispatch import rows_travel_when_read
 from twinkle_strategy.moe.expert_parallel import apply_expert_parallel
 from twinkle_strategy.moe.lora_experts import read_with_low_rank
 from twinkle_strategy.moe.recompute import apply_activation_checkpointing
+from twinkle_strategy.moe.row_source import RowSource
 from twinkle_strategy.planning.request import PlanRequest
 from twinkle_strategy.planning.skeleton import PlannedModel
 
@@ -264,13 +267,20 @@ class BalancedRoutingExperts(nn.Module):
         rows = tokens * top_k
         token_of_row = torch.arange(rows, device=hidden_states.device) // top_k
         received = math.ceil(rows * skew) if ep_size > 1 else rows
-        # The rows the local experts read: the module's input gathered (without EP: the tokens, each top_k times;
-        # with EP: the all-to-all's output buffer, gathered in expert order as lora_experts sorts it).
-        source, index = hidden_states, token_of_row
-        if ep_size > 1:
-            source = hidden_states[token_of_row]  # the rows sent, one per (token, choice)
-            source = source[torch.arange(received, device=source.device) % rows]  # the all-to-all's output buffer
-            index = torch.arange(received, device=source.device)
+        # The rows the local experts read, read as lora_experts reads them (a RowSource): without EP the tokens,
+        # each top_k times; with EP the rows sent (one per (token, choice)), the all-to-all's output buffer, and
+        # that gathered in expert order as lora_experts sorts it. The rows travel when read, so LoRA's region
+        # keeps the tokens and sends the rows again in the backward; inside a checkpointed layer, whose record
+        # keeps the rows received, they are at hand (the all-to-all's output buffer, kept).
+        if ep_size == 1:
+            source = RowSource.of(hidden_states).gather(token_of_row)
+        else:
+            buffer = torch.arange(received, device=hidden_states.device) % rows  # sent row of each received row
+            if rows_travel_when_read():
+                source = RowSource.of(hidden_states).gather(token_of_row).gather(buffer)
+            else:
+                source = RowSource.of(hidden_states[token_of_row][buffer])
+            source = source.gather(torch.arange(received, device=hidden_states.device))
         gated = hasattr(inner, "gate_up_proj")
         gate_up, gate_up_lora = weight("gate_up_proj" if gated else "up_proj")
         down, down_lora = weight("down_proj")
@@ -294,7 +304,7 @@ class BalancedRoutingExperts(nn.Module):
 
         # As lora_experts computes it (its read_with_low_rank): LoRA-A's input is not kept but recomputed in the
         # backward, from the module's input and the index (the up projection) and from gate_up (the down one).
-        x, up_ins = read_with_low_rank(lambda t, i: t[i], (source, index), low_rank_ins(gate_up_lora))
+        x, up_ins = read_with_low_rank(source.read, source.inputs, low_rank_ins(gate_up_lora))
         outs = []
         for e, chunk in enumerate(x.split(sizes)):
             h = _project(chunk, gate_up[e])
