@@ -6,7 +6,10 @@ module (the model's own class, or PEFT's outermost ``ParamWrapper`` around it) a
 instance, its parameters and their names stay the model's. Its ``forward`` is the algorithm:
 
 1. **route**: the router's (token, expert) choices, grouped by expert and so by owning EP rank;
-2. **dispatch**: the all-to-all that brings each row to its expert's owner (:func:`.dispatch.dispatch`);
+2. **dispatch**: the all-to-all that brings each row to its expert's owner (:func:`.dispatch.dispatch`); the
+   split sizes are exchanged here, the rows travel when the local experts read them (a
+   :class:`~twinkle_strategy.moe.row_source.RowSource`: LoRA on the activations reads them in a region the
+   backward recomputes, sending them again rather than keeping them);
 3. **local compute**: :meth:`ExpertParallelExperts.run_local_experts`, this rank's experts on the rows
    they received, through the module's own ``forward`` (PEFT's LoRA included when wrapped): the place
    for LoRA on experts and fused GPU kernels;
