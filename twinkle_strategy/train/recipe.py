@@ -176,8 +176,8 @@ def validate_recipe(recipe: Recipe, world_size: int | None = None) -> None:
     experts_by_module = [m for m in tuner.target_modules if m in EXPERT_MODULE_NAMES]
     on_experts = list(tuner.target_parameters) or (experts_by_module if _num_experts(recipe.model.path) else [])
     if tuner.type == TunerType.LORA and on_experts:
-        # PEFT wraps fused expert tensors in ParamWrapper, which computes W + B@A per expert; these
-        # options need the adapter applied to activations and cannot be served there.
+        # PEFT wraps fused expert tensors in ParamWrapper, which does not take these options (it refuses them
+        # when the adapter is made), whichever way lora_experts computes LoRA on the experts: refused here first.
         unsupported = [(f"tuner.lora_dropout={tuner.lora_dropout}", "set tuner.lora_dropout=0", tuner.lora_dropout > 0),
                        ("tuner.use_dora=true", "set tuner.use_dora=false", tuner.use_dora),
                        ("tuner.lora_bias=true", "set tuner.lora_bias=false", tuner.lora_bias)]

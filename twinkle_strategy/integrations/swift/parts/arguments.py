@@ -29,7 +29,8 @@ def check_arguments(args) -> None:
     if getattr(args, "use_swift_lora", False) or getattr(args, "tuner_backend", "peft") != "peft":
         raise SwiftPluginError("the twinkle plugin needs PEFT LoRA: drop --use_swift_lora/--tuner_backend")
     if args.tuner_type == "lora" and getattr(args, "target_parameters", None):
-        # PEFT's ParamWrapper computes W + B@A per expert; these need the adapter applied to activations.
+        # PEFT's ParamWrapper (LoRA on fused expert tensors) does not take these options, whichever way
+        # lora_experts computes it: refused before the model loads.
         bad = [(f"--lora_dropout {args.lora_dropout}", "--lora_dropout 0", bool(args.lora_dropout)),
                ("--use_dora true", "--use_dora false", bool(getattr(args, "use_dora", False))),
                (f"--lora_bias {args.lora_bias}", "--lora_bias none", getattr(args, "lora_bias", "none") != "none")]
