@@ -50,7 +50,7 @@ HERE = os.path.dirname(SCRIPT)  # tests/
 # Keys torchrun's agent sets per rank (torch/distributed/elastic/agent/server/local_elastic_agent.py,
 # elastic/multiprocessing/api.py), pytest's and the project's TWINKLE_* variables (none is read at import time): these may
 # differ between the server's environment and a rank's. Any other difference could change what a module read at
-# import (huggingface_hub's HF_HOME, transformers' verbosity, tempfile's TMPDIR), so such a rank runs fresh.
+# import (huggingface_hub's HF_HOME, transformers' verbosity), so such a rank runs fresh; TMPDIR's the child redoes.
 PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONPATH",
                  "PYTEST_CURRENT_TEST",  # pytest's, in the environment of whatever a test starts
@@ -64,11 +64,15 @@ PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 # them in pytest's environment (the library's HCCL defaults, TrainingArguments' FSDP_CPU_RAM_EFFICIENT_LOADING), and
 # 56 ranks of a full run started fresh for that alone.
 PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_", "HCCL_", "FSDP_")
+# TMPDIR is read at import, but through tempfile alone, which the child can ask again (redo_temp_dir): the launches
+# that put their ranks' tracebacks in a folder of their own (test_fatal_errors.py) started 17 processes fresh for it.
+REDONE_IN_CHILD_KEYS = {"TMPDIR"}
 
 def env_difference(env: dict[str, str], base: dict[str, str]) -> str | None:
     """The first key that differs between a rank's environment and the server's, other than the per-rank ones."""
     for key in sorted(set(env) | set(base)):
-        if key in PER_RANK_KEYS or key.startswith(PER_RANK_PREFIXES) or env.get(key) == base.get(key):
+        if key in PER_RANK_KEYS or key in REDONE_IN_CHILD_KEYS or key.startswith(PER_RANK_PREFIXES) \
+                or env.get(key) == base.get(key):
             continue
         return f"{key} differs from the preloaded interpreter's"
     server_path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -140,9 +144,12 @@ def run_child(request: dict, fds: list[int]) -> None:
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        temp_dir_before = os.environ.get("TMPDIR")
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
+        if os.environ.get("TMPDIR") != temp_dir_before:
+            redo_temp_dir()
         worker, module = become(request["argv"], request.get("executable"))
         import random
 
@@ -163,6 +170,21 @@ def run_child(request: dict, fds: list[int]) -> None:
             except Exception:  # noqa: BLE001
                 pass
         os._exit(code)
+
+
+def redo_temp_dir() -> None:
+    """The temporary folder as a fresh interpreter with this process's TMPDIR would have it. tempfile caches its
+    folder on first use, and the server's imports used it; of what they derived from it, dill.session keeps a copy
+    (``TEMPDIR``), while torch's inductor and dynamo caches ask tempfile again (the cleared environment has no
+    ``TORCHINDUCTOR_CACHE_DIR`` left). tests/multiproc/test_preload_server.py checks each against a fresh
+    interpreter's."""
+    import tempfile
+
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    if "dill.session" in sys.modules:
+        import pathlib
+
+        sys.modules["dill.session"].TEMPDIR = pathlib.PurePath(tempfile.gettempdir())
 
 
 def become(argv: list[str], executable: str | None) -> tuple[str, bool]:

@@ -175,6 +175,24 @@ def test_a_sigkilled_client_takes_its_childs_own_processes_too(ranks):
     assert gone(seen["pid"]) and gone(seen["grandchild"]), seen
 
 
+def test_a_rank_with_a_tmpdir_of_its_own_is_forked_and_finds_its_temporary_folder_there(ranks, tmp_path):
+    """The server's imports asked tempfile for its folder (dill keeps a copy, torch's caches derive theirs from it):
+    a forked rank with another TMPDIR sees what a fresh interpreter with that TMPDIR sees."""
+    start, log, _ = ranks
+    seen = {}
+    for how, extra in (("forked", {}), ("fresh", {preload.FALLBACK_ENV: "the fresh interpreter to compare with"})):
+        proc, out = start("temp_dir", TMPDIR=str(tmp_path), **extra)
+        assert proc.wait(timeout=120) == 7, proc.stderr.read()
+        seen[how] = json.loads(out.read_text())
+        assert seen[how]["preloaded"] == (how == "forked"), seen[how]
+    for record in seen.values():
+        assert record["temp_dir"] == record["dill_temp_dir"] == str(tmp_path), record
+        assert os.path.dirname(record["made"]) == str(tmp_path), record
+    assert seen["forked"]["dynamo_cache"] == seen["fresh"]["dynamo_cache"], seen
+    assert "forked" in [json.loads(line)["outcome"] for line in log.read_text().splitlines()
+                        if json.loads(line).get("child") == seen["forked"]["pid"]]
+
+
 def test_a_rank_whose_import_time_environment_differs_starts_fresh(ranks, tmp_path):
     start, log, _ = ranks
     proc, out = start("exit", HF_HOME=str(tmp_path / "hf"))
