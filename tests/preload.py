@@ -67,12 +67,22 @@ PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_", "HCCL_", "F
 # TMPDIR is read at import, but through tempfile alone, which the child can ask again (redo_temp_dir): the launches
 # that put their ranks' tracebacks in a folder of their own (test_fatal_errors.py) started 17 processes fresh for it.
 REDONE_IN_CHILD_KEYS = {"TMPDIR"}
+# vLLM's settings are read by vllm, which no server imports (PRELOAD): a forked rank's vllm reads its own, as a fresh
+# one's would (test_grpo_colocate.py's ranks started fresh for VLLM_CPU_KVCACHE_SPACE). Only while vllm is not
+# imported in the process that checks: the server, before it forks.
+UNIMPORTED_LIBRARY_PREFIXES = {"VLLM_": "vllm"}
+
+def read_only_after_fork(key: str) -> bool:
+    """Whether ``key`` belongs to a library this process has not imported (UNIMPORTED_LIBRARY_PREFIXES)."""
+    return any(key.startswith(prefix) and module not in sys.modules
+               for prefix, module in UNIMPORTED_LIBRARY_PREFIXES.items())
+
 
 def env_difference(env: dict[str, str], base: dict[str, str]) -> str | None:
     """The first key that differs between a rank's environment and the server's, other than the per-rank ones."""
     for key in sorted(set(env) | set(base)):
         if key in PER_RANK_KEYS or key in REDONE_IN_CHILD_KEYS or key.startswith(PER_RANK_PREFIXES) \
-                or env.get(key) == base.get(key):
+                or env.get(key) == base.get(key) or read_only_after_fork(key):
             continue
         return f"{key} differs from the preloaded interpreter's"
     server_path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]

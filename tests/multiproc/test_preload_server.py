@@ -193,6 +193,18 @@ def test_a_rank_with_a_tmpdir_of_its_own_is_forked_and_finds_its_temporary_folde
                         if json.loads(line).get("child") == seen["forked"]["pid"]]
 
 
+def test_a_rank_with_settings_of_a_library_the_server_never_imports_is_forked(ranks):
+    """vLLM's VLLM_* settings: no server imports vllm, so a rank's own vllm reads them, forked or fresh."""
+    start, log, _ = ranks
+    assert "vllm" not in preload.PRELOAD
+    proc, out = start("exit", VLLM_CPU_KVCACHE_SPACE="1")
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert seen["preloaded"] and seen["pid"] != proc.pid, seen
+    assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
+        map(json.loads, log.read_text().splitlines())
+
+
 def test_a_rank_whose_import_time_environment_differs_starts_fresh(ranks, tmp_path):
     start, log, _ = ranks
     proc, out = start("exit", HF_HOME=str(tmp_path / "hf"))
