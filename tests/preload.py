@@ -700,21 +700,24 @@ def preloaded_command(script_and_args: list[str], env: dict[str, str], python: s
     return command, {**env, FALLBACK_ENV: why, LOG_ENV: str(log_path)}
 
 
-def forking_python(python: str, *, programs: dict[str, str] | None = None, fresh: tuple[str, ...] = ()) -> str:
+def forking_python(python: str, *, programs: dict[str, str] | None = None, fresh: tuple[str, ...] = (),
+                   interpreter: bool = False) -> str:
     """An executable that stands in for ``python`` in a torchrun agent's command line (``PYTHON -m
     torch.distributed.run ...``, which multinode.launch has the product's launcher run): the agent is forked from
     ``python``'s fork server like a rank (:func:`client` with ``as_python``), instead of importing torch itself
     (about 2 s of CPU an agent, two agents a launch). torchrun in the agent starts its ranks with the real
     interpreter (its ``sys.executable``), through the client as before. Without a server: the real interpreter.
 
-    With ``programs`` (a module -> the script to run instead) the stand-in is an interpreter of its own: it is the
-    ``sys.executable`` of what it runs, so whatever that starts with ``sys.executable`` (twinkle-sft's agents, and
-    their ranks) runs through it too; the modules in ``fresh`` run in a fresh interpreter (:func:`cli_command`)."""
-    key = (python, tuple(sorted((programs or {}).items())), tuple(fresh))
+    With ``interpreter``, or ``programs`` (a module -> the script to run instead), the stand-in is an interpreter of
+    its own: it is the ``sys.executable`` of what it runs, so whatever that starts with ``sys.executable``
+    (twinkle-sft's and ms-swift's agents, and their ranks) runs through it too; the modules in ``fresh`` run in a
+    fresh interpreter (:func:`cli_command`)."""
+    key = (python, tuple(sorted((programs or {}).items())), tuple(fresh), interpreter or bool(programs))
     stand_in = os.path.join(_root_dir(), f"python-{_interpreters.setdefault(key, len(_interpreters))}", "python")
     if not os.path.exists(stand_in):
         os.mkdir(os.path.dirname(stand_in))
-        options = f"executable={stand_in!r}, programs={programs!r}, fresh={tuple(fresh)!r}" if programs else ""
+        options = f"executable={stand_in!r}, programs={programs or {}!r}, fresh={tuple(fresh)!r}" \
+            if programs or interpreter else ""
         with open(stand_in, "w") as f:  # -S: no site-packages to scan; the client imports only the standard library
             f.write(f"#!{python} -S\nimport sys\nsys.path.insert(0, {HERE!r})\nimport preload\n"
                     f"preload.client(sys.argv[1:], as_python=True{', ' + options if options else ''})\n")
@@ -743,10 +746,11 @@ def outcomes(log_path) -> tuple[int, list[str]]:
 # agents start fresh (its signal and restart tests are about them), still as the stand-in; each rank forks and runs
 # tests/workers/twinkle_sft_rank.py (the CLI's main with the hooks a test asks for) in place of the CLI module.
 #
-# ms-swift's console script runs ``torchrun ... swift/cli/sft.py ARGS`` (each rank imports its pipeline, about 11 s),
-# but its cli_main takes its route mapping as an argument: tests/workers/swift_cli.py runs ms-swift's own cli_main
-# with ``sft`` routed to tests/workers/swift_sft_rank.py, the client in front of swift/cli/sft.py. ms-swift's argument
-# handling, its torchrun command and torchrun itself stay as a user runs them.
+# ms-swift's console script (``swift.cli.main.cli_main``) runs ``sys.executable -m torch.distributed.run ...
+# swift/cli/sft.py ARGS`` (each rank imports its pipeline, about 11 s). So ``python -m swift.cli.main`` runs under a
+# stand-in interpreter that is its own sys.executable: the launcher, its torchrun agent and each rank fork (the
+# launcher and the agent imported ms-swift's CLI and torch fresh for each launch before, about 5 s of CPU). ms-swift's
+# argument handling, its torchrun command and torchrun itself stay as a user runs them.
 
 RANK_PROGRAMS = {"twinkle_strategy.train.cli": os.path.join(HERE, "workers", "twinkle_sft_rank.py")}
 FRESH_MODULES = ("torch.distributed.run",)  # twinkle-sft's torchrun agents
@@ -783,10 +787,11 @@ def cli_command(env: dict[str, str], *, python: str = sys.executable) -> list[st
     return [forking_python(python, programs=RANK_PROGRAMS, fresh=FRESH_MODULES), "-m", "twinkle_strategy.train.cli"]
 
 
-def swift_command(swift_bin, env: dict[str, str]) -> tuple[list[str], dict[str, str], object]:
+def swift_command(swift_bin, env: dict[str, str], *, log=None) -> tuple[list[str], dict[str, str], object]:
     """The command that stands for ms-swift's ``swift`` (``sft`` and its arguments follow it), ``env`` for it, and the
-    preload log the launch table reads (None: preloading is off and the command is ms-swift's console script). The
-    servers are those of ms-swift's virtualenv, which ``multinode.launch(python=...)`` uses too."""
+    preload log the launch table reads (None: preloading is off and the command is ms-swift's console script;
+    ``log``: one to share, a launch's other node's). The servers are those of ms-swift's virtualenv, which
+    ``multinode.launch(python=...)`` uses too."""
     import tempfile
     from pathlib import Path
 
@@ -794,10 +799,10 @@ def swift_command(swift_bin, env: dict[str, str]) -> tuple[list[str], dict[str, 
 
     if not enabled():
         return [str(Path(swift_bin) / "swift")], env, None
-    log, python = _front_end_log("swift"), str(Path(swift_bin) / "python")
+    log, python = log or _front_end_log("swift"), str(Path(swift_bin) / "python")
     server_env = {**os.environ, **launch_env(Path(tempfile.gettempdir()))}
     _, env = preloaded_command([], env, python, log, server_env=server_env)
-    return [python, os.path.join(HERE, "workers", "swift_cli.py")], env, log
+    return [forking_python(python, interpreter=True), "-m", "swift.cli.main"], env, log
 
 
 if __name__ == "__main__":

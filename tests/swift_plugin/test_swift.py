@@ -91,7 +91,7 @@ def _start_and_wait_swift_sft(swift_bin: Path, args: list[str], out: Path, env: 
 
 def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str], nnodes: int, timeout: float,
                reference: bool, *, port: str, retry_if_port_taken: bool, record) -> tuple[list, list[Path]]:
-    procs, logs, preload_logs = [], [], []
+    procs, logs, preload_log = [], [], None
     for node in range(nnodes):
         # launch_env: what every launch's ranks get, so that ranks fork from the servers multinode.launch starts
         node_env = {**os.environ, **launch_env(out), "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -100,8 +100,10 @@ def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str],
         if reference:  # one process, no torchrun
             for name in ("NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
                 node_env.pop(name)
-        swift, node_env, preload_log = swift_command(swift_bin, node_env)  # its sft ranks forked
-        preload_logs.append(preload_log)
+        # the launcher, its torchrun agent and its ranks forked; the nodes share one preload log, which the launch
+        # table follows to the forked processes (tests/launch_log.py)
+        swift, node_env, preload_log = swift_command(swift_bin, node_env, log=preload_log)
+        record.preload_log = None if preload_log is None else str(preload_log)
         logs.append(out / f"swift_node{node}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen([*swift, *args], env=node_env, cwd=out, stdout=log,
@@ -117,9 +119,8 @@ def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str],
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    for preload_log in filter(None, preload_logs):
-        forked, fallbacks = outcomes(preload_log)
-        record.forked, record.fallbacks = record.forked + forked, record.fallbacks + fallbacks
+    if preload_log is not None:
+        record.forked, record.fallbacks = outcomes(preload_log)
         preload_log.unlink(missing_ok=True)
     if port_taken:
         raise MasterPortTaken(f"swift sft's torchrun could not listen on {port}")
