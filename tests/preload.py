@@ -160,7 +160,7 @@ def run_child(request: dict, fds: list[int]) -> None:
         os.chdir(request["cwd"])
         if os.environ.get("TMPDIR") != temp_dir_before:
             redo_temp_dir()
-        worker, module = become(request["argv"], request.get("executable"))
+        worker, kind = become(request["argv"], request.get("executable"))
         import random
 
         random.seed()  # a fresh interpreter seeds from the OS; forked ones would share the server's state
@@ -168,7 +168,7 @@ def run_child(request: dict, fds: list[int]) -> None:
             sys.modules["numpy"].random.seed()
         if "torch" in sys.modules:  # OpenMP read OMP_NUM_THREADS when the server loaded it
             sys.modules["torch"].set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-        code = run_worker(worker, module=module)
+        code = run_worker(worker, kind=kind)
     except BaseException:  # noqa: BLE001 - the setup itself failed: say so where the rank's output goes
         import traceback
 
@@ -197,35 +197,44 @@ def redo_temp_dir() -> None:
         sys.modules["dill.session"].TEMPDIR = pathlib.PurePath(tempfile.gettempdir())
 
 
-def become(argv: list[str], executable: str | None) -> tuple[str, bool]:
+def become(argv: list[str], executable: str | None) -> tuple[str, str]:
     """Set sys.argv, sys.path and sys.executable as ``EXECUTABLE ARGV...`` would have them (``ARGV``: a script and its
-    arguments, or ``-m MODULE ARGS``, as a torchrun agent's); returns the script (or module) and whether a module."""
-    module = argv[1] if argv[0] == "-m" else None
-    worker = module or os.path.abspath(argv[0])
-    sys.argv = [worker, *argv[2 if module else 1:]]
+    arguments, ``-m MODULE ARGS`` as a torchrun agent's, or ``-c CODE ARGS``); returns the script (the module, the
+    code) and which of ``script``, ``module`` and ``code`` it is."""
+    kind = {"-m": "module", "-c": "code"}.get(argv[0], "script")
+    worker = os.path.abspath(argv[0]) if kind == "script" else argv[1]
+    sys.argv = [worker if kind != "code" else "-c", *argv[1 if kind == "script" else 2:]]
     entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     rest = [p for p in sys.path[1:] if p not in entries]  # sys.path[0] was this server's folder
-    sys.path[:] = [os.getcwd() if module else os.path.dirname(worker), *entries, *rest]
+    first = {"module": os.getcwd(), "code": "", "script": os.path.dirname(worker)}[kind]  # as python puts it
+    sys.path[:] = [first, *entries, *rest]
     if executable:  # a stand-in interpreter's (forking_python): what this process starts runs through it
         sys.executable = executable
-    return worker, module is not None
+    return worker, kind
 
 
-def run_worker(worker: str, *, module: bool = False) -> int:
-    """Run the worker (a script, or with ``module`` a module as ``python -m`` does) as a fresh interpreter would,
-    including its end: the exit code, the traceback of an uncaught exception, non-daemon threads joined, atexit
-    handlers run."""
+def run_worker(worker: str, *, kind: str = "script") -> int:
+    """Run the worker (a script; a module as ``python -m`` does; code as ``python -c`` does) as a fresh interpreter
+    would, including its end: the exit code, the traceback of an uncaught exception, non-daemon threads joined,
+    atexit handlers run."""
     import atexit
     import importlib.util
     import runpy
     import threading
 
     name = worker
-    if module:  # the traceback of an uncaught exception starts at the module's own frame, as `python -m` prints it
+    if kind == "module":  # the traceback of an uncaught exception starts at the module's own frame, as `python -m`
         worker = importlib.util.find_spec(name).origin
+    elif kind == "code":
+        worker = "<string>"
     try:
-        if module:
+        if kind == "module":
             runpy.run_module(name, run_name="__main__", alter_sys=True)
+        elif kind == "code":
+            import types
+
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(name, "<string>", "exec"), main.__dict__)  # noqa: S102 - what `python -c` runs
         else:
             runpy.run_path(worker, run_name="__main__")
         code = 0
@@ -427,8 +436,8 @@ def run_fresh(executable: str, argv: list[str]) -> None:
     """``preload.py --run EXECUTABLE ARGV...``: run ``ARGV`` in this fresh interpreter as ``EXECUTABLE`` (a
     stand-in's path) would: where a stand-in's program cannot fork, or must not (twinkle-sft's
     torchrun agents), it still starts what it starts through the stand-in."""
-    worker, module = become(argv, executable)
-    code = run_worker(worker, module=module)
+    worker, kind = become(argv, executable)
+    code = run_worker(worker, kind=kind)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -486,13 +495,13 @@ def fresh_interpreter(python_args: list[str], why: str | None, *, executable: st
 
 
 def forkable(python_args: list[str]) -> list[str] | None:
-    """What the server runs for a python command line: ``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]`` (``-u``
-    dropped: the server's output is unbuffered already); None for any other option, which a fresh interpreter
-    handles."""
+    """What the server runs for a python command line: ``[SCRIPT, ARGS...]``, ``["-m", MODULE, ARGS...]`` or ``["-c",
+    CODE, ARGS...]`` (``-u`` dropped: the server's output is unbuffered already); None for any other option, which
+    a fresh interpreter handles."""
     args = list(python_args)
     while args[:1] == ["-u"]:
         args.pop(0)
-    if (args[:1] == ["-m"] and len(args) >= 2) or (args and not args[0].startswith("-")):
+    if (args[:1] in (["-m"], ["-c"]) and len(args) >= 2) or (args and not args[0].startswith("-")):
         return args
     return None
 
@@ -803,6 +812,25 @@ def swift_command(swift_bin, env: dict[str, str], *, log=None) -> tuple[list[str
     server_env = {**os.environ, **launch_env(Path(tempfile.gettempdir()))}
     _, env = preloaded_command([], env, python, log, server_env=server_env)
     return [forking_python(python, interpreter=True), "-m", "swift.cli.main"], env, log
+
+
+def swift_python(swift_bin, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """ms-swift's virtualenv's interpreter for a test's one-process helper there (a script, or ``-c`` code), forked
+    from that virtualenv's servers like a rank (they imported ms-swift, its transformers and peft: seconds a helper),
+    and ``env`` for it, with what every launch's ranks have so that it matches the servers'. Where preloading is off:
+    the virtualenv's python and ``env`` as they are."""
+    import tempfile
+    from pathlib import Path
+
+    from multinode import launch_env
+
+    python = str(Path(swift_bin) / "python")
+    if not enabled():
+        return python, env
+    every_rank = {k: v for k, v in launch_env(Path(tempfile.gettempdir())).items() if k != "TWINKLE_TEST_OUT"}
+    _, env = preloaded_command([], {**every_rank, **env}, python, _front_end_log("swift-helper"),
+                               server_env={**os.environ, **launch_env(Path(tempfile.gettempdir()))})
+    return forking_python(python), env
 
 
 if __name__ == "__main__":

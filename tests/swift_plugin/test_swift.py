@@ -30,7 +30,7 @@ import pytest
 import torch
 from launch_log import launch_group
 from multinode import launch_env
-from preload import outcomes, swift_command
+from preload import outcomes, swift_command, swift_python
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
@@ -482,8 +482,9 @@ def swift_checkpoint_differences(swift_bin: Path, pairs: list[tuple[Path, Path]]
             "'<out>'))\n")
     loaded = {}
     if bins:
-        proc = subprocess.run([str(swift_bin / "python"), "-c", code, *map(str, bins)], check=True,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, **SWIFT_ENV})
+        python, env = swift_python(swift_bin, {**os.environ, **SWIFT_ENV})  # forked from its preload server
+        proc = subprocess.run([python, "-c", code, *map(str, bins)], check=True,
+                              capture_output=True, text=True, timeout=120, env=env)
         loaded = dict(zip(bins, map(json.loads, proc.stdout.strip().splitlines()), strict=True))
     return [_checkpoint_differences(sync, background, loaded) for sync, background in pairs]
 
@@ -555,9 +556,9 @@ def swift_env_peft(lora_runs, vl_all_runs, swift_bin, tiny_model) -> dict[str, s
     for run, base, steps in cases.values():
         argv += [base, str(run["run_dir"] / f"checkpoint-{steps}"),
                  str(run["probe_dir"] / "logits.pt")]
-    proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), *argv],
-                          check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
+    python, env = swift_python(swift_bin, {**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})  # forked
+    proc = subprocess.run([python, str(WORKERS / "swift_peft_logits.py"), *argv],
+                          check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PEFT")]
     assert len(lines) == len(cases), proc.stdout
@@ -694,9 +695,9 @@ def vl_checkpoints(swift_bin, tmp_path_factory) -> dict:
     class with its processor; built once, by the transformers swift loads them with. The same process reads the
     installed ms-swift's version and SftArguments fields ("swift_flags": one start-up for both)."""
     root = tmp_path_factory.mktemp("swift_vl")
-    proc = subprocess.run([str(swift_bin / "python"), "-c", BUILD_VL + SWIFT_FLAGS, str(root), *VL_CASES], cwd=REPO,
-                          check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
+    python, env = swift_python(swift_bin, {**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})  # forked
+    proc = subprocess.run([python, "-c", BUILD_VL + SWIFT_FLAGS, str(root), *VL_CASES], cwd=REPO,
+                          check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     lines = proc.stdout.strip().splitlines()
     return {"dataset": Path(lines[-2].strip()), "swift_flags": json.loads(lines[-1]),
