@@ -814,23 +814,27 @@ def swift_command(swift_bin, env: dict[str, str], *, log=None) -> tuple[list[str
     return [forking_python(python, interpreter=True), "-m", "swift.cli.main"], env, log
 
 
-def swift_python(swift_bin, env: dict[str, str]) -> tuple[str, dict[str, str]]:
-    """ms-swift's virtualenv's interpreter for a test's one-process helper there (a script, or ``-c`` code), forked
-    from that virtualenv's servers like a rank (they imported ms-swift, its transformers and peft: seconds a helper),
-    and ``env`` for it, with what every launch's ranks have so that it matches the servers'. Where preloading is off:
-    the virtualenv's python and ``env`` as they are."""
+def forked_python(python: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """``python``'s stand-in for a test's one-process helper (a script, ``-m`` or ``-c`` code): forked from that
+    interpreter's servers like a rank (they imported torch, transformers, peft and, in ms-swift's virtualenv, ms-swift:
+    seconds a helper), and ``env`` for it, with what every launch's ranks have so that it matches the servers'. Where
+    preloading is off: ``python`` and ``env`` as they are."""
     import tempfile
     from pathlib import Path
 
     from multinode import launch_env
 
-    python = str(Path(swift_bin) / "python")
     if not enabled():
         return python, env
     every_rank = {k: v for k, v in launch_env(Path(tempfile.gettempdir())).items() if k != "TWINKLE_TEST_OUT"}
-    _, env = preloaded_command([], {**every_rank, **env}, python, _front_end_log("swift-helper"),
+    _, env = preloaded_command([], {**every_rank, **env}, python, _front_end_log("helper"),
                                server_env={**os.environ, **launch_env(Path(tempfile.gettempdir()))})
     return forking_python(python), env
+
+
+def swift_python(swift_bin, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """:func:`forked_python` for ms-swift's virtualenv (``swift_bin``: its bin folder)."""
+    return forked_python(os.path.join(str(swift_bin), "python"), env)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import pytest
 import torch
 from launch_log import launch_group
 from multinode import launch_env
-from preload import outcomes, swift_command, swift_python
+from preload import forked_python, outcomes, swift_command, swift_python
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
@@ -908,8 +908,8 @@ def test_plugin_names_swifts_launch_setting_where_the_library_names_torchrun():
             "state.STATE.fsdp_options = {'ep_size': 2, 'device_type': 'cpu'}\n"
             "try:\n    state.get_strategy()\nexcept ParallelConfigError as exc:\n    print(exc)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**env, "OMP_NUM_THREADS": "1"})
+    python, env = forked_python(sys.executable, {**env, "OMP_NUM_THREADS": "1"})  # forked from its preload server
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == ("ep_size 2 needs 2 processes (or a multiple), this job has 1: launch them, e.g. "
                                    "torchrun --nproc_per_node 2 your_script.py (so that nodes x processes per node is "
