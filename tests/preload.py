@@ -64,8 +64,8 @@ PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 # them in pytest's environment (the library's HCCL defaults, TrainingArguments' FSDP_CPU_RAM_EFFICIENT_LOADING), and
 # 56 ranks of a full run started fresh for that alone.
 PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_", "HCCL_", "FSDP_")
-# TMPDIR is read at import, but through tempfile alone, which the child can ask again (redo_temp_dir): the launches
-# that put their ranks' tracebacks in a folder of their own (test_fatal_errors.py) started 17 processes fresh for it.
+# TMPDIR is read at import, but through tempfile alone, which the child can ask again (redo_temp_dir): a launch that
+# puts its ranks' tracebacks in a folder of their own (test_fatal_errors.py's 2x1) started its processes fresh for it.
 REDONE_IN_CHILD_KEYS = {"TMPDIR"}
 # vLLM's settings are read by vllm, which no server imports (PRELOAD): a forked rank's vllm reads its own, as a fresh
 # one's would (test_grpo_colocate.py's ranks started fresh for VLLM_CPU_KVCACHE_SPACE). Only while vllm is not
