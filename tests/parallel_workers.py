@@ -80,6 +80,11 @@ def pytest_xdist_make_scheduler(config, log):
         def _split_scope(self, nodeid: str) -> str:
             return _scope(nodeid)
 
+    # Hand the scopes out in the collection's order (TIER_ORDER), not xdist's default (--loadscope-reorder: most
+    # tests first), which put the files of one or two long launches (the bf16 and memory_efficient_init matrices,
+    # the clean-exit runs) last, where one worker ran them alone while the other had finished; the unit files at
+    # the end are seconds each, so both workers end together.
+    config.option.loadscopereorder = False
     return FileOrTierScheduling(config, log)
 
 

@@ -50,7 +50,7 @@ HERE = os.path.dirname(SCRIPT)  # tests/
 # Keys torchrun's agent sets per rank (torch/distributed/elastic/agent/server/local_elastic_agent.py,
 # elastic/multiprocessing/api.py), pytest's and the project's TWINKLE_* variables (none is read at import time): these may
 # differ between the server's environment and a rank's. Any other difference could change what a module read at
-# import (huggingface_hub's HF_HOME, transformers' verbosity, tempfile's TMPDIR), so such a rank runs fresh.
+# import (huggingface_hub's HF_HOME, transformers' verbosity), so such a rank runs fresh; TMPDIR's the child redoes.
 PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
                  "TORCH_NCCL_ASYNC_ERROR_HANDLING", "OMP_NUM_THREADS", "PYTHONPATH",
                  "PYTEST_CURRENT_TEST",  # pytest's, in the environment of whatever a test starts
@@ -64,11 +64,25 @@ PER_RANK_KEYS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER
 # them in pytest's environment (the library's HCCL defaults, TrainingArguments' FSDP_CPU_RAM_EFFICIENT_LOADING), and
 # 56 ranks of a full run started fresh for that alone.
 PER_RANK_PREFIXES = ("GROUP_", "ROLE_", "TORCHELASTIC_", "TWINKLE_", "HCCL_", "FSDP_")
+# TMPDIR is read at import, but through tempfile alone, which the child can ask again (redo_temp_dir): a launch that
+# puts its ranks' tracebacks in a folder of their own (test_fatal_errors.py's 2x1) started its processes fresh for it.
+REDONE_IN_CHILD_KEYS = {"TMPDIR"}
+# vLLM's settings are read by vllm, which no server imports (PRELOAD): a forked rank's vllm reads its own, as a fresh
+# one's would (test_grpo_colocate.py's ranks started fresh for VLLM_CPU_KVCACHE_SPACE). Only while vllm is not
+# imported in the process that checks: the server, before it forks.
+UNIMPORTED_LIBRARY_PREFIXES = {"VLLM_": "vllm"}
+
+def read_only_after_fork(key: str) -> bool:
+    """Whether ``key`` belongs to a library this process has not imported (UNIMPORTED_LIBRARY_PREFIXES)."""
+    return any(key.startswith(prefix) and module not in sys.modules
+               for prefix, module in UNIMPORTED_LIBRARY_PREFIXES.items())
+
 
 def env_difference(env: dict[str, str], base: dict[str, str]) -> str | None:
     """The first key that differs between a rank's environment and the server's, other than the per-rank ones."""
     for key in sorted(set(env) | set(base)):
-        if key in PER_RANK_KEYS or key.startswith(PER_RANK_PREFIXES) or env.get(key) == base.get(key):
+        if key in PER_RANK_KEYS or key in REDONE_IN_CHILD_KEYS or key.startswith(PER_RANK_PREFIXES) \
+                or env.get(key) == base.get(key) or read_only_after_fork(key):
             continue
         return f"{key} differs from the preloaded interpreter's"
     server_path = [p for p in base.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -140,10 +154,13 @@ def run_child(request: dict, fds: list[int]) -> None:
         for fd in fds:
             if fd > 2:
                 os.close(fd)
+        temp_dir_before = os.environ.get("TMPDIR")
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        worker, module = become(request["argv"], request.get("executable"))
+        if os.environ.get("TMPDIR") != temp_dir_before:
+            redo_temp_dir()
+        worker, kind = become(request["argv"], request.get("executable"))
         import random
 
         random.seed()  # a fresh interpreter seeds from the OS; forked ones would share the server's state
@@ -151,7 +168,7 @@ def run_child(request: dict, fds: list[int]) -> None:
             sys.modules["numpy"].random.seed()
         if "torch" in sys.modules:  # OpenMP read OMP_NUM_THREADS when the server loaded it
             sys.modules["torch"].set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1") or 1))
-        code = run_worker(worker, module=module)
+        code = run_worker(worker, kind=kind)
     except BaseException:  # noqa: BLE001 - the setup itself failed: say so where the rank's output goes
         import traceback
 
@@ -165,35 +182,59 @@ def run_child(request: dict, fds: list[int]) -> None:
         os._exit(code)
 
 
-def become(argv: list[str], executable: str | None) -> tuple[str, bool]:
+def redo_temp_dir() -> None:
+    """The temporary folder as a fresh interpreter with this process's TMPDIR would have it. tempfile caches its
+    folder on first use, and the server's imports used it; of what they derived from it, dill.session keeps a copy
+    (``TEMPDIR``), while torch's inductor and dynamo caches ask tempfile again (the cleared environment has no
+    ``TORCHINDUCTOR_CACHE_DIR`` left). tests/multiproc/test_preload_server.py checks each against a fresh
+    interpreter's."""
+    import tempfile
+
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+    if "dill.session" in sys.modules:
+        import pathlib
+
+        sys.modules["dill.session"].TEMPDIR = pathlib.PurePath(tempfile.gettempdir())
+
+
+def become(argv: list[str], executable: str | None) -> tuple[str, str]:
     """Set sys.argv, sys.path and sys.executable as ``EXECUTABLE ARGV...`` would have them (``ARGV``: a script and its
-    arguments, or ``-m MODULE ARGS``, as a torchrun agent's); returns the script (or module) and whether a module."""
-    module = argv[1] if argv[0] == "-m" else None
-    worker = module or os.path.abspath(argv[0])
-    sys.argv = [worker, *argv[2 if module else 1:]]
+    arguments, ``-m MODULE ARGS`` as a torchrun agent's, or ``-c CODE ARGS``); returns the script (the module, the
+    code) and which of ``script``, ``module`` and ``code`` it is."""
+    kind = {"-m": "module", "-c": "code"}.get(argv[0], "script")
+    worker = os.path.abspath(argv[0]) if kind == "script" else argv[1]
+    sys.argv = [worker if kind != "code" else "-c", *argv[1 if kind == "script" else 2:]]
     entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     rest = [p for p in sys.path[1:] if p not in entries]  # sys.path[0] was this server's folder
-    sys.path[:] = [os.getcwd() if module else os.path.dirname(worker), *entries, *rest]
+    first = {"module": os.getcwd(), "code": "", "script": os.path.dirname(worker)}[kind]  # as python puts it
+    sys.path[:] = [first, *entries, *rest]
     if executable:  # a stand-in interpreter's (forking_python): what this process starts runs through it
         sys.executable = executable
-    return worker, module is not None
+    return worker, kind
 
 
-def run_worker(worker: str, *, module: bool = False) -> int:
-    """Run the worker (a script, or with ``module`` a module as ``python -m`` does) as a fresh interpreter would,
-    including its end: the exit code, the traceback of an uncaught exception, non-daemon threads joined, atexit
-    handlers run."""
+def run_worker(worker: str, *, kind: str = "script") -> int:
+    """Run the worker (a script; a module as ``python -m`` does; code as ``python -c`` does) as a fresh interpreter
+    would, including its end: the exit code, the traceback of an uncaught exception, non-daemon threads joined,
+    atexit handlers run."""
     import atexit
     import importlib.util
     import runpy
     import threading
 
     name = worker
-    if module:  # the traceback of an uncaught exception starts at the module's own frame, as `python -m` prints it
+    if kind == "module":  # the traceback of an uncaught exception starts at the module's own frame, as `python -m`
         worker = importlib.util.find_spec(name).origin
+    elif kind == "code":
+        worker = "<string>"
     try:
-        if module:
+        if kind == "module":
             runpy.run_module(name, run_name="__main__", alter_sys=True)
+        elif kind == "code":
+            import types
+
+            main = sys.modules["__main__"] = types.ModuleType("__main__")
+            exec(compile(name, "<string>", "exec"), main.__dict__)  # noqa: S102 - what `python -c` runs
         else:
             runpy.run_path(worker, run_name="__main__")
         code = 0
@@ -395,8 +436,8 @@ def run_fresh(executable: str, argv: list[str]) -> None:
     """``preload.py --run EXECUTABLE ARGV...``: run ``ARGV`` in this fresh interpreter as ``EXECUTABLE`` (a
     stand-in's path) would: where a stand-in's program cannot fork, or must not (twinkle-sft's
     torchrun agents), it still starts what it starts through the stand-in."""
-    worker, module = become(argv, executable)
-    code = run_worker(worker, module=module)
+    worker, kind = become(argv, executable)
+    code = run_worker(worker, kind=kind)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
@@ -454,13 +495,13 @@ def fresh_interpreter(python_args: list[str], why: str | None, *, executable: st
 
 
 def forkable(python_args: list[str]) -> list[str] | None:
-    """What the server runs for a python command line: ``[SCRIPT, ARGS...]`` or ``["-m", MODULE, ARGS...]`` (``-u``
-    dropped: the server's output is unbuffered already); None for any other option, which a fresh interpreter
-    handles."""
+    """What the server runs for a python command line: ``[SCRIPT, ARGS...]``, ``["-m", MODULE, ARGS...]`` or ``["-c",
+    CODE, ARGS...]`` (``-u`` dropped: the server's output is unbuffered already); None for any other option, which
+    a fresh interpreter handles."""
     args = list(python_args)
     while args[:1] == ["-u"]:
         args.pop(0)
-    if (args[:1] == ["-m"] and len(args) >= 2) or (args and not args[0].startswith("-")):
+    if (args[:1] in (["-m"], ["-c"]) and len(args) >= 2) or (args and not args[0].startswith("-")):
         return args
     return None
 
@@ -668,21 +709,24 @@ def preloaded_command(script_and_args: list[str], env: dict[str, str], python: s
     return command, {**env, FALLBACK_ENV: why, LOG_ENV: str(log_path)}
 
 
-def forking_python(python: str, *, programs: dict[str, str] | None = None, fresh: tuple[str, ...] = ()) -> str:
+def forking_python(python: str, *, programs: dict[str, str] | None = None, fresh: tuple[str, ...] = (),
+                   interpreter: bool = False) -> str:
     """An executable that stands in for ``python`` in a torchrun agent's command line (``PYTHON -m
     torch.distributed.run ...``, which multinode.launch has the product's launcher run): the agent is forked from
     ``python``'s fork server like a rank (:func:`client` with ``as_python``), instead of importing torch itself
     (about 2 s of CPU an agent, two agents a launch). torchrun in the agent starts its ranks with the real
     interpreter (its ``sys.executable``), through the client as before. Without a server: the real interpreter.
 
-    With ``programs`` (a module -> the script to run instead) the stand-in is an interpreter of its own: it is the
-    ``sys.executable`` of what it runs, so whatever that starts with ``sys.executable`` (twinkle-sft's agents, and
-    their ranks) runs through it too; the modules in ``fresh`` run in a fresh interpreter (:func:`cli_command`)."""
-    key = (python, tuple(sorted((programs or {}).items())), tuple(fresh))
+    With ``interpreter``, or ``programs`` (a module -> the script to run instead), the stand-in is an interpreter of
+    its own: it is the ``sys.executable`` of what it runs, so whatever that starts with ``sys.executable``
+    (twinkle-sft's and ms-swift's agents, and their ranks) runs through it too; the modules in ``fresh`` run in a
+    fresh interpreter (:func:`cli_command`)."""
+    key = (python, tuple(sorted((programs or {}).items())), tuple(fresh), interpreter or bool(programs))
     stand_in = os.path.join(_root_dir(), f"python-{_interpreters.setdefault(key, len(_interpreters))}", "python")
     if not os.path.exists(stand_in):
         os.mkdir(os.path.dirname(stand_in))
-        options = f"executable={stand_in!r}, programs={programs!r}, fresh={tuple(fresh)!r}" if programs else ""
+        options = f"executable={stand_in!r}, programs={programs or {}!r}, fresh={tuple(fresh)!r}" \
+            if programs or interpreter else ""
         with open(stand_in, "w") as f:  # -S: no site-packages to scan; the client imports only the standard library
             f.write(f"#!{python} -S\nimport sys\nsys.path.insert(0, {HERE!r})\nimport preload\n"
                     f"preload.client(sys.argv[1:], as_python=True{', ' + options if options else ''})\n")
@@ -711,10 +755,11 @@ def outcomes(log_path) -> tuple[int, list[str]]:
 # agents start fresh (its signal and restart tests are about them), still as the stand-in; each rank forks and runs
 # tests/workers/twinkle_sft_rank.py (the CLI's main with the hooks a test asks for) in place of the CLI module.
 #
-# ms-swift's console script runs ``torchrun ... swift/cli/sft.py ARGS`` (each rank imports its pipeline, about 11 s),
-# but its cli_main takes its route mapping as an argument: tests/workers/swift_cli.py runs ms-swift's own cli_main
-# with ``sft`` routed to tests/workers/swift_sft_rank.py, the client in front of swift/cli/sft.py. ms-swift's argument
-# handling, its torchrun command and torchrun itself stay as a user runs them.
+# ms-swift's console script (``swift.cli.main.cli_main``) runs ``sys.executable -m torch.distributed.run ...
+# swift/cli/sft.py ARGS`` (each rank imports its pipeline, about 11 s). So ``python -m swift.cli.main`` runs under a
+# stand-in interpreter that is its own sys.executable: the launcher, its torchrun agent and each rank fork (the
+# launcher and the agent imported ms-swift's CLI and torch fresh for each launch before, about 5 s of CPU). ms-swift's
+# argument handling, its torchrun command and torchrun itself stay as a user runs them.
 
 RANK_PROGRAMS = {"twinkle_strategy.train.cli": os.path.join(HERE, "workers", "twinkle_sft_rank.py")}
 FRESH_MODULES = ("torch.distributed.run",)  # twinkle-sft's torchrun agents
@@ -751,10 +796,11 @@ def cli_command(env: dict[str, str], *, python: str = sys.executable) -> list[st
     return [forking_python(python, programs=RANK_PROGRAMS, fresh=FRESH_MODULES), "-m", "twinkle_strategy.train.cli"]
 
 
-def swift_command(swift_bin, env: dict[str, str]) -> tuple[list[str], dict[str, str], object]:
+def swift_command(swift_bin, env: dict[str, str], *, log=None) -> tuple[list[str], dict[str, str], object]:
     """The command that stands for ms-swift's ``swift`` (``sft`` and its arguments follow it), ``env`` for it, and the
-    preload log the launch table reads (None: preloading is off and the command is ms-swift's console script). The
-    servers are those of ms-swift's virtualenv, which ``multinode.launch(python=...)`` uses too."""
+    preload log the launch table reads (None: preloading is off and the command is ms-swift's console script;
+    ``log``: one to share, a launch's other node's). The servers are those of ms-swift's virtualenv, which
+    ``multinode.launch(python=...)`` uses too."""
     import tempfile
     from pathlib import Path
 
@@ -762,10 +808,33 @@ def swift_command(swift_bin, env: dict[str, str]) -> tuple[list[str], dict[str, 
 
     if not enabled():
         return [str(Path(swift_bin) / "swift")], env, None
-    log, python = _front_end_log("swift"), str(Path(swift_bin) / "python")
+    log, python = log or _front_end_log("swift"), str(Path(swift_bin) / "python")
     server_env = {**os.environ, **launch_env(Path(tempfile.gettempdir()))}
     _, env = preloaded_command([], env, python, log, server_env=server_env)
-    return [python, os.path.join(HERE, "workers", "swift_cli.py")], env, log
+    return [forking_python(python, interpreter=True), "-m", "swift.cli.main"], env, log
+
+
+def forked_python(python: str, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """``python``'s stand-in for a test's one-process helper (a script, ``-m`` or ``-c`` code): forked from that
+    interpreter's servers like a rank (they imported torch, transformers, peft and, in ms-swift's virtualenv, ms-swift:
+    seconds a helper), and ``env`` for it, with what every launch's ranks have so that it matches the servers'. Where
+    preloading is off: ``python`` and ``env`` as they are."""
+    import tempfile
+    from pathlib import Path
+
+    from multinode import launch_env
+
+    if not enabled():
+        return python, env
+    every_rank = {k: v for k, v in launch_env(Path(tempfile.gettempdir())).items() if k != "TWINKLE_TEST_OUT"}
+    _, env = preloaded_command([], {**every_rank, **env}, python, _front_end_log("helper"),
+                               server_env={**os.environ, **launch_env(Path(tempfile.gettempdir()))})
+    return forking_python(python), env
+
+
+def swift_python(swift_bin, env: dict[str, str]) -> tuple[str, dict[str, str]]:
+    """:func:`forked_python` for ms-swift's virtualenv (``swift_bin``: its bin folder)."""
+    return forked_python(os.path.join(str(swift_bin), "python"), env)
 
 
 if __name__ == "__main__":

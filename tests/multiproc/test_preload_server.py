@@ -34,11 +34,13 @@ def ranks(tmp_path_factory):
         assert server.problem is None, server.problem  # it also refuses to start while a thread besides main lives
 
     def start(mode: str, *, as_module: bool = False, python: str | None = None, module: str = "preload_probe",
-              **extra_env) -> tuple[subprocess.Popen, Path]:
+              code: str | None = None, **extra_env) -> tuple[subprocess.Popen, Path]:
         """The probe through the client as torchrun starts a rank; ``as_module``: ``PYTHON -m MODULE`` with
-        preload.forking_python as PYTHON (or ``python``), as multinode.launch starts a torchrun agent."""
+        preload.forking_python as PYTHON (or ``python``), as multinode.launch starts a torchrun agent; ``code``:
+        ``PYTHON -c CODE`` (the code in place of the probe)."""
         out = root / f"{mode}-{len(list(root.glob('*.json')))}.json"
         command = [python or preload.forking_python(sys.executable), "-m", module] if as_module else \
+            [python or preload.forking_python(sys.executable), "-c", code] if code is not None else \
             [sys.executable, "-u", str(preload.SCRIPT), PROBE]
         proc = subprocess.Popen([*command, mode, str(out)], env={**client_env, "RANK": "3", **extra_env},
                                 cwd=str(WORKERS if as_module else REPO), stdout=subprocess.PIPE,
@@ -90,6 +92,29 @@ def test_the_stand_in_interpreter_forks_a_module_as_python_m_runs_it(ranks):
     assert seen["argv"] == [PROBE, "exit", str(out)] and seen["path0"] == str(WORKERS), seen
     assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
         map(json.loads, log.read_text().splitlines())
+
+
+def test_the_stand_in_interpreter_forks_python_c_as_python_runs_it(ranks):
+    """``PYTHON -c CODE ARGS`` (a test's one-process helper in another virtualenv): forked, with python's argv, path
+    and ``__main__``, its exit code, and an uncaught exception's traceback as python -c prints it."""
+    start, log, _ = ranks
+    code = ("import json, os, sys\n"
+            "seen = {'preloaded': 'torch' in sys.modules, 'argv': sys.argv, 'path0': sys.path[0], 'pid': os.getpid(),\n"
+            "        'main': __name__}\n"
+            "json.dump(seen, open(sys.argv[2], 'w'))\n"
+            "sys.exit(7) if sys.argv[1] == 'exit' else 1 / 0\n")
+    proc, out = start("exit", code=code)
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert seen["preloaded"] and seen["pid"] != proc.pid and seen["main"] == "__main__", seen
+    assert seen["argv"] == ["-c", "exit", str(out)] and seen["path0"] == "", seen
+    assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
+        map(json.loads, log.read_text().splitlines())
+    proc, out = start("raise", code=code)
+    assert proc.wait(timeout=60) == 1
+    err = proc.stderr.read()
+    assert err.startswith('Traceback (most recent call last):\n  File "<string>", line 5, in <module>'), err
+    assert err.rstrip().endswith("ZeroDivisionError: division by zero"), err
 
 
 def test_a_stand_in_with_programs_is_the_interpreter_of_what_it_runs_forked_or_fresh(ranks):
@@ -173,6 +198,36 @@ def test_a_sigkilled_client_takes_its_childs_own_processes_too(ranks):
     proc.kill()
     proc.wait(timeout=60)
     assert gone(seen["pid"]) and gone(seen["grandchild"]), seen
+
+
+def test_a_rank_with_a_tmpdir_of_its_own_is_forked_and_finds_its_temporary_folder_there(ranks, tmp_path):
+    """The server's imports asked tempfile for its folder (dill keeps a copy, torch's caches derive theirs from it):
+    a forked rank with another TMPDIR sees what a fresh interpreter with that TMPDIR sees."""
+    start, log, _ = ranks
+    seen = {}
+    for how, extra in (("forked", {}), ("fresh", {preload.FALLBACK_ENV: "the fresh interpreter to compare with"})):
+        proc, out = start("temp_dir", TMPDIR=str(tmp_path), **extra)
+        assert proc.wait(timeout=120) == 7, proc.stderr.read()
+        seen[how] = json.loads(out.read_text())
+        assert seen[how]["preloaded"] == (how == "forked"), seen[how]
+    for record in seen.values():
+        assert record["temp_dir"] == record["dill_temp_dir"] == str(tmp_path), record
+        assert os.path.dirname(record["made"]) == str(tmp_path), record
+    assert seen["forked"]["dynamo_cache"] == seen["fresh"]["dynamo_cache"], seen
+    assert "forked" in [json.loads(line)["outcome"] for line in log.read_text().splitlines()
+                        if json.loads(line).get("child") == seen["forked"]["pid"]]
+
+
+def test_a_rank_with_settings_of_a_library_the_server_never_imports_is_forked(ranks):
+    """vLLM's VLLM_* settings: no server imports vllm, so a rank's own vllm reads them, forked or fresh."""
+    start, log, _ = ranks
+    assert "vllm" not in preload.PRELOAD
+    proc, out = start("exit", VLLM_CPU_KVCACHE_SPACE="1")
+    assert proc.wait(timeout=60) == 7, proc.stderr.read()
+    seen = json.loads(out.read_text())
+    assert seen["preloaded"] and seen["pid"] != proc.pid, seen
+    assert {"pid": proc.pid, "rank": "3", "outcome": "forked", "child": seen["pid"]} in \
+        map(json.loads, log.read_text().splitlines())
 
 
 def test_a_rank_whose_import_time_environment_differs_starts_fresh(ranks, tmp_path):

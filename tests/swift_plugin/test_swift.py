@@ -30,7 +30,7 @@ import pytest
 import torch
 from launch_log import launch_group
 from multinode import launch_env
-from preload import outcomes, swift_command
+from preload import forked_python, outcomes, swift_command, swift_python
 from workers.swift_peft_logits import peft_logits
 
 from twinkle_strategy.train.ports import MasterPortTaken, master_port_taken, on_a_free_port
@@ -91,7 +91,7 @@ def _start_and_wait_swift_sft(swift_bin: Path, args: list[str], out: Path, env: 
 
 def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str], nnodes: int, timeout: float,
                reference: bool, *, port: str, retry_if_port_taken: bool, record) -> tuple[list, list[Path]]:
-    procs, logs, preload_logs = [], [], []
+    procs, logs, preload_log = [], [], None
     for node in range(nnodes):
         # launch_env: what every launch's ranks get, so that ranks fork from the servers multinode.launch starts
         node_env = {**os.environ, **launch_env(out), "NPROC_PER_NODE": "2", "MASTER_ADDR": "127.0.0.1",
@@ -100,8 +100,10 @@ def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str],
         if reference:  # one process, no torchrun
             for name in ("NPROC_PER_NODE", "MASTER_ADDR", "MASTER_PORT", "NNODES", "NODE_RANK"):
                 node_env.pop(name)
-        swift, node_env, preload_log = swift_command(swift_bin, node_env)  # its sft ranks forked
-        preload_logs.append(preload_log)
+        # the launcher, its torchrun agent and its ranks forked; the nodes share one preload log, which the launch
+        # table follows to the forked processes (tests/launch_log.py)
+        swift, node_env, preload_log = swift_command(swift_bin, node_env, log=preload_log)
+        record.preload_log = None if preload_log is None else str(preload_log)
         logs.append(out / f"swift_node{node}.log")
         with open(logs[-1], "w") as log:
             procs.append(subprocess.Popen([*swift, *args], env=node_env, cwd=out, stdout=log,
@@ -117,9 +119,8 @@ def _run_nodes(swift_bin: Path, args: list[str], out: Path, env: dict[str, str],
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    for preload_log in filter(None, preload_logs):
-        forked, fallbacks = outcomes(preload_log)
-        record.forked, record.fallbacks = record.forked + forked, record.fallbacks + fallbacks
+    if preload_log is not None:
+        record.forked, record.fallbacks = outcomes(preload_log)
         preload_log.unlink(missing_ok=True)
     if port_taken:
         raise MasterPortTaken(f"swift sft's torchrun could not listen on {port}")
@@ -481,8 +482,9 @@ def swift_checkpoint_differences(swift_bin: Path, pairs: list[tuple[Path, Path]]
             "'<out>'))\n")
     loaded = {}
     if bins:
-        proc = subprocess.run([str(swift_bin / "python"), "-c", code, *map(str, bins)], check=True,
-                              capture_output=True, text=True, timeout=120, env={**os.environ, **SWIFT_ENV})
+        python, env = swift_python(swift_bin, {**os.environ, **SWIFT_ENV})  # forked from its preload server
+        proc = subprocess.run([python, "-c", code, *map(str, bins)], check=True,
+                              capture_output=True, text=True, timeout=120, env=env)
         loaded = dict(zip(bins, map(json.loads, proc.stdout.strip().splitlines()), strict=True))
     return [_checkpoint_differences(sync, background, loaded) for sync, background in pairs]
 
@@ -554,9 +556,9 @@ def swift_env_peft(lora_runs, vl_all_runs, swift_bin, tiny_model) -> dict[str, s
     for run, base, steps in cases.values():
         argv += [base, str(run["run_dir"] / f"checkpoint-{steps}"),
                  str(run["probe_dir"] / "logits.pt")]
-    proc = subprocess.run([str(swift_bin / "python"), str(WORKERS / "swift_peft_logits.py"), *argv],
-                          check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
+    python, env = swift_python(swift_bin, {**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})  # forked
+    proc = subprocess.run([python, str(WORKERS / "swift_peft_logits.py"), *argv],
+                          check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("PEFT")]
     assert len(lines) == len(cases), proc.stdout
@@ -693,9 +695,9 @@ def vl_checkpoints(swift_bin, tmp_path_factory) -> dict:
     class with its processor; built once, by the transformers swift loads them with. The same process reads the
     installed ms-swift's version and SftArguments fields ("swift_flags": one start-up for both)."""
     root = tmp_path_factory.mktemp("swift_vl")
-    proc = subprocess.run([str(swift_bin / "python"), "-c", BUILD_VL + SWIFT_FLAGS, str(root), *VL_CASES], cwd=REPO,
-                          check=False, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})
+    python, env = swift_python(swift_bin, {**os.environ, "OMP_NUM_THREADS": "1", **SWIFT_ENV})  # forked
+    proc = subprocess.run([python, "-c", BUILD_VL + SWIFT_FLAGS, str(root), *VL_CASES], cwd=REPO,
+                          check=False, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, _tail(proc.stdout + proc.stderr)
     lines = proc.stdout.strip().splitlines()
     return {"dataset": Path(lines[-2].strip()), "swift_flags": json.loads(lines[-1]),
@@ -906,8 +908,8 @@ def test_plugin_names_swifts_launch_setting_where_the_library_names_torchrun():
             "state.STATE.fsdp_options = {'ep_size': 2, 'device_type': 'cpu'}\n"
             "try:\n    state.get_strategy()\nexcept ParallelConfigError as exc:\n    print(exc)\n")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**env, "OMP_NUM_THREADS": "1"})
+    python, env = forked_python(sys.executable, {**env, "OMP_NUM_THREADS": "1"})  # forked from its preload server
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip() == ("ep_size 2 needs 2 processes (or a multiple), this job has 1: launch them, e.g. "
                                    "torchrun --nproc_per_node 2 your_script.py (so that nodes x processes per node is "

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from preload import forked_python
 
 from twinkle_strategy.testing.tiny_models import save_tiny_checkpoint
 
@@ -35,11 +36,12 @@ def adapters(tmp_path_factory) -> dict:
     ckpt = tmp_path_factory.mktemp("adapters-ckpt") / "qwen3_moe"
     save_tiny_checkpoint("qwen3_moe", str(ckpt), head_dim=32, hidden_size=64, intermediate_size=32)
     out = tmp_path_factory.mktemp("adapters") / "result.json"
+    # the package from this checkout (the vllm env does not install it), as multinode.launch gives it; forked from
+    # the vllm env's preload server (tests/preload.py), which imported torch and transformers
+    python, env = forked_python(python, {**os.environ, "OMP_NUM_THREADS": "1",
+                                         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])})
     run = subprocess.run([python, str(REPO / "tests/workers/engine_adapters.py"), "--ckpt", str(ckpt), "--out", str(out)],
-                         cwd=REPO, capture_output=True, text=True, timeout=600,
-                         # the package from this checkout (the vllm env does not install it), as multinode.launch gives it
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-                              "OMP_NUM_THREADS": "1"})
+                         cwd=REPO, capture_output=True, text=True, timeout=600, env=env)
     assert run.returncode == 0, f"engine_adapters.py failed:\n{(run.stdout + run.stderr)[-8000:]}"
     print(run.stderr[-2000:], file=sys.stderr)
     return json.loads(out.read_text())

@@ -26,6 +26,15 @@ def on_term(signum, _frame):
 if MODE == "exit":
     record()
     sys.exit(7)
+if MODE == "temp_dir":  # where this rank's temporary files go (a forked rank with its own TMPDIR: preload.redo_temp_dir)
+    import tempfile
+
+    import dill.session
+    from torch._dynamo.package import DynamoCache
+
+    record(temp_dir=tempfile.gettempdir(), made=tempfile.mkdtemp(), dill_temp_dir=str(dill.session.TEMPDIR),
+           dynamo_cache=DynamoCache.path_prefix())
+    sys.exit(7)
 if MODE == "raise":
     record()
     raise ValueError("the probe's own error")
