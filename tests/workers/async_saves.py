@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import worker_common  # noqa: E402
-from save_writer_pause import PAUSE_LIMIT_S, pause_save_writer  # noqa: E402
+from save_writer_pause import pause_save_writer, release_once_every_rank_began_step_3  # noqa: E402
 
 from twinkle_strategy import NativeFSDPStrategy  # noqa: E402
 from twinkle_strategy.checkpoint import background  # noqa: E402
@@ -83,20 +83,6 @@ def same_files(a, b):
     count = sum(len(names) for _, _, names in os.walk(b))
     files = sum(len(names) for _, _, names in os.walk(a))
     return {"different": different, "files": files, "files_in_async": count}
-
-
-def release_once_every_rank_began_step_3(pause_dir: str) -> None:
-    """Each rank marks that it began step 3; rank 0 releases the paused writers once all have.
-
-    Releasing at rank 0's own start let another rank's writer finish a file before that rank began step 3
-    (CI saw it by 0.7 ms). Every rank writes its marker before step 3's first collective, so rank 0's wait
-    cannot deadlock.
-    """
-    worker_common.file_barrier(pause_dir, "began-step-3", world=dist.get_world_size(),
-                               timeout_s=PAUSE_LIMIT_S, wait=RANK == 0)
-    if RANK != 0:
-        return
-    open(os.path.join(pause_dir, "release"), "w").close()
 
 
 def timed_async_run(args, out, pause_dir):

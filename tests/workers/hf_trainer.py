@@ -147,7 +147,7 @@ def async_run(trainer, out: str) -> dict:
     import time
 
     import torch.distributed as dist
-    from save_writer_pause import pause_save_writer
+    from save_writer_pause import pause_save_writer, release_once_every_rank_began_step_3
     from transformers import TrainerCallback
 
     pause = os.path.join(out, "pause")
@@ -157,8 +157,8 @@ def async_run(trainer, out: str) -> dict:
     class StepStarts(TrainerCallback):
         def on_step_begin(self, args, state, control, **kwargs):
             starts[state.global_step + 1] = time.time()
-            if state.global_step + 1 == 3 and int(os.environ["RANK"]) == 0:
-                open(os.path.join(pause, "release"), "w").close()
+            if state.global_step + 1 == 3:
+                release_once_every_rank_began_step_3(pause)
 
     trainer.add_callback(StepStarts())
     with pause_save_writer(f"checkpoint-{SAVE_STEP}", pause):
