@@ -15,10 +15,8 @@ TWINKLE_VENV_CACHE=${TWINKLE_VENV_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/twinkle
 TWINKLE_PY=${PYTHON:-python3}
 
 # The pip installs of these scripts: quiet, without this machine's warnings about absent local index folders.
-# --no-compile: pip would byte-compile every module of every package it installs (torch's and transformers'
-# thousands: 79 s -> 29 s for .venv here); Python compiles what a process imports, once, on first import.
 pip_quiet() {
-  python -m pip install -q --no-compile --disable-pip-version-check "$@" 2>&1 \
+  python -m pip install -q --disable-pip-version-check "$@" 2>&1 \
     | { grep -v "is ignored: it is neither a file nor a directory" || true; }
   return "${PIPESTATUS[0]}"
 }
